@@ -1,0 +1,186 @@
+"""The asynchronous key/value store interface that every aiodist store implements."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Self
+
+from .._timeouts import DEFAULT_STORE_TIMEOUT, Timeout, to_seconds
+from ..errors import DistUsageError
+
+__all__ = ["Store", "Value", "encode_key", "encode_value"]
+
+#: What a store accepts as a value: text is stored as UTF-8.
+Value = bytes | bytearray | memoryview | str
+
+
+def encode_key(key: str | bytes) -> bytes:
+    """Return ``key`` as the bytes the store keeps.
+
+    Raises:
+        DistUsageError: ``key`` is neither ``str`` nor ``bytes``.
+    """
+    if isinstance(key, str):
+        return key.encode()
+    if isinstance(key, bytes):
+        return key
+    raise DistUsageError(f"store keys must be str, got {type(key).__name__}")
+
+
+def encode_value(value: Value) -> bytes:
+    """Return ``value`` as bytes (text as UTF-8).
+
+    Raises:
+        DistUsageError: ``value`` is not bytes-like or ``str``.
+    """
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value)
+    raise DistUsageError(f"store values must be bytes or str, got {type(value).__name__}")
+
+
+class Store(abc.ABC):
+    """A key/value store shared by the ranks of a job, with torch's store semantics.
+
+    Every method that may talk to the network or wait is a coroutine. ``get`` and ``wait``
+    wait for missing keys up to the store's timeout (:attr:`timeout`, settable with
+    :meth:`set_timeout`); past it they raise :class:`~aiodist.errors.DistTimeoutError`
+    and the store stays usable. Stores are async context managers.
+    """
+
+    def __init__(self, timeout: Timeout = None) -> None:
+        self._timeout = to_seconds(timeout, DEFAULT_STORE_TIMEOUT)
+
+    @property
+    def timeout(self) -> float | None:
+        """Seconds that ``get``, ``wait`` and blocking ``queue_pop`` wait; ``None`` = forever."""
+        return self._timeout
+
+    def set_timeout(self, timeout: Timeout) -> None:
+        """Set the default wait deadline (seconds or ``timedelta``; ``None`` waits forever).
+
+        Raises:
+            DistUsageError: the timeout is negative or of the wrong type.
+        """
+        self._timeout = to_seconds(timeout, None)
+
+    @abc.abstractmethod
+    async def set(self, key: str, value: Value) -> None:
+        """Store ``value`` under ``key``, replacing any old value, and wake its waiters."""
+
+    @abc.abstractmethod
+    async def get(self, key: str) -> bytes:
+        """Return the value of ``key``, waiting up to the store timeout for it to appear.
+
+        Raises:
+            DistTimeoutError: the key did not appear in time.
+        """
+
+    @abc.abstractmethod
+    async def add(self, key: str, amount: int) -> int:
+        """Add ``amount`` to the integer under ``key`` (missing keys start at 0); return it.
+
+        The value is stored as ASCII decimal, so ``get`` of a counter returns e.g. ``b"3"``.
+
+        Raises:
+            DistStoreError: the existing value is not an integer.
+        """
+
+    @abc.abstractmethod
+    async def compare_set(self, key: str, expected: Value, desired: Value) -> bytes:
+        """Atomically set ``key`` to ``desired`` if it currently holds ``expected``.
+
+        A missing key is created only when ``expected`` is empty. Returns the value the key
+        holds afterwards, or ``expected`` when the key is missing and was not created.
+        """
+
+    @abc.abstractmethod
+    async def wait(self, keys: Sequence[str], timeout: Timeout = None) -> None:
+        """Wait until every key in ``keys`` exists.
+
+        Raises:
+            DistTimeoutError: naming the missing keys and the time waited.
+        """
+
+    @abc.abstractmethod
+    async def check(self, keys: Sequence[str]) -> bool:
+        """Return whether every key in ``keys`` exists, without waiting."""
+
+    @abc.abstractmethod
+    async def delete_key(self, key: str) -> bool:
+        """Delete ``key``; return whether it existed."""
+
+    @abc.abstractmethod
+    async def num_keys(self) -> int:
+        """Return the number of keys in the store."""
+
+    @abc.abstractmethod
+    async def list_keys(self) -> list[str]:
+        """Return the keys in the store."""
+
+    @abc.abstractmethod
+    async def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        """Return the values of ``keys``, waiting for all of them like :meth:`get`.
+
+        Raises:
+            DistTimeoutError: a key did not appear in time.
+        """
+
+    @abc.abstractmethod
+    async def multi_set(self, keys: Sequence[str], values: Sequence[Value]) -> None:
+        """Set each of ``keys`` to the matching entry of ``values`` in one request.
+
+        Raises:
+            DistUsageError: the two sequences differ in length.
+        """
+
+    @abc.abstractmethod
+    async def append(self, key: str, value: Value) -> None:
+        """Append ``value`` to ``key``, creating it if missing."""
+
+    @abc.abstractmethod
+    async def queue_push(self, key: str, value: Value) -> None:
+        """Push ``value`` onto the FIFO queue ``key``, waking one popper."""
+
+    @abc.abstractmethod
+    async def queue_pop(self, key: str, block: bool = True) -> bytes:
+        """Pop the oldest value of queue ``key``.
+
+        Raises:
+            QueueEmptyError: ``block`` is false and the queue is empty.
+            DistTimeoutError: ``block`` is true and nothing arrived within the store timeout.
+        """
+
+    @abc.abstractmethod
+    async def queue_len(self, key: str) -> int:
+        """Return the number of values in queue ``key``."""
+
+    @abc.abstractmethod
+    async def clone(self) -> Store:
+        """Return a new, independent handle to the same store (a new connection, if any)."""
+
+    @abc.abstractmethod
+    async def aclose(self) -> None:
+        """Release the store's resources. Closing twice is harmless."""
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+
+def check_lengths(keys: Sequence[object], values: Sequence[object]) -> None:
+    """Raise :class:`DistUsageError` unless ``keys`` and ``values`` have equal length."""
+    if len(keys) != len(values):
+        raise DistUsageError(
+            f"multi_set got {len(keys)} keys but {len(values)} values: they must match"
+        )
