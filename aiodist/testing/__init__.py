@@ -1,0 +1,1 @@
+"""Helpers for testing code that uses aiodist (and for aiodist's own tests)."""

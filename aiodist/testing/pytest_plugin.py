@@ -1,0 +1,1 @@
+"""aiodist's pytest plugin. Inert unless its fixtures or markers are used."""
