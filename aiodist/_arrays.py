@@ -1,0 +1,163 @@
+"""Array intake: numpy arrays and CPU DLPack producers, checked once at the API boundary.
+
+Everything past this module works on C-contiguous numpy arrays of a supported dtype and
+moves their bytes through :func:`byte_view`. torch tensors (and JAX arrays, and anything
+else exporting ``__dlpack__``) are taken zero-copy with :func:`numpy.from_dlpack`, which
+never imports the producer's library.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .errors import DistUsageError
+
+__all__ = ["SUPPORTED_DTYPES", "as_array", "byte_view", "check_dtype"]
+
+logger = logging.getLogger(__name__)
+
+#: The dtypes collectives accept; ``bfloat16`` too when ml_dtypes made the array.
+SUPPORTED_DTYPES: frozenset[np.dtype[Any]] = frozenset(
+    np.dtype(t)
+    for t in (
+        np.bool_,
+        np.int8,
+        np.int16,
+        np.int32,
+        np.int64,
+        np.uint8,
+        np.uint16,
+        np.uint32,
+        np.uint64,
+        np.float16,
+        np.float32,
+        np.float64,
+        np.complex64,
+        np.complex128,
+    )
+)
+
+# DLPack device types (dlpack.h, DLDeviceType).
+_DL_CPU = 1
+_DL_CUDA = 2
+_DL_CUDA_HOST = 3
+_DL_ROCM = 10
+_DL_CUDA_MANAGED = 13
+_HOST_DEVICES = frozenset({_DL_CPU, _DL_CUDA_HOST, _DL_CUDA_MANAGED})
+
+
+def check_dtype(dtype: np.dtype[Any], name: str) -> None:
+    """Check that collectives can carry arrays of ``dtype``.
+
+    Args:
+        dtype: The dtype to check.
+        name: The argument's name, for the error message.
+
+    Raises:
+        DistUsageError: the dtype is not numeric (object, string, datetime, structured) or is
+            not in native byte order. The message names the argument and the dtype.
+    """
+    if dtype in SUPPORTED_DTYPES:
+        return
+    # ml_dtypes registers bfloat16 as a kind-"V" dtype; it is recognised by name so the
+    # check works without importing ml_dtypes.
+    if dtype.name == "bfloat16" and dtype.itemsize == 2:
+        return
+    if dtype.newbyteorder("=") in SUPPORTED_DTYPES:
+        raise DistUsageError(
+            f"{name} has dtype {dtype.str} in non-native byte order; "
+            f"convert it with .astype({dtype.newbyteorder('=').name!r}) first"
+        )
+    raise DistUsageError(
+        f"{name} has unsupported dtype {dtype}; collectives take bool, (u)int8-64, "
+        "float16/32/64, bfloat16 and complex64/128"
+    )
+
+
+def _from_dlpack(x: Any, name: str) -> npt.NDArray[Any]:
+    """A numpy view of a DLPack producer's host memory; device memory is refused."""
+    try:
+        device_type, device_id = x.__dlpack_device__()
+    except Exception as exc:
+        raise DistUsageError(
+            f"{name} ({type(x).__name__}) has __dlpack__ but __dlpack_device__() failed: {exc}"
+        ) from exc
+    device_type = int(device_type)
+    if device_type in (_DL_CUDA, _DL_ROCM):
+        raise DistUsageError(
+            f"{name} ({type(x).__name__}) lives on GPU device {device_id} "
+            f"(DLPack device type {device_type}); the CPU backend takes host memory only: "
+            "copy it to the CPU first"
+        )
+    if device_type not in _HOST_DEVICES:
+        raise DistUsageError(
+            f"{name} ({type(x).__name__}) lives on DLPack device type {device_type}, "
+            "which is not host memory"
+        )
+    try:
+        arr: npt.NDArray[Any] = np.from_dlpack(x)
+    except (BufferError, TypeError, RuntimeError, ValueError) as exc:
+        raise DistUsageError(
+            f"{name} ({type(x).__name__}) cannot be viewed as a numpy array through DLPack: {exc}"
+        ) from exc
+    return arr
+
+
+def as_array(x: object, *, writable: bool, name: str) -> npt.NDArray[Any]:
+    """Return ``x`` as a C-contiguous numpy array sharing its memory.
+
+    numpy arrays are used as they are; objects with ``__dlpack__`` in host memory (torch CPU
+    tensors, JAX CPU arrays) are viewed zero-copy through :func:`numpy.from_dlpack`.
+    An input (``writable=False``) that is not C-contiguous is copied into a contiguous array,
+    since nothing is written back to it; an output must be usable in place.
+
+    Args:
+        x: The array or tensor.
+        writable: Whether the collective writes its result into ``x``.
+        name: The argument's name (``"tensor"``, ``"output_tensor_list[2]"``), for errors.
+
+    Returns:
+        A C-contiguous numpy array viewing ``x``'s memory (or, for a non-contiguous input,
+        a contiguous copy).
+
+    Raises:
+        DistUsageError: ``x`` is neither a numpy array nor a host DLPack producer, lives on a
+            GPU, has an unsupported dtype, or is an output that is read-only or not
+            C-contiguous. The message names the argument.
+    """
+    if isinstance(x, np.ndarray):
+        arr: npt.NDArray[Any] = x
+    elif hasattr(x, "__dlpack__"):
+        arr = _from_dlpack(x, name)
+    else:
+        raise DistUsageError(
+            f"{name} must be a numpy array or a CPU tensor supporting DLPack, "
+            f"got {type(x).__name__}"
+        )
+    check_dtype(arr.dtype, name)
+    if writable:
+        if not arr.flags.writeable:
+            raise DistUsageError(
+                f"{name} is read-only, but the collective writes its result into it"
+            )
+        if not arr.flags.c_contiguous:
+            raise DistUsageError(
+                f"{name} is not C-contiguous, but the collective writes its result into it "
+                "in place; pass a contiguous array (np.ascontiguousarray) and copy back"
+            )
+    elif not arr.flags.c_contiguous:
+        arr = np.ascontiguousarray(arr)
+    return arr
+
+
+def byte_view(a: npt.NDArray[Any]) -> memoryview:
+    """A flat ``uint8`` memoryview of a C-contiguous array's bytes, without copying.
+
+    Works for every supported dtype (bfloat16 included) and for 0-d and 0-size arrays.
+    The view is read-only when the array is.
+    """
+    return a.reshape(-1).view(np.uint8).data
