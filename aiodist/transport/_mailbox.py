@@ -1,0 +1,393 @@
+"""Message matching shared by every transport.
+
+A :class:`Mailbox` pairs incoming messages with posted receives. Receives for one
+``(peer, tag)`` match messages in the order the peer sent them; a receive with
+``peer=None`` takes the oldest unmatched message with its tag from any peer. A message that
+arrives before its receive is posted is staged (copied once into a buffer of its own) and
+copied out when the receive is posted.
+
+Transports that stream bytes (TCP) ask :meth:`Mailbox.incoming` where the ``n`` bytes of a
+message whose header they just read should go: straight into the posted receive's memory
+when there is one (no copy at all), otherwise into a staging buffer. In-process transports
+call :meth:`Mailbox.deliver`, which does the same with one memcpy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+from collections import deque
+from typing import Any
+
+from ..errors import DistNetworkError, DistUsageError
+from .base import Tag
+
+__all__ = ["Inbound", "Mailbox", "as_bytes", "check_tag", "fail_future", "lost_peer_error"]
+
+logger = logging.getLogger(__name__)
+
+# Tags travel as three unsigned 64-bit integers on every transport, so every transport
+# accepts exactly the same tags.
+_TAG = struct.Struct("<QQQ")
+
+
+def check_tag(tag: Tag) -> None:
+    """Check that ``tag`` is three integers in ``[0, 2**64)``.
+
+    Raises:
+        DistUsageError: the tag has another shape or a value out of range.
+    """
+    try:
+        _TAG.pack(*tag)
+    except (struct.error, TypeError):
+        raise DistUsageError(
+            f"a tag must be three integers in [0, 2**64) (group id, seq, step), got {tag!r}"
+        ) from None
+
+
+def as_bytes(view: memoryview, *, writable: bool) -> memoryview:
+    """Return ``view`` as a flat byte view of the same memory.
+
+    Raises:
+        DistUsageError: ``view`` is not C-contiguous, or ``writable`` is asked for and the
+            memory is read-only.
+    """
+    if not isinstance(view, memoryview):  # numpy arrays and bytes-likes are welcome too
+        view = memoryview(view)  # type: ignore[unreachable]
+    if writable and view.readonly:
+        raise DistUsageError("the receive buffer is read-only")
+    if view.ndim == 1 and view.format == "B":
+        return view
+    if not view.c_contiguous:
+        raise DistUsageError(
+            f"buffers must be C-contiguous, got a memoryview of shape {view.shape} "
+            f"and strides {view.strides}"
+        )
+    return view.cast("B")
+
+
+def fail_future(fut: asyncio.Future[Any], exc: BaseException) -> None:
+    """Fail ``fut`` with ``exc`` unless it is done already.
+
+    The exception is marked as retrieved: one lost peer fails many futures at once and the
+    caller stops awaiting after the first error, so the rest must not be reported by the
+    loop as "never retrieved".
+    """
+    if not fut.done():
+        fut.set_exception(exc)
+        fut.exception()
+
+
+def _mismatch(peer: int, tag: Tag, expected: int, received: int) -> DistUsageError:
+    return DistUsageError(
+        f"message size mismatch on tag {tag} from rank {peer}: the receive expects "
+        f"{expected} bytes, the message has {received} bytes"
+    )
+
+
+class _Recv:
+    """A posted receive."""
+
+    __slots__ = ("fut", "order", "out", "peer", "tag")
+
+    def __init__(
+        self, fut: asyncio.Future[int], out: memoryview, peer: int | None, tag: Tag, order: int
+    ) -> None:
+        self.fut = fut
+        self.out = out
+        self.peer = peer
+        self.tag = tag
+        self.order = order
+
+
+class _Staged:
+    """A message that arrived before its receive: complete, or still arriving."""
+
+    __slots__ = ("buf", "claim", "complete", "order", "peer", "queue")
+
+    def __init__(self, nbytes: int, peer: int, order: int, queue: deque[_Staged]) -> None:
+        self.buf = bytearray(nbytes)
+        self.peer = peer
+        self.order = order
+        self.complete = False
+        # The receive that took this message while its bytes were still arriving.
+        self.claim: _Recv | None = None
+        # The staging queue this message sits in, until a receive takes it.
+        self.queue: deque[_Staged] | None = queue
+
+
+class Inbound:
+    """Where the bytes of one incoming message go.
+
+    The transport writes exactly ``len(buffer)`` bytes into :attr:`buffer`, then calls
+    :meth:`done`; or calls :meth:`fail` if the message can no longer arrive.
+
+    Attributes:
+        buffer: the flat byte view to fill: the posted receive's own memory, a staging
+            buffer, or a scratch buffer when the message is to be discarded.
+        peer: the sender's global rank.
+    """
+
+    __slots__ = ("_mailbox", "_recv", "_staged", "buffer", "peer")
+
+    def __init__(
+        self,
+        mailbox: Mailbox,
+        peer: int,
+        buffer: memoryview,
+        recv: _Recv | None = None,
+        staged: _Staged | None = None,
+    ) -> None:
+        self._mailbox = mailbox
+        self.peer = peer
+        self.buffer = buffer
+        self._recv = recv
+        self._staged = staged
+
+    def __repr__(self) -> str:
+        kind = "direct" if self._recv else "staged" if self._staged else "discard"
+        return f"<Inbound from rank {self.peer} {len(self.buffer)} bytes {kind}>"
+
+    def done(self) -> None:
+        """Record that every byte of :attr:`buffer` was written."""
+        self._mailbox._inflight.discard(self)
+        recv = self._recv
+        if recv is not None:
+            if not recv.fut.done():
+                recv.fut.set_result(self.peer)
+            return
+        staged = self._staged
+        if staged is not None:
+            staged.complete = True
+            claim = staged.claim
+            if claim is not None:
+                # Size was checked when the receive claimed the message.
+                claim.out[:] = staged.buf
+                if not claim.fut.done():
+                    claim.fut.set_result(self.peer)
+
+    def fail(self, exc: BaseException) -> None:
+        """Give up on this message: fail the receive waiting for it, drop staged bytes."""
+        self._mailbox._inflight.discard(self)
+        if self._recv is not None:
+            fail_future(self._recv.fut, exc)
+        staged = self._staged
+        if staged is not None:
+            if staged.queue is not None:
+                staged.queue.remove(staged)
+                staged.queue = None
+            if staged.claim is not None:
+                fail_future(staged.claim.fut, exc)
+
+
+class Mailbox:
+    """Matches incoming messages with posted receives for one rank.
+
+    Args:
+        rank: the global rank that owns this mailbox (used in error messages).
+    """
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self._order = 0
+        # Receives waiting for a message, oldest first: per (peer, tag), and per tag for
+        # any-source receives.
+        self._posted: dict[tuple[int, Tag], deque[_Recv]] = {}
+        self._posted_any: dict[Tag, deque[_Recv]] = {}
+        # Messages no receive has taken yet, oldest first: tag -> peer -> queue.
+        self._staged: dict[Tag, dict[int, deque[_Staged]]] = {}
+        self._inflight: set[Inbound] = set()
+        self._lost: dict[int, BaseException] = {}
+        self._exc: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"<Mailbox rank={self.rank} posted={self.num_posted()} "
+            f"staged={self.num_staged()} lost={sorted(self._lost)}>"
+        )
+
+    def num_posted(self) -> int:
+        """Return how many receives wait for a message."""
+        return sum(len(q) for q in self._posted.values()) + sum(
+            len(q) for q in self._posted_any.values()
+        )
+
+    def num_staged(self) -> int:
+        """Return how many messages wait for a receive (complete or still arriving)."""
+        return sum(len(q) for by_peer in self._staged.values() for q in by_peer.values())
+
+    def has_posted(self) -> bool:
+        """Return whether any receive waits for a message."""
+        return bool(self._posted) or bool(self._posted_any)
+
+    def lost(self, peer: int) -> BaseException | None:
+        """Return the error that ended ``peer``'s connection, if it was lost."""
+        return self._exc if self._exc is not None else self._lost.get(peer)
+
+    def _next_order(self) -> int:
+        self._order += 1
+        return self._order
+
+    def post(self, peer: int | None, tag: Tag, out: memoryview) -> asyncio.Future[int]:
+        """Post a receive of the next ``tag`` message from ``peer`` (``None``: any) into ``out``.
+
+        ``out`` must be a flat byte view (see :func:`as_bytes`). The future resolves to the
+        sender's rank once the bytes are in ``out``.
+        """
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        fut: asyncio.Future[int] = loop.create_future()
+        staged = self._take_staged(peer, tag)
+        if staged is not None:
+            if len(staged.buf) != len(out):
+                fail_future(fut, _mismatch(staged.peer, tag, len(out), len(staged.buf)))
+                # The message is consumed; if it is still arriving, its bytes go nowhere.
+                return fut
+            if staged.complete:
+                out[:] = staged.buf
+                fut.set_result(staged.peer)
+            else:
+                staged.claim = _Recv(fut, out, peer, tag, 0)
+            return fut
+        exc = self._exc
+        if exc is None:
+            if peer is not None:
+                exc = self._lost.get(peer)
+            elif self._lost:
+                exc = next(iter(self._lost.values()))
+        if exc is not None:
+            fail_future(fut, exc)
+            return fut
+        recv = _Recv(fut, out, peer, tag, self._next_order())
+        if peer is None:
+            self._posted_any.setdefault(tag, deque()).append(recv)
+        else:
+            self._posted.setdefault((peer, tag), deque()).append(recv)
+        return fut
+
+    def _take_staged(self, peer: int | None, tag: Tag) -> _Staged | None:
+        by_peer = self._staged.get(tag)
+        if by_peer is None:
+            return None
+        if peer is None:
+            # The oldest message with this tag from any peer.
+            src = min(by_peer, key=lambda p: by_peer[p][0].order)
+        elif peer in by_peer:
+            src = peer
+        else:
+            return None
+        queue = by_peer[src]
+        staged = queue.popleft()
+        staged.queue = None
+        if not queue:
+            del by_peer[src]
+            if not by_peer:
+                del self._staged[tag]
+        return staged
+
+    def _take_posted(self, peer: int, tag: Tag) -> _Recv | None:
+        # The oldest live receive among those for (peer, tag) and the any-source ones.
+        key = (peer, tag)
+        best: _Recv | None = None
+        queue = self._posted.get(key)
+        if queue is not None:
+            while queue and queue[0].fut.done():  # cancelled by the caller
+                queue.popleft()
+            if queue:
+                best = queue[0]
+            else:
+                del self._posted[key]
+        any_queue = self._posted_any.get(tag)
+        if any_queue is not None:
+            while any_queue and any_queue[0].fut.done():
+                any_queue.popleft()
+            if any_queue:
+                if best is None or any_queue[0].order < best.order:
+                    best = any_queue.popleft()
+                    if not any_queue:
+                        del self._posted_any[tag]
+                    return best
+            else:
+                del self._posted_any[tag]
+        if best is not None:
+            assert queue is not None
+            queue.popleft()
+            if not queue:
+                del self._posted[key]
+        return best
+
+    def incoming(self, peer: int, tag: Tag, nbytes: int) -> Inbound:
+        """Return where the ``nbytes`` bytes of a message from ``peer`` tagged ``tag`` go.
+
+        The caller fills ``Inbound.buffer`` and calls ``Inbound.done()``. The message is
+        matched now, so messages from one peer must be announced in the order it sent them.
+        """
+        if self._exc is not None:
+            return Inbound(self, peer, memoryview(bytearray(nbytes)))
+        recv = self._take_posted(peer, tag)
+        if recv is None:
+            by_peer = self._staged.setdefault(tag, {})
+            queue = by_peer.get(peer)
+            if queue is None:
+                queue = by_peer[peer] = deque()
+            staged = _Staged(nbytes, peer, self._next_order(), queue)
+            queue.append(staged)
+            inbound = Inbound(self, peer, memoryview(staged.buf), staged=staged)
+        elif len(recv.out) != nbytes:
+            fail_future(recv.fut, _mismatch(peer, tag, len(recv.out), nbytes))
+            inbound = Inbound(self, peer, memoryview(bytearray(nbytes)))
+        else:
+            inbound = Inbound(self, peer, recv.out, recv=recv)
+        if nbytes == 0:
+            inbound.done()
+        else:
+            self._inflight.add(inbound)
+        return inbound
+
+    def deliver(self, peer: int, tag: Tag, data: memoryview) -> None:
+        """Match a whole message that is already in memory, copying it once."""
+        inbound = self.incoming(peer, tag, len(data))
+        if data:
+            inbound.buffer[:] = data
+            inbound.done()
+
+    def fail_peer(self, peer: int, exc: BaseException) -> None:
+        """Record that ``peer`` is gone: fail receives that wait for it and any-source ones.
+
+        Messages from ``peer`` that arrived completely stay deliverable.
+        """
+        if self._exc is not None or peer in self._lost:
+            return
+        self._lost[peer] = exc
+        for inbound in [i for i in self._inflight if i.peer == peer]:
+            inbound.fail(exc)
+        for key in [k for k in self._posted if k[0] == peer]:
+            for recv in self._posted.pop(key):
+                fail_future(recv.fut, exc)
+        for queue in self._posted_any.values():
+            for recv in queue:
+                fail_future(recv.fut, exc)
+        self._posted_any.clear()
+
+    def abort(self, exc: BaseException) -> None:
+        """Fail every pending receive with ``exc``; later receives fail at once."""
+        if self._exc is not None:
+            return
+        self._exc = exc
+        for inbound in list(self._inflight):
+            inbound.fail(exc)
+        for queues in (self._posted.values(), self._posted_any.values()):
+            for queue in queues:
+                for recv in queue:
+                    fail_future(recv.fut, exc)
+        self._posted.clear()
+        self._posted_any.clear()
+        self._staged.clear()
+
+
+def lost_peer_error(peer: int, reason: str) -> DistNetworkError:
+    """Return the error for receives and sends that depended on a lost ``peer``."""
+    return DistNetworkError(f"lost connection to rank {peer}: {reason}")

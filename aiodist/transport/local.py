@@ -1,0 +1,109 @@
+"""An in-process transport: ranks that are tasks of one event loop, bytes moved by memcpy."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from ..errors import DistNetworkError, DistUsageError
+from ._mailbox import Mailbox, as_bytes, check_tag, fail_future, lost_peer_error
+from .base import Tag, Transport
+
+__all__ = ["LocalTransport"]
+
+logger = logging.getLogger(__name__)
+
+
+class LocalTransport(Transport):
+    """A transport between ranks that live in one process, on one event loop.
+
+    A send copies the message straight into the receiver's posted buffer (or into a
+    staging buffer when the receive is not posted yet), so its future is resolved when
+    :meth:`send` returns. Closing or aborting one rank fails the receives that other ranks
+    posted for it, as a lost connection would. Create the ranks together with
+    :meth:`create_world`.
+
+    Attributes:
+        rank: this transport's global rank.
+        world_size: the number of ranks in the world.
+    """
+
+    def __init__(self, rank: int, world_size: int, world: list[LocalTransport]) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self._world = world
+        self._mailbox = Mailbox(rank)
+        self._closed: BaseException | None = None
+
+    @classmethod
+    def create_world(cls, world_size: int) -> list[LocalTransport]:
+        """Return ``world_size`` connected transports; element ``i`` is rank ``i``.
+
+        Raises:
+            DistUsageError: ``world_size`` is not a positive integer.
+        """
+        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+            raise DistUsageError(f"world_size must be a positive integer, got {world_size!r}")
+        world: list[LocalTransport] = []
+        world.extend(cls(rank, world_size, world) for rank in range(world_size))
+        return world
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed is not None else "open"
+        return f"<LocalTransport rank={self.rank}/{self.world_size} {state} {self._mailbox!r}>"
+
+    def _check_peer(self, peer: int) -> None:
+        if not isinstance(peer, int) or not 0 <= peer < self.world_size:
+            raise DistUsageError(f"peer must be a rank in [0, {self.world_size}), got {peer!r}")
+
+    def send(self, peer: int, tag: Tag, data: memoryview) -> asyncio.Future[None]:
+        """Copy ``data`` to rank ``peer``; the returned future is already resolved.
+
+        Raises:
+            DistUsageError: ``peer`` is out of range, the tag is malformed, or ``data`` is
+                not contiguous.
+        """
+        self._check_peer(peer)
+        check_tag(tag)
+        data = as_bytes(data, writable=False)
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        target = self._world[peer]
+        exc = self._closed
+        if exc is None and target._closed is not None:
+            exc = lost_peer_error(peer, "its transport was closed")
+        if exc is None:
+            exc = target._mailbox.lost(self.rank)
+        if exc is not None:
+            fail_future(fut, exc)
+            return fut
+        target._mailbox.deliver(self.rank, tag, data)
+        fut.set_result(None)
+        return fut
+
+    def recv_into(self, peer: int | None, tag: Tag, out: memoryview) -> asyncio.Future[int]:
+        """Receive the next ``tag`` message from ``peer`` (``None``: any rank) into ``out``.
+
+        Raises:
+            DistUsageError: ``peer`` is out of range, the tag is malformed, or ``out`` is
+                read-only or not contiguous.
+        """
+        if peer is not None:
+            self._check_peer(peer)
+        check_tag(tag)
+        return self._mailbox.post(peer, tag, as_bytes(out, writable=True))
+
+    def abort(self, exc: BaseException) -> None:
+        """Fail this rank's pending receives with ``exc``; other ranks see it as lost."""
+        if self._closed is not None:
+            return
+        self._closed = exc
+        self._mailbox.abort(exc)
+        lost = lost_peer_error(self.rank, "its transport was closed")
+        for other in self._world:
+            if other is not self:
+                other._mailbox.fail_peer(self.rank, lost)
+        logger.debug("local transport rank %d aborted: %s", self.rank, exc)
+
+    async def aclose(self) -> None:
+        """Close this rank; pending receives fail with ``DistNetworkError``."""
+        self.abort(DistNetworkError(f"transport of rank {self.rank} was closed"))
