@@ -15,7 +15,7 @@ from .errors import (
     DistUsageError,
     QueueEmptyError,
 )
-from .store import HashStore, Store
+from .store import FileStore, HashStore, PrefixStore, Store
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
@@ -28,7 +28,9 @@ __all__ = [
     "DistStoreError",
     "DistTimeoutError",
     "DistUsageError",
+    "FileStore",
     "HashStore",
+    "PrefixStore",
     "QueueEmptyError",
     "Store",
     "__version__",

@@ -1,6 +1,8 @@
 """Key/value stores: the bootstrap layer every process group stands on."""
 
 from ._base import Store, Value
+from .file import FileStore
 from .hash import HashStore
+from .prefix import PrefixStore
 
-__all__ = ["HashStore", "Store", "Value"]
+__all__ = ["FileStore", "HashStore", "PrefixStore", "Store", "Value"]
