@@ -1,1 +1,20 @@
 """Helpers for testing code that uses aiodist (and for aiodist's own tests)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._store_kit import check_store, check_sync_store
+
+__all__ = ["check_store", "check_sync_store"]
+
+
+def __getattr__(name: str) -> Any:
+    # Imported on first use: the pytest plugin imports this package in every test run of
+    # every project that installs aiodist, and must stay cheap and inert.
+    if name in ("check_store", "check_sync_store"):
+        from . import _store_kit
+
+        return getattr(_store_kit, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
