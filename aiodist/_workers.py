@@ -1,0 +1,392 @@
+"""The launcher's local worker group: processes, their output and how they are stopped.
+
+Each worker runs in its own session (so a signal reaches everything it spawned through its
+process group) and dies with the launcher (``PR_SET_PDEATHSIG``), so killing a launcher with
+SIGKILL never leaves orphaned workers holding ports. Output is read from pipes in chunks,
+split into lines and written to the console with a ``[rankN]: `` prefix and/or to per-rank log
+files. The last lines of every worker's stderr are kept for the failure summary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import enum
+import functools
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Std", "WorkerFailure", "WorkerGroup", "WorkerSpec", "describe_exit"]
+
+#: How many stderr lines of each worker the failure summary can show.
+TAIL_LINES = 40
+_READ_CHUNK = 1 << 16
+_PR_SET_PDEATHSIG = 1
+
+
+class Std(enum.IntFlag):
+    """Which standard streams a ``--redirects``/``--tee`` setting covers (torch's values)."""
+
+    NONE = 0
+    OUT = 1
+    ERR = 2
+    ALL = 3
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything needed to start one worker process.
+
+    Attributes:
+        rank: the global rank.
+        local_rank: the rank on this node.
+        cmd: the command line.
+        env: the complete environment of the process.
+        redirect: streams written to the log files only.
+        tee: streams written to the log files and to the console.
+        console: whether the console shows this worker at all (``--local-ranks-filter``).
+        log_dir: where ``stdout.log``/``stderr.log`` go when ``redirect | tee`` asks for them.
+        error_file: the path given as ``TORCHELASTIC_ERROR_FILE``.
+    """
+
+    rank: int
+    local_rank: int
+    cmd: Sequence[str]
+    env: Mapping[str, str]
+    redirect: Std
+    tee: Std
+    console: bool
+    log_dir: Path
+    error_file: Path
+
+
+@dataclass
+class WorkerFailure:
+    """How one worker failed: what the launcher reports as the root cause.
+
+    Attributes:
+        rank: global rank of the worker.
+        local_rank: its rank on its node.
+        node_rank: the node it ran on.
+        pid: its process id.
+        exitcode: the exit status (negative: killed by signal ``-exitcode``).
+        timestamp: when the launcher saw it exit (Unix seconds).
+        stderr_tail: the last lines it wrote to stderr.
+        error: the ``message`` of the error file the worker wrote, if it wrote one.
+        error_traceback: the traceback from that error file, if any.
+    """
+
+    rank: int
+    local_rank: int
+    node_rank: int
+    pid: int
+    exitcode: int
+    timestamp: float
+    stderr_tail: list[str] = field(default_factory=list)
+    error: str | None = None
+    error_traceback: str | None = None
+
+    def to_json(self) -> str:
+        """Serialise for the store, so every node can print the same summary."""
+        return json.dumps(self.__dict__)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> WorkerFailure:
+        """Inverse of :meth:`to_json`."""
+        return cls(**json.loads(text))
+
+
+def describe_exit(exitcode: int) -> str:
+    """``'exit code 3'`` or ``'signal SIGKILL (9)'`` for a process return code."""
+    if exitcode >= 0:
+        return f"exit code {exitcode}"
+    signum = -exitcode
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = "unknown signal"
+    return f"signal {name} ({signum})"
+
+
+def _load_prctl() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+# Looked up once in the parent: the child between fork and exec must not load libraries.
+_PRCTL = _load_prctl()
+
+
+def _die_with_parent(parent: int) -> None:
+    """Runs in the child before exec: get SIGKILL when the launcher dies."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    # The launcher may have died between fork and prctl; the death signal would never come.
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+class _Worker:
+    """One running worker and the tasks that pump its output."""
+
+    def __init__(self, spec: WorkerSpec, proc: asyncio.subprocess.Process) -> None:
+        self.spec = spec
+        self.proc = proc
+        self.tail: deque[str] = deque(maxlen=TAIL_LINES)
+        self.exitcode: int | None = None
+        self.files: list[BinaryIO] = []
+        self.pumps: list[asyncio.Task[None]] = []
+        self.reaper: asyncio.Task[None] | None = None
+
+    def __repr__(self) -> str:
+        state = "running" if self.exitcode is None else describe_exit(self.exitcode)
+        return f"<Worker rank={self.spec.rank} pid={self.proc.pid} {state}>"
+
+    def send_signal(self, signum: int) -> None:
+        """Send ``signum`` to the worker's process group while the worker is alive."""
+        if self.exitcode is not None or self.proc.returncode is not None:
+            # Once reaped, the process group id may be recycled: never signal it.
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signum)
+
+
+class WorkerGroup:
+    """The workers of one attempt on this node.
+
+    Args:
+        node_rank: this node's rank, for failure reports.
+        stdout: where console output of the workers' stdout goes (bytes).
+        stderr: where console output of the workers' stderr goes (bytes).
+    """
+
+    def __init__(self, node_rank: int, stdout: BinaryIO, stderr: BinaryIO) -> None:
+        self._node_rank = node_rank
+        self._stdout = stdout
+        self._stderr = stderr
+        self._workers: list[_Worker] = []
+        self._changed = asyncio.Event()
+        self._exit_order: list[_Worker] = []
+
+    def __repr__(self) -> str:
+        running = sum(w.exitcode is None for w in self._workers)
+        return (
+            f"<WorkerGroup node={self._node_rank} workers={len(self._workers)} running={running}>"
+        )
+
+    @property
+    def changed(self) -> asyncio.Event:
+        """Set whenever a worker exits; the supervisor clears it after looking."""
+        return self._changed
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the workers, in local rank order."""
+        return [w.proc.pid for w in self._workers]
+
+    def running(self) -> int:
+        """How many workers have not exited yet."""
+        return sum(w.exitcode is None for w in self._workers)
+
+    def first_failure(self) -> WorkerFailure | None:
+        """The failure of the first worker that exited unsuccessfully, or ``None``."""
+        for worker in self._exit_order:
+            if worker.exitcode:
+                return self._failure(worker)
+        return None
+
+    async def start(self, specs: Sequence[WorkerSpec]) -> None:
+        """Start one process per spec.
+
+        Raises:
+            OSError: a process could not be started (e.g. the script is not executable).
+        """
+        for spec in specs:
+            files: dict[str, BinaryIO] = {}
+            if spec.redirect | spec.tee:
+                spec.log_dir.mkdir(parents=True, exist_ok=True)
+            for name, flag in (("stdout", Std.OUT), ("stderr", Std.ERR)):
+                if (spec.redirect | spec.tee) & flag:
+                    files[name] = open(spec.log_dir / f"{name}.log", "wb")  # noqa: ASYNC230, SIM115
+            spec.error_file.parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                spec.error_file.unlink()
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    *spec.cmd,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.PIPE,
+                    env=dict(spec.env),
+                    start_new_session=True,
+                    preexec_fn=functools.partial(_die_with_parent, os.getpid()),
+                )
+            except OSError:
+                for f in files.values():
+                    f.close()
+                raise
+            worker = _Worker(spec, proc)
+            worker.files = list(files.values())
+            self._workers.append(worker)
+            assert proc.stdout is not None and proc.stderr is not None
+            prefix = f"[rank{spec.rank}]: ".encode()
+            for reader, name, flag, console in (
+                (proc.stdout, "stdout", Std.OUT, self._stdout),
+                (proc.stderr, "stderr", Std.ERR, self._stderr),
+            ):
+                show = spec.console and not (spec.redirect & flag)
+                worker.pumps.append(
+                    asyncio.create_task(
+                        self._pump(
+                            worker,
+                            reader,
+                            prefix,
+                            console if show else None,
+                            files.get(name),
+                            keep_tail=flag is Std.ERR,
+                        ),
+                        name=f"aiodist-run rank{spec.rank} {name}",
+                    )
+                )
+            worker.reaper = asyncio.create_task(
+                self._reap(worker), name=f"aiodist-run rank{spec.rank} wait"
+            )
+            logger.debug("started rank %d (pid %d): %s", spec.rank, proc.pid, list(spec.cmd))
+
+    async def _pump(
+        self,
+        worker: _Worker,
+        reader: asyncio.StreamReader,
+        prefix: bytes,
+        console: BinaryIO | None,
+        file: BinaryIO | None,
+        keep_tail: bool,
+    ) -> None:
+        pending = b""
+        while True:
+            chunk = await reader.read(_READ_CHUNK)
+            if not chunk:
+                break
+            data = pending + chunk
+            lines = data.split(b"\n")
+            pending = lines.pop()
+            self._emit(worker, lines, prefix, console, file, keep_tail)
+        if pending:
+            self._emit(worker, [pending], prefix, console, file, keep_tail)
+
+    def _emit(
+        self,
+        worker: _Worker,
+        lines: list[bytes],
+        prefix: bytes,
+        console: BinaryIO | None,
+        file: BinaryIO | None,
+        keep_tail: bool,
+    ) -> None:
+        if not lines:
+            return
+        if keep_tail:
+            worker.tail.extend(line.decode(errors="replace") for line in lines)
+        if file is not None:
+            file.write(b"".join(line + b"\n" for line in lines))
+            file.flush()
+        if console is not None:
+            # A worker's partial line is only printed once complete, so lines of different
+            # ranks never interleave mid-line.
+            console.write(b"".join(prefix + line + b"\n" for line in lines))
+            console.flush()
+
+    async def _reap(self, worker: _Worker) -> None:
+        exitcode = await worker.proc.wait()
+        # Drain the pipes so the failure summary has the worker's last words; a grandchild
+        # that inherited the pipes may keep them open, so do not wait for it forever.
+        _done, pending = await asyncio.wait(worker.pumps, timeout=2.0)
+        for task in pending:
+            task.cancel()
+        for f in worker.files:
+            f.close()
+        worker.exitcode = exitcode
+        self._exit_order.append(worker)
+        logger.debug(
+            "rank %d (pid %d) exited: %s",
+            worker.spec.rank,
+            worker.proc.pid,
+            describe_exit(exitcode),
+        )
+        self._changed.set()
+
+    def send_signal(self, signum: int) -> None:
+        """Send ``signum`` to every running worker's process group."""
+        for worker in self._workers:
+            worker.send_signal(signum)
+
+    async def stop(self, grace: float, first: int = signal.SIGTERM) -> None:
+        """Stop every worker: ``first`` (SIGTERM), then SIGKILL after ``grace`` seconds.
+
+        Returns once every worker has exited and its output is drained.
+        """
+        if self.running():
+            self.send_signal(first)
+            deadline = time.monotonic() + grace
+            while self.running() and time.monotonic() < deadline:
+                self._changed.clear()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                        await self._changed.wait()
+            if self.running():
+                logger.warning(
+                    "workers still running %.1f s after %s: sending SIGKILL",
+                    grace,
+                    signal.Signals(first).name,
+                )
+                self.send_signal(signal.SIGKILL)
+        while self.running():
+            self._changed.clear()
+            await self._changed.wait()
+
+    def _failure(self, worker: _Worker) -> WorkerFailure:
+        assert worker.exitcode is not None
+        error, trace = _read_error_file(worker.spec.error_file)
+        return WorkerFailure(
+            rank=worker.spec.rank,
+            local_rank=worker.spec.local_rank,
+            node_rank=self._node_rank,
+            pid=worker.proc.pid,
+            exitcode=worker.exitcode,
+            timestamp=time.time(),
+            stderr_tail=list(worker.tail),
+            error=error,
+            error_traceback=trace,
+        )
+
+
+def _read_error_file(path: Path) -> tuple[str | None, str | None]:
+    """Read torchelastic's error file format (written by ``@record`` in torch workers)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None, None
+    message = data.get("message") if isinstance(data, dict) else None
+    if isinstance(message, dict):
+        extra = message.get("extraInfo") or {}
+        trace = extra.get("py_callstack") if isinstance(extra, dict) else None
+        return str(message.get("message", "")), (str(trace) if trace else None)
+    if isinstance(message, str):
+        return message, None
+    return None, None
