@@ -6,6 +6,44 @@ API lives in :mod:`aiodist.sync`.
 
 import logging
 
+from ._api import (
+    NON_GROUP_MEMBER,
+    P2POp,
+    all_gather,
+    all_gather_into_tensor,
+    all_gather_object,
+    all_reduce,
+    all_to_all,
+    all_to_all_single,
+    barrier,
+    batch_isend_irecv,
+    broadcast,
+    broadcast_object_list,
+    destroy_process_group,
+    gather,
+    gather_object,
+    get_backend,
+    get_global_rank,
+    get_group_rank,
+    get_process_group_ranks,
+    get_rank,
+    get_world_size,
+    init_process_group,
+    irecv,
+    is_initialized,
+    isend,
+    monitored_barrier,
+    new_group,
+    new_subgroups,
+    recv,
+    reduce,
+    reduce_scatter,
+    reduce_scatter_tensor,
+    scatter,
+    scatter_object_list,
+    send,
+)
+from ._ops import ReduceOp
 from .errors import (
     DistError,
     DistNetworkError,
@@ -15,13 +53,52 @@ from .errors import (
     DistUsageError,
     QueueEmptyError,
 )
-from .store import FileStore, HashStore, PrefixStore, Store
+from .group import ProcessGroup, Work
+from .store import FileStore, HashStore, PrefixStore, Store, TCPStore, TCPStoreServer
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "NON_GROUP_MEMBER",
+    "P2POp",
+    "ProcessGroup",
+    "ReduceOp",
+    "Work",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_reduce",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "batch_isend_irecv",
+    "broadcast",
+    "broadcast_object_list",
+    "destroy_process_group",
+    "gather",
+    "gather_object",
+    "get_backend",
+    "get_global_rank",
+    "get_group_rank",
+    "get_process_group_ranks",
+    "get_rank",
+    "get_world_size",
+    "init_process_group",
+    "irecv",
+    "is_initialized",
+    "isend",
+    "monitored_barrier",
+    "new_group",
+    "new_subgroups",
+    "recv",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+    "scatter_object_list",
+    "send",
     "DistError",
     "DistNetworkError",
     "DistProtocolError",
@@ -33,5 +110,7 @@ __all__ = [
     "PrefixStore",
     "QueueEmptyError",
     "Store",
+    "TCPStore",
+    "TCPStoreServer",
     "__version__",
 ]

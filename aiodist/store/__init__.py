@@ -4,5 +4,6 @@ from ._base import Store, Value
 from .file import FileStore
 from .hash import HashStore
 from .prefix import PrefixStore
+from .tcp import TCPStore, TCPStoreServer
 
-__all__ = ["FileStore", "HashStore", "PrefixStore", "Store", "Value"]
+__all__ = ["FileStore", "HashStore", "PrefixStore", "Store", "TCPStore", "TCPStoreServer", "Value"]

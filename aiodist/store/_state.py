@@ -46,6 +46,7 @@ class KeyValueState:
         self._data: dict[bytes, bytes] = {}
         self._queues: dict[bytes, deque[bytes]] = {}
         self._waiters: dict[bytes, list[_Waiter]] = {}
+        self._change_waiters: dict[bytes, list[asyncio.Future[None]]] = {}
 
     def __repr__(self) -> str:
         return f"<KeyValueState keys={len(self._data)} queues={len(self._queues)}>"
@@ -70,6 +71,12 @@ class KeyValueState:
     def list_keys(self) -> list[bytes]:
         """All key/value keys, in insertion order."""
         return list(self._data)
+
+    @property
+    def waiter_count(self) -> int:
+        """The number of pending waits and change watches (a leak check for servers)."""
+        waits = {id(w) for ws in self._waiters.values() for w in ws}
+        return len(waits) + sum(len(fs) for fs in self._change_waiters.values())
 
     def queue_len(self, key: bytes) -> int:
         """The number of values in queue ``key``."""
@@ -152,6 +159,16 @@ class KeyValueState:
         future.add_done_callback(lambda _: self._forget(waiter))
         return future
 
+    def watch_change(self, key: bytes) -> asyncio.Future[None]:
+        """Return a future that resolves at the next write of ``key`` (set, add, append...).
+
+        Counting barriers use it to re-check a counter; cancelling it unregisters it.
+        """
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._change_waiters.setdefault(key, []).append(future)
+        future.add_done_callback(lambda f: self._forget_change(key, f))
+        return future
+
     async def wait(self, keys: Sequence[bytes], timeout: float | None) -> None:
         """Wait until every key exists.
 
@@ -170,6 +187,11 @@ class KeyValueState:
             raise timeout_error(keys, missing, time.monotonic() - start) from None
 
     def _wake(self, key: bytes) -> None:
+        changes = self._change_waiters.pop(key, None)
+        if changes:
+            for future in changes:
+                if not future.done():
+                    future.set_result(None)
         waiters = self._waiters.pop(key, None)
         if not waiters:
             return
@@ -189,3 +211,14 @@ class KeyValueState:
                 continue
             if not waiters:
                 del self._waiters[key]
+
+    def _forget_change(self, key: bytes, future: asyncio.Future[None]) -> None:
+        futures = self._change_waiters.get(key)
+        if futures is None:
+            return
+        try:
+            futures.remove(future)
+        except ValueError:
+            return
+        if not futures:
+            del self._change_waiters[key]

@@ -1,0 +1,1114 @@
+"""TCPStore: the network store, client and (for the master) server, on asyncio.
+
+The client speaks one of two wires. aiodist's own protocol tags every request with an id, so
+one connection carries any number of concurrent requests: a pending ``wait`` never holds up a
+``set`` from the same process, and waits are timed on the server (no polling). torch's wire
+answers strictly in order, so the torch-wire client keeps its main connection for requests
+that answer at once and runs each wait on a spare connection of its own.
+
+User keys go on the wire as ``"/" + key`` on both wires, the way torch's client sends them, so
+torch and aiodist clients of one server see the same keys under the same names.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import hmac
+import logging
+import os
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, cast
+
+from .._timeouts import Timeout, to_seconds
+from ..errors import (
+    DistNetworkError,
+    DistProtocolError,
+    DistStoreError,
+    DistTimeoutError,
+    DistUsageError,
+    QueueEmptyError,
+)
+from ._base import Store, Value, check_lengths, encode_key, encode_value
+from ._server import TCPStoreServer, resolve_token
+from ._state import format_keys, timeout_error
+from ._wire import (
+    AIODIST_MAGIC,
+    AUTH_MAC_SIZE,
+    CLIENT_HELLO,
+    DEFAULT_MAX_KEY_SIZE,
+    DEFAULT_MAX_VALUE_SIZE,
+    F64,
+    FLAG_AUTH,
+    FRAME_HEAD,
+    I64,
+    NONCE_SIZE,
+    PROTOCOL_VERSION,
+    SERVER_HELLO,
+    TORCH_READY,
+    TORCH_STOP_WAITING,
+    TORCH_VALIDATE_MAGIC,
+    TORCH_WAIT_CANCELED,
+    U8,
+    U32,
+    UPGRADE_NONCE,
+    UPGRADE_REPLY,
+    Incomplete,
+    Op,
+    Reader,
+    Status,
+    TorchOp,
+    auth_mac,
+    blob32,
+    encode_frame,
+    max_request_size,
+    torch_request,
+)
+
+__all__ = ["TCPStore", "TCPStoreServer", "Wire"]
+
+logger = logging.getLogger(__name__)
+
+Wire = Literal["auto", "aiodist", "torch"]
+
+#: The key every TCPStore adds 1 to when it is created with a world size (torch's name).
+_JOIN_KEY = b"init/"
+#: Replies from a server are trusted further than requests, but still bounded.
+_MAX_REPLY_VALUE = 2**32
+#: Extra time the client gives a server-timed wait before deciding the server is stuck.
+_SERVER_GRACE = 10.0
+_I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
+
+
+class _TimedOut(Exception):
+    """A wait ran out of time; the caller turns it into a message naming its own keys."""
+
+    def __init__(self, missing: list[bytes], waited: float) -> None:
+        self.missing = missing
+        self.waited = waited
+
+
+def _lost(where: str, exc: BaseException | None) -> DistNetworkError:
+    detail = f": {exc}" if exc is not None else " (the server closed it)"
+    return DistNetworkError(f"lost the connection to the store at {where}{detail}")
+
+
+class _Sink(abc.ABC):
+    @abc.abstractmethod
+    def feed(self, buf: bytearray) -> None: ...
+
+    @abc.abstractmethod
+    def lost(self, conn: _Conn) -> None: ...
+
+
+class _Conn(asyncio.Protocol):
+    """One TCP connection: plain reads during the handshake, then a sink parses replies."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.sink: _Sink | None = None
+        self.error: BaseException | None = None
+        self.is_lost = False
+        self._need = 0
+        self._need_future: asyncio.Future[None] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports are not asyncio.Transport subclasses, but have its methods.
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        if self.sink is not None:
+            self.sink.feed(self.buf)
+        elif (
+            self._need_future is not None
+            and len(self.buf) >= self._need
+            and not self._need_future.done()
+        ):
+            self._need_future.set_result(None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.is_lost = True
+        self.error = exc
+        self.transport = None
+        if self._need_future is not None and not self._need_future.done():
+            self._need_future.set_result(None)
+        if self.sink is not None:
+            self.sink.lost(self)
+
+    def lost_error(self) -> DistNetworkError:
+        return _lost(self.where, self.error)
+
+    def write(self, data: bytes) -> None:
+        if self.transport is None:
+            raise self.lost_error()
+        self.transport.write(data)
+
+    async def read_exactly(self, n: int, timeout: float | None = None) -> bytes:
+        async with asyncio.timeout(timeout):
+            while len(self.buf) < n:
+                if self.is_lost:
+                    raise self.lost_error()
+                self._need = n
+                self._need_future = asyncio.get_running_loop().create_future()
+                try:
+                    await self._need_future
+                finally:
+                    self._need_future = None
+        data = bytes(self.buf[:n])
+        del self.buf[:n]
+        return data
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+async def _connect(host: str, port: int, timeout: float | None) -> _Conn:
+    """Connect, retrying with jittered exponential backoff until ``timeout`` runs out.
+
+    Raises:
+        DistNetworkError: naming host:port and the time spent.
+    """
+    loop = asyncio.get_running_loop()
+    start = time.monotonic()
+    deadline = None if timeout is None else start + timeout
+    delay = 0.01
+    while True:
+        conn = _Conn(f"{host}:{port}")
+        try:
+            async with asyncio.timeout(_remaining(deadline)):
+                await loop.create_connection(lambda c=conn: c, host, port)  # type: ignore[misc]
+            return conn
+        except (OSError, TimeoutError) as exc:
+            error: BaseException = exc
+        left = _remaining(deadline)
+        if left is not None and left <= 0:
+            raise DistNetworkError(
+                f"could not connect to the store at {host}:{port} within "
+                f"{time.monotonic() - start:.1f} s: {error or 'timed out'}"
+            ) from error
+        pause = random.uniform(delay / 2, delay)
+        delay = min(delay * 2, 1.0)
+        await asyncio.sleep(pause if left is None else min(pause, left))
+
+
+# -- channels: the raw-key operations of one wire ---------------------------------------------
+class _Channel(abc.ABC):
+    wire: str
+    max_key_size: int
+    max_value_size: int
+
+    @property
+    @abc.abstractmethod
+    def pending(self) -> int: ...
+
+    @abc.abstractmethod
+    async def set(self, key: bytes, value: bytes) -> None: ...
+    @abc.abstractmethod
+    async def get(self, key: bytes, timeout: float | None) -> bytes: ...
+    @abc.abstractmethod
+    async def add(self, key: bytes, amount: int) -> int: ...
+    @abc.abstractmethod
+    async def compare_set(self, key: bytes, expected: bytes, desired: bytes) -> bytes: ...
+    @abc.abstractmethod
+    async def wait(self, keys: list[bytes], timeout: float | None) -> None: ...
+    @abc.abstractmethod
+    async def check(self, keys: list[bytes]) -> bool: ...
+    @abc.abstractmethod
+    async def delete(self, key: bytes) -> bool: ...
+    @abc.abstractmethod
+    async def num_keys(self) -> int: ...
+    @abc.abstractmethod
+    async def list_keys(self) -> list[bytes]: ...
+    @abc.abstractmethod
+    async def multi_get(self, keys: list[bytes], timeout: float | None) -> list[bytes]: ...
+    @abc.abstractmethod
+    async def multi_set(self, items: list[tuple[bytes, bytes]]) -> None: ...
+    @abc.abstractmethod
+    async def append(self, key: bytes, value: bytes) -> None: ...
+    @abc.abstractmethod
+    async def queue_push(self, key: bytes, value: bytes) -> None: ...
+    @abc.abstractmethod
+    async def queue_pop(self, key: bytes, block: bool, timeout: float | None) -> bytes: ...
+    @abc.abstractmethod
+    async def queue_len(self, key: bytes) -> int: ...
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+def _timeout_arg(timeout: float | None) -> bytes:
+    return F64.pack(-1.0 if timeout is None else timeout)
+
+
+def _keys_arg(keys: Sequence[bytes]) -> list[bytes]:
+    return [U32.pack(len(keys)), *(blob32(k) for k in keys)]
+
+
+def _read_blobs(payload: bytes) -> list[bytes]:
+    reader = Reader(payload)
+    return [reader.blob32(_MAX_REPLY_VALUE, "value") for _ in range(reader.u32())]
+
+
+class _AiodistChannel(_Channel, _Sink):
+    """aiodist's protocol: request ids, out-of-order replies, server-side waits."""
+
+    wire = "aiodist"
+
+    def __init__(self, conn: _Conn, max_key_size: int, max_value_size: int) -> None:
+        self._conn = conn
+        self.max_key_size = max_key_size
+        self.max_value_size = max_value_size
+        self._max_request = max_request_size(max_key_size, max_value_size)
+        self._pending: dict[int, asyncio.Future[tuple[int, bytes]]] = {}
+        self._next_rid = 0
+        conn.sink = self
+        if conn.buf:
+            self.feed(conn.buf)
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def feed(self, buf: bytearray) -> None:
+        pos = 0
+        size = len(buf)
+        pending = self._pending
+        while size - pos >= 9:
+            length, rid, status = FRAME_HEAD.unpack_from(buf, pos)
+            end = pos + 4 + length
+            if end > size:
+                break
+            future = pending.pop(rid, None)
+            if future is not None and not future.done():
+                future.set_result((status, bytes(buf[pos + 9 : end])))
+            pos = end
+        if pos:
+            del buf[:pos]
+
+    def lost(self, conn: _Conn) -> None:
+        pending, self._pending = self._pending, {}
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(conn.lost_error())
+
+    async def _call(self, op: Op, *parts: bytes, deadline: float | None = None) -> bytes:
+        conn = self._conn
+        if conn.is_lost:
+            raise conn.lost_error()
+        self._next_rid = rid = (self._next_rid + 1) & 0xFFFFFFFF
+        frame = encode_frame(rid, op, *parts)
+        if len(frame) - 4 > self._max_request:
+            raise DistUsageError(
+                f"request of {len(frame) - 4} bytes exceeds the store's limit of "
+                f"{self._max_request} bytes (max_key_size={self.max_key_size}, "
+                f"max_value_size={self.max_value_size})"
+            )
+        future: asyncio.Future[tuple[int, bytes]] = asyncio.get_running_loop().create_future()
+        self._pending[rid] = future
+        conn.write(frame)
+        try:
+            if deadline is None:
+                status, payload = await future
+            else:
+                async with asyncio.timeout(deadline + _SERVER_GRACE):
+                    status, payload = await future
+        except BaseException as exc:
+            # Cancelled or given up: tell the server to drop the request (and its waiter).
+            if self._pending.pop(rid, None) is not None and not conn.is_lost:
+                conn.write(encode_frame(0, Op.CANCEL, U32.pack(rid)))
+            if isinstance(exc, TimeoutError):
+                raise DistTimeoutError(
+                    f"the store at {conn.where} did not answer a {op.name} request within "
+                    f"{(deadline or 0.0) + _SERVER_GRACE:.1f} s"
+                ) from None
+            raise
+        if status == Status.OK:
+            return payload
+        raise self._error(status, payload)
+
+    @staticmethod
+    def _error(status: int, payload: bytes) -> Exception:
+        if status == Status.TIMEOUT:
+            reader = Reader(payload)
+            waited = reader.f64()
+            return _TimedOut(
+                [reader.blob32(_MAX_REPLY_VALUE, "key") for _ in range(reader.u32())], waited
+            )
+        message = payload.decode(errors="replace")
+        if status == Status.STORE_ERROR:
+            return DistStoreError(message)
+        if status == Status.USAGE_ERROR:
+            return DistUsageError(message)
+        if status == Status.QUEUE_EMPTY:
+            return QueueEmptyError(message)
+        return DistProtocolError(f"store server error (status {status}): {message}")
+
+    async def set(self, key: bytes, value: bytes) -> None:
+        await self._call(Op.SET, blob32(key), blob32(value))
+
+    async def get(self, key: bytes, timeout: float | None) -> bytes:
+        return await self._call(Op.GET, _timeout_arg(timeout), blob32(key), deadline=timeout)
+
+    async def add(self, key: bytes, amount: int) -> int:
+        value: int = I64.unpack(await self._call(Op.ADD, blob32(key), I64.pack(amount)))[0]
+        return value
+
+    async def compare_set(self, key: bytes, expected: bytes, desired: bytes) -> bytes:
+        return await self._call(Op.COMPARE_SET, blob32(key), blob32(expected), blob32(desired))
+
+    async def wait(self, keys: list[bytes], timeout: float | None) -> None:
+        await self._call(Op.WAIT, _timeout_arg(timeout), *_keys_arg(keys), deadline=timeout)
+
+    async def check(self, keys: list[bytes]) -> bool:
+        return (await self._call(Op.CHECK, *_keys_arg(keys))) == b"\x01"
+
+    async def delete(self, key: bytes) -> bool:
+        return (await self._call(Op.DELETE_KEY, blob32(key))) == b"\x01"
+
+    async def num_keys(self) -> int:
+        value: int = I64.unpack(await self._call(Op.NUM_KEYS))[0]
+        return value
+
+    async def list_keys(self) -> list[bytes]:
+        return _read_blobs(await self._call(Op.LIST_KEYS))
+
+    async def multi_get(self, keys: list[bytes], timeout: float | None) -> list[bytes]:
+        payload = await self._call(
+            Op.MULTI_GET, _timeout_arg(timeout), *_keys_arg(keys), deadline=timeout
+        )
+        return _read_blobs(payload)
+
+    async def multi_set(self, items: list[tuple[bytes, bytes]]) -> None:
+        parts = [U32.pack(len(items))]
+        for key, value in items:
+            parts += (blob32(key), blob32(value))
+        await self._call(Op.MULTI_SET, *parts)
+
+    async def append(self, key: bytes, value: bytes) -> None:
+        await self._call(Op.APPEND, blob32(key), blob32(value))
+
+    async def queue_push(self, key: bytes, value: bytes) -> None:
+        await self._call(Op.QUEUE_PUSH, blob32(key), blob32(value))
+
+    async def queue_pop(self, key: bytes, block: bool, timeout: float | None) -> bytes:
+        return await self._call(
+            Op.QUEUE_POP,
+            _timeout_arg(timeout),
+            U8.pack(block),
+            blob32(key),
+            deadline=timeout if block else None,
+        )
+
+    async def queue_len(self, key: bytes) -> int:
+        value: int = I64.unpack(await self._call(Op.QUEUE_LEN, blob32(key)))[0]
+        return value
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+# torch-wire reply parsers: each reads one reply or raises Incomplete.
+_Parser = Callable[[Reader], Any]
+
+
+def _p_bytes(r: Reader) -> bytes:
+    return r.blob64(_MAX_REPLY_VALUE, "value")
+
+
+def _p_i64(r: Reader) -> int:
+    return r.i64()
+
+
+def _p_u8(r: Reader) -> int:
+    return r.u8()
+
+
+def _p_u32(r: Reader) -> int:
+    return r.u32()
+
+
+def _p_list(r: Reader) -> list[bytes]:
+    return [_p_bytes(r) for _ in range(r.i64())]
+
+
+def _p_queue_pop(r: Reader) -> bytes | None:
+    return _p_bytes(r) if r.i64() > 0 else None
+
+
+def _p_many(n: int) -> _Parser:
+    return lambda r: [_p_bytes(r) for _ in range(n)]
+
+
+async def _torch_validate(conn: _Conn, nonce: int, timeout: float | None) -> int:
+    conn.write(
+        U8.pack(TorchOp.VALIDATE)
+        + U32.pack(TORCH_VALIDATE_MAGIC)
+        + U8.pack(TorchOp.PING)
+        + U32.pack(nonce)
+    )
+    reply: int = U32.unpack(await conn.read_exactly(4, timeout))[0]
+    return reply
+
+
+class _TorchChannel(_Channel, _Sink):
+    """torch's wire: in-order replies on the main connection, waits on spare connections."""
+
+    wire = "torch"
+
+    def __init__(
+        self, conn: _Conn, host: str, port: int, max_key_size: int, max_value_size: int
+    ) -> None:
+        self._conn = conn
+        self._host = host
+        self._port = port
+        self.max_key_size = max_key_size
+        self.max_value_size = max_value_size
+        self._fifo: deque[tuple[asyncio.Future[Any], _Parser]] = deque()
+        self._spare: list[_Conn] = []
+        self._waiting: set[_Conn] = set()
+        conn.sink = self
+        if conn.buf:
+            self.feed(conn.buf)
+
+    @property
+    def pending(self) -> int:
+        return len(self._fifo) + len(self._waiting)
+
+    def feed(self, buf: bytearray) -> None:
+        pos = 0
+        fifo = self._fifo
+        while fifo and pos < len(buf):
+            future, parser = fifo[0]
+            reader = Reader(buf, pos)
+            try:
+                value = parser(reader)
+            except Incomplete:
+                break
+            except DistProtocolError as exc:
+                logger.error("torch store %s sent a bad reply: %s", self._conn.where, exc)
+                self._conn.close()
+                break
+            fifo.popleft()
+            pos = reader.pos
+            if not future.done():
+                future.set_result(value)
+        if pos:
+            del buf[:pos]
+
+    def lost(self, conn: _Conn) -> None:
+        fifo, self._fifo = self._fifo, deque()
+        for future, _parser in fifo:
+            if not future.done():
+                future.set_exception(conn.lost_error())
+
+    async def _call(self, request: bytes, parser: _Parser) -> Any:
+        conn = self._conn
+        if conn.is_lost:
+            raise conn.lost_error()
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._fifo.append((future, parser))
+        conn.write(request)
+        # A cancelled caller leaves its entry in the queue: the reply still arrives in order.
+        return await future
+
+    def _send(self, request: bytes) -> None:
+        # Requests with no reply (set, append, ...): torch's wire acknowledges nothing.
+        if self._conn.is_lost:
+            raise self._conn.lost_error()
+        self._conn.write(request)
+
+    async def set(self, key: bytes, value: bytes) -> None:
+        self._send(torch_request(TorchOp.SET, key, value))
+
+    async def get(self, key: bytes, timeout: float | None) -> bytes:
+        await self.wait([key], timeout)
+        value: bytes = await self._call(torch_request(TorchOp.GET, key), _p_bytes)
+        return value
+
+    async def add(self, key: bytes, amount: int) -> int:
+        value: int = await self._call(torch_request(TorchOp.ADD, key, amount), _p_i64)
+        return value
+
+    async def compare_set(self, key: bytes, expected: bytes, desired: bytes) -> bytes:
+        request = torch_request(TorchOp.COMPARE_SET, key, expected, desired)
+        value: bytes = await self._call(request, _p_bytes)
+        return value
+
+    async def check(self, keys: list[bytes]) -> bool:
+        reply = await self._call(torch_request(TorchOp.CHECK, keys), _p_u8)
+        return bool(reply == TORCH_READY)
+
+    async def wait(self, keys: list[bytes], timeout: float | None) -> None:
+        # Ask on the main connection first: it is ordered after this client's own writes.
+        if await self.check(keys):
+            return
+        start = time.monotonic()
+        conn = await self._spare_conn(timeout)
+        self._waiting.add(conn)
+        reusable = False
+        try:
+            conn.write(torch_request(TorchOp.WAIT, keys))
+            try:
+                reply = await conn.read_exactly(1, _remaining_from(start, timeout))
+            except TimeoutError:
+                await self._cancel_wait(conn)
+                reusable = True
+                missing = [k for k in keys if not await self.check([k])]
+                if not missing:
+                    return  # the keys arrived while the cancel was on its way
+                raise _TimedOut(missing, time.monotonic() - start) from None
+            if reply[0] != TORCH_STOP_WAITING:
+                raise DistProtocolError(f"torch store answered WAIT with {reply!r}")
+            reusable = True
+        finally:
+            self._waiting.discard(conn)
+            if reusable and not conn.is_lost:
+                self._spare.append(conn)
+            else:
+                conn.close()
+
+    @staticmethod
+    async def _cancel_wait(conn: _Conn) -> None:
+        conn.write(torch_request(TorchOp.CANCEL_WAIT))
+        reply = await conn.read_exactly(1, _SERVER_GRACE)
+        if reply[0] == TORCH_STOP_WAITING:
+            # The wake raced the cancel: the cancel's own answer follows.
+            reply = await conn.read_exactly(1, _SERVER_GRACE)
+        if reply[0] != TORCH_WAIT_CANCELED:
+            raise DistProtocolError(f"torch store answered CANCEL_WAIT with {reply!r}")
+
+    async def _spare_conn(self, timeout: float | None) -> _Conn:
+        while self._spare:
+            conn = self._spare.pop()
+            if not conn.is_lost:
+                return conn
+        conn = await _connect(self._host, self._port, timeout)
+        try:
+            if await _torch_validate(conn, os.getpid(), timeout) != os.getpid():
+                raise DistProtocolError(f"torch store {conn.where} failed the PING check")
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    async def delete(self, key: bytes) -> bool:
+        return bool(await self._call(torch_request(TorchOp.DELETE_KEY, key), _p_i64))
+
+    async def num_keys(self) -> int:
+        value: int = await self._call(torch_request(TorchOp.GETNUMKEYS), _p_i64)
+        return value
+
+    async def list_keys(self) -> list[bytes]:
+        value: list[bytes] = await self._call(torch_request(TorchOp.LIST_KEYS), _p_list)
+        return value
+
+    async def multi_get(self, keys: list[bytes], timeout: float | None) -> list[bytes]:
+        await self.wait(keys, timeout)
+        request = torch_request(TorchOp.MULTI_GET, keys)
+        value: list[bytes] = await self._call(request, _p_many(len(keys)))
+        return value
+
+    async def multi_set(self, items: list[tuple[bytes, bytes]]) -> None:
+        flat = [b for item in items for b in item]
+        # torch's layout: count of pairs, then key, value, key, value...
+        parts = [U8.pack(TorchOp.MULTI_SET), I64.pack(len(items))]
+        parts += [I64.pack(len(b)) + b for b in flat]
+        self._send(b"".join(parts))
+
+    async def append(self, key: bytes, value: bytes) -> None:
+        self._send(torch_request(TorchOp.APPEND, key, value))
+
+    async def queue_push(self, key: bytes, value: bytes) -> None:
+        self._send(torch_request(TorchOp.QUEUE_PUSH, key, value))
+
+    async def queue_pop(self, key: bytes, block: bool, timeout: float | None) -> bytes:
+        start = time.monotonic()
+        while True:
+            if block:
+                await self.wait([key], _remaining_from(start, timeout))
+            value = await self._call(torch_request(TorchOp.QUEUE_POP, key), _p_queue_pop)
+            if value is not None:
+                assert isinstance(value, bytes)
+                return value
+            if not block:
+                raise QueueEmptyError(f"queue {format_keys([key[1:]])} is empty")
+
+    async def queue_len(self, key: bytes) -> int:
+        value: int = await self._call(torch_request(TorchOp.QUEUE_LEN, key), _p_i64)
+        return value
+
+    def close(self) -> None:
+        self._conn.close()
+        for conn in (*self._spare, *self._waiting):
+            conn.close()
+        self._spare.clear()
+
+
+def _remaining_from(start: float, timeout: float | None) -> float | None:
+    return None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
+
+
+async def _handshake_aiodist(
+    conn: _Conn, token: bytes | None, timeout: float | None
+) -> tuple[int, int]:
+    """Run the aiodist hello (and auth); return the server's key and value size limits."""
+    nonce = os.urandom(NONCE_SIZE)
+    conn.write(CLIENT_HELLO.pack(AIODIST_MAGIC, PROTOCOL_VERSION, nonce))
+    hello = await conn.read_exactly(SERVER_HELLO.size, timeout)
+    magic, version, flags, max_key, max_value, server_nonce = SERVER_HELLO.unpack(hello)
+    if magic != AIODIST_MAGIC:
+        raise DistProtocolError(
+            f"{conn.where} answered the aiodist hello with {hello[:8]!r}: "
+            "it is not an aiodist store server"
+        )
+    if version != PROTOCOL_VERSION:
+        raise DistProtocolError(
+            f"the store at {conn.where} speaks aiodist store protocol version {version}, "
+            f"this client speaks version {PROTOCOL_VERSION}: use the same aiodist version "
+            "on every host"
+        )
+    if flags & FLAG_AUTH:
+        if token is None:
+            raise DistStoreError(
+                f"the store at {conn.where} requires authentication: pass auth_token= "
+                "or set AIODIST_AUTH_TOKEN"
+            )
+        conn.write(auth_mac(token, b"client", server_nonce, nonce))
+        verdict = await conn.read_exactly(1, timeout)
+        if verdict != b"\x00":
+            raise DistStoreError(
+                f"the store at {conn.where} rejected the auth token (tokens differ)"
+            )
+        proof = await conn.read_exactly(AUTH_MAC_SIZE, timeout)
+        if not hmac.compare_digest(proof, auth_mac(token, b"server", nonce, server_nonce)):
+            raise DistStoreError(
+                f"the store at {conn.where} could not prove it holds the auth token"
+            )
+    return max_key, max_value
+
+
+async def _open_channel(
+    host: str,
+    port: int,
+    wire: str,
+    token: bytes | None,
+    timeout: float | None,
+    max_key_size: int,
+    max_value_size: int,
+) -> _Channel:
+    start = time.monotonic()
+    conn = await _connect(host, port, timeout)
+    left = _remaining_from(start, timeout)
+    try:
+        if wire == "auto":
+            reply = await _torch_validate(conn, UPGRADE_NONCE, left)
+            if reply == UPGRADE_NONCE:
+                wire = "torch"
+                if token is not None:
+                    logger.warning(
+                        "store at %s:%d is a torch TCPStore server: the auth token is not used",
+                        host,
+                        port,
+                    )
+            elif reply == UPGRADE_REPLY:
+                wire = "aiodist"
+            else:
+                raise DistProtocolError(
+                    f"{host}:{port} answered the store probe with {reply:#x}: "
+                    "it is not a store server"
+                )
+        elif wire == "torch" and await _torch_validate(conn, os.getpid(), left) != os.getpid():
+            raise DistProtocolError(f"torch store {host}:{port} failed the PING check")
+        if wire == "torch":
+            return _TorchChannel(conn, host, port, max_key_size, max_value_size)
+        server_key, server_value = await _handshake_aiodist(conn, token, left)
+        return _AiodistChannel(
+            conn, min(max_key_size, server_key), min(max_value_size, server_value)
+        )
+    except TimeoutError:
+        conn.close()
+        raise DistNetworkError(
+            f"the store at {host}:{port} did not answer the {wire} handshake within "
+            f"{time.monotonic() - start:.1f} s"
+        ) from None
+    except BaseException:
+        conn.close()
+        raise
+
+
+class TCPStore(Store):
+    """A store served over TCP, shared by processes on any host that can reach it.
+
+    Create it with :meth:`create`. The master (``is_master=True``) runs a
+    :class:`TCPStoreServer` on the current event loop; every instance, master included, is a
+    client of it. The server accepts unmodified ``torch.distributed.TCPStore`` clients on the
+    same port, and the client can use a torch TCPStore server (``wire="torch"``, or detected
+    with ``wire="auto"``).
+
+    Attributes:
+        host: the host name the store was created with.
+        port: the server's port (the one picked when created with port 0).
+        wire: the protocol in use, ``"aiodist"`` or ``"torch"``.
+        server: the server this instance hosts, or ``None``.
+    """
+
+    def __init__(
+        self,
+        channel: _Channel,
+        host: str,
+        port: int,
+        timeout: Timeout,
+        *,
+        server: TCPStoreServer | None = None,
+        token: bytes | None = None,
+    ) -> None:
+        super().__init__(timeout)
+        self._channel = channel
+        self.host = host
+        self.port = port
+        self.server = server
+        self._token = token
+        self._closed = False
+
+    @property
+    def wire(self) -> str:
+        """The protocol this client speaks with its server: ``"aiodist"`` or ``"torch"``."""
+        return self._channel.wire
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"pending={self._channel.pending}"
+        return (
+            f"<TCPStore {self.host}:{self.port} wire={self.wire} "
+            f"master={self.server is not None} timeout={self.timeout} {state}>"
+        )
+
+    @classmethod
+    async def create(
+        cls,
+        host_name: str,
+        port: int,
+        world_size: int | None = None,
+        is_master: bool = False,
+        timeout: Timeout = None,
+        wait_for_workers: bool = True,
+        *,
+        auth_token: str | bytes | None = None,
+        wire: Wire = "auto",
+        max_key_size: int = DEFAULT_MAX_KEY_SIZE,
+        max_value_size: int = DEFAULT_MAX_VALUE_SIZE,
+        allow_unauthenticated_torch: bool = False,
+    ) -> TCPStore:
+        """Connect to (and, as master, first start) the store at ``host_name:port``.
+
+        Args:
+            host_name: the server's address; the master listens on exactly this address.
+            port: the server's port; the master may pass 0 to pick a free one.
+            world_size: the number of store instances of the job. Each one adds itself to
+                torch's ``init/`` counter; the master waits for all of them when
+                ``wait_for_workers``. ``None``: no join handshake.
+            is_master: start the server here.
+            timeout: seconds (or ``timedelta``) for connecting, joining, ``get`` and
+                ``wait``; default 300 s.
+            wait_for_workers: the master waits for ``world_size`` instances to join.
+            auth_token: shared secret (HMAC-SHA256 challenge-response); ``None`` reads
+                ``$AIODIST_AUTH_TOKEN``. The master's server then refuses clients without it.
+            wire: ``"aiodist"``, ``"torch"`` (a torch TCPStore server) or ``"auto"``.
+            max_key_size: the largest key in bytes (the server's limit, for the master).
+            max_value_size: the largest value in bytes (the server's limit, for the master).
+            allow_unauthenticated_torch: with a token, still let torch clients in.
+
+        Raises:
+            DistUsageError: bad arguments (world_size 0, unknown wire, bad limits).
+            DistNetworkError: the port is in use (master), or the server cannot be reached
+                within the timeout (the message names host:port and the time).
+            DistTimeoutError: the master's workers did not all join in time ("k/n joined").
+            DistStoreError: authentication was refused.
+            DistProtocolError: the server speaks another protocol version.
+        """
+        if wire not in ("auto", "aiodist", "torch"):
+            raise DistUsageError(f"wire must be 'auto', 'aiodist' or 'torch', got {wire!r}")
+        if world_size is not None and (
+            isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1
+        ):
+            raise DistUsageError(f"TCPStore world_size must be a positive int, got {world_size!r}")
+        seconds = to_seconds(timeout, cls.DEFAULT_TIMEOUT)
+        token = resolve_token(auth_token)
+        server = None
+        connect_host = host_name
+        if is_master:
+            server = TCPStoreServer(
+                auth_token=token,
+                allow_unauthenticated_torch=allow_unauthenticated_torch,
+                max_key_size=max_key_size,
+                max_value_size=max_value_size,
+            )
+            await server.start(host_name, port)
+            port = server.port
+            if server.host in ("0.0.0.0", "::"):
+                connect_host = "127.0.0.1" if server.host == "0.0.0.0" else "::1"
+        try:
+            channel = await _open_channel(
+                connect_host, port, wire, token, seconds, max_key_size, max_value_size
+            )
+            store = cls(channel, host_name, port, seconds, server=server, token=token)
+            if world_size is not None:
+                await channel.add(_JOIN_KEY, 1)
+                if server is not None and wait_for_workers:
+                    await server.wait_for_count(_JOIN_KEY, world_size, seconds)
+        except BaseException:
+            if server is not None:
+                await server.aclose()
+            raise
+        return store
+
+    DEFAULT_TIMEOUT = 300.0
+
+    # -- helpers -------------------------------------------------------------------------
+    def _key(self, key: str) -> bytes:
+        raw = b"/" + encode_key(key)
+        if len(raw) > self._channel.max_key_size:
+            raise DistUsageError(
+                f"key of {len(raw)} bytes exceeds the store's max_key_size of "
+                f"{self._channel.max_key_size} bytes"
+            )
+        return raw
+
+    def _value(self, value: Value) -> bytes:
+        data = encode_value(value)
+        if len(data) > self._channel.max_value_size:
+            raise DistUsageError(
+                f"value of {len(data)} bytes exceeds the store's max_value_size of "
+                f"{self._channel.max_value_size} bytes"
+            )
+        return data
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise DistUsageError(f"{self!r} is closed")
+
+    @staticmethod
+    def _timed_out(keys: list[bytes], exc: _TimedOut) -> DistTimeoutError:
+        return timeout_error(
+            [k[1:] for k in keys], [k[1:] if k[:1] == b"/" else k for k in exc.missing], exc.waited
+        )
+
+    # -- the Store interface ---------------------------------------------------------------
+    async def set(self, key: str, value: Value) -> None:
+        """Store ``value`` under ``key`` and wake its waiters.
+
+        Raises:
+            DistUsageError: the key or value is too large, or the store is closed.
+            DistNetworkError: the server went away.
+        """
+        self._check_open()
+        await self._channel.set(self._key(key), self._value(value))
+
+    async def get(self, key: str) -> bytes:
+        """Return the value of ``key``, waiting up to the store timeout for it.
+
+        Raises:
+            DistTimeoutError: the key did not appear in time (the message names it).
+            DistNetworkError: the server went away.
+        """
+        self._check_open()
+        raw = self._key(key)
+        try:
+            return await self._channel.get(raw, self.timeout)
+        except _TimedOut as exc:
+            raise self._timed_out([raw], exc) from None
+
+    async def add(self, key: str, amount: int) -> int:
+        """Add ``amount`` to the ASCII counter ``key`` (missing: 0) and return the result.
+
+        Raises:
+            DistStoreError: the key holds something that is not an integer (unchanged).
+            DistUsageError: ``amount`` is not a 64-bit integer.
+            DistNetworkError: the server went away.
+        """
+        self._check_open()
+        if isinstance(amount, bool) or not isinstance(amount, int):
+            raise DistUsageError(f"add amount must be an int, got {type(amount).__name__}")
+        if not _I64_MIN <= amount <= _I64_MAX:
+            raise DistUsageError(f"add amount {amount} does not fit in 64 bits")
+        return await self._channel.add(self._key(key), amount)
+
+    async def compare_set(self, key: str, expected: Value, desired: Value) -> bytes:
+        """torch's compare-and-set; see :meth:`Store.compare_set`.
+
+        Raises:
+            DistUsageError: a value is too large.
+            DistNetworkError: the server went away.
+        """
+        self._check_open()
+        return await self._channel.compare_set(
+            self._key(key), self._value(expected), self._value(desired)
+        )
+
+    async def wait(self, keys: Sequence[str], timeout: Timeout = None) -> None:
+        """Wait until every key exists (``timeout`` defaults to the store timeout).
+
+        Raises:
+            DistTimeoutError: naming the keys still missing and the time waited.
+            DistNetworkError: the server went away.
+        """
+        self._check_open()
+        seconds = to_seconds(timeout, self.timeout)
+        raw = [self._key(k) for k in keys]
+        if not raw:
+            return
+        try:
+            await self._channel.wait(raw, seconds)
+        except _TimedOut as exc:
+            raise self._timed_out(raw, exc) from None
+
+    async def check(self, keys: Sequence[str]) -> bool:
+        """Return whether every key exists, without waiting.
+
+        Raises:
+            DistNetworkError: the server went away.
+        """
+        self._check_open()
+        raw = [self._key(k) for k in keys]
+        return True if not raw else await self._channel.check(raw)
+
+    async def delete_key(self, key: str) -> bool:
+        """Delete ``key``; return whether it existed.
+
+        Raises:
+            DistNetworkError: the server went away.
+        """
+        self._check_open()
+        return await self._channel.delete(self._key(key))
+
+    async def num_keys(self) -> int:
+        """Return the number of keys on the server (torch's ``init/`` counter included).
+
+        Raises:
+            DistNetworkError: the server went away.
+        """
+        self._check_open()
+        return await self._channel.num_keys()
+
+    async def list_keys(self) -> list[str]:
+        """Return the user keys (those set through a TCPStore client), as torch does.
+
+        Raises:
+            DistNetworkError: the server went away.
+        """
+        self._check_open()
+        raw = await self._channel.list_keys()
+        return [k[1:].decode(errors="surrogateescape") for k in raw if k[:1] == b"/"]
+
+    async def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        """Return the values of ``keys``, waiting for all of them like :meth:`get`.
+
+        Raises:
+            DistTimeoutError: a key did not appear in time.
+            DistNetworkError: the server went away.
+        """
+        self._check_open()
+        raw = [self._key(k) for k in keys]
+        if not raw:
+            return []
+        try:
+            return await self._channel.multi_get(raw, self.timeout)
+        except _TimedOut as exc:
+            raise self._timed_out(raw, exc) from None
+
+    async def multi_set(self, keys: Sequence[str], values: Sequence[Value]) -> None:
+        """Set every key to its value in one request.
+
+        Raises:
+            DistUsageError: the sequences differ in length, or an entry is too large.
+            DistNetworkError: the server went away.
+        """
+        self._check_open()
+        check_lengths(keys, values)
+        items = [(self._key(k), self._value(v)) for k, v in zip(keys, values, strict=True)]
+        if items:
+            await self._channel.multi_set(items)
+
+    async def append(self, key: str, value: Value) -> None:
+        """Append ``value`` to ``key``, creating it if missing.
+
+        Raises:
+            DistUsageError: the value (or, on aiodist's wire, the result) is too large.
+            DistNetworkError: the server went away.
+        """
+        self._check_open()
+        await self._channel.append(self._key(key), self._value(value))
+
+    async def queue_push(self, key: str, value: Value) -> None:
+        """Push ``value`` onto the FIFO queue ``key``.
+
+        Raises:
+            DistUsageError: the value is too large.
+            DistNetworkError: the server went away.
+        """
+        self._check_open()
+        await self._channel.queue_push(self._key(key), self._value(value))
+
+    async def queue_pop(self, key: str, block: bool = True) -> bytes:
+        """Pop the oldest value of queue ``key``.
+
+        Raises:
+            QueueEmptyError: ``block`` is false and the queue is empty.
+            DistTimeoutError: ``block`` is true and nothing arrived within the store timeout.
+            DistNetworkError: the server went away.
+        """
+        self._check_open()
+        raw = self._key(key)
+        try:
+            return await self._channel.queue_pop(raw, block, self.timeout)
+        except _TimedOut as exc:
+            raise self._timed_out([raw], exc) from None
+
+    async def queue_len(self, key: str) -> int:
+        """Return the number of values in queue ``key``.
+
+        Raises:
+            DistNetworkError: the server went away.
+        """
+        self._check_open()
+        return await self._channel.queue_len(self._key(key))
+
+    async def clone(self) -> TCPStore:
+        """Open a new connection to the same server, with this store's settings.
+
+        Raises:
+            DistNetworkError: the server cannot be reached.
+        """
+        self._check_open()
+        channel = self._channel
+        host = self.host
+        if self.server is not None and self.server.host in ("0.0.0.0", "::"):
+            host = "127.0.0.1" if self.server.host == "0.0.0.0" else "::1"
+        new = await _open_channel(
+            host,
+            self.port,
+            channel.wire,
+            self._token,
+            self.timeout,
+            channel.max_key_size,
+            channel.max_value_size,
+        )
+        return TCPStore(new, self.host, self.port, self.timeout, token=self._token)
+
+    async def aclose(self) -> None:
+        """Close the connection; the master also stops its server. Closing twice is harmless."""
+        if self._closed:
+            return
+        self._closed = True
+        self._channel.close()
+        if self.server is not None:
+            await self.server.aclose()
