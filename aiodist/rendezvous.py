@@ -1,0 +1,293 @@
+"""Rendezvous: turning an ``init_method`` URL into a store, this process's rank and the world size.
+
+Schemes, with torch's rules:
+
+* ``env://[?rank=R&world_size=W]``: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``
+  from the environment (query parameters override the first two). Without ``RANK`` /
+  ``WORLD_SIZE``, Open MPI's ``OMPI_COMM_WORLD_RANK`` / ``OMPI_COMM_WORLD_SIZE`` and then
+  SLURM's ``SLURM_PROCID`` / ``SLURM_NTASKS`` are used.
+* ``tcp://host:port?rank=R&world_size=W``.
+* ``file:///abs/path?rank=R&world_size=W``: a :class:`~aiodist.FileStore` on that path.
+
+``env://`` and ``tcp://`` give a :class:`~aiodist.TCPStore`: rank 0 hosts it and the others
+connect, except under an agent that hosts the store itself (``TORCHELASTIC_USE_AGENT_STORE=True``),
+where every rank connects. Other schemes come from :func:`register_rendezvous_handler` or
+from packages that declare an entry point in the ``aiodist.rendezvous`` group (name: the
+scheme; value: the handler).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Awaitable
+from importlib.metadata import entry_points
+from typing import Protocol
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
+
+from ._timeouts import Timeout, to_seconds
+from .errors import DistUsageError
+from .store import FileStore, Store
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "RendezvousHandler",
+    "get_node_local_rank",
+    "register_rendezvous_handler",
+    "rendezvous",
+]
+
+logger = logging.getLogger(__name__)
+
+#: The entry-point group third-party packages use to provide rendezvous schemes.
+ENTRY_POINT_GROUP = "aiodist.rendezvous"
+
+#: Where ``env://`` looks for each value, in order: torchrun's names, then Open MPI's, then SLURM's.
+_RANK_VARS = ("RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
+_WORLD_SIZE_VARS = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS")
+_LOCAL_RANK_VARS = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
+
+
+class RendezvousHandler(Protocol):
+    """A rendezvous scheme: ``await handler(url, timeout=...) -> (store, rank, world_size)``.
+
+    ``url`` already carries the ``rank`` and ``world_size`` that :func:`rendezvous` was given,
+    as query parameters. ``timeout`` is the store timeout in seconds (``None``: the store's
+    default).
+    """
+
+    def __call__(self, url: str, *, timeout: float | None) -> Awaitable[tuple[Store, int, int]]:
+        """Create or join the store the URL names."""
+        ...
+
+
+_handlers: dict[str, RendezvousHandler] = {}
+
+
+def register_rendezvous_handler(scheme: str, handler: RendezvousHandler) -> None:
+    """Make ``scheme://`` URLs rendezvous through ``handler``.
+
+    Args:
+        scheme: the URL scheme, without ``://`` (case-insensitive).
+        handler: an async callable ``handler(url, *, timeout) -> (store, rank, world_size)``.
+
+    Raises:
+        DistUsageError: the scheme is empty, malformed or already registered, or ``handler``
+            is not callable.
+    """
+    if not isinstance(scheme, str) or not scheme or "://" in scheme or ":" in scheme:
+        raise DistUsageError(f"rendezvous scheme must be a name like 'env', got {scheme!r}")
+    if not callable(handler):
+        raise DistUsageError(f"rendezvous handler for {scheme}:// must be callable")
+    scheme = scheme.lower()
+    if scheme in _handlers:
+        raise DistUsageError(f"a rendezvous handler for {scheme}:// is already registered")
+    _handlers[scheme] = handler
+
+
+def _find_handler(scheme: str) -> RendezvousHandler:
+    handler = _handlers.get(scheme)
+    if handler is not None:
+        return handler
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name.lower() == scheme:
+            logger.debug("loading rendezvous handler for %s:// from %s", scheme, ep.value)
+            loaded: RendezvousHandler = ep.load()
+            register_rendezvous_handler(scheme, loaded)
+            return loaded
+    known = sorted({*_handlers, *(ep.name.lower() for ep in entry_points(group=ENTRY_POINT_GROUP))})
+    raise DistUsageError(
+        f"no rendezvous handler for {scheme}:// (known schemes: "
+        f"{', '.join(s + '://' for s in known)})"
+    )
+
+
+def _check_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise DistUsageError(f"{name} must be an int, got {type(value).__name__}")
+    return value
+
+
+async def rendezvous(
+    url: str, rank: int = -1, world_size: int = -1, timeout: Timeout = None
+) -> tuple[Store, int, int]:
+    """Rendezvous through ``url``: return a store shared by the job, this rank and the world size.
+
+    ``rank`` and ``world_size`` (``-1``: not given) are added to the URL's query, as torch does;
+    giving one both ways with different values is an error.
+
+    Args:
+        url: ``env://``, ``tcp://host:port?...``, ``file:///path?...`` or a registered scheme.
+        rank: this process's rank, or ``-1`` to take it from the URL or environment.
+        world_size: the number of processes, or ``-1`` to take it from the URL or environment.
+        timeout: the store timeout (seconds or ``timedelta``; ``None``: the store's default).
+
+    Returns:
+        ``(store, rank, world_size)``.
+
+    Raises:
+        DistUsageError: the URL is malformed, misses a parameter or environment variable
+            (the message names it), conflicts with the arguments, or has an unknown scheme.
+        DistNetworkError: the store could not be reached.
+        DistTimeoutError: the other ranks did not arrive in time.
+    """
+    if not isinstance(url, str):
+        raise DistUsageError(f"rendezvous url must be a str, got {type(url).__name__}")
+    rank = _check_int("rank", rank)
+    world_size = _check_int("world_size", world_size)
+    seconds = to_seconds(timeout)
+    parts = urlsplit(url)
+    if not parts.scheme:
+        raise DistUsageError(f"rendezvous url {url!r} has no scheme, e.g. env:// or tcp://")
+    query = dict(parse_qsl(parts.query, keep_blank_values=True))
+    for name, value in (("rank", rank), ("world_size", world_size)):
+        if value == -1:
+            continue
+        if name in query and query[name] != str(value):
+            raise DistUsageError(
+                f"{name} given twice: {name}={query[name]} in the url {url!r} "
+                f"and {name}={value} as an argument"
+            )
+        query[name] = str(value)
+    merged = urlunsplit(parts._replace(query=urlencode(query)))
+    handler = _find_handler(parts.scheme.lower())
+    return await handler(merged, timeout=seconds)
+
+
+# -- the built-in schemes ------------------------------------------------------------------
+def _error(scheme: str, message: str) -> DistUsageError:
+    return DistUsageError(f"Error initializing aiodist using {scheme}:// rendezvous: {message}")
+
+
+def _parse_int(scheme: str, what: str, text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise _error(scheme, f"{what} must be an integer, got {text!r}") from None
+
+
+def _check_rank(scheme: str, rank: int, world_size: int) -> None:
+    if world_size < 1:
+        raise _error(scheme, f"world size must be positive, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise _error(scheme, f"rank {rank} is out of range for world size {world_size}")
+
+
+def _from_env(scheme: str, names: tuple[str, ...]) -> str:
+    for name in names:
+        value = os.environ.get(name)
+        if value:
+            return value
+    message = f"environment variable {names[0]} expected, but not set"
+    if len(names) > 1:
+        message += f" (nor {' or '.join(names[1:])})"
+    raise _error(scheme, message)
+
+
+def _rank_and_size(scheme: str, query: dict[str, str], use_env: bool) -> tuple[int, int]:
+    values = []
+    for name, label, env_names in (
+        ("rank", "rank", _RANK_VARS),
+        ("world_size", "world size", _WORLD_SIZE_VARS),
+    ):
+        if name in query:
+            text = query[name]
+        elif use_env:
+            text = _from_env(scheme, env_names)
+        else:
+            raise _error(scheme, f"{label} parameter missing")
+        values.append(_parse_int(scheme, label, text))
+    rank, world_size = values
+    _check_rank(scheme, rank, world_size)
+    return rank, world_size
+
+
+async def _tcp_store(
+    scheme: str, host: str, port: int, rank: int, world_size: int, timeout: float | None
+) -> Store:
+    if not 0 <= port < 2**16:
+        raise _error(scheme, f"port must be from 0 to 65535, got {port}")
+    from .store.tcp import TCPStore
+
+    # A launcher's agent may host the store for the whole job; then rank 0 is a client too.
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    is_master = rank == 0 and not agent_store
+    logger.debug(
+        "%s:// rendezvous: rank %d/%d %s the store at %s:%d",
+        scheme, rank, world_size, "hosts" if is_master else "joins", host, port,
+    )  # fmt: skip
+    store: Store = await TCPStore.create(
+        host, port, world_size=world_size, is_master=is_master, timeout=timeout
+    )
+    return store
+
+
+async def _env_handler(url: str, *, timeout: float | None) -> tuple[Store, int, int]:
+    query = dict(parse_qsl(urlsplit(url).query, keep_blank_values=True))
+    rank, world_size = _rank_and_size("env", query, use_env=True)
+    host = _from_env("env", ("MASTER_ADDR",))
+    port = _parse_int("env", "MASTER_PORT", _from_env("env", ("MASTER_PORT",)))
+    store = await _tcp_store("env", host, port, rank, world_size, timeout)
+    return store, rank, world_size
+
+
+async def _tcp_handler(url: str, *, timeout: float | None) -> tuple[Store, int, int]:
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError as exc:
+        raise _error("tcp", f"bad port in {url!r}: {exc}") from None
+    if not parts.hostname:
+        raise _error("tcp", "host name missing")
+    if port is None:
+        raise _error("tcp", "port number missing")
+    query = dict(parse_qsl(parts.query, keep_blank_values=True))
+    rank, world_size = _rank_and_size("tcp", query, use_env=False)
+    store = await _tcp_store("tcp", parts.hostname, port, rank, world_size, timeout)
+    return store, rank, world_size
+
+
+async def _file_handler(url: str, *, timeout: float | None) -> tuple[Store, int, int]:
+    parts = urlsplit(url)
+    if parts.netloc not in ("", "localhost"):
+        raise _error(
+            "file", f"expected file:///absolute/path, got host {parts.netloc!r} in {url!r}"
+        )
+    path = unquote(parts.path)
+    if not path:
+        raise _error("file", "path missing")
+    query = dict(parse_qsl(parts.query, keep_blank_values=True))
+    rank, world_size = _rank_and_size("file", query, use_env=False)
+    return FileStore(path, world_size, timeout=timeout), rank, world_size
+
+
+register_rendezvous_handler("env", _env_handler)
+register_rendezvous_handler("tcp", _tcp_handler)
+register_rendezvous_handler("file", _file_handler)
+
+
+def get_node_local_rank(fallback_rank: int | None = None) -> int:
+    """Return this process's rank on its node, from the launcher's environment.
+
+    Looks at ``LOCAL_RANK`` (torchrun, ``aiodist-run``), ``OMPI_COMM_WORLD_LOCAL_RANK``
+    (Open MPI) and ``SLURM_LOCALID`` (SLURM), in that order.
+
+    Args:
+        fallback_rank: returned when none of them is set.
+
+    Raises:
+        DistUsageError: none is set and there is no fallback, or the value is not an integer.
+    """
+    for name in _LOCAL_RANK_VARS:
+        value = os.environ.get(name)
+        if value:
+            try:
+                return int(value)
+            except ValueError:
+                raise DistUsageError(f"{name} must be an integer, got {value!r}") from None
+    if fallback_rank is not None:
+        return fallback_rank
+    raise DistUsageError(
+        f"the local rank is unknown: none of {', '.join(_LOCAL_RANK_VARS)} is set "
+        "and no fallback_rank was given"
+    )
