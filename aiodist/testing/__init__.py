@@ -6,8 +6,15 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ._store_kit import check_store, check_sync_store
+    from ._world import WorldProcessError, run_world, run_world_processes
 
-__all__ = ["check_store", "check_sync_store"]
+__all__ = [
+    "WorldProcessError",
+    "check_store",
+    "check_sync_store",
+    "run_world",
+    "run_world_processes",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -17,4 +24,8 @@ def __getattr__(name: str) -> Any:
         from . import _store_kit
 
         return getattr(_store_kit, name)
+    if name in ("WorldProcessError", "run_world", "run_world_processes"):
+        from . import _world
+
+        return getattr(_world, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,261 @@
+"""Running a function on every rank of a small world: as tasks of one loop, or as processes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import socket
+import time
+import traceback
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Literal, TypeVar
+
+from .._loop import loop_factory
+from .._timeouts import Timeout, to_seconds
+from ..errors import DistError, DistTimeoutError, DistUsageError
+
+__all__ = ["WorldProcessError", "run_world", "run_world_processes"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+RankFn = Callable[[int, int], Awaitable[T]]
+
+
+async def run_world(
+    fn: RankFn[T],
+    world_size: int,
+    backend: str | None = "cpu",
+    *,
+    timeout: Timeout = 60.0,
+    transport: Literal["tcp", "local"] = "tcp",
+) -> list[T]:
+    """Run ``await fn(rank, world_size)`` on ``world_size`` ranks as tasks of the running loop.
+
+    Each rank is a task with a default process group of its own (the default group lives
+    in a :class:`contextvars.ContextVar`): inside ``fn``, ``aiodist.all_reduce(x)`` and
+    friends work as they would in a separate process. The ranks meet through one shared
+    :class:`~aiodist.HashStore` and talk over real loopback TCP (``transport="tcp"``) or
+    the in-process transport (``transport="local"``). Each rank's group is destroyed when
+    its ``fn`` returns.
+
+    Args:
+        fn: an async function of ``(rank, world_size)``.
+        world_size: the number of ranks.
+        backend: passed to ``init_process_group``.
+        timeout: limit for the whole run, also the groups' operation timeout.
+        transport: ``"tcp"`` or ``"local"``.
+
+    Returns:
+        The results of ``fn``, indexed by rank.
+
+    Raises:
+        DistUsageError: ``world_size`` is not a positive integer or ``transport`` is unknown.
+        DistTimeoutError: some rank did not finish within ``timeout`` (they are named).
+        BaseException: the first exception a rank raised; the other ranks are cancelled.
+    """
+    from .. import _api, group
+    from ..store import HashStore
+    from ..transport.local import LocalTransport
+
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise DistUsageError(f"world_size must be a positive integer, got {world_size!r}")
+    if transport not in ("tcp", "local"):
+        raise DistUsageError(f"transport must be 'tcp' or 'local', got {transport!r}")
+    seconds = to_seconds(timeout, None)
+    store = HashStore(timeout=seconds)
+    local = LocalTransport.create_world(world_size) if transport == "local" else None
+
+    async def one(rank: int) -> T:
+        group.set_current_world(None)  # this task's context gets a world of its own
+        if local is not None:
+            group.start_world(local[rank], store, backend=backend, timeout=seconds)
+        else:
+            await _api.init_process_group(
+                backend, store=store, rank=rank, world_size=world_size, timeout=seconds
+            )
+        try:
+            return await fn(rank, world_size)
+        finally:
+            if _api.is_initialized():
+                await _api.destroy_process_group()
+
+    tasks = [asyncio.create_task(one(r), name=f"aiodist-rank-{r}") for r in range(world_size)]
+    try:
+        done, pending = await asyncio.wait(
+            tasks, timeout=seconds, return_when=asyncio.FIRST_EXCEPTION
+        )
+    except BaseException:
+        await _cancel(tasks)
+        raise
+    failed = [t for t in tasks if t in done and not t.cancelled() and t.exception() is not None]
+    if pending:
+        await _cancel(tasks)
+    if failed:
+        exc = failed[0].exception()
+        assert exc is not None
+        raise exc
+    if pending:
+        missing = [r for r, t in enumerate(tasks) if t in pending]
+        raise DistTimeoutError(f"run_world: ranks {missing} did not finish within {seconds:g} s")
+    return [t.result() for t in tasks]
+
+
+async def _cancel(tasks: Sequence[asyncio.Task[Any]]) -> None:
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class WorldProcessError(DistError):
+    """A rank of :func:`run_world_processes` failed; the message holds its traceback.
+
+    Attributes:
+        rank: the failing rank.
+    """
+
+    def __init__(self, rank: int, message: str) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _child(
+    fn: RankFn[Any],
+    rank: int,
+    world_size: int,
+    env: dict[str, str],
+    backend: str | None,
+    timeout: float | None,
+    conn: multiprocessing.connection.Connection,
+) -> None:
+    os.environ.update(env)
+
+    async def main() -> Any:
+        from .. import _api
+
+        await _api.init_process_group(backend, timeout=timeout)
+        try:
+            return await fn(rank, world_size)
+        finally:
+            await _api.destroy_process_group()
+
+    try:
+        with asyncio.Runner(loop_factory=loop_factory("auto")) as runner:
+            result = runner.run(main())
+        conn.send(("ok", result))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        raise SystemExit(1) from None
+    finally:
+        conn.close()
+
+
+def run_world_processes(
+    fn: RankFn[T],
+    world_size: int,
+    backend: str | None = "cpu",
+    *,
+    timeout: float = 120.0,
+    env: dict[str, str] | None = None,
+) -> list[T]:
+    """Run ``await fn(rank, world_size)`` in ``world_size`` new processes on loopback.
+
+    Blocks until every rank has finished. Each child gets ``RANK``, ``WORLD_SIZE``,
+    ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1`` and a free
+    ``MASTER_PORT``, runs ``init_process_group(init_method="env://")`` (rank 0 hosts the
+    TCPStore) on a fresh event loop, awaits ``fn`` and sends its result back (so it must be
+    picklable). Processes are started with ``spawn``, so ``fn`` must be a module-level
+    function of an importable module.
+
+    Args:
+        fn: an async function of ``(rank, world_size)``.
+        world_size: the number of processes.
+        backend: passed to ``init_process_group``.
+        timeout: seconds for the whole run, also the groups' operation timeout.
+        env: extra environment variables for the children.
+
+    Returns:
+        The results of ``fn``, indexed by rank.
+
+    Raises:
+        WorldProcessError: a rank raised (its traceback is in the message) or died; the
+            other ranks are terminated.
+        DistTimeoutError: ranks still running after ``timeout`` (they are named and killed).
+    """
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise DistUsageError(f"world_size must be a positive integer, got {world_size!r}")
+    ctx = multiprocessing.get_context("spawn")
+    port = _free_port()
+    procs: list[multiprocessing.process.BaseProcess] = []
+    conns: dict[multiprocessing.connection.Connection, int] = {}
+    for rank in range(world_size):
+        child_env = {
+            **(env or {}),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        recv_end, send_end = ctx.Pipe(duplex=False)
+        proc = ctx.Process(
+            target=_child,
+            args=(fn, rank, world_size, child_env, backend, timeout, send_end),
+            name=f"aiodist-rank-{rank}",
+            daemon=True,
+        )
+        proc.start()
+        send_end.close()
+        procs.append(proc)
+        conns[recv_end] = rank
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while conns:
+            left = deadline - time.monotonic()
+            ready = multiprocessing.connection.wait(list(conns), timeout=max(0.0, left))
+            if not ready:
+                missing = sorted(conns.values())
+                raise DistTimeoutError(
+                    f"run_world_processes: ranks {missing} did not finish within {timeout:g} s"
+                )
+            for c in ready:
+                assert isinstance(c, multiprocessing.connection.Connection)
+                rank = conns.pop(c)
+                try:
+                    status, payload = c.recv()
+                except EOFError:
+                    procs[rank].join(5)
+                    raise WorldProcessError(
+                        rank,
+                        f"rank {rank} died without a result (exit code {procs[rank].exitcode})",
+                    ) from None
+                finally:
+                    c.close()
+                if status == "error":
+                    raise WorldProcessError(rank, f"rank {rank} failed:\n{payload}")
+                results[rank] = payload
+        for p in procs:
+            p.join(10)
+    finally:
+        for c in conns:
+            c.close()
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            with contextlib.suppress(Exception):
+                p.join(5)
+    return [results[r] for r in range(world_size)]
