@@ -1,0 +1,177 @@
+"""Pieces shared by the collective algorithms: in-flight futures, chunking, scratch memory."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+logger = logging.getLogger(__name__)
+
+#: Largest piece of a large message sent, received and reduced as one unit. Small enough
+#: that reducing or copying one piece stalls the loop well under a millisecond, large
+#: enough that per-message overhead is a few percent.
+CHUNK_BYTES = 512 * 1024
+#: Smallest piece a large message is cut into for pipelining.
+MIN_CHUNK_BYTES = 64 * 1024
+#: Chunks whose receives are posted ahead of the one being processed.
+WINDOW = 4
+#: Bytes of local copying or reducing between two yields to the event loop.
+YIELD_BYTES = 2 * 1024 * 1024
+
+#: An empty message, for operations that only synchronize.
+EMPTY = memoryview(b"")
+
+
+class Flight:
+    """The futures one operation posted; all of them settle before the operation returns.
+
+    An operation must not complete while a send still refers to the caller's memory (the
+    caller may overwrite it at once), and on failure none of the other futures may be left
+    with an exception nobody retrieves.
+    """
+
+    __slots__ = ("futs",)
+
+    def __init__(self) -> None:
+        self.futs: list[asyncio.Future[Any]] = []
+
+    def __repr__(self) -> str:
+        pending = sum(1 for f in self.futs if not f.done())
+        return f"<Flight {len(self.futs)} futures, {pending} pending>"
+
+    def add(self, fut: asyncio.Future[Any]) -> asyncio.Future[Any]:
+        """Track ``fut`` and return it."""
+        self.futs.append(fut)
+        return fut
+
+    async def drain(self) -> None:
+        """Wait for every tracked future; raise the first failure."""
+        for fut in self.futs:
+            if fut.done():
+                fut.result()
+            else:
+                await fut
+        self.futs.clear()
+
+    def abandon(self) -> None:
+        """After a failure: cancel what is pending and retrieve every exception."""
+        abandon(self.futs)
+        self.futs.clear()
+
+
+def abandon(futs: Iterable[asyncio.Future[Any]]) -> None:
+    """Cancel the pending futures of a failed operation and retrieve the others' exceptions."""
+    for fut in futs:
+        if not fut.done():
+            fut.cancel()
+        elif not fut.cancelled():
+            fut.exception()
+
+
+def chunk_size(nbytes: int, chunk_bytes: int | None) -> int:
+    """The chunk size for pipelining a message of ``nbytes``: ``chunk_bytes`` if given,
+    else about a :data:`WINDOW`-th of it, within ``[MIN_CHUNK_BYTES, CHUNK_BYTES]``."""
+    if chunk_bytes is not None:
+        return max(1, chunk_bytes)
+    return max(min(CHUNK_BYTES, nbytes // WINDOW), MIN_CHUNK_BYTES)
+
+
+def split(total: int, parts: int) -> list[tuple[int, int]]:
+    """Cut ``range(total)`` into ``parts`` contiguous pieces whose sizes differ by at most 1."""
+    return [(total * i // parts, total * (i + 1) // parts) for i in range(parts)]
+
+
+def num_chunks(nbytes: int, chunk_bytes: int) -> int:
+    """How many chunks a message of ``nbytes`` is cut into (at least one)."""
+    return max(1, -(-nbytes // chunk_bytes))
+
+
+class ScratchPool:
+    """Reusable receive buffers, so large operations do not page-fault fresh memory each time.
+
+    Buffers are kept per power-of-two size class, a few per class, up to a total byte cap;
+    anything beyond that is left to the garbage collector.
+    """
+
+    def __init__(self, per_class: int = 8, max_bytes: int = 128 * 1024 * 1024) -> None:
+        self._free: dict[int, list[npt.NDArray[np.uint8]]] = {}
+        self._per_class = per_class
+        self._max_bytes = max_bytes
+        self._cached = 0
+
+    def __repr__(self) -> str:
+        return f"<ScratchPool cached={self._cached} bytes in {len(self._free)} size classes>"
+
+    def get(self, nbytes: int) -> npt.NDArray[np.uint8]:
+        """Return a ``uint8`` buffer of at least ``nbytes`` bytes (contents undefined)."""
+        size = max(4096, 1 << max(0, nbytes - 1).bit_length())
+        free = self._free.get(size)
+        if free:
+            try:
+                buf = free.pop()
+            except IndexError:  # emptied by another thread's loop
+                pass
+            else:
+                self._cached -= size
+                return buf
+        return np.empty(size, dtype=np.uint8)
+
+    def put(self, buf: npt.NDArray[np.uint8]) -> None:
+        """Return a buffer from :meth:`get` for reuse."""
+        size = buf.nbytes
+        free = self._free.setdefault(size, [])
+        if len(free) < self._per_class and self._cached + size <= self._max_bytes:
+            free.append(buf)
+            self._cached += size
+
+
+#: The process-wide pool of receive buffers.
+SCRATCH = ScratchPool()
+
+
+def typed(buf: npt.NDArray[np.uint8], dtype: np.dtype[Any], count: int) -> npt.NDArray[Any]:
+    """The first ``count`` elements of a scratch buffer, viewed as ``dtype``."""
+    return buf[: count * dtype.itemsize].view(dtype)
+
+
+async def copy_into(dst: npt.NDArray[Any], src: npt.NDArray[Any]) -> None:
+    """Copy ``src`` into ``dst`` (same dtype and size), yielding to the loop between pieces.
+
+    Nothing is copied when both are the same memory (an output list that holds the input).
+    """
+    if dst.size == 0 or dst.__array_interface__["data"][0] == src.__array_interface__["data"][0]:
+        return
+    d = dst.reshape(-1)
+    s = src.reshape(-1)
+    if d.nbytes <= YIELD_BYTES:
+        np.copyto(d, s)
+        return
+    step = YIELD_BYTES // d.itemsize
+    for lo in range(0, d.size, step):
+        np.copyto(d[lo : lo + step], s[lo : lo + step])
+        await asyncio.sleep(0)
+
+
+def binomial_tree(vrank: int, size: int) -> tuple[int | None, list[int]]:
+    """Parent and children of ``vrank`` in a binomial tree rooted at 0 over ``size`` ranks.
+
+    Children come largest subtree first (the order a broadcast should feed them).
+    """
+    if vrank == 0:
+        parent = None
+        low = 1 << (size - 1).bit_length()
+    else:
+        low = vrank & -vrank
+        parent = vrank - low
+    children = []
+    mask = low >> 1
+    while mask:
+        if vrank + mask < size:
+            children.append(vrank + mask)
+        mask >>= 1
+    return parent, children

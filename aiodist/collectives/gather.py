@@ -1,0 +1,154 @@
+"""all_gather over a ring; gather and scatter straight between the root and each rank."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy.typing as npt
+
+from .._arrays import byte_view
+from ..errors import DistUsageError
+from ..transport.base import OpComm
+from ._common import Flight, chunk_size, copy_into, num_chunks, split
+
+__all__ = ["all_gather", "gather", "scatter"]
+
+logger = logging.getLogger(__name__)
+
+
+async def all_gather(
+    comm: OpComm,
+    outs: Sequence[npt.NDArray[Any]],
+    x: npt.NDArray[Any],
+    *,
+    chunk_bytes: int | None = None,
+) -> None:
+    """Gather every rank's ``x`` into ``outs`` on every rank: ``outs[i]`` gets rank i's ``x``.
+
+    A ring: in step ``s`` rank ``r`` passes block ``(r-s) % n`` to its right neighbour and
+    receives block ``(r-s-1) % n`` from its left one, straight into ``outs``. Blocks are cut
+    into chunks that are forwarded as soon as they arrive, and every receive is posted up
+    front (it needs no scratch), so the ``n-1`` steps overlap. Each rank sends and receives
+    ``(n-1)/n`` of the total once.
+
+    Args:
+        comm: This operation's view of the group.
+        outs: ``comm.size`` C-contiguous arrays of ``x``'s dtype and size (possibly views
+            of one large output).
+        x: C-contiguous input, same size on every rank.
+        chunk_bytes: Pipelining unit; by default chosen from the block size.
+
+    Raises:
+        DistNetworkError: a peer was lost.
+        DistUsageError: the peers' arrays differ in size.
+    """
+    n, rank = comm.size, comm.rank
+    if n > 1:
+        nbytes = x.nbytes
+        pieces = split(nbytes, num_chunks(nbytes, chunk_size(nbytes, chunk_bytes)))
+        views = [byte_view(o) for o in outs]
+        xb = byte_view(x)
+        right, left = (rank + 1) % n, (rank - 1) % n
+        nchunks = len(pieces)
+        flight = Flight()
+        try:
+            recvs = []
+            for s in range(n - 1):
+                view = views[(rank - s - 1) % n]
+                for c, (lo, hi) in enumerate(pieces):
+                    recvs.append(flight.add(comm.recv_into(left, s * nchunks + c, view[lo:hi])))
+            for c, (lo, hi) in enumerate(pieces):
+                flight.add(comm.send(right, c, xb[lo:hi]))
+            await copy_into(outs[rank], x)
+            for i, recv in enumerate(recvs):
+                s, c = divmod(i, nchunks)
+                await recv
+                if s < n - 2:
+                    lo, hi = pieces[c]
+                    view = views[(rank - s - 1) % n]
+                    flight.add(comm.send(right, i + nchunks, view[lo:hi]))
+            await flight.drain()
+        except BaseException:
+            flight.abandon()
+            raise
+    else:
+        await copy_into(outs[rank], x)
+
+
+async def gather(
+    comm: OpComm,
+    outs: Sequence[npt.NDArray[Any]] | None,
+    x: npt.NDArray[Any],
+    root: int,
+) -> None:
+    """Gather every rank's ``x`` on rank ``root``: there ``outs[i]`` gets rank i's ``x``.
+
+    Every rank sends its whole array straight to the root, which receives each into its
+    place in ``outs``; nothing is forwarded, so each byte crosses one link once.
+
+    Args:
+        comm: This operation's view of the group.
+        outs: On the root, ``comm.size`` C-contiguous arrays of ``x``'s dtype and size;
+            ignored (pass ``None``) elsewhere.
+        x: C-contiguous input, same size on every rank.
+        root: Group rank that receives.
+
+    Raises:
+        DistNetworkError: a peer was lost.
+        DistUsageError: the peers' arrays differ in size, or the root has no ``outs``.
+    """
+    flight = Flight()
+    try:
+        if comm.rank == root:
+            if outs is None:
+                raise DistUsageError("gather needs output arrays on the root")
+            for i in range(comm.size):
+                if i != root:
+                    flight.add(comm.recv_into(i, 0, byte_view(outs[i])))
+            await copy_into(outs[root], x)
+        else:
+            flight.add(comm.send(root, 0, byte_view(x)))
+        await flight.drain()
+    except BaseException:
+        flight.abandon()
+        raise
+
+
+async def scatter(
+    comm: OpComm,
+    out: npt.NDArray[Any],
+    ins: Sequence[npt.NDArray[Any]] | None,
+    root: int,
+) -> None:
+    """Hand block ``i`` of the root's ``ins`` to rank ``i``, into its ``out``.
+
+    The root sends each block straight to its rank (nothing is forwarded).
+
+    Args:
+        comm: This operation's view of the group.
+        out: C-contiguous output, same size on every rank.
+        ins: On the root, ``comm.size`` C-contiguous arrays of ``out``'s dtype and size;
+            ignored (pass ``None``) elsewhere.
+        root: Group rank that sends.
+
+    Raises:
+        DistNetworkError: a peer was lost.
+        DistUsageError: the peers' arrays differ in size, or the root has no ``ins``.
+    """
+    flight = Flight()
+    try:
+        if comm.rank == root:
+            if ins is None:
+                raise DistUsageError("scatter needs input arrays on the root")
+            for i in range(comm.size):
+                if i != root:
+                    flight.add(comm.send(i, 0, byte_view(ins[i])))
+            await copy_into(out, ins[root])
+        else:
+            flight.add(comm.recv_into(root, 0, byte_view(out)))
+        await flight.drain()
+    except BaseException:
+        flight.abandon()
+        raise

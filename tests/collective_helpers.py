@@ -1,0 +1,76 @@
+"""Running collective algorithms on N ranks in one loop, and numpy references for them."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from aiodist._ops import ReduceOp
+from aiodist.transport.base import OpComm, Transport
+from aiodist.transport.local import LocalTransport
+
+RankFn = Callable[[OpComm], Awaitable[Any]]
+
+
+async def run_local(n: int, fn: RankFn, *, seq: int = 0, group_id: int = 0) -> list[Any]:
+    """Run ``fn(comm)`` for every rank of a fresh in-process world; return their results."""
+    world = LocalTransport.create_world(n)
+    try:
+        return await run_on(world, fn, seq=seq, group_id=group_id)
+    finally:
+        for t in world:
+            await t.aclose()
+
+
+async def run_on(
+    world: Sequence[Transport], fn: RankFn, *, seq: int = 0, group_id: int = 0
+) -> list[Any]:
+    """Run ``fn(comm)`` on every transport of ``world`` concurrently, ranks 0..n-1."""
+    ranks = list(range(len(world)))
+    comms = [OpComm(t, ranks, r, group_id, seq) for r, t in enumerate(world)]
+    return list(await asyncio.gather(*(fn(c) for c in comms)))
+
+
+def numpy_reduce(op: ReduceOp, arrays: Sequence[np.ndarray]) -> np.ndarray:
+    """The reference reduction: left fold with the op's ufunc, AVG as floor or true mean."""
+    ufunc = {
+        ReduceOp.SUM: np.add,
+        ReduceOp.AVG: np.add,
+        ReduceOp.PRODUCT: np.multiply,
+        ReduceOp.MIN: np.minimum,
+        ReduceOp.MAX: np.maximum,
+        ReduceOp.BAND: np.bitwise_and,
+        ReduceOp.BOR: np.bitwise_or,
+        ReduceOp.BXOR: np.bitwise_xor,
+    }[op]
+    acc = arrays[0].copy()
+    for a in arrays[1:]:
+        ufunc(acc, a, out=acc)
+    if op is ReduceOp.AVG and len(arrays) > 1:
+        if acc.dtype.kind in "iu":
+            np.floor_divide(acc, acc.dtype.type(len(arrays)), out=acc)
+        else:
+            np.divide(acc, acc.dtype.type(len(arrays)), out=acc)
+    return acc
+
+
+def sample(
+    dtype: np.dtype[Any], shape: tuple[int, ...], seed: int, op: ReduceOp = ReduceOp.SUM
+) -> np.ndarray:
+    """Small integer-valued data, so every reduction order gives the exact same result
+    (products stay within 2**8, exact even in bfloat16)."""
+    rng = np.random.default_rng(seed)
+    kind = "f" if dtype.name == "bfloat16" else dtype.kind
+    low, high = (-1, 3) if op is ReduceOp.PRODUCT else (-3, 4)
+    if kind == "b":
+        return rng.integers(0, 2, shape).astype(dtype)
+    if kind == "u":
+        return rng.integers(0, high, shape).astype(dtype)
+    if kind == "c":
+        if op is ReduceOp.PRODUCT:
+            return (rng.integers(0, 2, shape) + 1j * rng.integers(0, 2, shape)).astype(dtype)
+        return (rng.integers(low, high, shape) + 1j * rng.integers(low, high, shape)).astype(dtype)
+    return rng.integers(low, high, shape).astype(dtype)

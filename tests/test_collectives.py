@@ -1,0 +1,318 @@
+"""Every collective algorithm on 1..8 in-process ranks, against numpy references."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from collective_helpers import numpy_reduce, run_local, run_on, sample
+
+from aiodist import collectives as coll
+from aiodist._ops import ReduceOp
+from aiodist.errors import DistNetworkError, DistUsageError
+from aiodist.transport.base import OpComm
+from aiodist.transport.local import LocalTransport
+
+SIZES = range(1, 9)
+# Tiny chunks make even small arrays go through many pipelined chunks.
+CHUNKS = [None, 8]
+
+
+def _inputs(n: int, shape: tuple[int, ...], dtype: Any = np.int64, op: ReduceOp = ReduceOp.SUM):
+    return [sample(np.dtype(dtype), shape, seed=r, op=op) for r in range(n)]
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("count", [0, 1, 5, 37])
+@pytest.mark.parametrize("algorithm", ["auto", "recursive_doubling", "ring"])
+async def test_all_reduce_sizes_and_algorithms(n: int, count: int, algorithm: str) -> None:
+    xs = _inputs(n, (count,))
+    expected = numpy_reduce(ReduceOp.SUM, xs)
+
+    async def rank(comm: OpComm) -> None:
+        await coll.all_reduce(comm, xs[comm.rank], ReduceOp.SUM, algorithm=algorithm)  # type: ignore[arg-type]
+
+    await run_local(n, rank)
+    for x in xs:
+        np.testing.assert_array_equal(x, expected)
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 8])
+@pytest.mark.parametrize("chunk", [1, 8, 24, 1000])
+async def test_ring_all_reduce_chunking(n: int, chunk: int) -> None:
+    xs = _inputs(n, (3, 41), np.float32)
+    expected = numpy_reduce(ReduceOp.SUM, xs)
+
+    async def rank(comm: OpComm) -> None:
+        await coll.ring_all_reduce(comm, xs[comm.rank], ReduceOp.SUM, chunk_bytes=chunk)
+
+    await run_local(n, rank)
+    for x in xs:
+        np.testing.assert_array_equal(x, expected)
+
+
+@pytest.mark.parametrize("op", list(ReduceOp))
+@pytest.mark.parametrize("n", [3, 4])
+@pytest.mark.parametrize("algorithm", ["recursive_doubling", "ring"])
+async def test_all_reduce_every_op(op: ReduceOp, n: int, algorithm: str) -> None:
+    dtype = np.int32 if op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR) else np.float64
+    xs = _inputs(n, (50,), dtype, op)
+    expected = numpy_reduce(op, xs)
+
+    async def rank(comm: OpComm) -> None:
+        await coll.all_reduce(comm, xs[comm.rank], op, algorithm=algorithm)  # type: ignore[arg-type]
+
+    await run_local(n, rank)
+    for x in xs:
+        np.testing.assert_array_equal(x, expected)
+
+
+async def test_all_reduce_large_ring_default_chunks() -> None:
+    """A few MiB through the default chunking: many chunks, several windows."""
+    n = 3
+    xs = [np.full(1_000_003, r + 1, dtype=np.float32) for r in range(n)]
+
+    async def rank(comm: OpComm) -> None:
+        await coll.all_reduce(comm, xs[comm.rank], ReduceOp.AVG)
+
+    await run_local(n, rank)
+    for x in xs:
+        np.testing.assert_array_equal(x, np.full(1_000_003, 2.0, dtype=np.float32))
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("chunk", CHUNKS)
+async def test_broadcast(n: int, chunk: int | None) -> None:
+    for root in range(n):
+        xs = _inputs(n, (4, 9), np.float32)
+        expected = xs[root].copy()
+
+        async def rank(comm: OpComm, root: int = root, xs: list[np.ndarray] = xs) -> None:
+            await coll.broadcast(comm, xs[comm.rank], root, chunk_bytes=chunk)
+
+        await run_local(n, rank)
+        for x in xs:
+            np.testing.assert_array_equal(x, expected)
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("chunk", CHUNKS)
+@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MIN])
+async def test_reduce(n: int, chunk: int | None, op: ReduceOp) -> None:
+    for root in range(n):
+        xs = _inputs(n, (5, 7), np.int16, op)
+        originals = [x.copy() for x in xs]
+        expected = numpy_reduce(op, originals)
+
+        async def rank(comm: OpComm, root: int = root, xs: list[np.ndarray] = xs) -> None:
+            await coll.reduce(comm, xs[comm.rank], root, op, chunk_bytes=chunk)
+
+        await run_local(n, rank)
+        for r, x in enumerate(xs):
+            np.testing.assert_array_equal(x, expected if r == root else originals[r])
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("chunk", CHUNKS)
+async def test_all_gather_into_views_of_one_output(n: int, chunk: int | None) -> None:
+    xs = _inputs(n, (3, 5), np.complex64)
+    outs = [np.zeros((n, 3, 5), np.complex64) for _ in range(n)]
+
+    async def rank(comm: OpComm) -> None:
+        big = outs[comm.rank]
+        await coll.all_gather(comm, [big[i] for i in range(n)], xs[comm.rank], chunk_bytes=chunk)
+
+    await run_local(n, rank)
+    for out in outs:
+        np.testing.assert_array_equal(out, np.stack(xs))
+
+
+async def test_all_gather_output_list_holding_the_input() -> None:
+    n = 3
+    xs = _inputs(n, (6,))
+    outs = [[np.zeros(6, np.int64) for _ in range(n)] for _ in range(n)]
+    for r in range(n):
+        outs[r][r] = xs[r]
+
+    async def rank(comm: OpComm) -> None:
+        await coll.all_gather(comm, outs[comm.rank], xs[comm.rank])
+
+    await run_local(n, rank)
+    for out in outs:
+        for i in range(n):
+            np.testing.assert_array_equal(out[i], xs[i])
+
+
+@pytest.mark.parametrize("n", SIZES)
+async def test_gather(n: int) -> None:
+    for root in range(n):
+        xs = _inputs(n, (2, 3), np.uint8)
+        outs = [np.zeros((2, 3), np.uint8) for _ in range(n)]
+
+        async def rank(
+            comm: OpComm, root: int = root, xs: list[np.ndarray] = xs, outs: list[np.ndarray] = outs
+        ) -> None:
+            mine = outs if comm.rank == root else None
+            await coll.gather(comm, mine, xs[comm.rank], root)
+
+        await run_local(n, rank)
+        np.testing.assert_array_equal(np.stack(outs), np.stack(xs))
+
+
+@pytest.mark.parametrize("n", SIZES)
+async def test_scatter(n: int) -> None:
+    for root in range(n):
+        ins = _inputs(n, (7,), np.float64)
+        outs = [np.zeros(7) for _ in range(n)]
+
+        async def rank(
+            comm: OpComm,
+            root: int = root,
+            ins: list[np.ndarray] = ins,
+            outs: list[np.ndarray] = outs,
+        ) -> None:
+            mine = ins if comm.rank == root else None
+            await coll.scatter(comm, outs[comm.rank], mine, root)
+
+        await run_local(n, rank)
+        for r in range(n):
+            np.testing.assert_array_equal(outs[r], ins[r])
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("chunk", [None, 8, 1])
+@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.AVG, ReduceOp.BXOR])
+async def test_reduce_scatter(n: int, chunk: int | None, op: ReduceOp) -> None:
+    ins = [
+        [sample(np.dtype(np.int64), (11,), seed=r * n + i, op=op) for i in range(n)]
+        for r in range(n)
+    ]
+    originals = [[a.copy() for a in row] for row in ins]
+    outs = [np.zeros(11, np.int64) for _ in range(n)]
+
+    async def rank(comm: OpComm) -> None:
+        await coll.reduce_scatter(comm, outs[comm.rank], ins[comm.rank], op, chunk_bytes=chunk)
+
+    await run_local(n, rank)
+    for r in range(n):
+        np.testing.assert_array_equal(outs[r], numpy_reduce(op, [ins[s][r] for s in range(n)]))
+        for i in range(n):
+            np.testing.assert_array_equal(ins[r][i], originals[r][i])
+
+
+@pytest.mark.parametrize("n", SIZES)
+async def test_all_to_all_uneven_blocks(n: int) -> None:
+    # Rank s sends (s + d) % 3 elements to rank d: some blocks are empty.
+    def size(s: int, d: int) -> int:
+        return (s + d) % 3
+
+    ins = [[np.full(size(s, d), 10 * s + d, np.int32) for d in range(n)] for s in range(n)]
+    outs = [[np.zeros(size(s, d), np.int32) for s in range(n)] for d in range(n)]
+
+    async def rank(comm: OpComm) -> None:
+        await coll.all_to_all(comm, outs[comm.rank], ins[comm.rank])
+
+    await run_local(n, rank)
+    for d in range(n):
+        for s in range(n):
+            np.testing.assert_array_equal(outs[d][s], ins[s][d])
+
+
+@pytest.mark.parametrize("n", SIZES)
+async def test_barrier_waits_for_every_rank(n: int) -> None:
+    entered: list[float] = [0.0] * n
+    left: list[float] = [0.0] * n
+
+    async def rank(comm: OpComm) -> None:
+        await asyncio.sleep(0.002 * ((comm.rank * 3) % n))
+        entered[comm.rank] = time.monotonic()
+        await coll.barrier(comm)
+        left[comm.rank] = time.monotonic()
+
+    await run_local(n, rank)
+    assert min(left) >= max(entered)
+
+
+async def test_thousand_concurrent_all_reduces() -> None:
+    """1000 operations in flight at once on one group, told apart by sequence number."""
+    n = 4
+    world = LocalTransport.create_world(n)
+    ranks = list(range(n))
+    arrays = {(r, s): np.full(3, s * (r + 1), np.int64) for r in range(n) for s in range(1000)}
+
+    async def rank(r: int) -> None:
+        ops = [
+            coll.all_reduce(OpComm(world[r], ranks, r, 7, s), arrays[r, s], ReduceOp.SUM)
+            for s in range(1000)
+        ]
+        # Every rank starts them in a different order.
+        order = list(range(1000)) if r % 2 == 0 else list(reversed(range(1000)))
+        await asyncio.gather(*(ops[s] for s in order))
+
+    await asyncio.gather(*(rank(r) for r in range(n)))
+    for (_r, s), a in arrays.items():
+        assert a.tolist() == [s * 10] * 3
+    for t in world:
+        await t.aclose()
+
+
+async def test_size_mismatch_fails_with_usage_error() -> None:
+    xs = [np.zeros(4), np.zeros(5)]
+
+    async def rank(comm: OpComm) -> None:
+        await coll.all_reduce(comm, xs[comm.rank], ReduceOp.SUM)
+
+    world = LocalTransport.create_world(2)
+    ranks = [0, 1]
+    results = await asyncio.gather(
+        *(rank(OpComm(world[r], ranks, r, 0, 0)) for r in range(2)), return_exceptions=True
+    )
+    for res in results:
+        assert isinstance(res, DistUsageError)
+        assert "message size mismatch" in str(res)
+
+
+@pytest.mark.parametrize("algorithm", ["recursive_doubling", "ring"])
+async def test_lost_peer_fails_every_rank(algorithm: str) -> None:
+    """Rank 2 goes away; a rank whose operation fails drops its transport (as the process
+    group does), so ranks waiting on it fail too instead of hanging."""
+    world = LocalTransport.create_world(3)
+    ranks = [0, 1, 2]
+    xs = [np.zeros(1000) for _ in range(3)]
+
+    async def rank(r: int) -> None:
+        comm = OpComm(world[r], ranks, r, 0, 0)
+        try:
+            await coll.all_reduce(comm, xs[r], ReduceOp.SUM, algorithm=algorithm)  # type: ignore[arg-type]
+        except BaseException as exc:
+            world[r].abort(exc)
+            raise
+
+    tasks = [asyncio.create_task(rank(r)) for r in (0, 1)]
+    await asyncio.sleep(0.01)
+    await world[2].aclose()
+    for task in tasks:
+        with pytest.raises(DistNetworkError, match=r"lost connection to rank [0-2]"):
+            await asyncio.wait_for(task, 5)
+
+
+async def test_world_of_one_sends_nothing() -> None:
+    x = np.arange(4.0)
+    outs = [np.zeros(4)]
+
+    async def rank(comm: OpComm) -> None:
+        await coll.all_reduce(comm, x, ReduceOp.AVG)
+        await coll.broadcast(comm, x, 0)
+        await coll.reduce(comm, x, 0, ReduceOp.MAX)
+        await coll.all_gather(comm, outs, x)
+        await coll.reduce_scatter(comm, outs[0], [x], ReduceOp.SUM)
+        await coll.all_to_all(comm, outs, [x])
+        await coll.barrier(comm)
+
+    world = LocalTransport.create_world(1)
+    await run_on(world, rank)
+    assert x.tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert outs[0].tolist() == [0.0, 1.0, 2.0, 3.0]
