@@ -2,5 +2,6 @@
 
 from .base import OpComm, Tag, Transport
 from .local import LocalTransport
+from .tcp import TCPTransport
 
-__all__ = ["LocalTransport", "OpComm", "Tag", "Transport"]
+__all__ = ["LocalTransport", "OpComm", "TCPTransport", "Tag", "Transport"]
