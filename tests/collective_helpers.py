@@ -9,8 +9,10 @@ from typing import Any
 import numpy as np
 
 from aiodist._ops import ReduceOp
+from aiodist.store import HashStore
 from aiodist.transport.base import OpComm, Transport
 from aiodist.transport.local import LocalTransport
+from aiodist.transport.tcp import TCPTransport
 
 RankFn = Callable[[OpComm], Awaitable[Any]]
 
@@ -23,6 +25,23 @@ async def run_local(n: int, fn: RankFn, *, seq: int = 0, group_id: int = 0) -> l
     finally:
         for t in world:
             await t.aclose()
+
+
+async def run_tcp(n: int, fn: RankFn, *, seq: int = 0, group_id: int = 0) -> list[Any]:
+    """Like :func:`run_local`, over real loopback TCP connections (ranks as tasks)."""
+    store = HashStore()
+    world: list[TCPTransport] = list(
+        await asyncio.gather(*(TCPTransport.create(store, r, n, timeout=10) for r in range(n)))
+    )
+    try:
+        return await run_on(world, fn, seq=seq, group_id=group_id)
+    finally:
+        for t in world:
+            await t.aclose()
+
+
+#: The ways to run a world, by name (for test parametrization).
+RUNNERS = {"local": run_local, "tcp": run_tcp}
 
 
 async def run_on(

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
 import pytest
-from collective_helpers import numpy_reduce, run_local, run_on, sample
+from collective_helpers import RUNNERS, numpy_reduce, run_on, sample
 
 from aiodist import collectives as coll
 from aiodist._ops import ReduceOp
@@ -16,9 +17,17 @@ from aiodist.errors import DistNetworkError, DistUsageError
 from aiodist.transport.base import OpComm
 from aiodist.transport.local import LocalTransport
 
+Runner = Callable[[int, Callable[[OpComm], Awaitable[Any]]], Awaitable[list[Any]]]
+
 SIZES = range(1, 9)
 # Tiny chunks make even small arrays go through many pipelined chunks.
 CHUNKS = [None, 8]
+
+
+@pytest.fixture(params=sorted(RUNNERS))
+def run(request: pytest.FixtureRequest) -> Runner:
+    """Run the ranks over the in-process transport, then over loopback TCP."""
+    return RUNNERS[request.param]  # type: ignore[return-value]
 
 
 def _inputs(n: int, shape: tuple[int, ...], dtype: Any = np.int64, op: ReduceOp = ReduceOp.SUM):
@@ -28,28 +37,30 @@ def _inputs(n: int, shape: tuple[int, ...], dtype: Any = np.int64, op: ReduceOp 
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("count", [0, 1, 5, 37])
 @pytest.mark.parametrize("algorithm", ["auto", "recursive_doubling", "ring"])
-async def test_all_reduce_sizes_and_algorithms(n: int, count: int, algorithm: str) -> None:
+async def test_all_reduce_sizes_and_algorithms(
+    run: Runner, n: int, count: int, algorithm: str
+) -> None:
     xs = _inputs(n, (count,))
     expected = numpy_reduce(ReduceOp.SUM, xs)
 
     async def rank(comm: OpComm) -> None:
         await coll.all_reduce(comm, xs[comm.rank], ReduceOp.SUM, algorithm=algorithm)  # type: ignore[arg-type]
 
-    await run_local(n, rank)
+    await run(n, rank)
     for x in xs:
         np.testing.assert_array_equal(x, expected)
 
 
 @pytest.mark.parametrize("n", [2, 3, 5, 8])
 @pytest.mark.parametrize("chunk", [1, 8, 24, 1000])
-async def test_ring_all_reduce_chunking(n: int, chunk: int) -> None:
+async def test_ring_all_reduce_chunking(run: Runner, n: int, chunk: int) -> None:
     xs = _inputs(n, (3, 41), np.float32)
     expected = numpy_reduce(ReduceOp.SUM, xs)
 
     async def rank(comm: OpComm) -> None:
         await coll.ring_all_reduce(comm, xs[comm.rank], ReduceOp.SUM, chunk_bytes=chunk)
 
-    await run_local(n, rank)
+    await run(n, rank)
     for x in xs:
         np.testing.assert_array_equal(x, expected)
 
@@ -57,7 +68,7 @@ async def test_ring_all_reduce_chunking(n: int, chunk: int) -> None:
 @pytest.mark.parametrize("op", list(ReduceOp))
 @pytest.mark.parametrize("n", [3, 4])
 @pytest.mark.parametrize("algorithm", ["recursive_doubling", "ring"])
-async def test_all_reduce_every_op(op: ReduceOp, n: int, algorithm: str) -> None:
+async def test_all_reduce_every_op(run: Runner, op: ReduceOp, n: int, algorithm: str) -> None:
     dtype = np.int32 if op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR) else np.float64
     xs = _inputs(n, (50,), dtype, op)
     expected = numpy_reduce(op, xs)
@@ -65,12 +76,14 @@ async def test_all_reduce_every_op(op: ReduceOp, n: int, algorithm: str) -> None
     async def rank(comm: OpComm) -> None:
         await coll.all_reduce(comm, xs[comm.rank], op, algorithm=algorithm)  # type: ignore[arg-type]
 
-    await run_local(n, rank)
+    await run(n, rank)
     for x in xs:
         np.testing.assert_array_equal(x, expected)
 
 
-async def test_all_reduce_large_ring_default_chunks() -> None:
+async def test_all_reduce_large_ring_default_chunks(
+    run: Runner,
+) -> None:
     """A few MiB through the default chunking: many chunks, several windows."""
     n = 3
     xs = [np.full(1_000_003, r + 1, dtype=np.float32) for r in range(n)]
@@ -78,14 +91,14 @@ async def test_all_reduce_large_ring_default_chunks() -> None:
     async def rank(comm: OpComm) -> None:
         await coll.all_reduce(comm, xs[comm.rank], ReduceOp.AVG)
 
-    await run_local(n, rank)
+    await run(n, rank)
     for x in xs:
         np.testing.assert_array_equal(x, np.full(1_000_003, 2.0, dtype=np.float32))
 
 
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("chunk", CHUNKS)
-async def test_broadcast(n: int, chunk: int | None) -> None:
+async def test_broadcast(run: Runner, n: int, chunk: int | None) -> None:
     for root in range(n):
         xs = _inputs(n, (4, 9), np.float32)
         expected = xs[root].copy()
@@ -93,7 +106,7 @@ async def test_broadcast(n: int, chunk: int | None) -> None:
         async def rank(comm: OpComm, root: int = root, xs: list[np.ndarray] = xs) -> None:
             await coll.broadcast(comm, xs[comm.rank], root, chunk_bytes=chunk)
 
-        await run_local(n, rank)
+        await run(n, rank)
         for x in xs:
             np.testing.assert_array_equal(x, expected)
 
@@ -101,7 +114,7 @@ async def test_broadcast(n: int, chunk: int | None) -> None:
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("chunk", CHUNKS)
 @pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MIN])
-async def test_reduce(n: int, chunk: int | None, op: ReduceOp) -> None:
+async def test_reduce(run: Runner, n: int, chunk: int | None, op: ReduceOp) -> None:
     for root in range(n):
         xs = _inputs(n, (5, 7), np.int16, op)
         originals = [x.copy() for x in xs]
@@ -110,14 +123,14 @@ async def test_reduce(n: int, chunk: int | None, op: ReduceOp) -> None:
         async def rank(comm: OpComm, root: int = root, xs: list[np.ndarray] = xs) -> None:
             await coll.reduce(comm, xs[comm.rank], root, op, chunk_bytes=chunk)
 
-        await run_local(n, rank)
+        await run(n, rank)
         for r, x in enumerate(xs):
             np.testing.assert_array_equal(x, expected if r == root else originals[r])
 
 
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("chunk", CHUNKS)
-async def test_all_gather_into_views_of_one_output(n: int, chunk: int | None) -> None:
+async def test_all_gather_into_views_of_one_output(run: Runner, n: int, chunk: int | None) -> None:
     xs = _inputs(n, (3, 5), np.complex64)
     outs = [np.zeros((n, 3, 5), np.complex64) for _ in range(n)]
 
@@ -125,12 +138,14 @@ async def test_all_gather_into_views_of_one_output(n: int, chunk: int | None) ->
         big = outs[comm.rank]
         await coll.all_gather(comm, [big[i] for i in range(n)], xs[comm.rank], chunk_bytes=chunk)
 
-    await run_local(n, rank)
+    await run(n, rank)
     for out in outs:
         np.testing.assert_array_equal(out, np.stack(xs))
 
 
-async def test_all_gather_output_list_holding_the_input() -> None:
+async def test_all_gather_output_list_holding_the_input(
+    run: Runner,
+) -> None:
     n = 3
     xs = _inputs(n, (6,))
     outs = [[np.zeros(6, np.int64) for _ in range(n)] for _ in range(n)]
@@ -140,14 +155,14 @@ async def test_all_gather_output_list_holding_the_input() -> None:
     async def rank(comm: OpComm) -> None:
         await coll.all_gather(comm, outs[comm.rank], xs[comm.rank])
 
-    await run_local(n, rank)
+    await run(n, rank)
     for out in outs:
         for i in range(n):
             np.testing.assert_array_equal(out[i], xs[i])
 
 
 @pytest.mark.parametrize("n", SIZES)
-async def test_gather(n: int) -> None:
+async def test_gather(run: Runner, n: int) -> None:
     for root in range(n):
         xs = _inputs(n, (2, 3), np.uint8)
         outs = [np.zeros((2, 3), np.uint8) for _ in range(n)]
@@ -158,12 +173,12 @@ async def test_gather(n: int) -> None:
             mine = outs if comm.rank == root else None
             await coll.gather(comm, mine, xs[comm.rank], root)
 
-        await run_local(n, rank)
+        await run(n, rank)
         np.testing.assert_array_equal(np.stack(outs), np.stack(xs))
 
 
 @pytest.mark.parametrize("n", SIZES)
-async def test_scatter(n: int) -> None:
+async def test_scatter(run: Runner, n: int) -> None:
     for root in range(n):
         ins = _inputs(n, (7,), np.float64)
         outs = [np.zeros(7) for _ in range(n)]
@@ -177,7 +192,7 @@ async def test_scatter(n: int) -> None:
             mine = ins if comm.rank == root else None
             await coll.scatter(comm, outs[comm.rank], mine, root)
 
-        await run_local(n, rank)
+        await run(n, rank)
         for r in range(n):
             np.testing.assert_array_equal(outs[r], ins[r])
 
@@ -185,7 +200,7 @@ async def test_scatter(n: int) -> None:
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("chunk", [None, 8, 1])
 @pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.AVG, ReduceOp.BXOR])
-async def test_reduce_scatter(n: int, chunk: int | None, op: ReduceOp) -> None:
+async def test_reduce_scatter(run: Runner, n: int, chunk: int | None, op: ReduceOp) -> None:
     ins = [
         [sample(np.dtype(np.int64), (11,), seed=r * n + i, op=op) for i in range(n)]
         for r in range(n)
@@ -196,7 +211,7 @@ async def test_reduce_scatter(n: int, chunk: int | None, op: ReduceOp) -> None:
     async def rank(comm: OpComm) -> None:
         await coll.reduce_scatter(comm, outs[comm.rank], ins[comm.rank], op, chunk_bytes=chunk)
 
-    await run_local(n, rank)
+    await run(n, rank)
     for r in range(n):
         np.testing.assert_array_equal(outs[r], numpy_reduce(op, [ins[s][r] for s in range(n)]))
         for i in range(n):
@@ -204,7 +219,7 @@ async def test_reduce_scatter(n: int, chunk: int | None, op: ReduceOp) -> None:
 
 
 @pytest.mark.parametrize("n", SIZES)
-async def test_all_to_all_uneven_blocks(n: int) -> None:
+async def test_all_to_all_uneven_blocks(run: Runner, n: int) -> None:
     # Rank s sends (s + d) % 3 elements to rank d: some blocks are empty.
     def size(s: int, d: int) -> int:
         return (s + d) % 3
@@ -215,14 +230,14 @@ async def test_all_to_all_uneven_blocks(n: int) -> None:
     async def rank(comm: OpComm) -> None:
         await coll.all_to_all(comm, outs[comm.rank], ins[comm.rank])
 
-    await run_local(n, rank)
+    await run(n, rank)
     for d in range(n):
         for s in range(n):
             np.testing.assert_array_equal(outs[d][s], ins[s][d])
 
 
 @pytest.mark.parametrize("n", SIZES)
-async def test_barrier_waits_for_every_rank(n: int) -> None:
+async def test_barrier_waits_for_every_rank(run: Runner, n: int) -> None:
     entered: list[float] = [0.0] * n
     left: list[float] = [0.0] * n
 
@@ -232,7 +247,7 @@ async def test_barrier_waits_for_every_rank(n: int) -> None:
         await coll.barrier(comm)
         left[comm.rank] = time.monotonic()
 
-    await run_local(n, rank)
+    await run(n, rank)
     assert min(left) >= max(entered)
 
 
