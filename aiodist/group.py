@@ -426,7 +426,7 @@ class ProcessGroup:
             OpComm(self._world.transport, self.ranks, self.rank, self.group_id, first + i)
             for i in range(nseq)
         ]
-        return self._start(Work(op, first, self), body(*comms))
+        return self._start(Work(op, first, self), lambda: body(*comms))
 
     def launch_p2p(
         self, op: str, tag: int, body: Callable[[Transport, int], Coroutine[Any, Any, T]]
@@ -438,20 +438,23 @@ class ProcessGroup:
             DistNetworkError: the group was aborted earlier.
         """
         self.check_usable(op)
-        return self._start(
-            Work(op, tag, self), body(self._world.transport, self.group_id | P2P_GROUP_BIT)
-        )
+        transport, gid = self._world.transport, self.group_id | P2P_GROUP_BIT
+        return self._start(Work(op, tag, self), lambda: body(transport, gid))
 
-    def _start(self, work: Work[T], coro: Coroutine[Any, Any, T]) -> Work[T]:
+    def _start(self, work: Work[T], make: Callable[[], Coroutine[Any, Any, T]]) -> Work[T]:
         self._inflight.add(work)
-        work._task = asyncio.get_running_loop().create_task(self._run(work, coro))
+        # The coroutine is made inside the task: a task cancelled before its first step
+        # (destroy right after issuing) then leaves no never-awaited coroutine behind.
+        task = asyncio.get_running_loop().create_task(self._run(work, make))
+        task.add_done_callback(lambda _: self._inflight.discard(work))
+        work._task = task
         return work
 
-    async def _run(self, work: Work[T], coro: Coroutine[Any, Any, T]) -> None:
+    async def _run(self, work: Work[T], make: Callable[[], Coroutine[Any, Any, T]]) -> None:
         try:
             try:
                 async with asyncio.timeout(self.timeout) as scope:
-                    result = await coro
+                    result = await make()
             except TimeoutError:
                 if not scope.expired():
                     raise
@@ -469,8 +472,6 @@ class ProcessGroup:
         else:
             if not work._future.done():
                 work._future.set_result(result)
-        finally:
-            self._inflight.discard(work)
 
     def _fail(self, work: Work[Any], exc: BaseException) -> None:
         if work._future.done():
