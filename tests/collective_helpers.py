@@ -81,6 +81,10 @@ def sample(
 ) -> np.ndarray:
     """Small integer-valued data, so every reduction order gives the exact same result
     (products stay within 2**8, exact even in bfloat16)."""
+    return np.asarray(_sample(dtype, shape, seed, op))
+
+
+def _sample(dtype: np.dtype[Any], shape: tuple[int, ...], seed: int, op: ReduceOp) -> Any:
     rng = np.random.default_rng(seed)
     kind = "f" if dtype.name == "bfloat16" else dtype.kind
     low, high = (-1, 3) if op is ReduceOp.PRODUCT else (-3, 4)
