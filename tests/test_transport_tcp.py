@@ -161,7 +161,7 @@ async def test_64_mib_message_and_loop_stall(
     t0, t1 = world2.t
     n = 64 << 20
     data = np.random.default_rng(1).integers(0, 255, n, dtype=np.uint8)
-    out = np.zeros(n, dtype=np.uint8)
+    out = np.ones(n, dtype=np.uint8)  # touched: page faults are not the transport's
     stalls: list[float] = []
     stop = False
 

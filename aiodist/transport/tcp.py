@@ -609,7 +609,7 @@ class TCPTransport(Transport):
         ):
             return
         deadline = time.perf_counter() + self._spin
-        conns = self._conns
+        conns = tuple(self._conns)  # a lost connection leaves the list while we iterate
         while True:
             for conn in conns:
                 conn.on_readable()

@@ -1,0 +1,154 @@
+"""TCPTransport between two processes: small-message round trip and one-way bandwidth.
+
+Run:  python bench/transport.py [--iters 2000] [--max-size 64M] [--loop uvloop|asyncio]
+      [--spin auto|0|SECONDS] [--profile FILE]
+
+Two processes on this machine exchange messages over loopback. The latency table is a
+ping-pong of 8 bytes (half the round trip is the one-way latency); the bandwidth table sends
+a window of messages of each size from rank 0 to rank 1, which answers with one byte once
+the last arrives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from aiodist._loop import loop_factory
+from aiodist.store import FileStore
+from aiodist.transport.tcp import TCPTransport
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    if text[-1].upper() in units:
+        return int(text[:-1]) * units[text[-1].upper()]
+    return int(text)
+
+
+async def ping_pong(t: TCPTransport, iters: int) -> list[float]:
+    peer = 1 - t.rank
+    buf = memoryview(np.zeros(1, np.float64))
+    times = []
+    for i in range(iters):
+        tag = (1, i, 0)
+        start = time.perf_counter()
+        if t.rank == 0:
+            reply = t.recv_into(peer, tag, buf)
+            await t.send(peer, tag, buf)
+            await reply
+        else:
+            await t.recv_into(peer, tag, buf)
+            await t.send(peer, tag, buf)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+WINDOW = 4
+
+
+async def bandwidth(t: TCPTransport, size: int, seq: int, count: int) -> float:
+    """Return seconds per message of ``size`` bytes, ``WINDOW`` messages in flight."""
+    ack = memoryview(bytearray(1))
+    if t.rank == 0:
+        data = np.ones(size, np.uint8)
+        await t.recv_into(1, (3, seq, 1), ack)  # the receiver's buffers are ready
+        start = time.perf_counter()
+        window: list[asyncio.Future[None]] = []
+        for i in range(count):
+            window.append(t.send(1, (2, seq, i), memoryview(data)))
+            if len(window) >= WINDOW:
+                await window.pop(0)
+        await asyncio.gather(*window)
+        await t.recv_into(1, (3, seq, 0), ack)
+        return (time.perf_counter() - start) / count
+    # Receives posted a window ahead into reused buffers, as a pipelined collective does:
+    # payloads land straight in their final memory.
+    outs = [np.ones(size, np.uint8) for _ in range(WINDOW)]
+    posted = [t.recv_into(0, (2, seq, i), memoryview(outs[i])) for i in range(min(count, WINDOW))]
+    await t.send(0, (3, seq, 1), ack)
+    for i in range(count):
+        await posted[i]
+        if i + WINDOW < count:
+            posted.append(t.recv_into(0, (2, seq, i + WINDOW), memoryview(outs[i % WINDOW])))
+    await t.send(0, (3, seq, 0), ack)
+    return 0.0
+
+
+async def rank_main(rank: int, path: str, args: argparse.Namespace) -> None:
+    store = FileStore(path, 2, timeout=60)
+    spin = None if args.spin == "auto" else float(args.spin)
+    t = await TCPTransport.create(store, rank, 2, local_world_size=2, spin=spin)
+    await ping_pong(t, 200)  # connect and warm up
+    times = await ping_pong(t, args.iters)
+    rows = []
+    size = 1 << 10
+    seq = 0
+    while size <= args.max_size:
+        count = max(8, min(2000, (256 << 20) // size))
+        await bandwidth(t, size, seq, WINDOW)  # warm up
+        rows.append((size, await bandwidth(t, size, seq + 1, count)))
+        size *= 4
+        seq += 2
+    await ping_pong(t, 5)
+    if rank == 0:
+        print(f"TCPTransport, 2 processes, loop={args.loop}, spin={args.spin}")
+        us = sorted(x * 1e6 for x in times)
+        print(
+            f"8 B round trip over {args.iters} iterations: p50 {us[len(us) // 2]:.1f} us, "
+            f"p90 {us[int(len(us) * 0.9)]:.1f} us, mean {statistics.fmean(us):.1f} us "
+            f"(one-way ~{us[len(us) // 2] / 2:.1f} us)"
+        )
+        print(f"{'size':>10} {'time/msg (us)':>14} {'GB/s':>8}")
+        for size, seconds in rows:
+            print(f"{size:>10} {seconds * 1e6:>14.1f} {size / seconds / 1e9:>8.3f}")
+    await t.aclose()
+    await store.aclose()
+
+
+def run_rank(rank: int, path: str, args: argparse.Namespace) -> None:
+    runner = asyncio.Runner(loop_factory=loop_factory(args.loop))
+    try:
+        if args.profile and rank == 0:
+            prof = cProfile.Profile()
+            prof.enable()
+            runner.run(rank_main(rank, path, args))
+            prof.disable()
+            prof.dump_stats(args.profile)
+        else:
+            runner.run(rank_main(rank, path, args))
+    finally:
+        runner.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=2000)
+    parser.add_argument("--max-size", type=parse_size, default=64 << 20)
+    parser.add_argument("--loop", default="auto", choices=["auto", "uvloop", "asyncio"])
+    parser.add_argument("--spin", default="auto")
+    parser.add_argument("--profile", help="write rank 0's cProfile stats here")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "store")
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=run_rank, args=(r, path, args)) for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        if any(p.exitcode for p in procs):
+            sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
