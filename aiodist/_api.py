@@ -344,8 +344,7 @@ def reduce(
 ) -> Work[Any]:
     """Reduce ``tensor`` of every rank into ``tensor`` of rank ``dst``.
 
-    The other ranks' arrays must be writable: the algorithm may keep partial results in
-    them.
+    The other ranks' arrays are left unchanged (and may be read-only).
 
     Returns:
         A :class:`Work` whose result is ``tensor``.

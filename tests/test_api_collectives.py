@@ -93,6 +93,20 @@ async def test_reduce(n: int) -> None:
     np.testing.assert_array_equal(results[n // 2], np.max([data(r) for r in range(n)], axis=0))
 
 
+async def test_reduce_leaves_other_ranks_alone_and_takes_read_only_inputs() -> None:
+    async def fn(rank: int, size: int) -> np.ndarray:
+        x = data(rank)
+        if rank != 0:
+            x.setflags(write=False)
+        await aiodist.reduce(x, dst=0)
+        return x
+
+    results = await run_world(fn, 3)
+    np.testing.assert_array_equal(results[0], np.sum([data(r) for r in range(3)], axis=0))
+    for r in (1, 2):
+        np.testing.assert_array_equal(results[r], data(r))
+
+
 @pytest.mark.parametrize("n", SIZES)
 async def test_all_gather_and_into_tensor(n: int) -> None:
     async def fn(rank: int, size: int) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:

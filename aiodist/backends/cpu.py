@@ -143,7 +143,8 @@ def broadcast(pg: ProcessGroup, tensor: object, root: int) -> Work[Any]:
 def reduce(pg: ProcessGroup, tensor: object, root: int, op: object) -> Work[Any]:
     """Reduce ``tensor`` into the root's; see :func:`aiodist.reduce`."""
     with pg.checking("reduce"):
-        x = as_array(tensor, writable=True, name="tensor")
+        # The other ranks' arrays are only read (the tree accumulates in scratch memory).
+        x = as_array(tensor, writable=pg.rank == root, name="tensor")
         rop = check_reduce_op(op, x.dtype)
 
     async def body(comm: OpComm) -> Any:
@@ -482,7 +483,9 @@ def all_gather_object(pg: ProcessGroup, object_list: object, obj: object) -> Wor
 
     async def body(c_sizes: OpComm, c_data: OpComm) -> list[Any]:
         sizes = np.zeros(pg.size, np.int64)
-        await collectives.all_gather(c_sizes, _flat_rows(sizes, pg.size), np.array([mine.size]))
+        await collectives.all_gather(
+            c_sizes, _flat_rows(sizes, pg.size), np.array([mine.size], np.int64)
+        )
         rows = np.zeros((pg.size, int(sizes.max())), np.uint8)
         await collectives.all_gather(c_data, list(rows), _padded([mine], rows.shape[1])[0])
         for i in range(pg.size):
@@ -507,7 +510,9 @@ def gather_object(
     async def body(c_sizes: OpComm, c_data: OpComm) -> list[Any] | None:
         # Every rank learns the largest size, so all contributions pad to one width.
         sizes = np.zeros(pg.size, np.int64)
-        await collectives.all_gather(c_sizes, _flat_rows(sizes, pg.size), np.array([mine.size]))
+        await collectives.all_gather(
+            c_sizes, _flat_rows(sizes, pg.size), np.array([mine.size], np.int64)
+        )
         width = int(sizes.max())
         rows = np.zeros((pg.size, width), np.uint8) if objs is not None else None
         await collectives.gather(
