@@ -135,10 +135,15 @@ async def test_closed_peer_fails_pending_and_later_receives() -> None:
     any_src = t0.recv_into(None, (0, 8, 0), memoryview(bytearray(1)))
     other = t0.recv_into(2, (0, 9, 0), memoryview(bytearray(1)))
     await t1.aclose()
-    for fut in (pending, any_src):
-        with pytest.raises(aiodist.DistNetworkError, match="lost connection to rank 1"):
-            await fut
+    with pytest.raises(
+        aiodist.DistNetworkError, match="lost connection to rank 1: it closed its transport"
+    ):
+        await pending
+    # Closed in order: an any-source receive still waits for rank 2.
     assert not other.done()
+    assert not any_src.done()
+    await t2.send(0, (0, 8, 0), memoryview(b"y"))
+    assert await any_src == 2
     # What rank 1 sent before closing is still delivered; anything more fails at once.
     out = bytearray(5)
     assert await t0.recv_into(1, T, memoryview(out)) == 1
@@ -149,6 +154,27 @@ async def test_closed_peer_fails_pending_and_later_receives() -> None:
         await t0.send(1, T, memoryview(b"x"))
     await t2.send(0, (0, 9, 0), memoryview(b"z"))
     assert await other == 2
+    # Once every other rank is gone, an any-source receive cannot complete.
+    any_src = t0.recv_into(None, T, memoryview(bytearray(1)))
+    await t2.aclose()
+    with pytest.raises(aiodist.DistNetworkError, match="rank 2"):
+        await any_src
+
+
+async def test_aborted_peer_fails_any_source_receives() -> None:
+    t0, t1, t2 = LocalTransport.create_world(3)
+    any_src = t0.recv_into(None, T, memoryview(bytearray(1)))
+    t1.abort(aiodist.DistTimeoutError("op timed out"))
+    with pytest.raises(
+        aiodist.DistNetworkError, match="lost connection to rank 1: its transport was aborted"
+    ):
+        await any_src
+    with pytest.raises(aiodist.DistNetworkError, match="rank 1"):
+        await t0.recv_into(None, T, memoryview(bytearray(1)))
+    # Receives from the ranks that remain still work.
+    fut = t0.recv_into(2, T, memoryview(bytearray(1)))
+    await t2.send(0, T, memoryview(b"k"))
+    assert await fut == 2
 
 
 async def test_abort_fails_everything_pending_with_the_given_error() -> None:
@@ -218,7 +244,7 @@ async def test_opcomm_ring_exchange_over_local_transport() -> None:
 
 
 async def test_mailbox_streaming_claim_of_a_message_still_arriving() -> None:
-    box = Mailbox(0)
+    box = Mailbox(0, 3)
     inbound = box.incoming(1, T, 4)  # header read, no receive yet: staged
     inbound.buffer[:2] = b"ab"
     out = bytearray(4)
@@ -242,7 +268,7 @@ async def test_mailbox_streaming_claim_of_a_message_still_arriving() -> None:
 
 
 async def test_mailbox_peer_lost_while_message_arrives() -> None:
-    box = Mailbox(0)
+    box = Mailbox(0, 3)
     out = bytearray(4)
     fut = box.post(1, T, memoryview(out))
     box.incoming(1, T, 4)

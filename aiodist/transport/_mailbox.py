@@ -186,10 +186,13 @@ class Mailbox:
 
     Args:
         rank: the global rank that owns this mailbox (used in error messages).
+        world_size: the number of ranks, so that any-source receives fail once every
+            other rank is gone.
     """
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, world_size: int) -> None:
         self.rank = rank
+        self.world_size = world_size
         self._order = 0
         # Receives waiting for a message, oldest first: per (peer, tag), and per tag for
         # any-source receives.
@@ -198,7 +201,10 @@ class Mailbox:
         # Messages no receive has taken yet, oldest first: tag -> peer -> queue.
         self._staged: dict[Tag, dict[int, deque[_Staged]]] = {}
         self._inflight: set[Inbound] = set()
+        # Peers that are gone, with the error for receives from them; ``_broken`` holds
+        # those that were lost rather than closed in order, which fails any-source receives.
         self._lost: dict[int, BaseException] = {}
+        self._broken: BaseException | None = None
         self._exc: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -254,10 +260,7 @@ class Mailbox:
             return fut
         exc = self._exc
         if exc is None:
-            if peer is not None:
-                exc = self._lost.get(peer)
-            elif self._lost:
-                exc = next(iter(self._lost.values()))
+            exc = self._lost.get(peer) if peer is not None else self._any_source_error()
         if exc is not None:
             fail_future(fut, exc)
             return fut
@@ -354,23 +357,37 @@ class Mailbox:
             inbound.buffer[:] = data
             inbound.done()
 
-    def fail_peer(self, peer: int, exc: BaseException) -> None:
-        """Record that ``peer`` is gone: fail receives that wait for it and any-source ones.
+    def _any_source_error(self) -> BaseException | None:
+        if self._broken is not None:
+            return self._broken
+        others = self.world_size - 1
+        if self._lost and len(self._lost.keys() - {self.rank}) >= others:
+            return next(reversed(self._lost.values()))  # the last rank to go
+        return None
 
-        Messages from ``peer`` that arrived completely stay deliverable.
+    def fail_peer(self, peer: int, exc: BaseException, *, graceful: bool = False) -> None:
+        """Record that ``peer`` is gone and fail the receives that wait for it.
+
+        Receives from ``peer`` fail now and later. Any-source receives fail too, unless the
+        peer closed in order (``graceful``) and other ranks may still send. Messages from
+        ``peer`` that arrived completely stay deliverable.
         """
         if self._exc is not None or peer in self._lost:
             return
         self._lost[peer] = exc
+        if not graceful and self._broken is None:
+            self._broken = exc
         for inbound in [i for i in self._inflight if i.peer == peer]:
             inbound.fail(exc)
         for key in [k for k in self._posted if k[0] == peer]:
             for recv in self._posted.pop(key):
                 fail_future(recv.fut, exc)
-        for queue in self._posted_any.values():
-            for recv in queue:
-                fail_future(recv.fut, exc)
-        self._posted_any.clear()
+        any_exc = self._any_source_error()
+        if any_exc is not None:
+            for queue in self._posted_any.values():
+                for recv in queue:
+                    fail_future(recv.fut, any_exc)
+            self._posted_any.clear()
 
     def abort(self, exc: BaseException) -> None:
         """Fail every pending receive with ``exc``; later receives fail at once."""

@@ -32,7 +32,7 @@ class LocalTransport(Transport):
         self.rank = rank
         self.world_size = world_size
         self._world = world
-        self._mailbox = Mailbox(rank)
+        self._mailbox = Mailbox(rank, world_size)
         self._closed: BaseException | None = None
 
     @classmethod
@@ -67,16 +67,12 @@ class LocalTransport(Transport):
         check_tag(tag)
         data = as_bytes(data, writable=False)
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        target = self._world[peer]
-        exc = self._closed
-        if exc is None and target._closed is not None:
-            exc = lost_peer_error(peer, "its transport was closed")
-        if exc is None:
-            exc = target._mailbox.lost(self.rank)
+        # Closing a rank records it as lost in every other rank's mailbox.
+        exc = self._closed or self._mailbox.lost(peer)
         if exc is not None:
             fail_future(fut, exc)
             return fut
-        target._mailbox.deliver(self.rank, tag, data)
+        self._world[peer]._mailbox.deliver(self.rank, tag, data)
         fut.set_result(None)
         return fut
 
@@ -93,17 +89,28 @@ class LocalTransport(Transport):
         return self._mailbox.post(peer, tag, as_bytes(out, writable=True))
 
     def abort(self, exc: BaseException) -> None:
-        """Fail this rank's pending receives with ``exc``; other ranks see it as lost."""
+        """Fail this rank's pending receives with ``exc``; other ranks see it as lost.
+
+        The other ranks' receives from this rank fail, and so do their any-source receives.
+        """
+        self._close(exc, "its transport was aborted", graceful=False)
+
+    async def aclose(self) -> None:
+        """Close this rank; its pending receives fail with ``DistNetworkError``.
+
+        The other ranks' receives from this rank fail; their any-source receives keep
+        waiting for the ranks that remain.
+        """
+        exc = DistNetworkError(f"the transport of rank {self.rank} was closed")
+        self._close(exc, "it closed its transport", graceful=True)
+
+    def _close(self, exc: BaseException, reason: str, *, graceful: bool) -> None:
         if self._closed is not None:
             return
         self._closed = exc
         self._mailbox.abort(exc)
-        lost = lost_peer_error(self.rank, "its transport was closed")
+        lost = lost_peer_error(self.rank, reason)
         for other in self._world:
             if other is not self:
-                other._mailbox.fail_peer(self.rank, lost)
-        logger.debug("local transport rank %d aborted: %s", self.rank, exc)
-
-    async def aclose(self) -> None:
-        """Close this rank; pending receives fail with ``DistNetworkError``."""
-        self.abort(DistNetworkError(f"transport of rank {self.rank} was closed"))
+                other._mailbox.fail_peer(self.rank, lost, graceful=graceful)
+        logger.debug("local transport rank %d closed: %s", self.rank, exc)

@@ -1,20 +1,24 @@
-"""The TCP transport: one non-blocking socket per pair of ranks, driven by the event loop.
+"""The TCP transport: one connection per pair of ranks, an asyncio ``BufferedProtocol`` each.
 
-Each connection is a plain non-blocking socket watched with ``loop.add_reader`` and
-``loop.add_writer`` (both uvloop and the standard loop support these), not an asyncio
-``Transport``/``Protocol`` pair. Owning the socket gives three things the protocol API does
-not: a send is written by the ``send`` call itself when the socket has room, so its future
-resolves before the caller yields; the transport knows exactly when the kernel has taken
-the last byte of a user's buffer (an asyncio transport only reports its buffer size); and
-the receive path can poll the socket for a few microseconds before the loop sleeps,
-which cuts small-message latency by a factor of three or more.
-
-Wire format, after a 16-byte handshake each way (magic, version, kind, rank, world size)::
+Wire format. After connecting, the connecting rank sends a 16-byte hello and the accepting
+rank answers with 16 bytes (``<4sHHII``: magic ``AIOD``, version, kind, rank, world size;
+kind is hello, accept or reject). Then both directions carry frames::
 
     frame := group:u64 seq:u64 step:u64 nbytes:u64 (little endian) | nbytes of payload
 
-A payload goes straight into the posted receive's memory when the receive was posted
-before the header arrived, and into a staging buffer otherwise (see ``_mailbox``).
+A header whose length is ``2**64 - 1`` says goodbye: the sender closes in order.
+
+Receiving. ``get_buffer`` hands the loop a slice of the posted receive's own memory while a
+payload of 16 KiB or more is arriving (no copy at all), otherwise a 256 KiB read buffer that
+picks up several small frames per read. A payload whose receive is not posted yet goes to a
+staging buffer (see ``_mailbox``). At most 2 MiB are read per connection per loop turn:
+then reading pauses until the next turn.
+
+Sending. Frames are handed to the asyncio transport as memoryviews of the caller's memory,
+at most 1 MiB per connection per loop turn. The write-buffer limits are zero, so the
+transport calls ``pause_writing`` as soon as it keeps any byte and ``resume_writing`` once it
+holds none; a send's future resolves only then, when no buffer of the loop refers to the
+caller's memory any more.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import struct
 import time
 from collections import deque
 from collections.abc import Coroutine
-from typing import Any
+from typing import Any, cast
 
 from .._timeouts import Timeout, to_seconds
 from ..errors import DistNetworkError, DistProtocolError, DistTimeoutError, DistUsageError
@@ -49,72 +53,61 @@ _HEADER = struct.Struct("<QQQQ")
 _HEADER_SIZE = _HEADER.size
 # A length this large is garbage, not a message: refuse to allocate a staging buffer for it.
 _MAX_MESSAGE = 1 << 48
+# A header with this length says goodbye: the sender closes in order, no more frames follow.
+_BYE = (1 << 64) - 1
+_BYE_FRAME = _HEADER.pack(0, 0, 0, _BYE)
 
-#: Bytes written per connection per loop turn. On loopback the sender's syscall also does
-#: the receiver's TCP work; one 32 MiB write stalls the loop 6-12 ms, 1 MiB well under 1 ms.
+#: Bytes handed to a connection's asyncio transport per loop turn. On loopback the sender's
+#: syscall also does the receiver's TCP work; one 32 MiB write stalls the loop 6-12 ms.
 WRITE_BUDGET = 1 << 20
-#: Bytes read per connection per loop turn before giving other callbacks their turn.
+#: Bytes read per connection per loop turn before reading pauses until the next turn.
 READ_BUDGET = 2 << 20
 # Payload bytes still to come at or above which reads go straight into the destination
 # (smaller ones go through the read buffer, which also picks up the following headers).
 _DIRECT_MIN = 16 << 10
 _RX_BUFFER = 256 << 10
-# At most this many buffers per sendmsg call (Linux allows 1024).
-_IOV_MAX = 64
+# Up to this payload size a frame is joined into one bytes object and written at once.
+_JOIN_MAX = 64 << 10
 #: Seconds a rank polls its sockets without sleeping when a receive is not yet satisfied.
 SPIN_SECONDS = 50e-6
-#: How long ``aclose`` lets queued sends drain before closing the sockets.
+#: How long ``aclose`` lets queued sends drain before closing the connections.
 CLOSE_DRAIN_SECONDS = 5.0
 DEFAULT_CONNECT_TIMEOUT = 300.0
+
+_HANDSHAKING, _OPEN, _DONE = 0, 1, 2
 
 
 def _address_key(rank: int) -> str:
     return f"transport/addr/{rank}"
 
 
-class _Out:
-    """A queued slice of an outgoing frame; ``fut`` is set on the frame's last slice."""
+class _Conn(asyncio.BufferedProtocol):
+    """One connection: the handshake, then the frame reader and the send queue."""
 
-    __slots__ = ("fut", "view")
-
-    def __init__(self, view: memoryview, fut: asyncio.Future[None] | None) -> None:
-        self.view = view
-        self.fut = fut
-
-
-class _Conn:
-    """One established connection to a peer: the send queue and the frame reader."""
-
-    __slots__ = (
-        "_dest",
-        "_doff",
-        "_drem",
-        "_inbound",
-        "_rend",
-        "_rstart",
-        "_rx",
-        "_rxv",
-        "closed",
-        "fd",
-        "loop",
-        "mailbox",
-        "out",
-        "owner",
-        "peer",
-        "sock",
-        "writing",
-    )
-
-    def __init__(self, owner: TCPTransport, peer: int, sock: socket.socket) -> None:
+    def __init__(self, owner: TCPTransport, peer: int | None) -> None:
         self.owner = owner
-        self.peer = peer
-        self.sock = sock
-        self.fd = sock.fileno()
         self.loop = owner._loop
         self.mailbox = owner._mailbox
-        self.out: deque[_Out] = deque()
-        self.writing = False
-        self.closed = False
+        # Known when we connect; learned from the hello when we accept.
+        self.peer = peer
+        self.state = _HANDSHAKING
+        self.transport: asyncio.Transport | None = None
+        self.fd = -1
+        # Resolved with True (accepted) or False (refused) for the connecting side.
+        self.handshake: asyncio.Future[bool] = self.loop.create_future()
+        self.lost: asyncio.Future[None] = self.loop.create_future()
+        self.bye = False
+        self._hs = bytearray(_HANDSHAKE.size)
+        self._hs_got = 0
+        self._timer: asyncio.TimerHandle | None = None
+        # Sending: frames not yet handed to the transport, and futures of frames handed
+        # over but possibly still referenced by the transport's buffer.
+        self._queue: deque[tuple[memoryview, asyncio.Future[None] | None]] = deque()
+        self._handed: list[asyncio.Future[None]] = []
+        self._write_paused = False
+        self._flush_scheduled = False
+        self._gather = False
+        # Receiving.
         self._rx = bytearray(_RX_BUFFER)
         self._rxv = memoryview(self._rx)
         self._rstart = 0
@@ -123,142 +116,315 @@ class _Conn:
         self._dest = self._rxv[:0]
         self._doff = 0
         self._drem = 0
-        self.loop.add_reader(self.fd, self.on_readable)
+        self._direct = False
+        self._turn_bytes = 0
+        self._read_paused = False
 
     def __repr__(self) -> str:
-        return f"<_Conn rank {self.owner.rank} -> {self.peer} queued={len(self.out)}>"
+        return f"<_Conn rank {self.owner.rank} <-> {self.peer} state={self.state}>"
+
+    # -- connection and handshake ----------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports do not derive from asyncio.Transport but have its methods.
+        transport = cast(asyncio.Transport, transport)
+        self.transport = transport
+        # Zero limits: pause_writing as soon as the transport keeps a byte of ours,
+        # resume_writing once it holds none (then no send buffer is referenced any more).
+        transport.set_write_buffer_limits(high=0, low=0)
+        # uvloop's writelines gathers buffers into one writev; the standard loop's joins.
+        self._gather = type(transport).__module__.startswith("uvloop")
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            self.fd = sock.fileno()
+        if self.owner._closed is not None:
+            transport.abort()
+            return
+        self.owner._handshaking.add(self)
+        if self.peer is not None:
+            transport.write(
+                _HANDSHAKE.pack(_MAGIC, _VERSION, _HELLO, self.owner.rank, self.owner.world_size)
+            )
+        elif self.owner._timeout is not None:
+            self._timer = self.loop.call_later(self.owner._timeout, self._handshake_timeout)
+
+    def _handshake_timeout(self) -> None:
+        if self.state == _HANDSHAKING and self.transport is not None:
+            logger.debug("rank %d: a connection sent no handshake in time", self.owner.rank)
+            self.state = _DONE
+            self.transport.abort()
+
+    def _handshake_failed(self, exc: BaseException) -> None:
+        self.state = _DONE
+        if not self.handshake.done():
+            self.handshake.set_exception(exc)
+            self.handshake.exception()  # the connecting task reads it, or has gone
+        if self.peer is None or isinstance(exc, DistProtocolError):
+            logger.warning("rank %d dropped a connection: %s", self.owner.rank, exc)
+        assert self.transport is not None
+        self.transport.abort()
+
+    def _on_handshake(self) -> None:
+        owner = self.owner
+        magic, version, kind, rank, world_size = _HANDSHAKE.unpack(self._hs)
+        who = f"rank {self.peer}" if self.peer is not None else "a connecting peer"
+        if magic != _MAGIC or kind not in (_HELLO, _ACCEPT, _REJECT):
+            return self._handshake_failed(
+                DistProtocolError(f"{who} sent {bytes(self._hs)!r}, not an aiodist handshake")
+            )
+        if version != _VERSION:
+            return self._handshake_failed(
+                DistProtocolError(
+                    f"{who} speaks transport protocol version {version}, this rank {_VERSION}"
+                )
+            )
+        if world_size != owner.world_size or not 0 <= rank < world_size or rank == owner.rank:
+            return self._handshake_failed(
+                DistProtocolError(
+                    f"{who} says it is rank {rank} of {world_size}; this is rank "
+                    f"{owner.rank} of {owner.world_size}"
+                )
+            )
+        assert self.transport is not None
+        if self.peer is None:  # we accepted this connection: decide whether to keep it
+            if kind != _HELLO:
+                return self._handshake_failed(
+                    DistProtocolError(f"{who} did not start with a hello")
+                )
+            self.peer = rank
+            keep = owner._accepts(rank)
+            reply = _ACCEPT if keep else _REJECT
+            self.transport.write(
+                _HANDSHAKE.pack(_MAGIC, _VERSION, reply, owner.rank, owner.world_size)
+            )
+            if not keep:
+                self.state = _DONE
+                self.transport.close()
+                return None
+        else:
+            if rank != self.peer:
+                return self._handshake_failed(
+                    DistProtocolError(
+                        f"the address published for rank {self.peer} belongs to rank {rank}"
+                    )
+                )
+            if kind == _REJECT:
+                # The peer's own connection to us is the one kept.
+                self.state = _DONE
+                self.handshake.set_result(False)
+                self.transport.close()
+                return None
+            if kind != _ACCEPT:
+                return self._handshake_failed(
+                    DistProtocolError(f"{who} answered a hello with a hello")
+                )
+        self.state = _OPEN
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self.handshake.done():
+            self.handshake.set_result(True)
+        owner._establish(self)
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        owner = self.owner
+        owner._handshaking.discard(self)
+        if self._timer is not None:
+            self._timer.cancel()
+        if not self.lost.done():
+            self.lost.set_result(None)
+        state, self.state = self.state, _DONE
+        if state == _HANDSHAKING:
+            error = DistNetworkError(
+                f"connection to rank {self.peer} closed during the handshake: {exc or 'EOF'}"
+            )
+            if not self.handshake.done():
+                self.handshake.set_exception(error)
+                self.handshake.exception()
+        elif state == _OPEN:
+            peer = self.peer
+            assert peer is not None
+            if self.bye and self._inbound is None:
+                reason = "it closed its transport"
+                owner._lose(peer, reason, graceful=True)
+            else:
+                reason = f"connection lost: {exc}" if exc else "connection closed by peer"
+                owner._lose(peer, reason)
+            self._fail_sends(lost_peer_error(peer, reason))  # if the peer had failed before
+
+    def eof_received(self) -> bool:
+        return False  # close our side too; connection_lost follows at once
 
     # -- sending ---------------------------------------------------------------------------
 
     def send(self, header: bytes, data: memoryview, fut: asyncio.Future[None]) -> None:
-        out = self.out
-        if out:
+        if self._queue or self._write_paused or self._flush_scheduled:
             # Frames leave in order: behind what is already queued.
+            self._queue.append((memoryview(header), None if data else fut))
             if data:
-                out.append(_Out(memoryview(header), None))
-                out.append(_Out(data, fut))
-            else:
-                out.append(_Out(memoryview(header), fut))
+                self._queue.append((data, fut))
             return
+        transport = self.transport
+        assert transport is not None
         size = len(data)
-        try:
-            if not size:
-                sent = self.sock.send(header)
-            elif size <= WRITE_BUDGET:
-                sent = self.sock.sendmsg((header, data))
-            else:
-                sent = self.sock.sendmsg((header, data[:WRITE_BUDGET]))
-        except (BlockingIOError, InterruptedError):
-            sent = 0
-        except OSError as exc:
-            fail_future(fut, lost_peer_error(self.peer, f"send failed: {exc}"))
-            self.owner._lose(self.peer, f"send failed: {exc}")
+        if size > WRITE_BUDGET:
+            self._queue.append((memoryview(header), None))
+            self._queue.append((data, fut))
+            self._flush()
             return
-        if sent == _HEADER_SIZE + size:
-            fut.set_result(None)
-            return
-        if sent < _HEADER_SIZE:
-            out.append(_Out(memoryview(header)[sent:], None if size else fut))
-            rest = data
+        if not size:
+            transport.write(header)
+        elif size <= _JOIN_MAX:
+            # One small copy beats a gathered write: both loops have a fast path for one
+            # buffer, and it is one syscall.
+            transport.write(header + data)
+        elif self._gather:
+            transport.writelines((header, data))
         else:
-            rest = data[sent - _HEADER_SIZE :]
-        if rest:
-            out.append(_Out(rest, fut))
-        self._start_writing()
+            transport.write(header)
+            transport.write(data)
+        self._after_write(fut)
 
-    def _start_writing(self) -> None:
-        if not self.writing:
-            self.writing = True
-            self.loop.add_writer(self.fd, self.on_writable)
+    def _after_write(self, fut: asyncio.Future[None]) -> None:
+        # pause_writing ran inside write() if the transport kept any of the bytes.
+        if self._write_paused:
+            self._handed.append(fut)
+        else:
+            fut.set_result(None)
 
-    def on_writable(self) -> None:
-        out = self.out
+    def _flush(self) -> None:
+        # Hand up to WRITE_BUDGET bytes of queued frames to the transport.
+        self._flush_scheduled = False
+        transport = self.transport
+        if transport is None or self.state != _OPEN:
+            return
+        queue = self._queue
         budget = WRITE_BUDGET
-        while out and budget > 0:
-            views: list[memoryview] = []
-            want = 0
-            for item in out:
-                view = item.view
-                if want + len(view) > budget:
-                    view = view[: budget - want]
-                views.append(view)
-                want += len(view)
-                if want >= budget or len(views) >= _IOV_MAX:
-                    break
-            try:
-                sent = self.sock.sendmsg(views)
-            except (BlockingIOError, InterruptedError):
+        views: list[memoryview] = []
+        while queue and budget > 0 and not self._write_paused:
+            view, fut = queue[0]
+            if len(view) > budget:
+                views.append(view[:budget])
+                queue[0] = (view[budget:], fut)
+                budget = 0
                 break
-            except OSError as exc:
-                self.owner._lose(self.peer, f"send failed: {exc}")
-                return
-            budget -= sent
-            self._consume(sent)
-            if sent < want:  # the socket buffer is full
-                break
-        if not out and self.writing:
-            self.writing = False
-            self.loop.remove_writer(self.fd)
+            queue.popleft()
+            views.append(view)
+            budget -= len(view)
+            if fut is not None:
+                self._handed.append(fut)
+        if views:
+            if len(views) == 1:
+                transport.write(views[0])
+            elif self._gather:
+                transport.writelines(views)
+            else:
+                for view in views:
+                    transport.write(view)
+        if not self._write_paused:
+            self._resolve_handed()
+            if queue and not self._flush_scheduled:
+                # More to write: next loop turn, so other callbacks get theirs.
+                self._flush_scheduled = True
+                self.loop.call_soon(self._flush)
 
-    def _consume(self, sent: int) -> None:
-        out = self.out
-        while sent:
-            item = out[0]
-            size = len(item.view)
-            if sent < size:
-                item.view = item.view[sent:]
-                return
-            sent -= size
-            out.popleft()
-            if item.fut is not None and not item.fut.done():
-                item.fut.set_result(None)
-        # Zero-length remainders cannot be queued, so nothing else completes here.
+    def _resolve_handed(self) -> None:
+        handed, self._handed = self._handed, []
+        for fut in handed:
+            if not fut.done():
+                fut.set_result(None)
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        self._resolve_handed()
+        if self._queue and not self._flush_scheduled:
+            self._flush()
+
+    def _fail_sends(self, exc: BaseException) -> None:
+        for fut in self._handed:
+            fail_future(fut, exc)
+        self._handed.clear()
+        for _, queued in self._queue:
+            if queued is not None:
+                fail_future(queued, exc)
+        self._queue.clear()
+
+    def say_goodbye(self) -> None:
+        """Tell the peer this rank closes in order, then close after the last byte."""
+        if self.state == _OPEN and self.transport is not None:
+            if not self._queue:
+                self.transport.write(_BYE_FRAME)
+            self.state = _DONE
+            self.transport.close()
 
     # -- receiving -------------------------------------------------------------------------
 
-    def on_readable(self) -> None:
-        if self.closed:
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self.state == _HANDSHAKING:
+            # Read no further than the handshake: frames after it are read as frames.
+            return memoryview(self._hs)[self._hs_got :]
+        if self._drem >= _DIRECT_MIN:
+            # The read buffer is empty here (it is drained into the destination before
+            # reading more), so the payload's bytes go straight to their final place.
+            self._direct = True
+            doff = self._doff
+            return self._dest[doff : doff + min(self._drem, READ_BUDGET)]
+        self._direct = False
+        if self._rstart == self._rend:
+            self._rstart = self._rend = 0
+        elif _RX_BUFFER - self._rend < _HEADER_SIZE:
+            left = self._rend - self._rstart
+            self._rx[:left] = self._rx[self._rstart : self._rend]
+            self._rstart, self._rend = 0, left
+        return self._rxv[self._rend :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self.state == _HANDSHAKING:
+            self._hs_got += nbytes
+            if self._hs_got == len(self._hs):
+                self._on_handshake()
             return
-        sock = self.sock
-        budget = READ_BUDGET
-        try:
-            while budget > 0:
-                if self._drem >= _DIRECT_MIN:
-                    # The read buffer is empty here (it is drained into the destination
-                    # before reading more), so the payload's bytes go straight to it.
-                    doff = self._doff
-                    want = min(self._drem, budget)
-                    got = sock.recv_into(self._dest[doff : doff + want])
-                    if not got:
-                        self.owner._lose(self.peer, "connection closed by peer")
-                        return
-                    budget -= got
-                    self._doff = doff + got
-                    self._drem -= got
-                    if not self._drem:
-                        self._finish_inbound()
-                else:
-                    if self._rstart == self._rend:
-                        self._rstart = self._rend = 0
-                    elif _RX_BUFFER - self._rend < _HEADER_SIZE:
-                        left = self._rend - self._rstart
-                        self._rx[:left] = self._rx[self._rstart : self._rend]
-                        self._rstart, self._rend = 0, left
-                    want = _RX_BUFFER - self._rend
-                    got = sock.recv_into(self._rxv[self._rend :])
-                    if not got:
-                        self.owner._lose(self.peer, "connection closed by peer")
-                        return
-                    budget -= got
-                    self._rend += got
-                    if not self._parse():
-                        return
-                if got < want:  # drained what the kernel had: skip the EAGAIN round trip
-                    return
-        except (BlockingIOError, InterruptedError):
+        if self.state != _OPEN:
             return
-        except OSError as exc:
-            self.owner._lose(self.peer, f"receive failed: {exc}")
+        if self._direct:
+            self._doff += nbytes
+            self._drem -= nbytes
+            if not self._drem:
+                self._finish_inbound()
+        else:
+            self._rend += nbytes
+            self._parse()
+        # Bound the work of one loop turn: pause, and read on in the next turn.
+        self._turn_bytes += nbytes
+        if self._turn_bytes >= READ_BUDGET and not self._read_paused and self.transport:
+            self._read_paused = True
+            self.transport.pause_reading()
+            self.loop.call_soon(self._resume_reading)
+
+    def _resume_reading(self) -> None:
+        self._turn_bytes = 0
+        self._read_paused = False
+        if self.state == _OPEN and self.transport is not None:
+            self.transport.resume_reading()
+
+    def poll(self) -> None:
+        """Read what the socket holds now, without waiting (see ``TCPTransport._poll``)."""
+        if self.state != _OPEN or self._read_paused or self.fd < 0:
+            return
+        while True:
+            try:
+                got = os.readv(self.fd, (self.get_buffer(-1),))
+            except OSError:  # nothing there (EAGAIN), or an error the loop will report
+                return
+            if not got:  # EOF: the loop sees it too and reports it
+                return
+            self.buffer_updated(got)
+            if self.state != _OPEN or self._read_paused:
+                return
 
     def _finish_inbound(self) -> None:
         inbound = self._inbound
@@ -266,26 +432,29 @@ class _Conn:
         self._inbound = None
         inbound.done()
 
-    def _parse(self) -> bool:
-        """Consume what the read buffer holds; return False if the connection was dropped."""
+    def _parse(self) -> None:
         rx = self._rx
-        while True:
+        assert self.peer is not None
+        while self.state == _OPEN:
             avail = self._rend - self._rstart
             if self._inbound is None:
                 if avail < _HEADER_SIZE:
-                    return True
+                    return
                 group, seq, step, nbytes = _HEADER.unpack_from(rx, self._rstart)
                 self._rstart += _HEADER_SIZE
+                if nbytes == _BYE:
+                    self.bye = True
+                    continue
                 if nbytes >= _MAX_MESSAGE:
                     self.owner._lose(
                         self.peer,
-                        f"frame header announces {nbytes} bytes",
+                        "",
                         DistProtocolError(
                             f"rank {self.peer} sent a frame header announcing {nbytes} bytes: "
                             "not an aiodist peer, or a corrupted stream"
                         ),
                     )
-                    return False
+                    return
                 inbound = self.mailbox.incoming(self.peer, (group, seq, step), nbytes)
                 if nbytes:
                     self._inbound = inbound
@@ -294,7 +463,7 @@ class _Conn:
                     self._drem = nbytes
             else:
                 if not avail:
-                    return True
+                    return
                 take = min(avail, self._drem)
                 doff, rstart = self._doff, self._rstart
                 self._dest[doff : doff + take] = self._rxv[rstart : rstart + take]
@@ -303,20 +472,6 @@ class _Conn:
                 self._drem -= take
                 if not self._drem:
                     self._finish_inbound()
-
-    def close(self) -> list[_Out]:
-        """Stop watching and close the socket; return what was still queued."""
-        if self.closed:
-            return []
-        self.closed = True
-        self.loop.remove_reader(self.fd)
-        if self.writing:
-            self.writing = False
-            self.loop.remove_writer(self.fd)
-        self.sock.close()
-        queued = list(self.out)
-        self.out.clear()
-        return queued
 
 
 class _Peer:
@@ -329,7 +484,7 @@ class _Peer:
         self.conn: _Conn | None = None
         # Our own connection attempt, while it runs.
         self.connecting: asyncio.Task[None] | None = None
-        # Resolved when a connection is established, whichever side initiated it.
+        # Resolved when a connection is established, whichever side opened it.
         self.waiter: asyncio.Future[None] | None = None
         # Frames sent before the connection existed, in order.
         self.pending: list[tuple[bytes, memoryview, asyncio.Future[None]]] = []
@@ -337,7 +492,7 @@ class _Peer:
 
 
 class TCPTransport(Transport):
-    """A transport over TCP sockets, one connection per pair of ranks that talk.
+    """A transport over TCP, one connection per pair of ranks that talk.
 
     Every rank listens on an ephemeral port and publishes ``host:port`` in the store under
     ``transport/addr/<rank>``. A rank connects to a peer the first time it sends to it or
@@ -346,17 +501,17 @@ class TCPTransport(Transport):
     is kept and the other is refused during the handshake.
 
     Receives land directly in the caller's memory; sends are written from the caller's
-    memory and their futures resolve once the kernel has taken every byte. When a peer's
-    connection is lost, every pending send to it and receive from it (and every
-    any-source receive) fails at once with :class:`~aiodist.errors.DistNetworkError`
-    naming the rank.
+    memory and their futures resolve once no buffer of the event loop refers to it. When a
+    connection breaks, every pending send to that peer, every receive from it and every
+    any-source receive fail at once with :class:`~aiodist.errors.DistNetworkError` naming
+    the rank. A peer that closes in order (``aclose``) fails only the receives from it.
 
     Create instances with :meth:`create`.
 
     Attributes:
         rank: this transport's global rank.
         world_size: the number of ranks in the world.
-        address: the ``(host, port)`` this rank listens on.
+        address: the ``(host, port)`` this rank listens on and published.
     """
 
     #: Open transports in this process; polling only pays off when the peers are elsewhere.
@@ -367,28 +522,27 @@ class TCPTransport(Transport):
         store: Store,
         rank: int,
         world_size: int,
-        listener: socket.socket,
-        host: str,
+        address: tuple[str, int],
         timeout: float | None,
-        spin: float | None,
+        spin: float,
         auto_spin: bool,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
+        self.address = address
         self._store = store
         self._loop = asyncio.get_running_loop()
-        self._listener: socket.socket | None = listener
-        self.address: tuple[str, int] = (host, listener.getsockname()[1])
+        self._server: asyncio.Server | None = None
         self._timeout = timeout
         self._spin = spin
         self._spin_auto = auto_spin
         self._spinning = False
-        self._mailbox = Mailbox(rank)
+        self._mailbox = Mailbox(rank, world_size)
         self._peers = [_Peer(r) for r in range(world_size)]
         self._conns: list[_Conn] = []
+        self._handshaking: set[_Conn] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed: BaseException | None = None
-        self._loop.add_reader(listener.fileno(), self._on_acceptable)
         TCPTransport._open_count += 1
 
     @classmethod
@@ -411,12 +565,13 @@ class TCPTransport(Transport):
             rank: this rank, in ``[0, world_size)``.
             world_size: the number of ranks.
             host: the address to listen on and to publish; a wildcard (``""``,
-                ``"0.0.0.0"``, ``"::"``) publishes this machine's host name instead.
+                ``"0.0.0.0"``, ``"::"``) listens on every interface and publishes this
+                machine's host name.
             timeout: seconds (or ``timedelta``) allowed for looking up a peer's address and
                 connecting to it; ``None`` means 300 s.
             local_world_size: how many ranks run on this machine; by default the
                 ``LOCAL_WORLD_SIZE`` environment variable, else ``world_size``. Receives
-                poll their socket for up to 50 µs before sleeping only when this is at most
+                poll their sockets for up to 50 µs before sleeping only when this is at most
                 the number of CPUs this process may use.
             spin: seconds to poll before sleeping, overriding the automatic choice
                 (``0`` never polls).
@@ -428,9 +583,9 @@ class TCPTransport(Transport):
             DistUsageError: ``rank``, ``world_size``, ``timeout`` or ``spin`` is invalid.
             OSError: the listening socket could not be created.
         """
-        if not isinstance(world_size, int) or world_size < 1:
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise DistUsageError(f"world_size must be a positive integer, got {world_size!r}")
-        if not isinstance(rank, int) or not 0 <= rank < world_size:
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
             raise DistUsageError(f"rank must be in [0, {world_size}), got {rank!r}")
         seconds = to_seconds(timeout, DEFAULT_CONNECT_TIMEOUT)
         auto_spin = spin is None
@@ -438,31 +593,36 @@ class TCPTransport(Transport):
             local = local_world_size
             if local is None:
                 local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-            if local <= len(os.sched_getaffinity(0)):
-                spin = SPIN_SECONDS
-        elif spin < 0:
-            raise DistUsageError(f"spin must be a non-negative number of seconds, got {spin}")
+            spin = SPIN_SECONDS if local <= len(os.sched_getaffinity(0)) else 0.0
+        elif not isinstance(spin, int | float) or spin < 0:
+            raise DistUsageError(f"spin must be a non-negative number of seconds, got {spin!r}")
         loop = asyncio.get_running_loop()
+        wildcard = host in ("", "0.0.0.0", "::")
         infos = await loop.getaddrinfo(
             host or None, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )
         family, _, _, _, sockaddr = infos[0]
         listener = socket.socket(family, socket.SOCK_STREAM)
         try:
-            listener.setblocking(False)
+            if family == socket.AF_INET6 and wildcard:
+                listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
             listener.bind(sockaddr)
-            listener.listen(min(max(world_size, 128), 4096))
-            public = host if host not in ("", "0.0.0.0", "::") else socket.gethostname()
-            self = cls(store, rank, world_size, listener, public, seconds, spin, auto_spin)
+            public = socket.gethostname() if wildcard else host
+            address = (public, int(listener.getsockname()[1]))
         except BaseException:
             listener.close()
             raise
+        self = cls(store, rank, world_size, address, seconds, float(spin), auto_spin)
         try:
-            await store.set(_address_key(rank), f"{public}:{self.address[1]}")
+            self._server = await loop.create_server(
+                lambda: _Conn(self, None), sock=listener, backlog=min(max(world_size, 128), 4096)
+            )
+            await store.set(_address_key(rank), f"{public}:{address[1]}")
         except BaseException:
+            listener.close()
             await self.aclose()
             raise
-        logger.debug("rank %d listening on %s:%d", rank, public, self.address[1])
+        logger.debug("rank %d listening on %s:%d", rank, public, address[1])
         return self
 
     def __repr__(self) -> str:
@@ -475,15 +635,15 @@ class TCPTransport(Transport):
 
     def connected_peers(self) -> list[int]:
         """Return the ranks this transport holds an open connection to."""
-        return [c.peer for c in self._conns]
+        return [c.peer for c in self._conns if c.peer is not None]
 
     # -- the Transport interface -----------------------------------------------------------
 
     def send(self, peer: int, tag: Tag, data: memoryview) -> asyncio.Future[None]:
         """Send ``data`` to rank ``peer`` without copying it.
 
-        The future resolves once the kernel holds every byte (the caller may then reuse
-        ``data``), and fails with ``DistNetworkError`` if the peer is lost first.
+        The future resolves once no buffer of the event loop refers to ``data`` (the caller
+        may then reuse it), and fails with ``DistNetworkError`` if the peer is lost first.
 
         Raises:
             DistUsageError: ``peer`` is out of range, the tag is malformed, or ``data`` is
@@ -496,15 +656,10 @@ class TCPTransport(Transport):
             raise DistUsageError(
                 f"a tag must be three integers in [0, 2**64) (group id, seq, step), got {tag!r}"
             ) from None
+        if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < self.world_size:
+            raise DistUsageError(f"peer must be a rank in [0, {self.world_size}), got {peer!r}")
         fut: asyncio.Future[None] = self._loop.create_future()
-        try:
-            p = self._peers[peer]
-        except (IndexError, TypeError):
-            raise DistUsageError(
-                f"peer must be a rank in [0, {self.world_size}), got {peer!r}"
-            ) from None
-        if peer < 0:
-            raise DistUsageError(f"peer must be a rank in [0, {self.world_size}), got {peer}")
+        p = self._peers[peer]
         conn = p.conn
         if conn is not None:
             conn.send(header, data, fut)
@@ -531,7 +686,9 @@ class TCPTransport(Transport):
             DistUsageError: ``peer`` is out of range, the tag is malformed, or ``out`` is
                 read-only or not contiguous.
         """
-        if peer is not None and (not isinstance(peer, int) or not 0 <= peer < self.world_size):
+        if peer is not None and (
+            isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < self.world_size
+        ):
             raise DistUsageError(f"peer must be a rank in [0, {self.world_size}), got {peer!r}")
         try:
             _HEADER.pack(tag[0], tag[1], tag[2], 0)
@@ -544,7 +701,7 @@ class TCPTransport(Transport):
             if peer is not None and peer != self.rank:
                 p = self._peers[peer]
                 if p.conn is None and p.error is None and self._closed is None:
-                    # Connect now so that a peer that is already gone is noticed.
+                    # Connect now, so that a peer that is already gone is noticed.
                     self._connect_soon(p)
             if self._spin and not self._spinning and self._conns:
                 self._spinning = True
@@ -552,15 +709,13 @@ class TCPTransport(Transport):
         return fut
 
     def abort(self, exc: BaseException) -> None:
-        """Fail every pending send and receive with ``exc`` and close every socket at once."""
+        """Fail every pending send and receive with ``exc`` and drop every connection."""
         if self._closed is not None:
             return
         self._closed = exc
         TCPTransport._open_count -= 1
-        if self._listener is not None:
-            self._loop.remove_reader(self._listener.fileno())
-            self._listener.close()
-            self._listener = None
+        if self._server is not None:
+            self._server.close()
         for task in self._tasks:
             task.cancel()
         for p in self._peers:
@@ -569,37 +724,50 @@ class TCPTransport(Transport):
             p.pending.clear()
             if p.waiter is not None:
                 fail_future(p.waiter, exc)
-        for conn in self._conns:
-            for item in conn.close():
-                if item.fut is not None:
-                    fail_future(item.fut, exc)
-            self._peers[conn.peer].conn = None
+            p.conn = None
+        for conn in [*self._conns, *self._handshaking]:
+            conn._fail_sends(exc)
+            # Whoever moves a connection to _DONE closes its transport.
+            if conn.state != _DONE:
+                conn.state = _DONE
+                if conn.transport is not None:
+                    conn.transport.abort()
         self._conns.clear()
         self._mailbox.abort(exc)
         logger.debug("rank %d transport aborted: %s", self.rank, exc)
 
     async def aclose(self) -> None:
-        """Let queued sends drain (up to 5 s), then close every socket and the listener.
+        """Let queued sends drain (up to 5 s), say goodbye to every peer and close.
 
-        Pending receives fail with ``DistNetworkError``. Closing twice is harmless.
+        Pending receives fail with ``DistNetworkError``; peers see an orderly close (their
+        receives from this rank fail, their any-source receives keep waiting for others).
+        Closing twice is harmless.
         """
+        conns = [*self._conns, *self._handshaking]
         if self._closed is None:
-            queued = [item.fut for c in self._conns for item in c.out if item.fut is not None]
+            queued = [f for c in self._conns for _, f in c._queue if f is not None]
+            queued += [f for c in self._conns for f in c._handed]
             queued += [fut for p in self._peers for _, _, fut in p.pending]
             if queued:
                 await asyncio.wait(queued, timeout=CLOSE_DRAIN_SECONDS)
-            self.abort(DistNetworkError(f"the transport of rank {self.rank} was closed"))
+            if self._closed is None:
+                for conn in self._conns:
+                    conn.say_goodbye()
+                self.abort(DistNetworkError(f"the transport of rank {self.rank} was closed"))
         while self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        if conns:
+            await asyncio.wait([c.lost for c in conns if c.transport is not None])
+        if self._server is not None:
+            await self._server.wait_closed()
 
     # -- polling ---------------------------------------------------------------------------
 
     def _poll(self, fut: asyncio.Future[int]) -> None:
         # Runs once the task that posted ``fut`` has yielded (its own sends are written by
-        # then). Polling the sockets for a few microseconds catches a peer's quick answer
+        # then). Reading the sockets for a few microseconds catches a peer's quick answer
         # without the cost of sleeping in epoll and being woken again.
         self._spinning = False
-        assert self._spin is not None
         if (
             fut.done()
             or self._closed is not None
@@ -612,7 +780,7 @@ class TCPTransport(Transport):
         conns = tuple(self._conns)  # a lost connection leaves the list while we iterate
         while True:
             for conn in conns:
-                conn.on_readable()
+                conn.poll()
             if fut.done() or self._closed is not None or time.perf_counter() >= deadline:
                 return
             os.sched_yield()
@@ -630,46 +798,43 @@ class TCPTransport(Transport):
             p.waiter = self._loop.create_future()
             p.connecting = self._spawn(self._connect(p))
 
+    def _accepts(self, peer: int) -> bool:
+        # One connection per pair: if both ranks are connecting, the lower rank's wins;
+        # a peer that is already connected, or failed, is refused.
+        p = self._peers[peer]
+        if self._closed is not None or p.conn is not None or p.error is not None:
+            return False
+        return p.connecting is None or peer < self.rank
+
     async def _connect(self, p: _Peer) -> None:
         peer = p.rank
         waiter = p.waiter
         assert waiter is not None
-        sock: socket.socket | None = None
+        conn: _Conn | None = None
         try:
             async with asyncio.timeout(self._timeout):
                 address = (await self._store.get(_address_key(peer))).decode()
                 host, _, port = address.rpartition(":")
-                infos = await self._loop.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-                family, _, _, _, sockaddr = infos[0]
-                sock = socket.socket(family, socket.SOCK_STREAM)
-                sock.setblocking(False)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 try:
-                    await self._loop.sock_connect(sock, sockaddr)
+                    _, proto = await self._loop.create_connection(
+                        lambda: _Conn(self, peer), host, int(port)
+                    )
                 except OSError as exc:
                     raise DistNetworkError(
                         f"lost connection to rank {peer}: cannot connect to {address}: {exc}"
                     ) from exc
-                await self._loop.sock_sendall(
-                    sock, _HANDSHAKE.pack(_MAGIC, _VERSION, _HELLO, self.rank, self.world_size)
-                )
-                kind, their_rank = await self._read_handshake(sock, address)
-                if their_rank != peer:
-                    raise DistProtocolError(
-                        f"the address published by rank {peer} ({address}) is rank {their_rank}'s"
-                    )
+                conn = proto
+                accepted = await conn.handshake
                 p.connecting = None
-                if kind == _ACCEPT:
-                    self._establish(peer, sock)
-                    sock = None
-                    return
-                # Refused: the peer's own connection to us is the one kept.
-                sock.close()
-                sock = None
-                await asyncio.shield(waiter)
+                if not accepted:
+                    await asyncio.shield(waiter)
         except asyncio.CancelledError:
+            if conn is not None and conn.transport is not None and conn.state != _OPEN:
+                conn.transport.abort()
             raise
         except TimeoutError:
+            if conn is not None and conn.transport is not None and conn.state != _OPEN:
+                conn.transport.abort()
             self._fail_peer(
                 p,
                 DistTimeoutError(
@@ -683,86 +848,17 @@ class TCPTransport(Transport):
             self._fail_peer(p, lost_peer_error(peer, f"connecting failed: {exc!r}"))
         finally:
             p.connecting = None
-            if sock is not None:
-                sock.close()
 
-    async def _read_handshake(self, sock: socket.socket, who: str) -> tuple[int, int]:
-        buf = bytearray(_HANDSHAKE.size)
-        view = memoryview(buf)
-        got = 0
-        while got < len(buf):
-            n = await self._loop.sock_recv_into(sock, view[got:])
-            if not n:
-                raise DistNetworkError(f"{who} closed the connection during the handshake")
-            got += n
-        magic, version, kind, rank, world_size = _HANDSHAKE.unpack(buf)
-        if magic != _MAGIC or kind not in (_HELLO, _ACCEPT, _REJECT):
-            raise DistProtocolError(f"{who} sent {bytes(buf)!r}, not an aiodist handshake")
-        if version != _VERSION:
-            raise DistProtocolError(
-                f"{who} speaks transport protocol version {version}, this rank {_VERSION}"
-            )
-        if world_size != self.world_size:
-            raise DistProtocolError(
-                f"{who} belongs to a world of {world_size} ranks, this one has {self.world_size}"
-            )
-        if not 0 <= rank < self.world_size or rank == self.rank:
-            raise DistProtocolError(f"{who} claims to be rank {rank}")
-        return kind, rank
-
-    def _on_acceptable(self) -> None:
-        listener = self._listener
-        while listener is not None:
-            try:
-                sock, addr = listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                # Out of file descriptors and the like: the peer's connect will time out.
-                logger.warning("rank %d could not accept a connection: %s", self.rank, exc)
-                return
-            sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._spawn(self._accept(sock, f"{addr[0]}:{addr[1]}"))
-
-    async def _accept(self, sock: socket.socket, who: str) -> None:
-        keep = False
-        try:
-            async with asyncio.timeout(self._timeout):
-                kind, peer = await self._read_handshake(sock, f"the connection from {who}")
-            if kind != _HELLO:
-                raise DistProtocolError(f"the connection from {who} did not start with a hello")
-            p = self._peers[peer]
-            # Keep one connection per pair: if both ranks are connecting, the lower rank's
-            # wins; a peer that is already connected or failed is refused.
-            accept = (
-                p.conn is None and p.error is None and (p.connecting is None or peer < self.rank)
-            )
-            reply = _HANDSHAKE.pack(
-                _MAGIC, _VERSION, _ACCEPT if accept else _REJECT, self.rank, self.world_size
-            )
-            # Sixteen bytes on a fresh socket: written at once.
-            await self._loop.sock_sendall(sock, reply)
-            if accept:
-                self._establish(peer, sock)
-                keep = True
-        except asyncio.CancelledError:
-            raise
-        except DistProtocolError as exc:
-            logger.warning("rank %d dropped a connection: %s", self.rank, exc)
-        except (OSError, TimeoutError) as exc:
-            logger.debug("rank %d: handshake with %s failed: %r", self.rank, who, exc)
-        finally:
-            if not keep:
-                sock.close()
-
-    def _establish(self, peer: int, sock: socket.socket) -> None:
+    def _establish(self, conn: _Conn) -> None:
+        peer = conn.peer
+        assert peer is not None and conn.transport is not None
+        self._handshaking.discard(conn)
         p = self._peers[peer]
-        if self._closed is not None or p.conn is not None:
+        if self._closed is not None or p.conn is not None or p.error is not None:
             # Closed meanwhile; a second connection cannot happen by the tie-break rule.
-            sock.close()
+            conn.state = _DONE
+            conn.transport.abort()
             return
-        conn = _Conn(self, peer, sock)
         p.conn = conn
         self._conns.append(conn)
         if p.waiter is not None and not p.waiter.done():
@@ -773,11 +869,13 @@ class TCPTransport(Transport):
             conn.send(header, data, fut)
         logger.debug("rank %d connected to rank %d", self.rank, peer)
 
-    def _lose(self, peer: int, reason: str, exc: BaseException | None = None) -> None:
+    def _lose(
+        self, peer: int, reason: str, exc: BaseException | None = None, *, graceful: bool = False
+    ) -> None:
         """Drop the connection to ``peer`` and fail everything that depends on it."""
-        self._fail_peer(self._peers[peer], exc or lost_peer_error(peer, reason))
+        self._fail_peer(self._peers[peer], exc or lost_peer_error(peer, reason), graceful)
 
-    def _fail_peer(self, p: _Peer, exc: BaseException) -> None:
+    def _fail_peer(self, p: _Peer, exc: BaseException, graceful: bool = False) -> None:
         if p.error is not None or self._closed is not None:
             return
         p.error = exc
@@ -785,9 +883,10 @@ class TCPTransport(Transport):
         if conn is not None:
             p.conn = None
             self._conns.remove(conn)
-            for item in conn.close():
-                if item.fut is not None:
-                    fail_future(item.fut, exc)
+            conn._fail_sends(exc)
+            conn.state = _DONE
+            if conn.transport is not None:
+                conn.transport.abort()
         for _, _, fut in p.pending:
             fail_future(fut, exc)
         p.pending.clear()
@@ -796,5 +895,6 @@ class TCPTransport(Transport):
             p.waiter = None
         if p.connecting is not None and p.connecting is not asyncio.current_task():
             p.connecting.cancel()
-        self._mailbox.fail_peer(p.rank, exc)
-        logger.info("rank %d lost rank %d: %s", self.rank, p.rank, exc)
+        self._mailbox.fail_peer(p.rank, exc, graceful=graceful)
+        level = logging.DEBUG if graceful else logging.WARNING
+        logger.log(level, "rank %d: %s", self.rank, exc)
