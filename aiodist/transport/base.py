@@ -31,7 +31,11 @@ class Transport(abc.ABC):
 
         ``data`` is not copied: the returned future resolves once the transport no longer
         refers to it, so the caller may then reuse the memory. The future fails with
-        ``DistNetworkError`` if the peer is lost.
+        ``DistNetworkError`` if the peer is lost or has closed. ``peer`` may be this rank.
+
+        Raises:
+            DistUsageError: at once, if ``peer`` is not a rank of the world, the tag is not
+                three integers in ``[0, 2**64)``, or ``data`` is not C-contiguous.
         """
 
     @abc.abstractmethod
@@ -39,17 +43,32 @@ class Transport(abc.ABC):
         """Receive the next message tagged ``tag`` from ``peer`` straight into ``out``.
 
         ``peer=None`` accepts the first matching message from any peer. The future resolves
-        to the sender's global rank. A message whose length differs from ``len(out)`` fails
-        the future with ``DistUsageError`` naming both lengths.
+        to the sender's global rank. A message whose length differs from ``out.nbytes``
+        fails the future with ``DistUsageError`` naming both lengths (the message is
+        consumed). The future fails with ``DistNetworkError`` if ``peer`` is lost or closes
+        first; an any-source receive fails when a peer is lost, or when every other rank
+        has closed.
+
+        Raises:
+            DistUsageError: at once, if ``peer`` is not a rank of the world, the tag is
+                malformed, or ``out`` is read-only or not C-contiguous.
         """
 
     @abc.abstractmethod
     def abort(self, exc: BaseException) -> None:
-        """Fail every pending send and receive with ``exc`` and drop all connections."""
+        """Fail every pending send and receive with ``exc`` and drop all connections.
+
+        Peers see this rank as lost. Later calls fail with ``exc``; aborting twice is
+        harmless.
+        """
 
     @abc.abstractmethod
     async def aclose(self) -> None:
-        """Close every connection and listener gracefully. Closing twice is harmless."""
+        """Close every connection and listener in order. Closing twice is harmless.
+
+        Pending receives fail with ``DistNetworkError``. Peers see an orderly close: their
+        receives from this rank fail, their any-source receives keep waiting for others.
+        """
 
 
 class OpComm:
