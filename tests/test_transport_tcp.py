@@ -332,6 +332,21 @@ async def test_garbage_handshake_is_dropped_and_transport_keeps_working(world2: 
     assert await fut == 0
 
 
+async def test_silent_connection_is_dropped_after_the_timeout() -> None:
+    world = await make_world(1, timeout=0.2)
+    loop = asyncio.get_running_loop()
+    try:
+        with socket.socket() as sock:
+            sock.setblocking(False)
+            await loop.sock_connect(sock, world.t[0].address)
+            start = time.perf_counter()
+            with contextlib.suppress(ConnectionResetError):
+                assert await asyncio.wait_for(loop.sock_recv(sock, 100), 5) == b""
+            assert time.perf_counter() - start < 2
+    finally:
+        await world.aclose()
+
+
 async def test_peer_answering_garbage_is_a_protocol_error() -> None:
     store = aiodist.HashStore(timeout=5)
     t0 = await TCPTransport.create(store, 0, 2, timeout=2)
