@@ -56,6 +56,21 @@ async def ping_pong(t: TCPTransport, iters: int) -> list[float]:
 WINDOW = 4
 
 
+async def exchange(t: TCPTransport, iters: int) -> list[float]:
+    """Both ranks send 8 bytes and receive 8 bytes at once, as a 2-rank all_reduce does."""
+    peer = 1 - t.rank
+    out = memoryview(np.zeros(1, np.float64))
+    data = memoryview(np.ones(1, np.float64))
+    times = []
+    for i in range(iters):
+        start = time.perf_counter()
+        recv = t.recv_into(peer, (4, i, 0), out)
+        await t.send(peer, (4, i, 0), data)
+        await recv
+        times.append(time.perf_counter() - start)
+    return times
+
+
 async def bandwidth(t: TCPTransport, size: int, seq: int, count: int) -> float:
     """Return seconds per message of ``size`` bytes, ``WINDOW`` messages in flight."""
     ack = memoryview(bytearray(1))
@@ -90,6 +105,8 @@ async def rank_main(rank: int, path: str, args: argparse.Namespace) -> None:
     t = await TCPTransport.create(store, rank, 2, local_world_size=2, spin=spin)
     await ping_pong(t, 200)  # connect and warm up
     times = await ping_pong(t, args.iters)
+    await exchange(t, 200)
+    swaps = await exchange(t, args.iters)
     rows = []
     size = 1 << 10
     seq = 0
@@ -107,6 +124,11 @@ async def rank_main(rank: int, path: str, args: argparse.Namespace) -> None:
             f"8 B round trip over {args.iters} iterations: p50 {us[len(us) // 2]:.1f} us, "
             f"p90 {us[int(len(us) * 0.9)]:.1f} us, mean {statistics.fmean(us):.1f} us "
             f"(one-way ~{us[len(us) // 2] / 2:.1f} us)"
+        )
+        us = sorted(x * 1e6 for x in swaps)
+        print(
+            f"8 B exchange (both ranks send and receive at once): p50 {us[len(us) // 2]:.1f} us, "
+            f"p90 {us[int(len(us) * 0.9)]:.1f} us"
         )
         print(f"{'size':>10} {'time/msg (us)':>14} {'GB/s':>8}")
         for size, seconds in rows:

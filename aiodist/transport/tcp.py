@@ -73,12 +73,27 @@ SPIN_SECONDS = 50e-6
 #: How long ``aclose`` lets queued sends drain before closing the connections.
 CLOSE_DRAIN_SECONDS = 5.0
 DEFAULT_CONNECT_TIMEOUT = 300.0
+#: TCP keepalive: seconds idle before probing, seconds between probes, probes before giving up.
+KEEPALIVE_IDLE, KEEPALIVE_INTERVAL, KEEPALIVE_PROBES = 30, 5, 6
 
 _HANDSHAKING, _OPEN, _DONE = 0, 1, 2
 
 
 def _address_key(rank: int) -> str:
     return f"transport/addr/{rank}"
+
+
+def _enable_keepalive(sock: socket.socket) -> None:
+    # A peer whose host vanishes sends neither FIN nor RST: probe idle connections so that
+    # its loss is noticed within about a minute instead of hours.
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        if hasattr(socket, "TCP_KEEPIDLE"):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_PROBES)
+    except OSError as exc:
+        logger.debug("could not enable TCP keepalive: %s", exc)
 
 
 class _Conn(asyncio.BufferedProtocol):
@@ -137,6 +152,7 @@ class _Conn(asyncio.BufferedProtocol):
         sock = transport.get_extra_info("socket")
         if sock is not None:
             self.fd = sock.fileno()
+            _enable_keepalive(sock)
         if self.owner._closed is not None:
             transport.abort()
             return
