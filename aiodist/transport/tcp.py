@@ -9,7 +9,7 @@ kind is hello, accept or reject). Then both directions carry frames::
 A header whose length is ``2**64 - 1`` says goodbye: the sender closes in order.
 
 Receiving. ``get_buffer`` hands the loop a slice of the posted receive's own memory while a
-payload of 16 KiB or more is arriving (no copy at all), otherwise a 256 KiB read buffer that
+payload of 16 KiB or more is arriving (no copy at all), otherwise a 64 KiB read buffer that
 picks up several small frames per read. A payload whose receive is not posted yet goes to a
 staging buffer (see ``_mailbox``). At most 2 MiB are read per connection per loop turn:
 then reading pauses until the next turn.
@@ -65,7 +65,7 @@ READ_BUDGET = 2 << 20
 # Payload bytes still to come at or above which reads go straight into the destination
 # (smaller ones go through the read buffer, which also picks up the following headers).
 _DIRECT_MIN = 16 << 10
-_RX_BUFFER = 256 << 10
+_RX_BUFFER = 64 << 10
 # Up to this payload size a frame is joined into one bytes object and written at once.
 _JOIN_MAX = 64 << 10
 #: Seconds a rank polls its sockets without sleeping when a receive is not yet satisfied.
@@ -153,10 +153,11 @@ class _Conn(asyncio.BufferedProtocol):
         if sock is not None:
             self.fd = sock.fileno()
             _enable_keepalive(sock)
+        self.owner._live.add(self)
         if self.owner._closed is not None:
+            self.state = _DONE
             transport.abort()
             return
-        self.owner._handshaking.add(self)
         if self.peer is not None:
             transport.write(
                 _HANDSHAKE.pack(_MAGIC, _VERSION, _HELLO, self.owner.rank, self.owner.world_size)
@@ -245,7 +246,7 @@ class _Conn(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         owner = self.owner
-        owner._handshaking.discard(self)
+        owner._live.discard(self)
         if self._timer is not None:
             self._timer.cancel()
         if not self.lost.done():
@@ -556,7 +557,8 @@ class TCPTransport(Transport):
         self._mailbox = Mailbox(rank, world_size)
         self._peers = [_Peer(r) for r in range(world_size)]
         self._conns: list[_Conn] = []
-        self._handshaking: set[_Conn] = set()
+        # Connections whose transport exists and has not reported connection_lost yet.
+        self._live: set[_Conn] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed: BaseException | None = None
         TCPTransport._open_count += 1
@@ -741,7 +743,7 @@ class TCPTransport(Transport):
             if p.waiter is not None:
                 fail_future(p.waiter, exc)
             p.conn = None
-        for conn in [*self._conns, *self._handshaking]:
+        for conn in list(self._live):
             conn._fail_sends(exc)
             # Whoever moves a connection to _DONE closes its transport.
             if conn.state != _DONE:
@@ -759,7 +761,6 @@ class TCPTransport(Transport):
         receives from this rank fail, their any-source receives keep waiting for others).
         Closing twice is harmless.
         """
-        conns = [*self._conns, *self._handshaking]
         if self._closed is None:
             queued = [f for c in self._conns for _, f in c._queue if f is not None]
             queued += [f for c in self._conns for f in c._handed]
@@ -772,8 +773,8 @@ class TCPTransport(Transport):
                 self.abort(DistNetworkError(f"the transport of rank {self.rank} was closed"))
         while self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
-        if conns:
-            await asyncio.wait([c.lost for c in conns if c.transport is not None])
+        if self._live:  # their sockets are closed once connection_lost has run
+            await asyncio.wait([c.lost for c in self._live])
         if self._server is not None:
             await self._server.wait_closed()
 
@@ -868,7 +869,6 @@ class TCPTransport(Transport):
     def _establish(self, conn: _Conn) -> None:
         peer = conn.peer
         assert peer is not None and conn.transport is not None
-        self._handshaking.discard(conn)
         p = self._peers[peer]
         if self._closed is not None or p.conn is not None or p.error is not None:
             # Closed meanwhile; a second connection cannot happen by the tie-break rule.
