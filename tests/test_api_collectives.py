@@ -8,6 +8,8 @@ import pytest
 import aiodist
 from aiodist.testing import run_world
 
+pytestmark = pytest.mark.both_loops
+
 SIZES = [1, 2, 3, 4]
 
 

@@ -13,6 +13,8 @@ import pytest
 import aiodist
 from aiodist.testing import run_world
 
+pytestmark = pytest.mark.both_loops
+
 
 async def _one_rank_misuses(
     call: Callable[[int], Any], match: str, *, bad_rank: int = 1, size: int = 3

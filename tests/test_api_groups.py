@@ -9,6 +9,8 @@ import aiodist
 from aiodist.group import parse_backend
 from aiodist.testing import run_world
 
+pytestmark = pytest.mark.both_loops
+
 
 async def test_introspection_and_repr() -> None:
     async def fn(rank: int, size: int) -> tuple[int, int, str, str, bool]:

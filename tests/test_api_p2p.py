@@ -8,6 +8,8 @@ import pytest
 import aiodist
 from aiodist.testing import run_world
 
+pytestmark = pytest.mark.both_loops
+
 
 async def test_send_recv_ring() -> None:
     async def fn(rank: int, size: int) -> tuple[int, np.ndarray]:

@@ -11,6 +11,8 @@ import pytest
 import aiodist
 from aiodist.testing import run_world
 
+pytestmark = pytest.mark.both_loops
+
 
 async def test_await_twice_state_and_repr() -> None:
     async def fn(rank: int, size: int) -> None:

@@ -124,6 +124,10 @@ class WorldProcessError(DistError):
         self.rank = rank
 
 
+#: Seconds to wait, after a rank failed, for the others to report how they failed.
+_FAILURE_GRACE = 2.0
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -156,7 +160,7 @@ def _child(
             result = runner.run(main())
         conn.send(("ok", result))
     except BaseException:
-        conn.send(("error", traceback.format_exc()))
+        conn.send(("error", (time.time(), traceback.format_exc())))
         raise SystemExit(1) from None
     finally:
         conn.close()
@@ -222,12 +226,19 @@ def run_world_processes(
         procs.append(proc)
         conns[recv_end] = rank
     results: dict[int, Any] = {}
+    # rank -> (when it failed, message); the earliest failure is the root cause, the
+    # others usually follow from it (their peer went away).
+    failures: dict[int, tuple[float, str]] = {}
     deadline = time.monotonic() + timeout
     try:
         while conns:
+            if failures:
+                deadline = min(deadline, time.monotonic() + _FAILURE_GRACE)
             left = deadline - time.monotonic()
             ready = multiprocessing.connection.wait(list(conns), timeout=max(0.0, left))
             if not ready:
+                if failures:
+                    break
                 missing = sorted(conns.values())
                 raise DistTimeoutError(
                     f"run_world_processes: ranks {missing} did not finish within {timeout:g} s"
@@ -239,15 +250,23 @@ def run_world_processes(
                     status, payload = c.recv()
                 except EOFError:
                     procs[rank].join(5)
-                    raise WorldProcessError(
-                        rank,
+                    failures[rank] = (
+                        time.time(),
                         f"rank {rank} died without a result (exit code {procs[rank].exitcode})",
-                    ) from None
+                    )
+                    continue
                 finally:
                     c.close()
                 if status == "error":
-                    raise WorldProcessError(rank, f"rank {rank} failed:\n{payload}")
-                results[rank] = payload
+                    when, text = payload
+                    failures[rank] = (when, f"rank {rank} failed:\n{text}")
+                else:
+                    results[rank] = payload
+        if failures:
+            first = min(failures, key=lambda r: failures[r][0])
+            others = sorted(set(failures) - {first})
+            also = f"\n(ranks {others} failed afterwards)" if others else ""
+            raise WorldProcessError(first, failures[first][1] + also)
         for p in procs:
             p.join(10)
     finally:
