@@ -1,0 +1,140 @@
+"""A worker for the launcher tests: ``launcher_worker.py MODE [ARGS...]``.
+
+Modes:
+    env                 print the launcher's variables as one JSON line
+    allreduce           init the group through env://, all_reduce rank+1, print the sum
+    fail R CODE         rank R exits with CODE (the others wait to be stopped)
+    errorfile R         rank R writes TORCHELASTIC_ERROR_FILE and exits 1
+    crash-once R        group formed and all_reduce ran, then rank R exits 3 on attempt 0;
+                        attempt 1 succeeds
+    signals             print "ready", then report each of SIGINT/SIGTERM/SIGUSR1 and exit
+    ignore-term         print "ready", ignore SIGTERM, sleep
+    stdio               write a line to stdout and to stderr
+    hang                print "ready" after the group formed, then all_reduce forever
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+rank = int(os.environ["RANK"])
+world = int(os.environ["WORLD_SIZE"])
+attempt = int(os.environ.get("AIODIST_RESTART_COUNT", "0"))
+mode, args = sys.argv[1], sys.argv[2:]
+
+
+async def allreduce() -> float:
+    import aiodist
+
+    await aiodist.init_process_group(backend="gloo", rank=rank, world_size=world)
+    x = np.array([rank + 1.0])
+    await aiodist.all_reduce(x)
+    return float(x[0])
+
+
+async def shutdown() -> None:
+    import aiodist
+
+    await aiodist.barrier()
+    await aiodist.destroy_process_group()
+
+
+def main() -> None:
+    if mode == "env":
+        keys = sorted(k for k in os.environ if k.split("_")[0] in {"TORCHELASTIC", "AIODIST"})
+        keys += [
+            "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+            "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR",
+            "MASTER_PORT", "OMP_NUM_THREADS",
+        ]  # fmt: skip
+        print(json.dumps({k: os.environ.get(k) for k in keys} | {"argv": args}))
+    elif mode == "allreduce":
+
+        async def run() -> None:
+            total = await allreduce()
+            print(f"sum={total:g} expected={world * (world + 1) / 2:g}")
+            await shutdown()
+
+        asyncio.run(run())
+    elif mode == "fail":
+        if rank == int(args[0]):
+            time.sleep(0.2)
+            print("failing on purpose", file=sys.stderr)
+            raise SystemExit(int(args[1]))
+        print("waiting", flush=True)
+        time.sleep(60)
+    elif mode == "errorfile":
+        if rank == int(args[0]):
+            try:
+                raise KeyError("the root cause")
+            except KeyError as exc:
+                import traceback
+
+                with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+                    json.dump(
+                        {
+                            "message": {
+                                "message": f"KeyError: {exc}",
+                                "extraInfo": {
+                                    "py_callstack": traceback.format_exc(),
+                                    "timestamp": str(int(time.time())),
+                                },
+                            }
+                        },
+                        f,
+                    )
+            raise SystemExit(1)
+        time.sleep(60)
+    elif mode == "crash-once":
+
+        async def run() -> None:
+            total = await allreduce()
+            if attempt == 0 and rank == int(args[0]):
+                print(f"crashing after the group formed (sum={total:g})", file=sys.stderr)
+                os._exit(3)
+            await shutdown()
+            print(f"attempt={attempt} sum={total:g}")
+
+        asyncio.run(run())
+    elif mode == "signals":
+        got = []
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, lambda s, _f: got.append(signal.Signals(s).name))
+        print("ready", flush=True)
+        deadline = time.monotonic() + 30
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.02)
+        print(f"got {got[0]}", flush=True)
+    elif mode == "ignore-term":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print("ready", flush=True)
+        time.sleep(60)
+    elif mode == "stdio":
+        print(f"out line of rank {rank}")
+        print(f"err line of rank {rank}", file=sys.stderr)
+    elif mode == "hang":
+
+        async def run() -> None:
+            import aiodist
+
+            await allreduce()
+            print("ready", flush=True)
+            x = np.ones(4)
+            while True:
+                await aiodist.all_reduce(x)
+                await asyncio.sleep(0.05)
+
+        asyncio.run(run())
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
+
+
+if __name__ == "__main__":
+    main()
