@@ -70,6 +70,10 @@ _RX_BUFFER = 64 << 10
 _JOIN_MAX = 64 << 10
 #: Seconds a rank polls its sockets without sleeping when a receive is not yet satisfied.
 SPIN_SECONDS = 50e-6
+#: After this many polls in a row that ran out of time, receives skip polling for a while
+#: (2, 4, 8, ... receives, at most ``POLL_MAX_SKIP``).
+POLL_MISSES_BEFORE_BACKOFF = 3
+POLL_MAX_SKIP = 64
 #: How long ``aclose`` lets queued sends drain before closing the connections.
 CLOSE_DRAIN_SECONDS = 5.0
 DEFAULT_CONNECT_TIMEOUT = 300.0
@@ -554,6 +558,9 @@ class TCPTransport(Transport):
         self._spin = spin
         self._spin_auto = auto_spin
         self._spinning = False
+        # Polls that ran out of time in a row, and receives left to skip polling for.
+        self._poll_misses = 0
+        self._poll_skip = 0
         self._mailbox = Mailbox(rank, world_size)
         self._peers = [_Peer(r) for r in range(world_size)]
         self._conns: list[_Conn] = []
@@ -722,8 +729,11 @@ class TCPTransport(Transport):
                     # Connect now, so that a peer that is already gone is noticed.
                     self._connect_soon(p)
             if self._spin and not self._spinning and self._conns:
-                self._spinning = True
-                self._loop.call_soon(self._poll, fut)
+                if self._poll_skip:
+                    self._poll_skip -= 1
+                else:
+                    self._spinning = True
+                    self._loop.call_soon(self._poll, fut)
         return fut
 
     def abort(self, exc: BaseException) -> None:
@@ -798,9 +808,17 @@ class TCPTransport(Transport):
         while True:
             for conn in conns:
                 conn.poll()
-            if fut.done() or self._closed is not None or time.perf_counter() >= deadline:
+            if fut.done() or self._closed is not None:
+                self._poll_misses = 0
                 return
+            if time.perf_counter() >= deadline:
+                break
             os.sched_yield()
+        # The answer did not come in time: the peer is slow, or the CPUs are busy with
+        # other work and polling only takes one from the peer. Back off exponentially.
+        self._poll_misses += 1
+        if self._poll_misses >= POLL_MISSES_BEFORE_BACKOFF:
+            self._poll_skip = min(1 << self._poll_misses, POLL_MAX_SKIP)
 
     # -- connections -----------------------------------------------------------------------
 
