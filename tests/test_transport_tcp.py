@@ -94,6 +94,34 @@ async def test_many_tags_interleaved_and_out_of_order(world2: World) -> None:
         np.testing.assert_array_equal(outs[k], v)
 
 
+@pytest.mark.both_loops
+async def test_polling_reads_through_the_protocol() -> None:
+    # Polling forced on (it is off by default with several transports in one process):
+    # reads then also happen outside the loop's own callbacks.
+    world = await make_world(2, spin=2e-4)
+    try:
+        t0, t1 = world.t
+        sizes = [8, 40_000, 3 << 20, 0, 8]
+        datas = [
+            np.random.default_rng(i).integers(0, 255, n, np.uint8) for i, n in enumerate(sizes)
+        ]
+        outs = [np.zeros_like(d) for d in datas]
+        for i, d in enumerate(datas):
+            await t0.send(1, (0, i, 0), memoryview(d))
+        await asyncio.sleep(0.01)  # let bytes wait in the socket for the poll to find
+        for i, o in enumerate(outs):
+            assert await t1.recv_into(0, (0, i, 0), memoryview(o)) == 0
+            np.testing.assert_array_equal(o, datas[i])
+            # Receive posted first: the poll scheduled by recv_into reads the bytes that
+            # send() has just written, before the loop's own reader does.
+            fut = t0.recv_into(1, (1, i, 0), memoryview(o))
+            await t1.send(0, (1, i, 0), memoryview(datas[i]))
+            await fut
+            np.testing.assert_array_equal(o, datas[i])
+    finally:
+        await world.aclose()
+
+
 async def test_same_tag_keeps_send_order(world2: World) -> None:
     t0, t1 = world2.t
     sends = [t0.send(1, T, memoryview(np.full(100_000, i, np.int32))) for i in range(6)]
