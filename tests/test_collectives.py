@@ -65,6 +65,32 @@ async def test_ring_all_reduce_chunking(run: Runner, n: int, chunk: int) -> None
         np.testing.assert_array_equal(x, expected)
 
 
+@pytest.mark.parametrize("chunk", [1, 8, 24, 1000, None])
+@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT])
+async def test_pair_all_reduce_pipelined(run: Runner, chunk: int | None, op: ReduceOp) -> None:
+    xs = _inputs(2, (5, 37), np.float64, op)
+    expected = numpy_reduce(op, xs)
+
+    async def rank(comm: OpComm) -> None:
+        await coll.pair_all_reduce_pipelined(comm, xs[comm.rank], op, chunk_bytes=chunk)
+
+    await run(2, rank)
+    for x in xs:
+        np.testing.assert_array_equal(x, expected)
+
+
+async def test_all_reduce_two_ranks_large(run: Runner) -> None:
+    """Two ranks, several MiB: the chunked exchange with default chunks and slot reuse."""
+    xs = [np.arange(3_000_001, dtype=np.int64) * (r + 1) for r in range(2)]
+
+    async def rank(comm: OpComm) -> None:
+        await coll.all_reduce(comm, xs[comm.rank], ReduceOp.SUM)
+
+    await run(2, rank)
+    for x in xs:
+        np.testing.assert_array_equal(x, np.arange(3_000_001, dtype=np.int64) * 3)
+
+
 @pytest.mark.parametrize("op", list(ReduceOp))
 @pytest.mark.parametrize("n", [3, 4])
 @pytest.mark.parametrize("algorithm", ["recursive_doubling", "ring"])

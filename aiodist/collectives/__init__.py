@@ -8,8 +8,9 @@ and no send refers to a caller's array any more. World size 1 sends no messages.
 
 Choices (details and measured crossovers in ``docs/architecture.md``):
 
-* :func:`all_reduce`: recursive doubling below :data:`RING_THRESHOLD_BYTES`, a chunked,
-  pipelined ring (reduce-scatter + all-gather) from there on.
+* :func:`all_reduce`: recursive doubling below :data:`RING_THRESHOLD_BYTES`; from there
+  on a chunked, pipelined exchange for two ranks and a pipelined ring (reduce-scatter +
+  all-gather) for more.
 * :func:`broadcast`, :func:`reduce`: binomial trees, chunked so levels overlap.
 * :func:`all_gather`, :func:`reduce_scatter`: rings, chunked and pipelined.
 * :func:`gather`, :func:`scatter`: direct between the root and each rank.
@@ -17,7 +18,12 @@ Choices (details and measured crossovers in ``docs/architecture.md``):
 * :func:`barrier`: dissemination.
 """
 
-from .all_reduce import RING_THRESHOLD_BYTES, all_reduce, ring_all_reduce
+from .all_reduce import (
+    RING_THRESHOLD_BYTES,
+    all_reduce,
+    pair_all_reduce_pipelined,
+    ring_all_reduce,
+)
 from .all_to_all import all_to_all
 from .barrier import barrier
 from .gather import all_gather, gather, scatter
@@ -32,6 +38,7 @@ __all__ = [
     "barrier",
     "broadcast",
     "gather",
+    "pair_all_reduce_pipelined",
     "reduce",
     "reduce_scatter",
     "ring_all_reduce",

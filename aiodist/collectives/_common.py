@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -73,12 +73,12 @@ def abandon(futs: Iterable[asyncio.Future[Any]]) -> None:
             fut.exception()
 
 
-def chunk_size(nbytes: int, chunk_bytes: int | None) -> int:
+def chunk_size(nbytes: int, chunk_bytes: int | None, parts: int = WINDOW) -> int:
     """The chunk size for pipelining a message of ``nbytes``: ``chunk_bytes`` if given,
-    else about a :data:`WINDOW`-th of it, within ``[MIN_CHUNK_BYTES, CHUNK_BYTES]``."""
+    else about a ``parts``-th of it, within ``[MIN_CHUNK_BYTES, CHUNK_BYTES]``."""
     if chunk_bytes is not None:
         return max(1, chunk_bytes)
-    return max(min(CHUNK_BYTES, nbytes // WINDOW), MIN_CHUNK_BYTES)
+    return max(min(CHUNK_BYTES, nbytes // parts), MIN_CHUNK_BYTES)
 
 
 def split(total: int, parts: int) -> list[tuple[int, int]]:
@@ -175,3 +175,62 @@ def binomial_tree(vrank: int, size: int) -> tuple[int | None, list[int]]:
             children.append(vrank + mask)
         mask >>= 1
     return parent, children
+
+
+class Dataflow:
+    """Drives a pipelined algorithm from future callbacks instead of a fixed await order.
+
+    Each received chunk is handled (reduced, forwarded) as soon as it lands, whatever the
+    order of arrival, without a task per chunk. :meth:`on` registers a handler for a
+    future; a handler calls :meth:`finish_one` when it completed one of the ``expected``
+    units of work. :meth:`wait` returns when all are done and every send has drained, or
+    raises the first failure (a failed future or a handler that raised).
+    """
+
+    __slots__ = ("_done", "flight", "remaining")
+
+    def __init__(self, expected: int) -> None:
+        self._done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.flight = Flight()
+        self.remaining = expected
+        if expected == 0:
+            self._done.set_result(None)
+
+    def __repr__(self) -> str:
+        return f"<Dataflow remaining={self.remaining} {self.flight!r}>"
+
+    def on(self, fut: asyncio.Future[Any], handler: Callable[..., None], *args: Any) -> None:
+        """Track ``fut``; once it succeeds, call ``handler(*args)``."""
+        self.flight.add(fut)
+        fut.add_done_callback(lambda f: self._run(f, handler, args))
+
+    def _run(self, fut: asyncio.Future[Any], handler: Callable[..., None], args: Any) -> None:
+        if self._done.done() or fut.cancelled():
+            return
+        exc = fut.exception()
+        if exc is not None:
+            self._done.set_exception(exc)
+            return
+        try:
+            handler(*args)
+        except BaseException as err:  # a handler's failure fails the operation
+            self._done.set_exception(err)
+
+    def finish_one(self) -> None:
+        """Record that one unit of work is complete."""
+        self.remaining -= 1
+        if self.remaining == 0 and not self._done.done():
+            self._done.set_result(None)
+
+    async def wait(self) -> None:
+        """Wait for all the work and every tracked send; on failure clean up and raise."""
+        try:
+            await self._done
+            await self.flight.drain()
+        except BaseException:
+            if self._done.done() and not self._done.cancelled():
+                self._done.exception()
+            else:
+                self._done.cancel()
+            self.flight.abandon()
+            raise

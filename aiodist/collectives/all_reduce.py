@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any, Literal
 
@@ -12,7 +11,7 @@ import numpy.typing as npt
 from .._arrays import byte_view
 from .._ops import ReduceOp, finish_into, reduce_into
 from ..transport.base import OpComm
-from ._common import SCRATCH, WINDOW, Flight, abandon, chunk_size, num_chunks, split, typed
+from ._common import SCRATCH, Dataflow, Flight, abandon, chunk_size, num_chunks, split, typed
 
 __all__ = ["RING_THRESHOLD_BYTES", "all_reduce"]
 
@@ -21,6 +20,9 @@ logger = logging.getLogger(__name__)
 #: Messages of at least this many bytes use the ring; smaller ones recursive doubling.
 #: Measured over loopback TCP with 2 and 4 ranks (docs/architecture.md).
 RING_THRESHOLD_BYTES = 64 * 1024
+
+#: Reduce-scatter chunks in flight at once in the ring (each holds one scratch chunk).
+RING_SLOTS = 8
 
 Algorithm = Literal["auto", "recursive_doubling", "ring"]
 
@@ -50,10 +52,14 @@ async def all_reduce(
     if comm.size == 1:
         finish_into(op, x, 1)
         return
-    if algorithm == "ring" or (algorithm == "auto" and x.nbytes >= RING_THRESHOLD_BYTES):
+    large = x.nbytes >= RING_THRESHOLD_BYTES
+    if algorithm == "ring" or (algorithm == "auto" and large and comm.size > 2):
         await ring_all_reduce(comm, x, op)
     elif comm.size == 2:
-        await _pair_all_reduce(comm, x, op)
+        if large:
+            await pair_all_reduce_pipelined(comm, x, op)
+        else:
+            await _pair_all_reduce(comm, x, op)
     else:
         await _recursive_doubling(comm, x, op)
 
@@ -73,6 +79,69 @@ async def _pair_all_reduce(comm: OpComm, x: npt.NDArray[Any], op: ReduceOp) -> N
         raise
     reduce_into(op, x, tmp)
     finish_into(op, x, 2)
+
+
+async def pair_all_reduce_pipelined(
+    comm: OpComm,
+    x: npt.NDArray[Any],
+    op: ReduceOp,
+    *,
+    chunk_bytes: int | None = None,
+    slots: int = RING_SLOTS,
+) -> None:
+    """Two ranks, large messages: the one exchange of recursive doubling, in chunks.
+
+    Each rank sends every chunk of ``x`` and receives the peer's into a scratch slot; a
+    chunk is reduced into ``x`` once it has arrived and our own send of it has left (the
+    send reads ``x``). This moves the same bytes as a 2-rank ring in one step instead of
+    two, with reductions overlapping the transfer. A slot's next chunk is sent and its
+    receive posted when the slot frees, on both ranks alike, so chunks arrive where a
+    receive waits for them.
+
+    Raises:
+        DistNetworkError: the peer was lost.
+        DistUsageError: the peers' arrays differ in size.
+    """
+    peer = 1 - comm.rank
+    flat = x.reshape(-1)
+    xb = byte_view(x)
+    itemsize = x.itemsize
+    pieces = split(flat.size, num_chunks(x.nbytes, chunk_size(x.nbytes, chunk_bytes, slots)))
+    nchunks = len(pieces)
+    nslots = min(slots, nchunks)
+    max_chunk = max(hi - lo for lo, hi in pieces)
+    scratch = [SCRATCH.get(max_chunk * itemsize) for _ in range(nslots)]
+    flow = Dataflow(nchunks)
+    # A chunk is reduced when both its receive and its send are done: count to two.
+    ready = [0] * nchunks
+
+    def start(c: int) -> None:
+        lo, hi = pieces[c]
+        buf = scratch[c % nslots][: (hi - lo) * itemsize].data
+        flow.on(comm.recv_into(peer, c, buf), arrived, c)
+        flow.on(comm.send(peer, c, xb[lo * itemsize : hi * itemsize]), arrived, c)
+
+    def arrived(c: int) -> None:
+        ready[c] += 1
+        if ready[c] < 2:
+            return
+        lo, hi = pieces[c]
+        part = flat[lo:hi]
+        reduce_into(op, part, typed(scratch[c % nslots], x.dtype, hi - lo))
+        finish_into(op, part, 2)
+        if c + nslots < nchunks:
+            start(c + nslots)
+        flow.finish_one()
+
+    try:
+        for c in range(nslots):
+            start(c)
+    except BaseException:
+        flow.flight.abandon()
+        raise
+    await flow.wait()
+    for slot in scratch:
+        SCRATCH.put(slot)
 
 
 async def _recursive_doubling(comm: OpComm, x: npt.NDArray[Any], op: ReduceOp) -> None:
@@ -120,21 +189,40 @@ async def _recursive_doubling(comm: OpComm, x: npt.NDArray[Any], op: ReduceOp) -
 
 
 async def ring_all_reduce(
-    comm: OpComm, x: npt.NDArray[Any], op: ReduceOp, *, chunk_bytes: int | None = None
+    comm: OpComm,
+    x: npt.NDArray[Any],
+    op: ReduceOp,
+    *,
+    chunk_bytes: int | None = None,
+    slots: int = RING_SLOTS,
 ) -> None:
     """The ring all_reduce, callable directly with a chosen chunk size (tests, tuning).
 
     The message is cut into ``n`` segments and each segment into the same number of
     chunks. There are ``2(n-1)`` steps: in step ``k`` rank ``r`` sends segment
     ``(r-k) % n`` to its right neighbour and receives segment ``(r-k-1) % n`` from its left
-    one; in the first ``n-1`` steps (reduce-scatter) the received chunk goes to a scratch
-    buffer and is reduced into ``x``, in the last ``n-1`` (all-gather) it lands in ``x``
-    directly. A chunk is sent on as soon as it was received (and reduced), so chunks of
-    different steps are in flight at once; receives are posted :data:`WINDOW` chunks ahead.
+    one. In the first ``n-1`` steps (reduce-scatter) a received chunk lands in a scratch
+    slot and is reduced into ``x``; in the last ``n-1`` (all-gather) it lands in ``x``
+    directly. Every chunk is handled the moment it arrives (future callbacks, no fixed
+    order) and sent on at once, so all steps and chunks overlap.
 
-    Receiving all-gather chunks straight into ``x`` while reduce-scatter sends of the same
-    memory may still be queued is safe: each such chunk is the final value, which its
-    owner can only have computed after our earlier send of that memory was delivered.
+    Receives are posted before the matching data can exist, so nothing is staged by the
+    transport: all-gather receives are posted up front (their data is final, produced only
+    after everything this rank contributes to it was delivered, so landing in ``x`` early
+    cannot overwrite anything still needed); a reduce-scatter chunk travels through all its
+    steps in one of ``slots`` scratch slots, and the receive of its next step is posted
+    when its previous step is reduced, exactly when the neighbour sends it.
+
+    Args:
+        comm: This operation's view of the group.
+        x: C-contiguous array, same shape and dtype on every rank; reduced in place.
+        op: A reduction that ``x.dtype`` can take.
+        chunk_bytes: Pipelining unit; by default chosen from the segment size.
+        slots: Reduce-scatter chunks in flight at once (scratch memory: slots x chunk).
+
+    Raises:
+        DistNetworkError: a peer was lost.
+        DistUsageError: the peers' arrays differ in size.
     """
     n, rank = comm.size, comm.rank
     if n == 1:
@@ -150,49 +238,61 @@ async def ring_all_reduce(
     bounds = [[(lo + a, lo + b) for a, b in split(hi - lo, nchunks)] for lo, hi in segments]
     max_chunk = max(b - a for seg in bounds for a, b in seg)
     right, left = (rank + 1) % n, (rank - 1) % n
-    rs_steps = n - 1
-    total = 2 * (n - 1) * nchunks
-    slots = [SCRATCH.get(max_chunk * itemsize) for _ in range(WINDOW)]
-    recvs: dict[int, asyncio.Future[int]] = {}
-    flight = Flight()
+    last_rs = n - 2
+    last = 2 * n - 3
+    nslots = min(slots, nchunks)
+    scratch = [SCRATCH.get(max_chunk * itemsize) for _ in range(nslots)]
+    flow = Dataflow((last + 1) * nchunks)
 
-    def post(i: int) -> None:
-        k, c = divmod(i, nchunks)
-        lo, hi = bounds[(rank - k - 1) % n][c]
-        if k < rs_steps:
-            buf = slots[i % WINDOW][: (hi - lo) * itemsize].data
+    def chunk(k: int, c: int) -> tuple[int, int]:
+        # The chunk received in step k (and sent on in step k + 1).
+        return bounds[(rank - k - 1) % n][c]
+
+    def start_rs(c: int) -> None:
+        # Step 0 of chunk c: send our own data, receive the left neighbour's.
+        lo, hi = bounds[rank][c]
+        flow.flight.add(comm.send(right, c, xb[lo * itemsize : hi * itemsize]))
+        post_rs(0, c)
+
+    def post_rs(k: int, c: int) -> None:
+        lo, hi = chunk(k, c)
+        buf = scratch[c % nslots][: (hi - lo) * itemsize].data
+        flow.on(comm.recv_into(left, k * nchunks + c, buf), on_rs, k, c)
+
+    def on_rs(k: int, c: int) -> None:
+        lo, hi = chunk(k, c)
+        part = flat[lo:hi]
+        reduce_into(op, part, typed(scratch[c % nslots], x.dtype, hi - lo))
+        if k == last_rs:
+            # This chunk of our own segment is complete: finish it before anyone sees it.
+            finish_into(op, part, n)
+            if c + nslots < nchunks:
+                start_rs(c + nslots)
         else:
-            buf = xb[lo * itemsize : hi * itemsize]
-        recvs[i] = flight.add(comm.recv_into(left, i, buf))
-        if k == 0:
-            # The first step sends our own data; sent as its receive is posted, so chunks
-            # leave at the pace the peers take them in.
-            slo, shi = bounds[rank][c]
-            flight.add(comm.send(right, i, xb[slo * itemsize : shi * itemsize]))
+            post_rs(k + 1, c)
+        flow.flight.add(comm.send(right, (k + 1) * nchunks + c, xb[lo * itemsize : hi * itemsize]))
+        flow.finish_one()
+
+    def on_ag(k: int, c: int) -> None:
+        if k < last:
+            lo, hi = chunk(k, c)
+            flow.flight.add(
+                comm.send(right, (k + 1) * nchunks + c, xb[lo * itemsize : hi * itemsize])
+            )
+        flow.finish_one()
 
     try:
-        for i in range(min(WINDOW, total)):
-            post(i)
-        for i in range(total):
-            k, c = divmod(i, nchunks)
-            lo, hi = bounds[(rank - k - 1) % n][c]
-            await recvs.pop(i)
-            if k < rs_steps:
-                reduce_into(op, flat[lo:hi], typed(slots[i % WINDOW], x.dtype, hi - lo))
-                if k == rs_steps - 1:
-                    # This chunk of our segment is complete: finish it before anyone sees it.
-                    finish_into(op, flat[lo:hi], n)
-            if i + WINDOW < total:
-                post(i + WINDOW)
-            if k < 2 * (n - 1) - 1:
-                flight.add(comm.send(right, i + nchunks, xb[lo * itemsize : hi * itemsize]))
-            if i % WINDOW == WINDOW - 1:
-                # Received chunks may all be there already; let the loop breathe anyway.
-                await asyncio.sleep(0)
-        await flight.drain()
+        for k in range(last_rs + 1, last + 1):
+            for c in range(nchunks):
+                lo, hi = chunk(k, c)
+                buf = xb[lo * itemsize : hi * itemsize]
+                flow.on(comm.recv_into(left, k * nchunks + c, buf), on_ag, k, c)
+        for c in range(nslots):
+            start_rs(c)
     except BaseException:
-        # A cancelled receive may still be filled by its message: the scratch is not reused.
-        flight.abandon()
+        flow.flight.abandon()
         raise
-    for slot in slots:
+    # On failure a cancelled receive may still be filled: the scratch is not reused then.
+    await flow.wait()
+    for slot in scratch:
         SCRATCH.put(slot)
