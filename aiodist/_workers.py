@@ -237,10 +237,12 @@ class WorkerGroup:
                     start_new_session=True,
                     preexec_fn=functools.partial(_die_with_parent, os.getpid()),
                 )
-            except OSError:
+            except OSError as exc:
                 for f in files.values():
                     f.close()
-                raise
+                raise OSError(
+                    exc.errno, f"cannot start rank {spec.rank}: {spec.cmd[0]}: {exc.strerror}"
+                ) from exc
             worker = _Worker(spec, proc)
             worker.files = list(files.values())
             self._workers.append(worker)

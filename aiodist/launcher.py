@@ -288,9 +288,15 @@ class LaunchConfig:
 def _parse_std(text: str, what: str, nproc: int) -> tuple[Std, ...]:
     """Parse ``3`` or ``0:1,1:2`` into one :class:`Std` per local rank."""
     text = text.strip()
+
+    def std(value: str) -> Std:
+        if value.strip() not in ("0", "1", "2", "3"):
+            raise ValueError(value)
+        return Std(int(value))
+
     try:
         if ":" not in text:
-            return (Std(int(text)),) * nproc
+            return (std(text),) * nproc
         per_rank = [Std.NONE] * nproc
         for item in text.split(","):
             rank, value = item.split(":")
@@ -299,7 +305,7 @@ def _parse_std(text: str, what: str, nproc: int) -> tuple[Std, ...]:
                     f"--{what}={text!r} names local rank {int(rank)}, but there are only "
                     f"{nproc} workers per node"
                 )
-            per_rank[int(rank)] = Std(int(value))
+            per_rank[int(rank)] = std(value)
         return tuple(per_rank)
     except ValueError as exc:
         if isinstance(exc, DistUsageError):
@@ -697,7 +703,7 @@ class _Launcher:
             self._rank_base, self._world_size = await coord.join(self._interrupted)
             return await self._attempts(coord)
         except NodeLostError as exc:
-            logger.error("aiodist-run: %s; the workers of node %d were stopped", exc, cfg.node_rank)
+            logger.error("%s; the workers of node %d were stopped", exc, cfg.node_rank)
             return 1
         finally:
             if self._group is not None:
@@ -944,13 +950,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         with asyncio.Runner(loop_factory=loop_factory("auto")) as runner:
             return runner.run(launcher.run())
     except DistUsageError as exc:
-        logger.error("aiodist-run: %s", exc)
+        logger.error("%s", exc)
         return 2
     except DistError as exc:
-        logger.error("aiodist-run: %s", exc)
+        logger.error("%s", exc)
         return 1
     except OSError as exc:
-        logger.error("aiodist-run: %s", exc)
+        logger.error("%s", exc)
         return 1
 
 

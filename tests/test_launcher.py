@@ -1,0 +1,458 @@
+"""aiodist-run on one node: flags, worker environment, output, failures, signals, restarts.
+
+Every test starts the real launcher as a process with real worker processes
+(``tests/launcher_worker.py``) and checks what they printed and how they ended.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from aiodist._workers import Std
+from aiodist.errors import DistUsageError
+from aiodist.launcher import get_args_parser, parse_args
+
+pytestmark = pytest.mark.multiprocess
+
+HERE = Path(__file__).parent
+WORKER = str(HERE / "launcher_worker.py")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_"))}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    env.update(extra)
+    return env
+
+
+def launch(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "aiodist.run", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env or clean_env(),
+    )
+
+
+def start(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "aiodist.run", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env or clean_env(),
+    )
+
+
+def by_rank(out: str) -> dict[int, list[str]]:
+    lines: dict[int, list[str]] = {}
+    for line in out.splitlines():
+        m = re.fullmatch(r"\[rank(\d+)\]: (.*)", line)
+        assert m, f"unprefixed output line {line!r}"
+        lines.setdefault(int(m[1]), []).append(m[2])
+    return lines
+
+
+def wait_ready(proc: subprocess.Popen[str], n: int) -> list[str]:
+    assert proc.stdout is not None
+    seen = []
+    while len(seen) < n:
+        line = proc.stdout.readline()
+        assert line, "the launcher's stdout closed before every worker was ready"
+        if line.rstrip().endswith(": ready"):
+            seen.append(line)
+    return seen
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# -- the command line -------------------------------------------------------------------------
+def test_defaults_are_torchruns() -> None:
+    ns = get_args_parser().parse_args(["script.py"])
+    assert (ns.nnodes, ns.nproc_per_node, ns.node_rank) == ("1:1", "1", 0)
+    assert (ns.master_addr, ns.master_port, ns.rdzv_endpoint, ns.rdzv_id) == (
+        "127.0.0.1",
+        None,
+        "",
+        "none",
+    )
+    assert (ns.max_restarts, ns.monitor_interval, ns.standalone) == (0, 0.1, False)
+    assert (ns.module, ns.no_python, ns.log_dir, ns.redirects, ns.tee) == (
+        False,
+        False,
+        None,
+        "0",
+        "0",
+    )
+    assert ns.local_ranks_filter == ""
+    assert ns.signals_to_handle == "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+    cfg = parse_args(["script.py", "--lr", "0.1"])
+    assert cfg.cmd == (sys.executable, "-u", "script.py", "--lr", "0.1")
+    assert cfg.master_port == 0  # one node and no port: a free one, as torchrun does
+
+
+@pytest.mark.parametrize(
+    "flag",
+    [
+        "--nproc-per-node=3",
+        "--nproc_per_node=3",
+        "--node-rank=1",
+        "--node_rank=1",
+        "--master-addr=10.1.2.3",
+        "--master_addr=10.1.2.3",
+        "--master-port=1234",
+        "--master_port=1234",
+        "--max-restarts=2",
+        "--max_restarts=2",
+        "--monitor-interval=0.5",
+        "--monitor_interval=0.5",
+        "--log-dir=/tmp/x",
+        "--log_dir=/tmp/x",
+        "--local-ranks-filter=0",
+        "--local_ranks_filter=0",
+        "--rdzv-endpoint=h:5",
+        "--rdzv_endpoint=h:5",
+    ],
+)
+def test_dashed_and_underscored_spellings(flag: str) -> None:
+    ns = get_args_parser().parse_args(["--nnodes=2", flag, "s.py"])
+    dest, value = flag[2:].replace("-", "_").split("=")
+    assert str(getattr(ns, dest)) == value
+
+
+def test_pet_environment_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PET_NPROC_PER_NODE", "3")
+    monkeypatch.setenv("PET_MAX_RESTARTS", "2")
+    monkeypatch.setenv("PET_STANDALONE", "1")
+    monkeypatch.setenv("PET_TEE", "3")
+    cfg = parse_args(["s.py"])
+    assert (cfg.nproc_per_node, cfg.max_restarts, cfg.tees) == (3, 2, (Std.ALL,) * 3)
+    assert cfg.master_addr == "127.0.0.1" and cfg.master_port == 0
+    # The command line wins over the environment.
+    assert parse_args(["--nproc-per-node=2", "s.py"]).nproc_per_node == 2
+
+
+def test_endpoint_flags() -> None:
+    cfg = parse_args(["--rdzv-endpoint=node0:4000", "--nnodes=2", "s.py"])
+    assert (cfg.master_addr, cfg.master_port) == ("node0", 4000)
+    assert parse_args(["--rdzv-endpoint=node0", "--nnodes=2", "s.py"]).master_port == 29400
+    assert parse_args(["--rdzv-endpoint=[::1]:7", "s.py"]).master_addr == "::1"
+    cfg = parse_args(["--nnodes=2", "--master-addr=10.0.0.1", "s.py"])
+    assert (cfg.master_addr, cfg.master_port) == ("10.0.0.1", 29500)
+    cfg = parse_args(["--nnodes=2:2", "--node-rank=1", "--master-port=7", "s.py"])
+    assert (cfg.nnodes, cfg.node_rank, cfg.master_port) == (2, 1, 7)
+
+
+def test_output_and_signal_flags() -> None:
+    cfg = parse_args(["--nproc-per-node=3", "-r", "0:1,2:3", "-t", "2", "s.py"])
+    assert cfg.redirects == (Std.OUT, Std.NONE, Std.ALL)
+    assert cfg.tees == (Std.ERR,) * 3
+    cfg = parse_args(["--nproc-per-node=3", "--local-ranks-filter=0,2", "s.py"])
+    assert cfg.local_ranks_filter == {0, 2}
+    cfg = parse_args(["--signals-to-handle=SIGUSR1,TERM", "s.py"])
+    assert cfg.signals == (signal.SIGUSR1, signal.SIGTERM)
+    assert parse_args(["-m", "pkg.mod", "a"]).cmd == (sys.executable, "-u", "-m", "pkg.mod", "a")
+    assert parse_args(["--no-python", "./run.sh", "a"]).cmd == ("./run.sh", "a")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--nnodes=1:4"], r"elastic node counts are not supported"),
+        (["--nnodes=x"], r"--nnodes='x' is not valid"),
+        (["--nproc-per-node=0"], r"--nproc-per-node='0' is not valid: expected at least 1"),
+        (["--nproc-per-node=gpux"], r"expected a positive integer, auto or cpu"),
+        (["--nnodes=2", "--node-rank=2"], r"--node-rank=2 is not valid with --nnodes=2"),
+        (["--standalone", "--nnodes=2"], r"--standalone runs one node, but --nnodes=2"),
+        (["--nnodes=2", "--master-port=0"], r"several nodes need a fixed port"),
+        (["--max-restarts=-1"], r"--max-restarts=-1 must not be negative"),
+        (["--monitor-interval=0"], r"--monitor-interval=0.0 must be positive"),
+        (["-m", "--no-python"], r"--module and --no-python cannot be used together"),
+        (["-r", "5"], r"--redirects='5' is not valid"),
+        (["--nproc-per-node=2", "-t", "3:1"], r"names local rank 3, but there are only 2"),
+        (["--local-ranks-filter=a"], r"--local-ranks-filter='a' is not valid"),
+        (["--nproc-per-node=2", "--local-ranks-filter=2"], r"names ranks outside 0..1"),
+        (["--signals-to-handle=SIGNOPE"], r"unknown signal 'SIGNOPE'"),
+        (["--signals-to-handle=SIGKILL"], r"SIGKILL cannot be caught"),
+        (["--rdzv-conf=bogus=1"], r"--rdzv-conf item 'bogus=1' is not valid"),
+        (["--rdzv-endpoint=h:x"], r"invalid port 'x'"),
+    ],
+)
+def test_bad_flags_are_named(argv: list[str], message: str) -> None:
+    with pytest.raises(DistUsageError, match=message):
+        parse_args([*argv, "s.py"])
+
+
+def test_bad_flag_exits_2_with_message() -> None:
+    result = launch("--nproc-per-node=0", WORKER, "env")
+    assert result.returncode == 2
+    assert "aiodist-run: error: --nproc-per-node='0' is not valid" in result.stderr
+    result = launch("--no-such-flag", WORKER)
+    assert result.returncode == 2 and "unrecognized arguments" in result.stderr
+
+
+# -- running workers -----------------------------------------------------------------------------
+def test_seed_scenario_all_reduce_on_every_rank() -> None:
+    result = launch("--nproc-per-node=4", WORKER, "allreduce")
+    assert result.returncode == 0, result.stderr
+    assert by_rank(result.stdout) == {r: ["sum=10 expected=10"] for r in range(4)}
+
+
+def test_console_script_runs_the_example() -> None:
+    script = Path(sys.executable).with_name("aiodist-run")
+    result = subprocess.run(
+        [
+            str(script),
+            "--standalone",
+            "--nproc-per-node=2",
+            str(HERE.parent / "examples" / "data_parallel_sgd.py"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=clean_env(),
+    )
+    assert result.returncode == 0, result.stderr
+    lines = by_rank(result.stdout)
+    for rank in range(2):
+        assert "weights match the single-process numpy reference" in lines[rank][-1]
+
+
+def test_worker_environment() -> None:
+    result = launch(
+        "--nproc-per-node=2", "--rdzv-id=job7", "--role=trainer", "--max-restarts=3",
+        WORKER, "env", "a", "--b",
+        env=clean_env(OMP_NUM_THREADS="5"),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    envs = {r: json.loads(lines[0]) for r, lines in by_rank(result.stdout).items()}
+    port = envs[0]["MASTER_PORT"]
+    assert int(port) > 0
+    for rank, env in envs.items():
+        assert env["argv"] == ["a", "--b"]
+        assert env["RANK"] == env["LOCAL_RANK"] == env["ROLE_RANK"] == str(rank)
+        assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == env["ROLE_WORLD_SIZE"] == "2"
+        assert (env["GROUP_RANK"], env["GROUP_WORLD_SIZE"], env["ROLE_NAME"]) == (
+            "0",
+            "1",
+            "trainer",
+        )
+        assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("127.0.0.1", port)
+        assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+        assert env["TORCHELASTIC_RESTART_COUNT"] == env["AIODIST_RESTART_COUNT"] == "0"
+        assert env["TORCHELASTIC_MAX_RESTARTS"] == "3"
+        assert env["TORCHELASTIC_RUN_ID"] == env["AIODIST_RUN_ID"] == "job7"
+        assert env["TORCHELASTIC_ERROR_FILE"].endswith(f"job7/attempt_0/{rank}/error.json")
+        assert env["OMP_NUM_THREADS"] == "5"  # only set when unset
+    result = launch("--nproc-per-node=1", WORKER, "env")
+    assert json.loads(by_rank(result.stdout)[0][0])["OMP_NUM_THREADS"] == "1"
+
+
+def test_standalone_picks_free_ports_concurrently() -> None:
+    procs = [start("--standalone", "--nproc-per-node=2", WORKER, "env") for _ in range(3)]
+    ports = set()
+    for proc in procs:
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        envs = [json.loads(v[0]) for v in by_rank(out).values()]
+        assert len({e["MASTER_PORT"] for e in envs}) == 1
+        assert len({e["TORCHELASTIC_RUN_ID"] for e in envs}) == 1
+        ports.add(envs[0]["MASTER_PORT"])
+    assert len(ports) == 3
+
+
+def test_master_port_and_rdzv_endpoint() -> None:
+    port = free_port()
+    result = launch(f"--master-port={port}", "--nproc-per-node=2", WORKER, "allreduce")
+    assert result.returncode == 0, result.stderr
+    port = free_port()
+    result = launch(f"--rdzv-endpoint=127.0.0.1:{port}", WORKER, "env")
+    assert json.loads(by_rank(result.stdout)[0][0])["MASTER_PORT"] == str(port)
+
+
+def test_master_port_in_use_is_a_clear_error() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = launch(f"--master-port={port}", WORKER, "env")
+    assert result.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert "the port is in use" in result.stderr
+
+
+def test_module_and_no_python(tmp_path: Path) -> None:
+    result = launch(
+        "--nproc-per-node=2", "-m", "launcher_worker", "env", env=clean_env(PYTHONPATH=str(HERE))
+    )
+    assert result.returncode == 0, result.stderr
+    assert sorted(by_rank(result.stdout)) == [0, 1]
+    script = tmp_path / "run.sh"
+    script.write_text('#!/bin/sh\necho "shell rank $RANK of $WORLD_SIZE args $*"\n')
+    script.chmod(0o755)
+    result = launch("--nproc-per-node=2", "--no-python", str(script), "x", "y")
+    assert result.returncode == 0, result.stderr
+    assert by_rank(result.stdout) == {r: [f"shell rank {r} of 2 args x y"] for r in range(2)}
+
+
+def test_missing_executable_is_reported() -> None:
+    result = launch("--no-python", "/nonexistent/prog")
+    assert result.returncode == 1
+    assert "/nonexistent/prog" in result.stderr
+
+
+def test_local_ranks_filter() -> None:
+    result = launch("--nproc-per-node=3", "--local-ranks-filter=1", WORKER, "stdio")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "[rank1]: out line of rank 1\n"
+    assert "[rank1]: err line of rank 1\n" in result.stderr
+    assert "rank0" not in result.stderr and "rank2" not in result.stderr
+
+
+def test_log_dir_redirects_and_tee(tmp_path: Path) -> None:
+    result = launch(
+        "--nproc-per-node=2", f"--log-dir={tmp_path}", "--rdzv-id=r1", "-r", "1", "-t", "0:2",
+        WORKER, "stdio",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    # stdout is redirected: only in the files. stderr of local rank 0 is teed: in both.
+    assert "out line" not in result.stdout
+    assert "[rank0]: err line of rank 0" in result.stderr
+    assert "[rank1]: err line of rank 1" in result.stderr
+    for rank in range(2):
+        d = tmp_path / "r1" / "attempt_0" / str(rank)
+        assert (d / "stdout.log").read_text() == f"out line of rank {rank}\n"
+    assert (tmp_path / "r1/attempt_0/0/stderr.log").read_text() == "err line of rank 0\n"
+    assert not (tmp_path / "r1/attempt_0/1/stderr.log").exists()
+
+
+# -- failures ------------------------------------------------------------------------------------
+def test_failure_names_first_failing_rank_and_stops_the_others() -> None:
+    t0 = time.monotonic()
+    result = launch("--nproc-per-node=4", WORKER, "fail", "2", "7")
+    elapsed = time.monotonic() - t0
+    assert result.returncode == 1
+    assert elapsed < 20  # the others sleep 60 s: they were stopped
+    summary = result.stderr[result.stderr.index("aiodist-run: the job failed") :]
+    assert re.search(
+        r"root cause: rank 2 \(local rank 2 on node 0, pid \d+\) failed first, with exit code 7",
+        summary,
+    )
+    assert "last lines of rank 2's stderr:\n    failing on purpose" in summary
+    assert "attempt 1 of 1 (--max-restarts=0)" in summary
+
+
+def test_failure_summary_reads_the_error_file() -> None:
+    result = launch("--nproc-per-node=2", WORKER, "errorfile", "1")
+    assert result.returncode == 1
+    summary = result.stderr[result.stderr.index("aiodist-run: the job failed") :]
+    assert "root cause: rank 1" in summary
+    assert "error: KeyError: 'the root cause'" in summary
+    assert "traceback (from the worker's error file):" in summary
+    assert 'raise KeyError("the root cause")' in summary
+
+
+def test_worker_killed_by_signal_is_named() -> None:
+    proc = start("--nproc-per-node=2", "--shutdown-timeout=1", WORKER, "ignore-term")
+    wait_ready(proc, 2)
+    pids = subprocess.run(
+        ["pgrep", "-f", f"{WORKER} ignore-term"], capture_output=True, text=True
+    ).stdout.split()
+    # The launcher's children are the workers; kill one of them hard.
+    worker_pids = [int(p) for p in pids if int(p) != proc.pid]
+    os.kill(min(worker_pids), signal.SIGKILL)
+    _out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert re.search(r"failed first, with signal SIGKILL \(9\)", err)
+
+
+def test_restart_after_crash_with_fresh_store_state() -> None:
+    result = launch("--nproc-per-node=3", "--max-restarts=1", WORKER, "crash-once", "1")
+    assert result.returncode == 0, result.stderr
+    assert by_rank(result.stdout) == {r: ["attempt=1 sum=6"] for r in range(3)}
+    assert "attempt 0 failed: rank 1 (node 0) exited with exit code 3; restarting" in result.stderr
+
+
+def test_restarts_exhausted() -> None:
+    result = launch("--nproc-per-node=2", "--max-restarts=1", WORKER, "fail", "0", "4")
+    assert result.returncode == 1
+    assert (
+        result.stderr.count("failing on purpose") == 2 + 1
+    )  # twice on the console, once in the summary
+    assert "attempt 2 of 2 (--max-restarts=1)" in result.stderr
+
+
+def test_monitor_interval_bounds_remote_checks() -> None:
+    # With a long monitor interval a failing worker is still noticed at once: exits are events.
+    t0 = time.monotonic()
+    result = launch("--monitor-interval=30", "--nproc-per-node=2", WORKER, "fail", "1", "5")
+    assert result.returncode == 1
+    assert time.monotonic() - t0 < 20
+
+
+# -- signals -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signals_are_forwarded(sig: signal.Signals) -> None:
+    proc = start("--nproc-per-node=3", WORKER, "signals")
+    wait_ready(proc, 3)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + sig
+    got = [line for line in out.splitlines() if "got" in line]
+    assert sorted(got) == [f"[rank{r}]: got {sig.name}" for r in range(3)]
+    assert f"received {sig.name}: stopping the workers" in err
+
+
+def test_signals_to_handle() -> None:
+    proc = start("--nproc-per-node=2", "--signals-to-handle=SIGUSR1,SIGTERM", WORKER, "signals")
+    wait_ready(proc, 2)
+    proc.send_signal(signal.SIGUSR1)
+    out, _err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGUSR1
+    assert sorted(line for line in out.splitlines() if "got" in line) == [
+        "[rank0]: got SIGUSR1",
+        "[rank1]: got SIGUSR1",
+    ]
+
+
+def test_sigterm_escalates_to_sigkill_after_shutdown_timeout() -> None:
+    proc = start("--nproc-per-node=2", "--shutdown-timeout=1", WORKER, "ignore-term")
+    wait_ready(proc, 2)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert 0.9 < time.monotonic() - t0 < 15
+    assert "workers still running 1.0 s after SIGTERM: sending SIGKILL" in err
+
+
+def test_killing_the_launcher_kills_its_workers() -> None:
+    proc = start("--nproc-per-node=2", WORKER, "ignore-term")
+    wait_ready(proc, 2)
+    proc.kill()
+    proc.communicate(timeout=30)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        left = subprocess.run(["pgrep", "-f", f"{WORKER} ignore-term"], capture_output=True).stdout
+        if not left:
+            break
+        time.sleep(0.05)
+    assert not left
