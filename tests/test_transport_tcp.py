@@ -183,6 +183,7 @@ async def test_send_to_self(world2: World) -> None:
     assert t0.connected_peers() == []
 
 
+@pytest.mark.both_loops
 async def test_64_mib_message_and_loop_stall(
     world2: World, record_property: Callable[[str, object], None]
 ) -> None:
