@@ -11,7 +11,7 @@ import numpy.typing as npt
 from .._arrays import byte_view
 from ..errors import DistUsageError
 from ..transport.base import OpComm
-from ._common import Flight, chunk_size, copy_into, num_chunks, split
+from ._common import Dataflow, Flight, chunk_size, copy_into, num_chunks, split
 
 __all__ = ["all_gather", "gather", "scatter"]
 
@@ -29,8 +29,9 @@ async def all_gather(
 
     A ring: in step ``s`` rank ``r`` passes block ``(r-s) % n`` to its right neighbour and
     receives block ``(r-s-1) % n`` from its left one, straight into ``outs``. Blocks are cut
-    into chunks that are forwarded as soon as they arrive, and every receive is posted up
-    front (it needs no scratch), so the ``n-1`` steps overlap. Each rank sends and receives
+    into chunks that are forwarded the moment they arrive (future callbacks), and every
+    receive is posted up front (it needs no scratch), so the ``n-1`` steps overlap and the
+    transport never stages a message. Each rank sends and receives
     ``(n-1)/n`` of the total once.
 
     Args:
@@ -45,36 +46,37 @@ async def all_gather(
         DistUsageError: the peers' arrays differ in size.
     """
     n, rank = comm.size, comm.rank
-    if n > 1:
-        nbytes = x.nbytes
-        pieces = split(nbytes, num_chunks(nbytes, chunk_size(nbytes, chunk_bytes)))
-        views = [byte_view(o) for o in outs]
-        xb = byte_view(x)
-        right, left = (rank + 1) % n, (rank - 1) % n
-        nchunks = len(pieces)
-        flight = Flight()
-        try:
-            recvs = []
-            for s in range(n - 1):
-                view = views[(rank - s - 1) % n]
-                for c, (lo, hi) in enumerate(pieces):
-                    recvs.append(flight.add(comm.recv_into(left, s * nchunks + c, view[lo:hi])))
-            for c, (lo, hi) in enumerate(pieces):
-                flight.add(comm.send(right, c, xb[lo:hi]))
-            await copy_into(outs[rank], x)
-            for i, recv in enumerate(recvs):
-                s, c = divmod(i, nchunks)
-                await recv
-                if s < n - 2:
-                    lo, hi = pieces[c]
-                    view = views[(rank - s - 1) % n]
-                    flight.add(comm.send(right, i + nchunks, view[lo:hi]))
-            await flight.drain()
-        except BaseException:
-            flight.abandon()
-            raise
-    else:
+    if n == 1:
         await copy_into(outs[rank], x)
+        return
+    nbytes = x.nbytes
+    pieces = split(nbytes, num_chunks(nbytes, chunk_size(nbytes, chunk_bytes)))
+    nchunks = len(pieces)
+    views = [byte_view(o) for o in outs]
+    xb = byte_view(x)
+    right, left = (rank + 1) % n, (rank - 1) % n
+    flow = Dataflow((n - 1) * nchunks)
+
+    def on_block(s: int, c: int) -> None:
+        # Block (rank - s - 1) arrived in step s: pass it on in step s + 1.
+        if s < n - 2:
+            lo, hi = pieces[c]
+            view = views[(rank - s - 1) % n]
+            flow.flight.add(comm.send(right, (s + 1) * nchunks + c, view[lo:hi]))
+        flow.finish_one()
+
+    try:
+        for s in range(n - 1):
+            view = views[(rank - s - 1) % n]
+            for c, (lo, hi) in enumerate(pieces):
+                flow.on(comm.recv_into(left, s * nchunks + c, view[lo:hi]), on_block, s, c)
+        for c, (lo, hi) in enumerate(pieces):
+            flow.flight.add(comm.send(right, c, xb[lo:hi]))
+        await copy_into(outs[rank], x)
+    except BaseException:
+        flow.flight.abandon()
+        raise
+    await flow.wait()
 
 
 async def gather(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -12,11 +11,14 @@ import numpy.typing as npt
 from .._arrays import byte_view
 from .._ops import ReduceOp, finish_into, reduce_into
 from ..transport.base import OpComm
-from ._common import SCRATCH, WINDOW, Flight, chunk_size, copy_into, num_chunks, split, typed
+from ._common import SCRATCH, Dataflow, chunk_size, copy_into, num_chunks, split, typed
 
-__all__ = ["reduce_scatter"]
+__all__ = ["SLOTS", "reduce_scatter"]
 
 logger = logging.getLogger(__name__)
+
+#: Chunks in their intermediate ring steps at once.
+SLOTS = 8
 
 
 async def reduce_scatter(
@@ -26,15 +28,21 @@ async def reduce_scatter(
     op: ReduceOp,
     *,
     chunk_bytes: int | None = None,
+    slots: int = SLOTS,
 ) -> None:
     """Reduce block ``i`` of every rank's ``ins`` into ``out`` of rank ``i``.
 
-    A ring of ``n-1`` steps: in step ``s`` rank ``r`` sends its partial result for block
-    ``(r-s-1) % n`` to the right and receives the partial result for block ``(r-s-2) % n``
-    from the left, adds its own ``ins`` block to it and passes it on; in the last step the
-    block received is its own, reduced straight into ``out``. Partial results live in
-    scratch chunks (``ins`` stays untouched); chunks are forwarded as they complete, with
-    receives posted :data:`WINDOW` chunks ahead.
+    A ring of ``n-1`` steps: in step ``k`` rank ``r`` receives from the left the partial
+    result for block ``(r-k-2) % n``, combines its own ``ins`` block into it and sends it
+    to the right as step ``k+1``; step 0 sends block ``(r-1) % n`` of ``ins`` as it is,
+    and the last step's block is our own, received straight into ``out``. Blocks are cut
+    into chunks handled the moment they land (future callbacks), so steps overlap.
+
+    Partial results live in scratch (``ins`` is never written): each chunk travels through
+    its intermediate steps in one of ``slots`` slots of two buffers, one being received
+    into while the other is sent from. A receive is posted as soon as its buffer is free,
+    before the neighbour can send into it, and every receive into ``out`` is posted up
+    front, so the transport never has to stage a message.
 
     Args:
         comm: This operation's view of the group.
@@ -43,6 +51,7 @@ async def reduce_scatter(
             contribution to rank ``i``'s result. Not modified.
         op: A reduction that the dtype can take.
         chunk_bytes: Pipelining unit; by default chosen from the block size.
+        slots: Chunks in their intermediate steps at once (scratch: 2 x slots x chunk).
 
     Raises:
         DistNetworkError: a peer was lost.
@@ -56,62 +65,73 @@ async def reduce_scatter(
     flat_out = out.reshape(-1)
     flat_ins = [a.reshape(-1) for a in ins]
     itemsize = out.itemsize
-    pieces = split(flat_out.size, num_chunks(out.nbytes, chunk_size(out.nbytes, chunk_bytes)))
+    pieces = split(
+        flat_out.size, num_chunks(out.nbytes, chunk_size(out.nbytes, chunk_bytes, slots))
+    )
     nchunks = len(pieces)
-    max_chunk = max(hi - lo for lo, hi in pieces)
     right, left = (rank + 1) % n, (rank - 1) % n
     outb = byte_view(out)
     first = byte_view(ins[(rank - 1) % n])
-    total = (n - 1) * nchunks
-    last_step = n - 2
-    # A slot holds a partial result from its receive until its forwarding send is done,
-    # so twice the window is needed for receives to run a window ahead.
-    nslots = 2 * WINDOW if last_step > 0 else 0
-    slots = [SCRATCH.get(max_chunk * itemsize) for _ in range(nslots)]
-    slot_sends: list[asyncio.Future[None] | None] = [None] * nslots
-    recvs: dict[int, asyncio.Future[int]] = {}
-    flight = Flight()
+    final = n - 2  # the step whose block is ours, received into out
+    # Steps 0 .. final-1 go through scratch; the slot of a chunk is free again once all
+    # final - 0 of its sends from scratch (steps 1 .. final) have left.
+    nslots = min(slots, nchunks) if final > 0 else 0
+    max_chunk = max(hi - lo for lo, hi in pieces)
+    bufs = [[SCRATCH.get(max_chunk * itemsize) for _ in range(2)] for _ in range(nslots)]
+    sent = [0] * nchunks
+    flow = Dataflow(nchunks * (n - 1))
 
-    async def post(i: int) -> None:
-        s, c = divmod(i, nchunks)
+    def view(c: int, k: int) -> memoryview:
         lo, hi = pieces[c]
-        if s == last_step:
-            buf = outb[lo * itemsize : hi * itemsize]
-        else:
-            slot = i % nslots
-            pending = slot_sends[slot]
-            if pending is not None and not pending.done():
-                await pending
-            buf = slots[slot][: (hi - lo) * itemsize].data
-        recvs[i] = flight.add(comm.recv_into(left, i, buf))
-        if s == 0:
-            flight.add(comm.send(right, c, first[lo * itemsize : hi * itemsize]))
+        return bufs[c % nslots][k % 2][: (hi - lo) * itemsize].data
+
+    def start(c: int) -> None:
+        lo, hi = pieces[c]
+        flow.flight.add(comm.send(right, c, first[lo * itemsize : hi * itemsize]))
+        for k in range(min(2, final)):
+            post(k, c)
+
+    def post(k: int, c: int) -> None:
+        flow.on(comm.recv_into(left, k * nchunks + c, view(c, k)), on_partial, k, c)
+
+    def on_partial(k: int, c: int) -> None:
+        lo, hi = pieces[c]
+        part = typed(bufs[c % nslots][k % 2], out.dtype, hi - lo)
+        reduce_into(op, part, flat_ins[(rank - k - 2) % n][lo:hi])
+        flow.on(comm.send(right, (k + 1) * nchunks + c, view(c, k)), on_sent, k, c)
+        flow.finish_one()
+
+    def on_sent(k: int, c: int) -> None:
+        # The buffer of step k is free: it takes step k + 2's receive, if any.
+        if k + 2 < final:
+            post(k + 2, c)
+        sent[c] += 1
+        if sent[c] == final and c + nslots < nchunks:
+            start(c + nslots)
+
+    def on_final(c: int) -> None:
+        lo, hi = pieces[c]
+        part = flat_out[lo:hi]
+        reduce_into(op, part, flat_ins[rank][lo:hi])
+        finish_into(op, part, n)
+        flow.finish_one()
 
     try:
-        for i in range(min(WINDOW, total)):
-            await post(i)
-        for i in range(total):
-            s, c = divmod(i, nchunks)
-            lo, hi = pieces[c]
-            await recvs.pop(i)
-            if s == last_step:
-                reduce_into(op, flat_out[lo:hi], flat_ins[rank][lo:hi])
-                finish_into(op, flat_out[lo:hi], n)
-            else:
-                slot = i % nslots
-                part = typed(slots[slot], out.dtype, hi - lo)
-                reduce_into(op, part, flat_ins[(rank - s - 2) % n][lo:hi])
-                slot_sends[slot] = flight.add(
-                    comm.send(right, i + nchunks, slots[slot][: (hi - lo) * itemsize].data)
-                )
-            if i + WINDOW < total:
-                await post(i + WINDOW)
-            if i % WINDOW == WINDOW - 1:
-                await asyncio.sleep(0)
-        await flight.drain()
+        for c, (lo, hi) in enumerate(pieces):
+            buf = outb[lo * itemsize : hi * itemsize]
+            flow.on(comm.recv_into(left, final * nchunks + c, buf), on_final, c)
+        if final == 0:
+            for c in range(nchunks):
+                lo, hi = pieces[c]
+                flow.flight.add(comm.send(right, c, first[lo * itemsize : hi * itemsize]))
+        else:
+            for c in range(nslots):
+                start(c)
     except BaseException:
-        # A cancelled receive may still be filled by its message: the scratch is not reused.
-        flight.abandon()
+        flow.flight.abandon()
         raise
-    for buf in slots:
-        SCRATCH.put(buf)
+    # On failure a cancelled receive may still be filled: the scratch is not reused then.
+    await flow.wait()
+    for pair in bufs:
+        for slot in pair:
+            SCRATCH.put(slot)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any
 
@@ -13,7 +12,7 @@ from .._ops import ReduceOp, finish_into, reduce_into
 from ..transport.base import OpComm
 from ._common import (
     SCRATCH,
-    WINDOW,
+    Dataflow,
     Flight,
     binomial_tree,
     chunk_size,
@@ -86,8 +85,9 @@ async def reduce(
     """Reduce ``x`` over every rank into ``x`` of rank ``root``; the others' ``x`` unchanged.
 
     A binomial tree, the broadcast's mirror: each rank combines its children's partial
-    results with its own data, chunk by chunk, and passes the chunk to its parent. Leaves
-    send straight from ``x``; inner ranks accumulate in scratch memory; the root in ``x``.
+    results with its own data, chunk by chunk as the chunks land, and passes each chunk to
+    its parent at once. Leaves send straight from ``x``; inner ranks accumulate in scratch
+    memory, the root in ``x``.
 
     Args:
         comm: This operation's view of the group.
@@ -124,43 +124,44 @@ async def reduce(
             flight.abandon()
             raise
         return
-    max_chunk = max(hi - lo for lo, hi in pieces)
     nsrc = len(sources)
-    slots = [SCRATCH.get(max_chunk * itemsize) for _ in range(WINDOW * nsrc)]
+    # Every child's whole message has a receive posted up front (children send at once;
+    # anything not posted would be staged by the transport, in as much memory, plus a copy).
+    recv_bufs = [SCRATCH.get(x.nbytes) for _ in range(nsrc)]
     acc_buf = SCRATCH.get(x.nbytes) if parent is not None else None
     acc = flat if acc_buf is None else typed(acc_buf, x.dtype, flat.size)
     accb = xb if acc_buf is None else acc_buf[: x.nbytes].data
-    recvs: dict[tuple[int, int], asyncio.Future[int]] = {}
+    arrived = [0] * len(pieces)
+    flow = Dataflow(len(pieces))
 
-    def post(c: int) -> None:
+    def on_chunk(c: int) -> None:
+        arrived[c] += 1
+        if arrived[c] < nsrc:
+            return
         lo, hi = pieces[c]
-        for j, peer in enumerate(sources):
-            buf = slots[(c % WINDOW) * nsrc + j][: (hi - lo) * itemsize].data
-            recvs[c, j] = flight.add(comm.recv_into(peer, c, buf))
+        part = acc[lo:hi]
+        if acc_buf is not None:
+            part[...] = flat[lo:hi]
+        # Children's contributions in a fixed order, whatever order they arrived in.
+        for buf in recv_bufs:
+            reduce_into(op, part, typed(buf, x.dtype, flat.size)[lo:hi])
+        if parent is None:
+            finish_into(op, part, n)
+        else:
+            flow.flight.add(comm.send((parent + root) % n, c, accb[lo * itemsize : hi * itemsize]))
+        flow.finish_one()
 
     try:
-        for c in range(min(WINDOW, len(pieces))):
-            post(c)
         for c, (lo, hi) in enumerate(pieces):
-            if acc_buf is not None:
-                acc[lo:hi] = flat[lo:hi]
-            for j in range(nsrc):
-                await recvs.pop((c, j))
-                reduce_into(op, acc[lo:hi], typed(slots[(c % WINDOW) * nsrc + j], x.dtype, hi - lo))
-            if c + WINDOW < len(pieces):
-                post(c + WINDOW)
-            if parent is None:
-                finish_into(op, acc[lo:hi], n)
-            else:
-                flight.add(comm.send((parent + root) % n, c, accb[lo * itemsize : hi * itemsize]))
-            if c % WINDOW == WINDOW - 1:
-                await asyncio.sleep(0)
-        await flight.drain()
+            for peer, buf in zip(sources, recv_bufs, strict=True):
+                view = buf[lo * itemsize : hi * itemsize].data
+                flow.on(comm.recv_into(peer, c, view), on_chunk, c)
     except BaseException:
-        # A cancelled receive may still be filled by its message: the scratch is not reused.
-        flight.abandon()
+        flow.flight.abandon()
         raise
-    for slot in slots:
-        SCRATCH.put(slot)
+    # On failure a cancelled receive may still be filled: the scratch is not reused then.
+    await flow.wait()
+    for buf in recv_bufs:
+        SCRATCH.put(buf)
     if acc_buf is not None:
         SCRATCH.put(acc_buf)
