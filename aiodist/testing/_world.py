@@ -145,22 +145,32 @@ def _child(
     conn: multiprocessing.connection.Connection,
 ) -> None:
     os.environ.update(env)
+    # When the failure happened, before tearing down (which makes the peers fail too).
+    failed_at: list[float] = []
 
     async def main() -> Any:
         from .. import _api
 
-        await _api.init_process_group(backend, timeout=timeout)
         try:
-            return await fn(rank, world_size)
-        finally:
-            await _api.destroy_process_group()
+            await _api.init_process_group(backend, timeout=timeout)
+            try:
+                return await fn(rank, world_size)
+            except BaseException:
+                failed_at.append(time.time())
+                raise
+            finally:
+                await _api.destroy_process_group()
+        except BaseException:
+            if not failed_at:
+                failed_at.append(time.time())
+            raise
 
     try:
         with asyncio.Runner(loop_factory=loop_factory("auto")) as runner:
             result = runner.run(main())
         conn.send(("ok", result))
     except BaseException:
-        conn.send(("error", (time.time(), traceback.format_exc())))
+        conn.send(("error", (failed_at[0] if failed_at else time.time(), traceback.format_exc())))
         raise SystemExit(1) from None
     finally:
         conn.close()
