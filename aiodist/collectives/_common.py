@@ -16,8 +16,6 @@ logger = logging.getLogger(__name__)
 #: that reducing or copying one piece stalls the loop well under a millisecond, large
 #: enough that per-message overhead is a few percent.
 CHUNK_BYTES = 512 * 1024
-#: Smallest piece a large message is cut into for pipelining.
-MIN_CHUNK_BYTES = 64 * 1024
 #: Chunks whose receives are posted ahead of the one being processed.
 WINDOW = 4
 #: Bytes of local copying or reducing between two yields to the event loop.
@@ -73,12 +71,14 @@ def abandon(futs: Iterable[asyncio.Future[Any]]) -> None:
             fut.exception()
 
 
-def chunk_size(nbytes: int, chunk_bytes: int | None, parts: int = WINDOW) -> int:
-    """The chunk size for pipelining a message of ``nbytes``: ``chunk_bytes`` if given,
-    else about a ``parts``-th of it, within ``[MIN_CHUNK_BYTES, CHUNK_BYTES]``."""
-    if chunk_bytes is not None:
-        return max(1, chunk_bytes)
-    return max(min(CHUNK_BYTES, nbytes // parts), MIN_CHUNK_BYTES)
+def chunk_size(chunk_bytes: int | None) -> int:
+    """The pipelining unit: ``chunk_bytes`` if given, else :data:`CHUNK_BYTES`.
+
+    Every chunk costs a message, a receive and a callback (tens of microseconds), and two
+    chunks in flight already overlap sending, receiving and reducing, so chunks are as
+    large as the loop's latency budget allows rather than a fixed fraction of a message.
+    """
+    return CHUNK_BYTES if chunk_bytes is None else max(1, chunk_bytes)
 
 
 def split(total: int, parts: int) -> list[tuple[int, int]]:

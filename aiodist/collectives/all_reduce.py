@@ -106,7 +106,7 @@ async def pair_all_reduce_pipelined(
     flat = x.reshape(-1)
     xb = byte_view(x)
     itemsize = x.itemsize
-    pieces = split(flat.size, num_chunks(x.nbytes, chunk_size(x.nbytes, chunk_bytes, slots)))
+    pieces = split(flat.size, num_chunks(x.nbytes, chunk_size(chunk_bytes)))
     nchunks = len(pieces)
     nslots = min(slots, nchunks)
     max_chunk = max(hi - lo for lo, hi in pieces)
@@ -217,7 +217,7 @@ async def ring_all_reduce(
         comm: This operation's view of the group.
         x: C-contiguous array, same shape and dtype on every rank; reduced in place.
         op: A reduction that ``x.dtype`` can take.
-        chunk_bytes: Pipelining unit; by default chosen from the segment size.
+        chunk_bytes: Pipelining unit in bytes (default 512 KiB).
         slots: Reduce-scatter chunks in flight at once (scratch memory: slots x chunk).
 
     Raises:
@@ -233,7 +233,7 @@ async def ring_all_reduce(
     itemsize = x.itemsize
     segments = split(flat.size, n)
     seg_bytes = (segments[-1][1] - segments[-1][0]) * itemsize
-    nchunks = num_chunks(seg_bytes, chunk_size(seg_bytes, chunk_bytes))
+    nchunks = num_chunks(seg_bytes, chunk_size(chunk_bytes))
     # bounds[j][c]: element range of chunk c of segment j.
     bounds = [[(lo + a, lo + b) for a, b in split(hi - lo, nchunks)] for lo, hi in segments]
     max_chunk = max(b - a for seg in bounds for a, b in seg)

@@ -26,7 +26,9 @@ async def all_to_all(
 
     Pairwise exchange: in step ``k`` (``1 <= k < n``) rank ``r`` sends to ``r+k`` and
     receives from ``r-k``, so every rank talks to one new peer per step and no rank is
-    flooded. Up to :data:`WINDOW` steps are in flight at once to hide latency. Blocks may
+    flooded; sends run up to :data:`WINDOW` steps ahead of the receives that completed.
+    Every receive is posted first (straight into ``outs``) and the local block is copied
+    before the first send. Blocks may
     differ in size (zero included); ``outs[j]`` must have the size rank ``j`` sends.
 
     Args:
@@ -41,17 +43,19 @@ async def all_to_all(
     n, rank = comm.size, comm.rank
     flight = Flight()
     try:
-        recvs = []
+        # Every receive lands in its final place, so all are posted at once: a peer that
+        # starts early never has its block staged by the transport.
+        recvs = [
+            flight.add(comm.recv_into((rank - k) % n, 0, byte_view(outs[(rank - k) % n])))
+            for k in range(1, n)
+        ]
+        # Our own block first: while we copy, late peers catch up and post their receives.
+        await copy_into(outs[rank], ins[rank])
         for k in range(1, n):
-            src, dst = (rank - k) % n, (rank + k) % n
-            recvs.append(flight.add(comm.recv_into(src, 0, byte_view(outs[src]))))
+            dst = (rank + k) % n
             flight.add(comm.send(dst, 0, byte_view(ins[dst])))
-            if k == 1:
-                await copy_into(outs[rank], ins[rank])
             if k > WINDOW:
                 await recvs[k - 1 - WINDOW]
-        if n == 1:
-            await copy_into(outs[rank], ins[rank])
         await flight.drain()
     except BaseException:
         flight.abandon()

@@ -39,7 +39,7 @@ async def all_gather(
         outs: ``comm.size`` C-contiguous arrays of ``x``'s dtype and size (possibly views
             of one large output).
         x: C-contiguous input, same size on every rank.
-        chunk_bytes: Pipelining unit; by default chosen from the block size.
+        chunk_bytes: Pipelining unit in bytes (default 512 KiB).
 
     Raises:
         DistNetworkError: a peer was lost.
@@ -50,7 +50,7 @@ async def all_gather(
         await copy_into(outs[rank], x)
         return
     nbytes = x.nbytes
-    pieces = split(nbytes, num_chunks(nbytes, chunk_size(nbytes, chunk_bytes)))
+    pieces = split(nbytes, num_chunks(nbytes, chunk_size(chunk_bytes)))
     nchunks = len(pieces)
     views = [byte_view(o) for o in outs]
     xb = byte_view(x)
@@ -70,9 +70,10 @@ async def all_gather(
             view = views[(rank - s - 1) % n]
             for c, (lo, hi) in enumerate(pieces):
                 flow.on(comm.recv_into(left, s * nchunks + c, view[lo:hi]), on_block, s, c)
+        # Our own block first: while we copy, a late neighbour posts its receives.
+        await copy_into(outs[rank], x)
         for c, (lo, hi) in enumerate(pieces):
             flow.flight.add(comm.send(right, c, xb[lo:hi]))
-        await copy_into(outs[rank], x)
     except BaseException:
         flow.flight.abandon()
         raise

@@ -50,7 +50,7 @@ async def reduce_scatter(
         ins: ``comm.size`` C-contiguous arrays of equal size; ``ins[i]`` is this rank's
             contribution to rank ``i``'s result. Not modified.
         op: A reduction that the dtype can take.
-        chunk_bytes: Pipelining unit; by default chosen from the block size.
+        chunk_bytes: Pipelining unit in bytes (default 512 KiB).
         slots: Chunks in their intermediate steps at once (scratch: 2 x slots x chunk).
 
     Raises:
@@ -65,9 +65,7 @@ async def reduce_scatter(
     flat_out = out.reshape(-1)
     flat_ins = [a.reshape(-1) for a in ins]
     itemsize = out.itemsize
-    pieces = split(
-        flat_out.size, num_chunks(out.nbytes, chunk_size(out.nbytes, chunk_bytes, slots))
-    )
+    pieces = split(flat_out.size, num_chunks(out.nbytes, chunk_size(chunk_bytes)))
     nchunks = len(pieces)
     right, left = (rank + 1) % n, (rank - 1) % n
     outb = byte_view(out)

@@ -39,7 +39,7 @@ async def broadcast(
         comm: This operation's view of the group.
         x: C-contiguous array, same shape and dtype on every rank; written on non-roots.
         root: Group rank that holds the data.
-        chunk_bytes: Pipelining unit; by default chosen from the message size.
+        chunk_bytes: Pipelining unit in bytes (default 512 KiB).
 
     Raises:
         DistNetworkError: a peer was lost.
@@ -51,7 +51,7 @@ async def broadcast(
     vrank = (comm.rank - root) % n
     parent, children = binomial_tree(vrank, n)
     xb = byte_view(x)
-    pieces = split(x.nbytes, num_chunks(x.nbytes, chunk_size(x.nbytes, chunk_bytes)))
+    pieces = split(x.nbytes, num_chunks(x.nbytes, chunk_size(chunk_bytes)))
     targets = [(child + root) % n for child in children]
     flight = Flight()
     try:
@@ -94,7 +94,7 @@ async def reduce(
         x: C-contiguous array, same shape and dtype on every rank.
         root: Group rank that receives the result.
         op: A reduction that ``x.dtype`` can take.
-        chunk_bytes: Pipelining unit; by default chosen from the message size.
+        chunk_bytes: Pipelining unit in bytes (default 512 KiB).
 
     Raises:
         DistNetworkError: a peer was lost.
@@ -110,7 +110,7 @@ async def reduce(
     sources = [(child + root) % n for child in reversed(children)]
     flat = x.reshape(-1)
     itemsize = x.itemsize
-    pieces = split(flat.size, num_chunks(x.nbytes, chunk_size(x.nbytes, chunk_bytes)))
+    pieces = split(flat.size, num_chunks(x.nbytes, chunk_size(chunk_bytes)))
     xb = byte_view(x)
     flight = Flight()
     if not sources:
