@@ -36,8 +36,8 @@ from typing import Any, BinaryIO
 from ._loop import loop_factory
 from ._workers import Std, WorkerFailure, WorkerGroup, WorkerSpec, describe_exit
 from .errors import DistError, DistTimeoutError, DistUsageError
-from .store import HashStore, Store
-from .store._server import TCPStoreServer
+from .store import Store
+from .store.tcp import TCPStore
 
 logger = logging.getLogger(__name__)
 
@@ -686,9 +686,8 @@ class _Launcher:
 
     async def _run(self) -> int:
         cfg = self._cfg
-        server, store = await _open_store(cfg)
-        if server is not None:
-            self._port = server.port
+        store = await _open_store(cfg)
+        self._port = store.port
         try:
             coord = _Coordinator(store, cfg)
             if cfg.nnodes > 1:
@@ -696,7 +695,7 @@ class _Launcher:
                     "node %d of %d: %s the store at %s:%d",
                     cfg.node_rank,
                     cfg.nnodes,
-                    "hosting" if server is not None else "joining",
+                    "hosting" if store.server is not None else "joining",
                     cfg.master_addr,
                     self._port,
                 )
@@ -708,10 +707,8 @@ class _Launcher:
         finally:
             if self._group is not None:
                 await self._group.stop(cfg.shutdown_timeout)
-            with contextlib.suppress(Exception):
-                await store.aclose()
-            if server is not None:
-                await server.aclose()
+            # Node 0 also stops its server here: every other node has seen the end by now.
+            await store.aclose()
 
     async def _attempts(self, coord: _Coordinator) -> int:
         cfg = self._cfg
@@ -961,20 +958,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 # -- hosting and joining the store ----------------------------------------------------------
-async def _open_store(cfg: LaunchConfig) -> tuple[TCPStoreServer | None, Store]:
-    """Node 0 starts the store server and uses its state in-process; others connect to it.
+async def _open_store(cfg: LaunchConfig) -> TCPStore:
+    """Node 0 hosts the store (its server also serves the workers); others connect to it.
 
     Raises:
-        DistNetworkError: node 0 cannot listen on the address (e.g. the port is in use).
-        DistTimeoutError: node 0's store could not be reached within the join timeout.
+        DistNetworkError: node 0 cannot listen on the address (e.g. the port is in use), or
+            node 0's store could not be reached within the join timeout.
     """
-    if cfg.node_rank == 0:
-        server = await TCPStoreServer().start(cfg.master_addr, cfg.master_port)
-        # The launcher on node 0 needs no connection to its own server: it shares its state.
-        return server, HashStore(timeout=cfg.join_timeout, _state=server.state)
-    from .store.tcp import TCPStore
-
-    store = await TCPStore.create(
-        cfg.master_addr, cfg.master_port, is_master=False, timeout=cfg.join_timeout
+    return await TCPStore.create(
+        cfg.master_addr, cfg.master_port, is_master=cfg.node_rank == 0, timeout=cfg.join_timeout
     )
-    return None, store
