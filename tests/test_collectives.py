@@ -388,3 +388,47 @@ async def test_loop_keeps_ticking_during_large_all_reduce() -> None:
         assert x[0] == 3.0
         assert x[-1] == 3.0
     print(f"largest gap between ticks during a 64 MiB all_reduce: {max(gaps) * 1e3:.2f} ms")
+
+
+@pytest.mark.parametrize("n", [2, 3])
+async def test_large_messages_default_chunking(run: Runner, n: int) -> None:
+    """Blocks of several 512 KiB chunks, above the ready-signal threshold, every
+    pipelined collective, twice (the second round finds its scratch in the pool)."""
+    for seq in range(2):
+        await _large_round(run, n, seq)
+
+
+async def _large_round(run: Runner, n: int, seq: int) -> None:
+    count = 300_001  # per block; float64: 2.4 MB
+    xs = [np.full(count, r + 1 + seq, np.float64) for r in range(n)]
+    ins = [[np.full(count, 10 * r + i, np.float64) for i in range(n)] for r in range(n)]
+    gathered = [np.zeros((n, count)) for _ in range(n)]
+    scattered = [np.zeros(count) for _ in range(n)]
+    bcast = [np.full(count, float(r)) for r in range(n)]
+    red = [np.full(count, float(r + 1)) for r in range(n)]
+
+    async def rank(comm: OpComm) -> None:
+        r = comm.rank
+        await coll.all_reduce(comm, xs[r], ReduceOp.SUM)
+        await coll.all_gather(comm.__class__(*_args(comm, 1)), list(gathered[r]), xs[r])
+        await coll.reduce_scatter(
+            comm.__class__(*_args(comm, 2)), scattered[r], ins[r], ReduceOp.SUM
+        )
+        await coll.broadcast(comm.__class__(*_args(comm, 3)), bcast[r], n - 1)
+        await coll.reduce(comm.__class__(*_args(comm, 4)), red[r], 0, ReduceOp.MAX)
+
+    await run(n, rank)
+    total = sum(r + 1 + seq for r in range(n))
+    for r in range(n):
+        assert (xs[r] == total).all()
+        assert (gathered[r] == total).all()
+        assert (scattered[r] == sum(10 * s + r for s in range(n))).all()
+        assert (bcast[r] == n - 1).all()
+    assert (red[0] == n).all()
+    for r in range(1, n):
+        assert (red[r] == r + 1).all()
+
+
+def _args(comm: OpComm, seq: int) -> tuple[Any, ...]:
+    """Constructor arguments of another operation's OpComm on the same group."""
+    return (comm._transport, comm._ranks, comm.rank, 0, seq)

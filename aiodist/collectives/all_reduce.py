@@ -11,7 +11,17 @@ import numpy.typing as npt
 from .._arrays import byte_view
 from .._ops import ReduceOp, finish_into, reduce_into
 from ..transport.base import OpComm
-from ._common import SCRATCH, Dataflow, Flight, abandon, chunk_size, num_chunks, split, typed
+from ._common import (
+    READY_BYTES,
+    SCRATCH,
+    Dataflow,
+    Flight,
+    abandon,
+    chunk_size,
+    num_chunks,
+    split,
+    typed,
+)
 
 __all__ = ["RING_THRESHOLD_BYTES", "all_reduce"]
 
@@ -115,11 +125,18 @@ async def pair_all_reduce_pipelined(
     # A chunk is reduced when both its receive and its send are done: count to two.
     ready = [0] * nchunks
 
-    def start(c: int) -> None:
+    def post(c: int) -> None:
         lo, hi = pieces[c]
         buf = scratch[c % nslots][: (hi - lo) * itemsize].data
         flow.on(comm.recv_into(peer, c, buf), arrived, c)
+
+    def send(c: int) -> None:
+        lo, hi = pieces[c]
         flow.on(comm.send(peer, c, xb[lo * itemsize : hi * itemsize]), arrived, c)
+
+    def send_first() -> None:
+        for c in range(nslots):
+            send(c)
 
     def arrived(c: int) -> None:
         ready[c] += 1
@@ -130,12 +147,19 @@ async def pair_all_reduce_pipelined(
         reduce_into(op, part, typed(scratch[c % nslots], x.dtype, hi - lo))
         finish_into(op, part, 2)
         if c + nslots < nchunks:
-            start(c + nslots)
+            # Both ranks free this slot at about the same time: receive and send at once.
+            post(c + nslots)
+            send(c + nslots)
         flow.finish_one()
 
     try:
         for c in range(nslots):
-            start(c)
+            post(c)
+        if x.nbytes >= READY_BYTES:
+            flow.signal_ready(comm, peer)
+            flow.after_ready(comm, peer, send_first)
+        else:
+            send_first()
     except BaseException:
         flow.flight.abandon()
         raise
@@ -248,11 +272,18 @@ async def ring_all_reduce(
         # The chunk received in step k (and sent on in step k + 1).
         return bounds[(rank - k - 1) % n][c]
 
-    def start_rs(c: int) -> None:
-        # Step 0 of chunk c: send our own data, receive the left neighbour's.
+    def send_own(c: int) -> None:
+        # Step 0 of chunk c: our own data.
         lo, hi = bounds[rank][c]
         flow.flight.add(comm.send(right, c, xb[lo * itemsize : hi * itemsize]))
+
+    def send_first() -> None:
+        for c in range(nslots):
+            send_own(c)
+
+    def start_rs(c: int) -> None:
         post_rs(0, c)
+        send_own(c)
 
     def post_rs(k: int, c: int) -> None:
         lo, hi = chunk(k, c)
@@ -288,7 +319,12 @@ async def ring_all_reduce(
                 buf = xb[lo * itemsize : hi * itemsize]
                 flow.on(comm.recv_into(left, k * nchunks + c, buf), on_ag, k, c)
         for c in range(nslots):
-            start_rs(c)
+            post_rs(0, c)
+        if seg_bytes >= READY_BYTES:
+            flow.signal_ready(comm, left)
+            flow.after_ready(comm, right, send_first)
+        else:
+            send_first()
     except BaseException:
         flow.flight.abandon()
         raise

@@ -11,7 +11,7 @@ import numpy.typing as npt
 from .._arrays import byte_view
 from ..errors import DistUsageError
 from ..transport.base import OpComm
-from ._common import Dataflow, Flight, chunk_size, copy_into, num_chunks, split
+from ._common import READY_BYTES, Dataflow, Flight, chunk_size, copy_into, num_chunks, split
 
 __all__ = ["all_gather", "gather", "scatter"]
 
@@ -57,6 +57,10 @@ async def all_gather(
     right, left = (rank + 1) % n, (rank - 1) % n
     flow = Dataflow((n - 1) * nchunks)
 
+    def send_first() -> None:
+        for c, (lo, hi) in enumerate(pieces):
+            flow.flight.add(comm.send(right, c, xb[lo:hi]))
+
     def on_block(s: int, c: int) -> None:
         # Block (rank - s - 1) arrived in step s: pass it on in step s + 1.
         if s < n - 2:
@@ -72,8 +76,11 @@ async def all_gather(
                 flow.on(comm.recv_into(left, s * nchunks + c, view[lo:hi]), on_block, s, c)
         # Our own block first: while we copy, a late neighbour posts its receives.
         await copy_into(outs[rank], x)
-        for c, (lo, hi) in enumerate(pieces):
-            flow.flight.add(comm.send(right, c, xb[lo:hi]))
+        if nbytes >= READY_BYTES:
+            flow.signal_ready(comm, left)
+            flow.after_ready(comm, right, send_first)
+        else:
+            send_first()
     except BaseException:
         flow.flight.abandon()
         raise

@@ -11,7 +11,7 @@ import numpy.typing as npt
 from .._arrays import byte_view
 from .._ops import ReduceOp, finish_into, reduce_into
 from ..transport.base import OpComm
-from ._common import SCRATCH, Dataflow, chunk_size, copy_into, num_chunks, split, typed
+from ._common import READY_BYTES, SCRATCH, Dataflow, chunk_size, copy_into, num_chunks, split, typed
 
 __all__ = ["SLOTS", "reduce_scatter"]
 
@@ -83,11 +83,21 @@ async def reduce_scatter(
         lo, hi = pieces[c]
         return bufs[c % nslots][k % 2][: (hi - lo) * itemsize].data
 
-    def start(c: int) -> None:
+    def send_first(c: int) -> None:
         lo, hi = pieces[c]
         flow.flight.add(comm.send(right, c, first[lo * itemsize : hi * itemsize]))
+
+    def send_all_first() -> None:
+        for c in range(nslots if final else nchunks):
+            send_first(c)
+
+    def post_first(c: int) -> None:
         for k in range(min(2, final)):
             post(k, c)
+
+    def start(c: int) -> None:
+        post_first(c)
+        send_first(c)
 
     def post(k: int, c: int) -> None:
         flow.on(comm.recv_into(left, k * nchunks + c, view(c, k)), on_partial, k, c)
@@ -118,13 +128,13 @@ async def reduce_scatter(
         for c, (lo, hi) in enumerate(pieces):
             buf = outb[lo * itemsize : hi * itemsize]
             flow.on(comm.recv_into(left, final * nchunks + c, buf), on_final, c)
-        if final == 0:
-            for c in range(nchunks):
-                lo, hi = pieces[c]
-                flow.flight.add(comm.send(right, c, first[lo * itemsize : hi * itemsize]))
+        for c in range(nslots):
+            post_first(c)
+        if out.nbytes >= READY_BYTES:
+            flow.signal_ready(comm, left)
+            flow.after_ready(comm, right, send_all_first)
         else:
-            for c in range(nslots):
-                start(c)
+            send_all_first()
     except BaseException:
         flow.flight.abandon()
         raise
