@@ -24,6 +24,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -135,6 +136,14 @@ def get_args_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="port of node 0's store (default: a free port on one node, 29500 on several)",
+    )
+    add(
+        *_flag("--local-addr"),
+        action=_EnvDefault,
+        default=None,
+        help="this node's address, exported to the workers as AIODIST_HOST (the address "
+        "their transport listens on and publishes); default with several nodes: the "
+        "address this node uses to reach node 0",
     )
     add(
         *_flag("--rdzv-backend"),
@@ -250,6 +259,7 @@ class LaunchConfig:
         node_rank: this node's rank.
         master_addr: node 0's address.
         master_port: node 0's store port; 0 picks a free one (single node only).
+        local_addr: this node's address for the workers' transport, if given.
         run_id: the job id.
         max_restarts: restarts allowed after a failure.
         monitor_interval: seconds between checks of the other nodes.
@@ -270,6 +280,7 @@ class LaunchConfig:
     node_rank: int
     master_addr: str
     master_port: int
+    local_addr: str | None
     run_id: str
     max_restarts: int
     monitor_interval: float
@@ -462,6 +473,7 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         node_rank=node_rank,
         master_addr=master_addr,
         master_port=master_port,
+        local_addr=str(ns.local_addr) if ns.local_addr else None,
         run_id=run_id,
         max_restarts=int(ns.max_restarts),
         monitor_interval=float(ns.monitor_interval),
@@ -643,6 +655,7 @@ class _Launcher:
         self._signal: int | None = None
         self._interrupted = asyncio.Event()
         self._port = cfg.master_port
+        self._local_addr: str | None = None
         self._rank_base = 0
         self._world_size = cfg.nproc_per_node * cfg.nnodes
         self._log_base: Path = cfg.log_dir or Path(tempfile.mkdtemp(prefix="aiodist-run-"))
@@ -688,6 +701,8 @@ class _Launcher:
         cfg = self._cfg
         store = await _open_store(cfg)
         self._port = store.port
+        if cfg.nnodes > 1:
+            self._local_addr = _route_to(cfg.master_addr, self._port)
         try:
             coord = _Coordinator(store, cfg)
             if cfg.nnodes > 1:
@@ -736,8 +751,7 @@ class _Launcher:
                 )
                 await coord.increment(attempt, "stopped")
                 continue
-            self._stderr.write(self._summary(outcome.failure, attempt).encode())
-            self._stderr.flush()
+            self._write_summary(outcome.failure, attempt)
         return 1
 
     async def _wait_release(self, coord: _Coordinator, attempt: int) -> None:
@@ -787,6 +801,10 @@ class _Launcher:
                 PYTHON_EXEC=sys.executable,
             )
             env.setdefault("OMP_NUM_THREADS", "1")
+            if cfg.local_addr is not None:
+                env["AIODIST_HOST"] = cfg.local_addr
+            elif self._local_addr is not None:
+                env.setdefault("AIODIST_HOST", self._local_addr)
             specs.append(
                 WorkerSpec(
                     rank=rank,
@@ -825,7 +843,11 @@ class _Launcher:
                 if failure is not None:
                     await group.stop(cfg.shutdown_timeout)
                     if cfg.nnodes > 1:
-                        failure = await coord.publish_failure(attempt, failure)
+                        try:
+                            failure = await coord.publish_failure(attempt, failure)
+                        except NodeLostError:
+                            self._write_summary(failure, attempt)
+                            raise
                     return _Outcome(failure=failure)
                 if cfg.nnodes > 1:
                     await coord.beat()
@@ -883,6 +905,10 @@ class _Launcher:
                 f"{signal.Signals(self._signal).name}"
             ],
         )
+
+    def _write_summary(self, failure: WorkerFailure, attempt: int) -> None:
+        self._stderr.write(self._summary(failure, attempt).encode())
+        self._stderr.flush()
 
     def _summary(self, f: WorkerFailure, attempt: int) -> str:
         cfg = self._cfg
@@ -968,3 +994,21 @@ async def _open_store(cfg: LaunchConfig) -> TCPStore:
     return await TCPStore.create(
         cfg.master_addr, cfg.master_port, is_master=cfg.node_rank == 0, timeout=cfg.join_timeout
     )
+
+
+def _route_to(host: str, port: int) -> str | None:
+    """The local address this machine uses to reach ``host`` (no packet is sent).
+
+    With several nodes, the workers' transport must listen on and publish an address the
+    other nodes can reach; the one that reaches node 0 is the best guess without asking,
+    and it avoids relying on the host name resolving to the right interface.
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+        family, _type, _proto, _canon, addr = infos[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(addr)
+            return str(probe.getsockname()[0])
+    except OSError as exc:
+        logger.warning("cannot tell which local address reaches %s: %s", host, exc)
+        return None

@@ -1,0 +1,264 @@
+"""aiodist-run with several nodes: one world from two launchers, and a node lost mid-run.
+
+The loopback tests run two launchers on one machine. The ``netns`` tests build two "hosts":
+two network namespaces joined by a veth pair, 10.77.0.1/24 and 10.77.0.2/24 (addresses that
+exist only inside those namespaces), each running its own launcher; the test creates and
+removes them, and skips where the machine does not allow it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.multiprocess
+
+HERE = Path(__file__).parent
+WORKER = str(HERE / "launcher_worker.py")
+RUN = [sys.executable, "-m", "aiodist.run"]
+FAST_LOSS = "--rdzv-conf=keep_alive_interval=0.5,keep_alive_max_attempt=4"
+
+
+def clean_env() -> dict[str, str]:
+    drop = ("PET_", "TORCHELASTIC_", "AIODIST_HOST")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def node(prefix: list[str], *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [*prefix, *RUN, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=clean_env(),
+        cwd=HERE.parent,
+    )
+
+
+def wait_ready(proc: subprocess.Popen[str], n: int) -> None:
+    assert proc.stdout is not None
+    ready = 0
+    while ready < n:
+        line = proc.stdout.readline()
+        assert line, "the launcher's stdout closed before every worker was ready"
+        ready += line.rstrip().endswith(": ready")
+
+
+def ranks_of(out: str) -> dict[int, str]:
+    return {int(m[1]): m[2] for m in re.finditer(r"^\[rank(\d+)\]: (.*)$", out, re.M)}
+
+
+# -- two launchers on one machine -----------------------------------------------------------------
+def test_two_nodes_on_loopback_form_one_world() -> None:
+    port = str(free_port())
+    common = ["--nnodes=2", f"--master-port={port}", "--nproc-per-node=2"]
+    # Node 1 may start first: it waits for node 0's store.
+    n1 = node([], *common, "--node-rank=1", WORKER, "allreduce")
+    time.sleep(0.3)
+    n0 = node([], *common, "--node-rank=0", WORKER, "allreduce")
+    out0, err0 = n0.communicate(timeout=60)
+    out1, err1 = n1.communicate(timeout=60)
+    assert (n0.returncode, n1.returncode) == (0, 0), err0 + err1
+    assert ranks_of(out0) == {0: "sum=10 expected=10", 1: "sum=10 expected=10"}
+    assert ranks_of(out1) == {2: "sum=10 expected=10", 3: "sum=10 expected=10"}
+
+
+def test_nodes_agree_on_ranks_with_different_sizes() -> None:
+    port = str(free_port())
+    n0 = node([], "--nnodes=2", f"--master-port={port}", "--nproc-per-node=1", WORKER, "env")
+    n1 = node(
+        [], "--nnodes=2", "--node-rank=1", f"--master-port={port}", "--nproc-per-node=3",
+        WORKER, "env",
+    )  # fmt: skip
+    envs = {}
+    for proc in (n0, n1):
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        envs |= {r: json.loads(v) for r, v in ranks_of(out).items()}
+    assert sorted(envs) == [0, 1, 2, 3]
+    assert [envs[r]["GROUP_RANK"] for r in range(4)] == ["0", "1", "1", "1"]
+    assert [envs[r]["LOCAL_RANK"] for r in range(4)] == ["0", "0", "1", "2"]
+    assert {envs[r]["WORLD_SIZE"] for r in range(4)} == {"4"}
+    assert [envs[r]["LOCAL_WORLD_SIZE"] for r in range(4)] == ["1", "3", "3", "3"]
+    assert {envs[r]["GROUP_WORLD_SIZE"] for r in range(4)} == {"2"}
+
+
+def test_duplicate_node_rank_is_refused() -> None:
+    port = str(free_port())
+    args = ["--nnodes=3", f"--master-port={port}", "--rdzv-conf=join_timeout=20", WORKER, "env"]
+    n0 = node([], *args)
+    a = node([], "--node-rank=1", *args)
+    time.sleep(0.5)
+    b = node([], "--node-rank=1", *args)
+    _out, err = b.communicate(timeout=60)
+    for proc in (n0, a):
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    assert b.returncode == 2
+    assert "another launcher already joined run 'none' as node 1" in err
+
+
+def test_join_timeout_names_missing_nodes() -> None:
+    port = str(free_port())
+    n0 = node(
+        [], "--nnodes=3", f"--master-port={port}", "--rdzv-conf=join_timeout=1", WORKER, "env"
+    )
+    _out, err = n0.communicate(timeout=60)
+    assert n0.returncode == 1
+    assert f"nodes [1, 2] did not join run 'none' at 127.0.0.1:{port} within 1 s" in err
+
+
+def test_unreachable_node0_is_an_error() -> None:
+    port = str(free_port())
+    proc = node(
+        [], "--nnodes=2", "--node-rank=1", f"--master-port={port}",
+        "--rdzv-conf=join_timeout=1", WORKER, "env",
+    )  # fmt: skip
+    _out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert f"127.0.0.1:{port}" in err
+
+
+def test_failure_on_one_node_stops_the_other_and_restarts_both() -> None:
+    port = str(free_port())
+    common = ["--nnodes=2", f"--master-port={port}", "--nproc-per-node=2", "--max-restarts=1"]
+    n0 = node([], *common, WORKER, "crash-once", "3")
+    n1 = node([], *common, "--node-rank=1", WORKER, "crash-once", "3")
+    out0, err0 = n0.communicate(timeout=60)
+    out1, err1 = n1.communicate(timeout=60)
+    assert (n0.returncode, n1.returncode) == (0, 0), err0 + err1
+    assert ranks_of(out0) == {0: "attempt=1 sum=10", 1: "attempt=1 sum=10"}
+    assert ranks_of(out1) == {2: "attempt=1 sum=10", 3: "attempt=1 sum=10"}
+    for err in (err0, err1):
+        assert "attempt 0 failed: rank 3 (node 1) exited with exit code 3; restarting" in err
+
+
+def test_failure_summary_reaches_every_node() -> None:
+    port = str(free_port())
+    common = ["--nnodes=2", f"--master-port={port}", "--shutdown-timeout=2"]
+    n0 = node([], *common, WORKER, "fail", "1", "9")
+    n1 = node([], *common, "--node-rank=1", WORKER, "fail", "1", "9")
+    _out0, err0 = n0.communicate(timeout=60)
+    _out1, err1 = n1.communicate(timeout=60)
+    assert (n0.returncode, n1.returncode) == (1, 1)
+    for err in (err0, err1):
+        assert re.search(
+            r"root cause: rank 1 \(local rank 0 on node 1, pid \d+\) failed first, with exit code 9",
+            err,
+        )
+        assert "failing on purpose" in err
+
+
+# -- two hosts: network namespaces joined by a veth pair -----------------------------------------
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+@pytest.fixture
+def two_hosts() -> Iterator[tuple[list[str], list[str]]]:
+    """Two namespaces, 10.77.0.1 and 10.77.0.2, joined by a veth pair; removed afterwards."""
+    if shutil.which("ip") is None:
+        pytest.skip("iproute2 (ip) is not installed")
+    if os.geteuid() != 0:
+        pytest.skip("creating network namespaces needs root")
+    tag = f"{os.getpid() % 100000}"
+    names = [f"aiodist{tag}a", f"aiodist{tag}b"]
+    veths = [f"va{tag}", f"vb{tag}"]
+    try:
+        for ns in names:
+            _ip("netns", "add", ns)
+        _ip("link", "add", veths[0], "type", "veth", "peer", "name", veths[1])
+        for i, (ns, veth) in enumerate(zip(names, veths, strict=True)):
+            _ip("link", "set", veth, "netns", ns)
+            _ip("-n", ns, "addr", "add", f"10.77.0.{i + 1}/24", "dev", veth)
+            _ip("-n", ns, "link", "set", veth, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+    except subprocess.CalledProcessError as exc:
+        for ns in names:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        pytest.skip(f"cannot create network namespaces here: {exc.stderr.strip()}")
+    try:
+        yield (["ip", "netns", "exec", names[0]], ["ip", "netns", "exec", names[1]])
+    finally:
+        for ns in names:
+            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
+            for pid in pids.stdout.split():
+                with_suppress_kill(int(pid))
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def with_suppress_kill(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
+def _common(nproc: int = 2) -> list[str]:
+    return [
+        "--nnodes=2", "--master-addr=10.77.0.1", "--master-port=29400",
+        f"--nproc-per-node={nproc}", FAST_LOSS,
+    ]  # fmt: skip
+
+
+@pytest.mark.netns
+def test_two_hosts_form_one_world(two_hosts: tuple[list[str], list[str]]) -> None:
+    host_a, host_b = two_hosts
+    n1 = node(host_b, *_common(), "--node-rank=1", WORKER, "allreduce")
+    n0 = node(host_a, *_common(), "--node-rank=0", WORKER, "allreduce")
+    out0, err0 = n0.communicate(timeout=60)
+    out1, err1 = n1.communicate(timeout=60)
+    assert (n0.returncode, n1.returncode) == (0, 0), err0 + err1
+    assert ranks_of(out0) == {0: "sum=10 expected=10", 1: "sum=10 expected=10"}
+    assert ranks_of(out1) == {2: "sum=10 expected=10", 3: "sum=10 expected=10"}
+
+
+@pytest.mark.netns
+@pytest.mark.parametrize(
+    ("killed", "mode"), [(1, "hang"), (0, "hang"), (1, "signals"), (0, "signals")]
+)
+def test_killed_node_makes_the_other_exit(
+    two_hosts: tuple[list[str], list[str]], killed: int, mode: str
+) -> None:
+    """``hang`` workers run collectives across the nodes; ``signals`` workers only sleep, so
+    only the launchers' heartbeats can notice the lost node."""
+    host_a, host_b = two_hosts
+    n0 = node(host_a, *_common(), "--shutdown-timeout=2", WORKER, mode)
+    n1 = node(host_b, *_common(), "--shutdown-timeout=2", "--node-rank=1", WORKER, mode)
+    wait_ready(n0, 2)
+    wait_ready(n1, 2)
+    victim, survivor = (n1, n0) if killed == 1 else (n0, n1)
+    t0 = time.monotonic()
+    # SIGKILL: the launcher cannot say goodbye; its workers die with it (parent-death signal).
+    victim.kill()
+    victim.communicate(timeout=30)
+    _out, err = survivor.communicate(timeout=60)
+    elapsed = time.monotonic() - t0
+    assert survivor.returncode == 1, err
+    assert elapsed < 30
+    if mode == "signals" and killed == 1:
+        assert "node 1 stopped sending heartbeats" in err
+    elif mode == "signals":
+        assert "the store at 10.77.0.1:29400 (node 0)" in err
+    else:
+        # A worker noticed its dead peer (or the launcher noticed the node) first.
+        assert "aiodist-run: the job failed" in err or "(node 0)" in err or "node 1 stopped" in err
