@@ -276,8 +276,25 @@ class World:
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
         await self.transport.aclose()
+        await self._leave()
         for store in self._owned:
             await store.aclose()
+
+    async def _leave(self) -> None:
+        # Peers look each other's addresses up in the store when they first talk, which can
+        # be long after this rank is done; so a rank that hosts the store (rank 0 under
+        # env:// or tcp://) keeps it up until every rank has left. A broken world skips the
+        # wait: its peers are failing anyway.
+        hosting = any(getattr(s, "server", None) is not None for s in self._owned)
+        try:
+            await self.store.set(f"left/{self.rank}", b"1")
+            if hosting and self.broken is None:
+                keys = [f"left/{r}" for r in range(self.size)]
+                if not await self.store.check(keys):
+                    logger.info("rank %d: keeping the store up until every rank left", self.rank)
+                    await self.store.wait(keys, self.timeout)
+        except DistError as exc:
+            logger.warning("rank %d: leaving the store: %s", self.rank, exc)
 
 
 class ProcessGroup:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 import numpy as np
@@ -111,6 +112,19 @@ async def every_operation(rank: int, size: int) -> dict[str, object]:
     return {"rank": rank, "pid": os.getpid(), "backend": aiodist.get_backend()}
 
 
+async def early_leaver(rank: int, size: int) -> list[float] | None:
+    """Rank 0 (the store's host) is done at once; 1 and 2 first talk to each other later."""
+    if rank == 0:
+        return None
+    await asyncio.sleep(0.3)
+    buf = np.zeros(2)
+    if rank == 1:
+        await aiodist.send(np.ones(2), dst=2)
+    else:
+        await aiodist.recv(buf, src=1)  # needs rank 1's address from the store
+    return buf.tolist()
+
+
 async def failing(rank: int, size: int) -> None:
     if rank == 1:
         raise RuntimeError("deliberate failure on rank 1")
@@ -122,6 +136,10 @@ def test_every_operation_in_processes() -> None:
     assert [r["rank"] for r in results] == [0, 1, 2]
     assert len({r["pid"] for r in results} | {os.getpid()}) == 4
     assert {r["backend"] for r in results} == {"cpu"}
+
+
+def test_store_host_stays_until_every_rank_left() -> None:
+    assert run_world_processes(early_leaver, 3, timeout=60) == [None, [0.0, 0.0], [1.0, 1.0]]
 
 
 def test_child_failure_is_reported_with_traceback() -> None:
