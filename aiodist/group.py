@@ -646,9 +646,22 @@ async def new_group(
     name = world.backend if backend is None else parse_backend(backend)
     seconds = world.timeout if timeout is None else to_seconds(timeout, None)
     gid = world.allocate_group_id()
-    # Let other tasks run, as a real group creation would; new_group is a coroutine so a
-    # future version may agree on the group through the store.
-    await asyncio.sleep(0)
+    # Ranks that called new_group in different orders or with different ranks would give
+    # one id to different groups and mix their messages: the first rank to get here
+    # records what group ``gid`` is, the others check it (one store round trip).
+    mine = ",".join(map(str, members))
+    try:
+        agreed = (await world.store.compare_set(f"group/{gid}", "", mine)).decode()
+    except DistError as exc:
+        world.abort(exc)
+        raise
+    if agreed != mine:
+        mismatch = DistUsageError(
+            f"new_group: group {gid} is ranks [{agreed}] on another rank but ranks [{mine}] "
+            "here; every rank must call new_group with the same ranks in the same order"
+        )
+        world.abort(mismatch)
+        raise mismatch
     if world.rank not in members:
         return NON_GROUP_MEMBER
     return ProcessGroup(world, members, gid, name, seconds)

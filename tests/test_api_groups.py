@@ -183,3 +183,20 @@ async def test_ops_on_same_group_interleave_across_groups() -> None:
 
     for got in await run_world(fn, 3):
         assert got == [3.0 + 3 * i for i in range(6)]
+
+
+async def test_new_group_called_differently_is_detected() -> None:
+    async def fn(rank: int, size: int) -> BaseException:
+        # Rank 1 creates its groups in the other order.
+        order = [[0, 1], [0, 1, 2]] if rank != 1 else [[0, 1, 2], [0, 1]]
+        with pytest.raises(aiodist.DistError) as info:
+            for ranks in order:
+                await aiodist.new_group(ranks)
+            await aiodist.barrier()
+        return info.value
+
+    errors = await run_world(fn, 3, timeout=30)
+    usage = [str(e) for e in errors if isinstance(e, aiodist.DistUsageError)]
+    assert usage, errors
+    assert all("every rank must call new_group with the same ranks" in m for m in usage)
+    assert any("group 1 is ranks [0,1" in m for m in usage)
