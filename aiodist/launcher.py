@@ -533,7 +533,7 @@ class _Coordinator:
                 f"during {what}: {exc}"
             ) from exc
 
-    async def join(self, interrupted: asyncio.Event) -> tuple[int, int]:
+    async def join(self) -> tuple[int, int]:
         """Register this node; return (its first global rank, the world size).
 
         Raises:
@@ -559,8 +559,6 @@ class _Coordinator:
                     f"nodes {missing} did not join run {cfg.run_id!r} at "
                     f"{cfg.master_addr}:{cfg.master_port} within {cfg.join_timeout:g} s"
                 )
-            if interrupted.is_set():
-                raise asyncio.CancelledError
             await asyncio.sleep(cfg.monitor_interval)
         sizes = [int(v.split()[1]) for v in await self._op("the join", s.multi_get(keys))]
         now = time.monotonic()
@@ -654,6 +652,7 @@ class _Launcher:
         self._group: WorkerGroup | None = None
         self._signal: int | None = None
         self._interrupted = asyncio.Event()
+        self._main: asyncio.Task[int] | None = None
         self._port = cfg.master_port
         self._local_addr: str | None = None
         self._rank_base = 0
@@ -675,9 +674,13 @@ class _Launcher:
             return
         logger.info("received %s: stopping the workers", signal.Signals(signum).name)
         self._signal = signum
-        if self._group is not None:
-            self._group.send_signal(signum)
         self._interrupted.set()
+        if self._group is not None:
+            # The supervision loop sees the flag, waits for the workers and reports.
+            self._group.send_signal(signum)
+        elif self._main is not None:
+            # No workers are running (joining, waiting for other nodes): just stop.
+            self._main.cancel()
 
     async def run(self) -> int:
         """Run the job; return the launcher's exit status."""
@@ -685,11 +688,13 @@ class _Launcher:
         loop = asyncio.get_running_loop()
         for sig in cfg.signals:
             loop.add_signal_handler(sig, self._on_signal, sig)
+        self._main = asyncio.current_task()
         try:
             return await self._run()
         except asyncio.CancelledError:
-            if self._signal is None:
+            if self._signal is None or self._main is None:
                 raise
+            self._main.uncancel()
             return 128 + self._signal
         finally:
             for sig in cfg.signals:
@@ -714,7 +719,7 @@ class _Launcher:
                     cfg.master_addr,
                     self._port,
                 )
-            self._rank_base, self._world_size = await coord.join(self._interrupted)
+            self._rank_base, self._world_size = await coord.join()
             return await self._attempts(coord)
         except NodeLostError as exc:
             logger.error("%s; the workers of node %d were stopped", exc, cfg.node_rank)
@@ -768,9 +773,7 @@ class _Launcher:
     async def _tick(self, coord: _Coordinator) -> None:
         if self._cfg.nnodes > 1:
             await coord.beat()
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self._cfg.monitor_interval):
-                await self._interrupted.wait()
+        await asyncio.sleep(self._cfg.monitor_interval)
 
     def _specs(self, attempt: int) -> list[WorkerSpec]:
         cfg = self._cfg

@@ -262,3 +262,18 @@ def test_killed_node_makes_the_other_exit(
     else:
         # A worker noticed its dead peer (or the launcher noticed the node) first.
         assert "aiodist-run: the job failed" in err or "(node 0)" in err or "node 1 stopped" in err
+
+
+@pytest.mark.parametrize("node_rank", [0, 1])
+def test_signal_while_waiting_for_other_nodes(node_rank: int) -> None:
+    # Node 0 waits for node 1 to join; node 1 waits to reach node 0's store.
+    proc = node(
+        [], "--nnodes=2", f"--node-rank={node_rank}", f"--master-port={free_port()}",
+        WORKER, "env",
+    )  # fmt: skip
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert time.monotonic() - t0 < 5
