@@ -50,6 +50,11 @@ T = TypeVar("T")
 #: torch's default for CPU process groups: thirty minutes per operation.
 DEFAULT_PG_TIMEOUT = 1800.0
 
+#: Seconds a rank waits for the store to say why a peer aborted (and to record its own
+#: reason). Only failures pay it, and only when the peer vanished without a reason.
+ABORT_REASON_WAIT = 1.0
+_ABORT_KEY = "abort"
+
 #: Point-to-point messages of group ``g`` travel under group id ``g | P2P_GROUP_BIT`` with
 #: the user's tag as sequence number, so they never meet a collective's messages.
 P2P_GROUP_BIT = 1 << 31
@@ -239,6 +244,7 @@ class World:
         self.groups: list[ProcessGroup] = []
         self.broken: BaseException | None = None
         self.closed = False
+        self._publishing: asyncio.Task[None] | None = None
         self.default_group = ProcessGroup(self, range(self.size), 0, backend, timeout)
 
     def __repr__(self) -> str:
@@ -262,6 +268,27 @@ class World:
         )
         failure.__cause__ = cause
         self.transport.abort(failure)
+        # The peers only see connections drop; the store tells them why (the first rank
+        # to abort wins the key).
+        reason = f"rank {self.rank}: {type(cause).__name__}: {cause}"
+        with contextlib.suppress(RuntimeError):  # no running loop: nobody to tell
+            self._publishing = asyncio.get_running_loop().create_task(self._publish(reason))
+
+    async def _publish(self, reason: str) -> None:
+        try:
+            async with asyncio.timeout(ABORT_REASON_WAIT):
+                await self.store.compare_set(_ABORT_KEY, "", reason)
+        except (DistError, TimeoutError) as exc:
+            logger.debug("rank %d: could not record the abort reason: %s", self.rank, exc)
+
+    async def abort_reason(self) -> str | None:
+        """Return why another rank aborted the world, waiting briefly for it to be recorded."""
+        try:
+            async with asyncio.timeout(ABORT_REASON_WAIT):
+                await self.store.wait([_ABORT_KEY], ABORT_REASON_WAIT)
+                return (await self.store.get(_ABORT_KEY)).decode(errors="replace")
+        except (DistError, TimeoutError):
+            return None
 
     async def close(self) -> None:
         """Fail what is still running, close the transport and the stores the world owns."""
@@ -276,6 +303,8 @@ class World:
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
         await self.transport.aclose()
+        if self._publishing is not None:
+            await self._publishing
         await self._leave()
         for store in self._owned:
             await store.aclose()
@@ -485,6 +514,13 @@ class ProcessGroup:
                 work._future.set_exception(DistUsageError(f"{work.op} was cancelled"))
             raise
         except Exception as exc:
+            if isinstance(exc, DistNetworkError) and self._world.broken is None:
+                # A peer went away: if it aborted on purpose, say why.
+                reason = await self._world.abort_reason()
+                if reason is not None and not reason.startswith(f"rank {self._world.rank}:"):
+                    explained = DistNetworkError(f"{exc} (the group was aborted by {reason})")
+                    explained.__cause__ = exc
+                    exc = explained
             self._fail(work, exc)
         else:
             if not work._future.done():

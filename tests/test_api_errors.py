@@ -27,7 +27,10 @@ async def _one_rank_misuses(
                 call(rank)
         else:
             started = time.monotonic()
-            with pytest.raises(aiodist.DistNetworkError):
+            # The peers learn why from the store.
+            with pytest.raises(
+                aiodist.DistNetworkError, match=f"aborted by rank {bad_rank}: DistUsageError"
+            ):
                 await aiodist.all_reduce(np.ones(4))
             assert time.monotonic() - started < 15
         # Every later call raises at once, naming the cause.
