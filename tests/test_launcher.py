@@ -6,6 +6,7 @@ Every test starts the real launcher as a process with real worker processes
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -370,15 +371,28 @@ def test_failure_summary_reads_the_error_file() -> None:
     assert 'raise KeyError("the root cause")' in summary
 
 
+def children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie counts as dead.
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    return False
+
+
 def test_worker_killed_by_signal_is_named() -> None:
     proc = start("--nproc-per-node=2", "--shutdown-timeout=1", WORKER, "ignore-term")
     wait_ready(proc, 2)
-    pids = subprocess.run(
-        ["pgrep", "-f", f"{WORKER} ignore-term"], capture_output=True, text=True
-    ).stdout.split()
-    # The launcher's children are the workers; kill one of them hard.
-    worker_pids = [int(p) for p in pids if int(p) != proc.pid]
-    os.kill(min(worker_pids), signal.SIGKILL)
+    workers = children(proc.pid)
+    assert len(workers) == 2
+    os.kill(min(workers), signal.SIGKILL)
     _out, err = proc.communicate(timeout=60)
     assert proc.returncode == 1
     assert re.search(r"failed first, with signal SIGKILL \(9\)", err)
@@ -447,12 +461,11 @@ def test_sigterm_escalates_to_sigkill_after_shutdown_timeout() -> None:
 def test_killing_the_launcher_kills_its_workers() -> None:
     proc = start("--nproc-per-node=2", WORKER, "ignore-term")
     wait_ready(proc, 2)
+    workers = children(proc.pid)
+    assert len(workers) == 2
     proc.kill()
     proc.communicate(timeout=30)
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        left = subprocess.run(["pgrep", "-f", f"{WORKER} ignore-term"], capture_output=True).stdout
-        if not left:
-            break
+    while any(alive(w) for w in workers) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not left
+    assert not any(alive(w) for w in workers)
