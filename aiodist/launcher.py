@@ -89,8 +89,8 @@ class _EnvFlag(argparse.Action):
 
 def _flag(name: str) -> list[str]:
     """Both spellings of a long option: ``--nproc-per-node`` and ``--nproc_per_node``."""
-    under = name.replace("-", "_")
-    return [name] if under == name else [name, "--" + under[2:]]
+    under = "--" + name[2:].replace("-", "_")
+    return [name] if under == name else [name, under]
 
 
 def get_args_parser() -> argparse.ArgumentParser:

@@ -263,8 +263,20 @@ def test_worker_environment() -> None:
         assert env["TORCHELASTIC_RUN_ID"] == env["AIODIST_RUN_ID"] == "job7"
         assert env["TORCHELASTIC_ERROR_FILE"].endswith(f"job7/attempt_0/{rank}/error.json")
         assert env["OMP_NUM_THREADS"] == "5"  # only set when unset
-    result = launch("--nproc-per-node=1", WORKER, "env")
-    assert json.loads(by_rank(result.stdout)[0][0])["OMP_NUM_THREADS"] == "1"
+    result = launch("--nproc-per-node=1", "--local-addr=127.0.0.1", WORKER, "env")
+    env = json.loads(by_rank(result.stdout)[0][0])
+    assert env["OMP_NUM_THREADS"] == "1"
+    assert env["AIODIST_HOST"] == "127.0.0.1"
+
+
+def test_compatibility_flags_are_accepted() -> None:
+    result = launch(
+        "--rdzv-backend=c10d", "--start-method=fork", "--rdzv-id=x", "--nnodes=1:1", WORKER, "env"
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(by_rank(result.stdout)[0][0])["TORCHELASTIC_RUN_ID"] == "x"
+    with pytest.raises(SystemExit):
+        get_args_parser().parse_args(["--rdzv-backend=etcd", "s.py"])
 
 
 def test_standalone_picks_free_ports_concurrently() -> None:
