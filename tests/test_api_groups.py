@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 
@@ -205,3 +207,28 @@ async def test_new_group_called_differently_is_detected() -> None:
     assert usage, errors
     assert all("every rank must call new_group with the same ranks" in m for m in usage)
     assert any("group 1 is ranks [0,1" in m for m in usage)
+
+
+async def test_init_method_tcp_url_with_ranks_as_tasks() -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    async def rank_main(rank: int) -> tuple[float, str]:
+        pg = await aiodist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=20
+        )
+        x = np.array([rank + 1.0])
+        await aiodist.all_reduce(x)
+        if rank == 1:
+            await asyncio.sleep(0.2)  # rank 0, the store's host, must wait for us to leave
+        await aiodist.destroy_process_group()
+        return float(x[0]), repr(pg)
+
+    results = await asyncio.gather(*(asyncio.create_task(rank_main(r)) for r in range(2)))
+    assert results == [
+        (3.0, "<ProcessGroup rank=0/2 backend=cpu destroyed>"),
+        (3.0, "<ProcessGroup rank=1/2 backend=cpu destroyed>"),
+    ]
