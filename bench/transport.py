@@ -99,6 +99,30 @@ async def bandwidth(t: TCPTransport, size: int, seq: int, count: int) -> float:
     return 0.0
 
 
+async def both_ways(t: TCPTransport, size: int, seq: int, count: int) -> float:
+    """Return seconds per message when both ranks stream ``size``-byte messages at once."""
+    peer = 1 - t.rank
+    data = np.ones(size, np.uint8)
+    outs = [np.ones(size, np.uint8) for _ in range(WINDOW)]
+    ready = memoryview(bytearray(1))
+    # Both ranks have posted their first receives before either starts sending.
+    posted = [t.recv_into(peer, (5, seq, i), memoryview(outs[i])) for i in range(WINDOW)]
+    await asyncio.gather(t.send(peer, (6, seq, 0), ready), t.recv_into(peer, (6, seq, 0), ready))
+    start = time.perf_counter()
+    sends: list[asyncio.Future[None]] = []
+    for i in range(count):
+        sends.append(t.send(peer, (5, seq, i), memoryview(data)))
+        if len(sends) >= WINDOW:
+            await sends.pop(0)
+        if i >= WINDOW - 1:
+            await posted[i - WINDOW + 1]
+            nxt = i + 1
+            if nxt < count and nxt >= WINDOW:
+                posted.append(t.recv_into(peer, (5, seq, nxt), memoryview(outs[nxt % WINDOW])))
+    await asyncio.gather(*sends, *posted[max(0, count - WINDOW + 1) :])
+    return (time.perf_counter() - start) / count
+
+
 async def rank_main(rank: int, path: str, args: argparse.Namespace) -> None:
     store = FileStore(path, 2, timeout=60)
     spin = None if args.spin == "auto" else float(args.spin)
@@ -116,6 +140,14 @@ async def rank_main(rank: int, path: str, args: argparse.Namespace) -> None:
         rows.append((size, await bandwidth(t, size, seq + 1, count)))
         size *= 4
         seq += 2
+    duplex = []
+    size = 64 << 10
+    while size <= args.max_size:
+        count = max(8, min(2000, (128 << 20) // size))
+        await both_ways(t, size, seq, WINDOW)  # warm up
+        duplex.append((size, await both_ways(t, size, seq + 1, count)))
+        size *= 8
+        seq += 2
     await ping_pong(t, 5)
     if rank == 0:
         print(f"TCPTransport, 2 processes, loop={args.loop}, spin={args.spin}")
@@ -132,6 +164,9 @@ async def rank_main(rank: int, path: str, args: argparse.Namespace) -> None:
         )
         print(f"{'size':>10} {'time/msg (us)':>14} {'GB/s':>8}")
         for size, seconds in rows:
+            print(f"{size:>10} {seconds * 1e6:>14.1f} {size / seconds / 1e9:>8.3f}")
+        print("both ranks sending at once (GB/s per direction):")
+        for size, seconds in duplex:
             print(f"{size:>10} {seconds * 1e6:>14.1f} {size / seconds / 1e9:>8.3f}")
     await t.aclose()
     await store.aclose()
