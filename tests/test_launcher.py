@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -481,3 +482,18 @@ def test_killing_the_launcher_kills_its_workers() -> None:
     while any(alive(w) for w in workers) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(alive(w) for w in workers)
+
+
+def test_redirects_without_log_dir_keep_a_temporary_one() -> None:
+    result = launch("--nproc-per-node=2", "--rdzv-id=tmpjob", "-r", "3", WORKER, "stdio")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == ""
+    m = re.search(r"worker logs: (\S+)", result.stderr)
+    assert m, result.stderr
+    logs = Path(m[1])
+    try:
+        assert logs.name == "tmpjob"
+        assert (logs / "attempt_0/1/stdout.log").read_text() == "out line of rank 1\n"
+        assert (logs / "attempt_0/0/stderr.log").read_text() == "err line of rank 0\n"
+    finally:
+        shutil.rmtree(logs.parent)
