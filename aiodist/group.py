@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import contextvars
 import logging
+import math
 from collections.abc import Callable, Coroutine, Generator, Iterable, Sequence
 from typing import Any, Generic, TypeVar
 
@@ -137,9 +138,6 @@ class Work(Generic[T]):
         self.seq = seq
         self._group = group
         self._future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        # Work that nobody awaits must not report "exception never retrieved": the failure
-        # is kept here and in the group's state.
-        self._future.add_done_callback(_consume_exception)
         self._task: asyncio.Task[None] | None = None
 
     def __repr__(self) -> str:
@@ -170,8 +168,12 @@ class Work(Generic[T]):
                 left part-way through it.
             DistError: the operation failed (the same exception on every call).
         """
+        if self._future.done():
+            return self._future.result()
         seconds = to_seconds(timeout, None)
-        if not self._future.done():
+        if seconds is None:
+            await _join(self._future)
+        else:
             # asyncio.wait never cancels what it waits on, so cancelling the caller leaves
             # the operation running.
             await asyncio.wait([self._future], timeout=seconds)
@@ -209,9 +211,26 @@ class Work(Generic[T]):
         return self._future.result()
 
 
-def _consume_exception(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled():
-        future.exception()
+async def _join(future: asyncio.Future[Any]) -> None:
+    """Wait for ``future`` without cancelling it if the waiting task is cancelled."""
+    waiter = future.get_loop().create_future()
+
+    def wake(_: asyncio.Future[Any]) -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    future.add_done_callback(wake)
+    try:
+        await waiter
+    finally:
+        future.remove_done_callback(wake)
+
+
+def _set_failed(future: asyncio.Future[Any], exc: BaseException) -> None:
+    # Work that nobody awaits must not report "exception never retrieved": the failure is
+    # kept in the work and in the world's state, so it is marked as retrieved here.
+    future.set_exception(exc)
+    future.exception()
 
 
 class World:
@@ -355,7 +374,9 @@ class ProcessGroup:
         self.backend = backend
         self.timeout = timeout
         self._seq = 0
-        self._inflight: set[Work[Any]] = set()
+        # Operations in flight, in issue order, with their deadlines (group timeout).
+        self._inflight: dict[Work[Any], float] = {}
+        self._watchdog: asyncio.TimerHandle | None = None
         self._destroyed = False
         world.groups.append(self)
 
@@ -488,30 +509,29 @@ class ProcessGroup:
         return self._start(Work(op, tag, self), lambda: body(transport, gid))
 
     def _start(self, work: Work[T], make: Callable[[], Coroutine[Any, Any, T]]) -> Work[T]:
-        self._inflight.add(work)
+        loop = asyncio.get_running_loop()
+        if self.timeout is None:
+            self._inflight[work] = math.inf
+        else:
+            # One timer per group, armed for the oldest operation's deadline, instead of a
+            # timer per operation: operations are issued and mostly finish in order.
+            self._inflight[work] = deadline = loop.time() + self.timeout
+            if self._watchdog is None:
+                self._watchdog = loop.call_at(deadline, self._check_deadlines)
         # The coroutine is made inside the task: a task cancelled before its first step
         # (destroy right after issuing) then leaves no never-awaited coroutine behind.
         task = asyncio.get_running_loop().create_task(self._run(work, make))
-        task.add_done_callback(lambda _: self._inflight.discard(work))
+        task.add_done_callback(lambda _: self._inflight.pop(work, None))
         work._task = task
         return work
 
     async def _run(self, work: Work[T], make: Callable[[], Coroutine[Any, Any, T]]) -> None:
         try:
-            try:
-                async with asyncio.timeout(self.timeout) as scope:
-                    result = await make()
-            except TimeoutError:
-                if not scope.expired():
-                    raise
-                raise DistTimeoutError(
-                    f"{work.op} (seq {work.seq}) on {self!r} did not complete within the "
-                    f"group timeout of {self.timeout:g} s"
-                ) from None
+            result = await make()
         except asyncio.CancelledError:
             # Only close() and _fail() cancel operations, and both set the outcome first.
             if not work._future.done():
-                work._future.set_exception(DistUsageError(f"{work.op} was cancelled"))
+                _set_failed(work._future, DistUsageError(f"{work.op} was cancelled"))
             raise
         except Exception as exc:
             if isinstance(exc, DistNetworkError) and self._world.broken is None:
@@ -526,6 +546,21 @@ class ProcessGroup:
             if not work._future.done():
                 work._future.set_result(result)
 
+    def _check_deadlines(self) -> None:
+        self._watchdog = None
+        now = asyncio.get_running_loop().time()
+        for work, deadline in list(self._inflight.items()):
+            if deadline > now:
+                self._watchdog = asyncio.get_running_loop().call_at(deadline, self._check_deadlines)
+                return
+            self._fail(
+                work,
+                DistTimeoutError(
+                    f"{work.op} (seq {work.seq}) on {self!r} did not complete within the "
+                    f"group timeout of {self.timeout:g} s"
+                ),
+            )
+
     def _fail(self, work: Work[Any], exc: BaseException) -> None:
         if work._future.done():
             return
@@ -533,7 +568,7 @@ class ProcessGroup:
             wrapped = DistError(f"{work.op} (seq {work.seq}) failed: {type(exc).__name__}: {exc}")
             wrapped.__cause__ = exc
             exc = wrapped
-        work._future.set_exception(exc)
+        _set_failed(work._future, exc)
         self._world.abort(exc)
         task = work._task
         if task is not None and task is not asyncio.current_task():
@@ -558,9 +593,12 @@ class ProcessGroup:
 
     def _cancel_all(self, cause: BaseException) -> list[asyncio.Task[None]]:
         tasks = []
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
         for work in list(self._inflight):
             if not work._future.done():
-                work._future.set_exception(cause)
+                _set_failed(work._future, cause)
             if work._task is not None and not work._task.done():
                 work._task.cancel()
                 tasks.append(work._task)
