@@ -87,6 +87,8 @@ class _Log:
                 f"FileStore cannot open {self.path!r}: {exc.strerror or exc}"
             ) from exc
         self._finalizer = weakref.finalize(self, os.close, self._fd)
+        # Not at exit: the blocking facade closes open stores then, and needs the file.
+        self._finalizer.atexit = False
         with self._flocked(exclusive=True):
             self._add_internal(_REFCOUNT, 1)
 
@@ -337,8 +339,14 @@ class FileStore(Store):
         return self._world_size
 
     async def _io(self, fn: Callable[..., T], *args: object) -> T:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, functools.partial(fn, *args))
+        call = functools.partial(fn, *args)
+        try:
+            future = asyncio.get_running_loop().run_in_executor(None, call)
+        except RuntimeError:
+            # During interpreter exit executors take no new work; what still runs then is
+            # the final close, which is short enough to do right here.
+            return call()
+        return await future
 
     async def _poll(
         self, attempt: Callable[[], T | None], keys: Sequence[bytes], timeout: float | None
