@@ -232,3 +232,28 @@ async def test_init_method_tcp_url_with_ranks_as_tasks() -> None:
         (3.0, "<ProcessGroup rank=0/2 backend=cpu destroyed>"),
         (3.0, "<ProcessGroup rank=1/2 backend=cpu destroyed>"),
     ]
+
+
+async def test_destroy_leaves_no_socket_or_task_behind() -> None:
+    import os
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    async def fn(rank: int, size: int) -> None:
+        x = np.ones(1 << 16)
+        for _ in range(3):
+            await aiodist.all_reduce(x)
+        await aiodist.all_gather_object([None] * size, rank)
+        g = await aiodist.new_group([0, 2])
+        if rank != 1:
+            await aiodist.barrier(group=g)
+
+    # A first world lets the loop create what it keeps for its lifetime (libuv, under
+    # uvloop, reserves a spare descriptor on /dev/null at its first listening socket).
+    await run_world(fn, 3)
+    before_fds, before_tasks = fds(), asyncio.all_tasks()
+    await run_world(fn, 3)
+    await asyncio.sleep(0)
+    assert fds() == before_fds
+    assert asyncio.all_tasks() == before_tasks
