@@ -737,27 +737,41 @@ class _Launcher:
             if self._signal is not None:
                 return 128 + self._signal
             outcome = await self._run_attempt(coord, attempt)
-            if outcome.signum is not None:
-                return 128 + outcome.signum
-            if outcome.failure is None:
+            if outcome.failure is None and outcome.signum is None:
                 await self._finish(coord, attempt)
                 return 0
-            if attempt < cfg.max_restarts:
-                f = outcome.failure
-                logger.warning(
-                    "attempt %d failed: rank %d (node %d) exited with %s; restarting the "
-                    "workers (%d of %d restarts left)",
-                    attempt,
-                    f.rank,
-                    f.node_rank,
-                    describe_exit(f.exitcode),
-                    cfg.max_restarts - attempt - 1,
-                    cfg.max_restarts,
-                )
-                await coord.increment(attempt, "stopped")
-                continue
-            self._write_summary(outcome.failure, attempt)
+            failure = outcome.failure
+            # A launcher stopped by a signal is gone for good: restarting cannot bring it back.
+            restart = failure is not None and failure.rank >= 0 and attempt < cfg.max_restarts
+            if cfg.nnodes > 1:
+                with contextlib.suppress(NodeLostError):
+                    await coord.increment(attempt, "stopped")
+                    if not restart and cfg.node_rank == 0:
+                        await self._linger(coord, attempt)
+            if outcome.signum is not None:
+                return 128 + outcome.signum
+            assert failure is not None
+            if not restart:
+                self._write_summary(failure, attempt)
+                return 1
+            logger.warning(
+                "attempt %d failed: rank %d (node %d) exited with %s; restarting the "
+                "workers (%d of %d restarts left)",
+                attempt,
+                failure.rank,
+                failure.node_rank,
+                describe_exit(failure.exitcode),
+                cfg.max_restarts - attempt - 1,
+                cfg.max_restarts,
+            )
         return 1
+
+    async def _linger(self, coord: _Coordinator, attempt: int) -> None:
+        """Node 0 keeps the store up until every node has read the failure (or is lost)."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self._cfg.lost_after):
+                while await coord.count(attempt, "stopped") < self._cfg.nnodes:
+                    await asyncio.sleep(self._cfg.monitor_interval)
 
     async def _wait_release(self, coord: _Coordinator, attempt: int) -> None:
         """Node 0 starts ``attempt`` once every node stopped the previous one; others wait."""

@@ -154,20 +154,36 @@ def test_failure_on_one_node_stops_the_other_and_restarts_both() -> None:
         assert "attempt 0 failed: rank 3 (node 1) exited with exit code 3; restarting" in err
 
 
-def test_failure_summary_reaches_every_node() -> None:
+@pytest.mark.parametrize(
+    ("failing", "where"), [(1, "local rank 0 on node 1"), (0, "local rank 0 on node 0")]
+)
+def test_failure_summary_reaches_every_node(failing: int, where: str) -> None:
     port = str(free_port())
     common = ["--nnodes=2", f"--master-port={port}", "--shutdown-timeout=2"]
-    n0 = node([], *common, WORKER, "fail", "1", "9")
-    n1 = node([], *common, "--node-rank=1", WORKER, "fail", "1", "9")
+    n0 = node([], *common, WORKER, "fail", str(failing), "9")
+    n1 = node([], *common, "--node-rank=1", WORKER, "fail", str(failing), "9")
     _out0, err0 = n0.communicate(timeout=60)
     _out1, err1 = n1.communicate(timeout=60)
     assert (n0.returncode, n1.returncode) == (1, 1)
+    pattern = rf"root cause: rank {failing} \({where}, pid \d+\) failed first, with exit code 9"
     for err in (err0, err1):
-        assert re.search(
-            r"root cause: rank 1 \(local rank 0 on node 1, pid \d+\) failed first, with exit code 9",
-            err,
-        )
+        assert re.search(pattern, err), err
         assert "failing on purpose" in err
+
+
+def test_signalled_node_stops_the_job_without_restart() -> None:
+    port = str(free_port())
+    common = ["--nnodes=2", f"--master-port={port}", "--max-restarts=2"]
+    n0 = node([], *common, WORKER, "signals")
+    n1 = node([], *common, "--node-rank=1", WORKER, "signals")
+    wait_ready(n0, 1)
+    wait_ready(n1, 1)
+    n1.send_signal(signal.SIGTERM)
+    _out1, _err1 = n1.communicate(timeout=60)
+    _out0, err0 = n0.communicate(timeout=60)
+    assert (n0.returncode, n1.returncode) == (1, 128 + signal.SIGTERM)
+    assert "root cause: the launcher of node 1 was stopped by signal SIGTERM (15)" in err0
+    assert "restarting" not in err0
 
 
 # -- two hosts: network namespaces joined by a veth pair -----------------------------------------
