@@ -497,3 +497,11 @@ def test_redirects_without_log_dir_keep_a_temporary_one() -> None:
         assert (logs / "attempt_0/0/stderr.log").read_text() == "err line of rank 0\n"
     finally:
         shutil.rmtree(logs.parent)
+
+
+def test_auth_token_protects_the_store_and_reaches_the_workers() -> None:
+    result = launch(
+        "--nproc-per-node=2", WORKER, "allreduce", env=clean_env(AIODIST_AUTH_TOKEN="s3cret")
+    )
+    assert result.returncode == 0, result.stderr
+    assert by_rank(result.stdout) == {r: ["sum=3 expected=3"] for r in range(2)}
