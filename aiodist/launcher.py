@@ -36,13 +36,13 @@ from typing import Any, BinaryIO
 
 from ._loop import loop_factory
 from ._workers import Std, WorkerFailure, WorkerGroup, WorkerSpec, describe_exit
-from .errors import DistError, DistTimeoutError, DistUsageError
+from .errors import DistError, DistNetworkError, DistTimeoutError, DistUsageError
 from .store import Store
 from .store.tcp import TCPStore
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LaunchConfig", "get_args_parser", "main", "parse_args"]
+__all__ = ["LaunchConfig", "NodeLostError", "get_args_parser", "main", "parse_args"]
 
 #: Keys of the launchers themselves live under this prefix; everything else in the store
 #: belongs to the workers and is deleted between attempts.
@@ -491,7 +491,7 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
 
 
 # -- the store and the agreement between nodes ------------------------------------------------
-class NodeLostError(DistError):
+class NodeLostError(DistNetworkError):
     """Another node's launcher, or node 0's store, stopped answering."""
 
 
