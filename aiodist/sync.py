@@ -18,21 +18,73 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import contextvars
+import functools
 import logging
 import os
 import threading
 import weakref
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from datetime import timedelta
 from types import TracebackType
 from typing import Any, Concatenate, Generic, ParamSpec, Self, TypeVar, overload
 
-from . import store as _aio
+from . import _api as _aio_api, group as _group, store as _aio
 from ._loop import loop_factory
+from ._ops import ReduceOp
 from ._timeouts import Timeout
 from .errors import DistTimeoutError, DistUsageError
+from .group import NON_GROUP_MEMBER, NonGroupMember, ProcessGroup
+from .rendezvous import get_node_local_rank
 
-__all__ = ["FileStore", "HashStore", "PrefixStore", "Store", "TCPStore"]
+__all__ = [
+    "NON_GROUP_MEMBER",
+    "Backend",
+    "FileStore",
+    "HashStore",
+    "P2POp",
+    "PrefixStore",
+    "ProcessGroup",
+    "ReduceOp",
+    "Store",
+    "TCPStore",
+    "Work",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_reduce",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "batch_isend_irecv",
+    "broadcast",
+    "broadcast_object_list",
+    "destroy_process_group",
+    "gather",
+    "gather_object",
+    "get_backend",
+    "get_global_rank",
+    "get_group_rank",
+    "get_node_local_rank",
+    "get_process_group_ranks",
+    "get_rank",
+    "get_world_size",
+    "init_process_group",
+    "irecv",
+    "is_available",
+    "is_initialized",
+    "isend",
+    "monitored_barrier",
+    "new_group",
+    "new_subgroups",
+    "recv",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+    "scatter_object_list",
+    "send",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -400,6 +452,773 @@ class TCPStore(Store):
         if _tenants.get(self.port) is self:
             del _tenants[self.port]
         super().close()
+
+
+# -- process groups ---------------------------------------------------------------------------
+# The async API keeps the default group in a ContextVar, so each asyncio task can belong to
+# its own world. A blocking script has one world per process: it is kept here and installed
+# into the context of every coroutine this module runs.
+_world: _group.World | None = None
+_world_lock = threading.Lock()
+
+Group = ProcessGroup | NonGroupMember | None
+
+#: torch's default process-group timeout.
+_DEFAULT_PG_TIMEOUT = timedelta(minutes=30)
+
+
+def _enter_world(op: str) -> None:
+    if _world is None:
+        raise DistUsageError(
+            f"{op} needs the default process group: call aiodist.sync.init_process_group(...) first"
+        )
+    _group.set_current_world(_world)
+
+
+def _local(op: str, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    """Call a non-blocking function of the async API with this process's world installed."""
+
+    def call() -> T:
+        _enter_world(op)
+        return fn(*args, **kwargs)
+
+    return contextvars.copy_context().run(call)
+
+
+def _complete(op: str, fn: Callable[..., _group.Work[T]], *args: Any) -> T:
+    """Issue an operation on the loop and block until it is done; return its result."""
+
+    async def call() -> T:
+        _enter_world(op)
+        return await fn(*args)
+
+    return _run(call())
+
+
+def _copy_outcome(target: concurrent.futures.Future[T], source: asyncio.Future[T]) -> None:
+    if source.cancelled():
+        target.set_exception(DistUsageError("the operation was cancelled"))
+    elif (exc := source.exception()) is not None:
+        target.set_exception(exc)
+    else:
+        target.set_result(source.result())
+
+
+def _start(op: str, fn: Callable[..., _group.Work[T]], *args: Any) -> Work[T]:
+    """Issue an operation on the loop and return its blocking :class:`Work` at once."""
+
+    async def start() -> tuple[_group.Work[T], asyncio.Task[T], concurrent.futures.Future[T]]:
+        _enter_world(op)
+        work = fn(*args)
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        future.set_running_or_notify_cancel()
+        task = asyncio.ensure_future(work.wait())
+        task.add_done_callback(functools.partial(_copy_outcome, future))
+        return work, task, future
+
+    return Work(*_run(start()))
+
+
+def _issue(
+    op: str, async_op: bool, fn: Callable[..., _group.Work[Any]], *args: Any
+) -> Work[Any] | None:
+    if async_op:
+        return _start(op, fn, *args)
+    _complete(op, fn, *args)
+    return None
+
+
+class Work(Generic[T]):
+    """The blocking handle of an operation started with ``async_op=True`` (torch's ``Work``).
+
+    Thread-safe; every method may be called any number of times.
+    """
+
+    def __init__(
+        self,
+        work: _group.Work[T],
+        task: asyncio.Task[T],
+        future: concurrent.futures.Future[T],
+    ) -> None:
+        self._work = work
+        self._task = task  # keeps the task that feeds ``future`` alive
+        self._future = future
+
+    def __repr__(self) -> str:
+        return f"<Work (blocking) {self._work!r}>"
+
+    def wait(self, timeout: Timeout = None) -> bool:
+        """Block until the operation is done; return ``True``.
+
+        Args:
+            timeout: seconds or ``timedelta``; ``None`` waits until the group's own timeout.
+
+        Raises:
+            DistTimeoutError: ``timeout`` passed first; as in torch, this fails the operation
+                and aborts the process group.
+            DistError: the operation failed.
+            KeyboardInterrupt: Ctrl-C; the operation itself keeps running.
+        """
+        _run(self._work.wait(timeout))
+        # The blocking future is completed by a callback of the same event; let it land.
+        concurrent.futures.wait([self._future])
+        return True
+
+    def is_completed(self) -> bool:
+        """Return whether the operation has finished, successfully or not."""
+        return self._future.done()
+
+    def is_success(self) -> bool:
+        """Return whether the operation has finished without an error."""
+        return self._future.done() and self._future.exception() is None
+
+    def exception(self) -> BaseException | None:
+        """Return the operation's error, or ``None`` if it succeeded or is still running."""
+        return self._future.exception() if self._future.done() else None
+
+    def result(self) -> T:
+        """Return the result of a finished operation (the output array or list).
+
+        Raises:
+            DistUsageError: the operation has not finished yet.
+            DistError: the operation failed.
+        """
+        if not self._future.done():
+            raise DistUsageError(f"{self!r} has not completed yet; wait() for it first")
+        return self._future.result()
+
+    def get_future(self) -> concurrent.futures.Future[T]:
+        """Return a :class:`concurrent.futures.Future` resolved with the operation's result."""
+        return self._future
+
+
+class Backend(str):
+    """Backend names, as in ``torch.distributed.Backend``: ``Backend("GLOO") == "gloo"``.
+
+    Raises:
+        DistUsageError: the name is not a backend aiodist knows.
+    """
+
+    CPU = "cpu"
+    CUDA = "cuda"
+    GLOO = "gloo"
+    NCCL = "nccl"
+
+    def __new__(cls, name: str) -> Self:
+        if not isinstance(name, str):
+            raise DistUsageError(f"backend must be a string, got {type(name).__name__}")
+        _group.parse_backend(name)
+        return super().__new__(cls, name.lower())
+
+
+def is_available() -> bool:
+    """Return ``True``: aiodist's process groups are always available."""
+    return True
+
+
+def init_process_group(
+    backend: str | None = None,
+    init_method: str | None = None,
+    timeout: Timeout = _DEFAULT_PG_TIMEOUT,
+    world_size: int = -1,
+    rank: int = -1,
+    store: Store | None = None,
+    group_name: str = "",
+    pg_options: object = None,
+    device_id: object = None,
+) -> None:
+    """Join this process to the default process group, with torch's rules.
+
+    ``init_method`` and ``store`` are exclusive; with neither, ``init_method="env://"``; with
+    ``store``, ``rank`` and ``world_size`` are required. ``backend``: ``"cpu"``/``"gloo"``,
+    ``"cpu:gloo,cuda:nccl"`` or ``None``. ``pg_options`` and ``device_id`` are accepted for
+    torch compatibility and ignored.
+
+    Args:
+        backend: the backend name.
+        init_method: a rendezvous URL (``env://``, ``tcp://...``, ``file://...``).
+        timeout: per-operation and rendezvous timeout (``timedelta`` or seconds).
+        world_size: the number of processes.
+        rank: this process's rank.
+        store: a blocking store shared by every rank (``aiodist.sync.TCPStore`` etc.).
+        group_name: namespace of this job's keys in the store.
+        pg_options: ignored.
+        device_id: ignored.
+
+    Raises:
+        DistUsageError: initialized already, conflicting or missing arguments, an unknown
+            backend, or a store that is not a blocking aiodist store.
+        DistTimeoutError: the other ranks did not arrive in time.
+        DistNetworkError: the store or a peer could not be reached.
+    """
+    global _world
+    if store is not None and not isinstance(store, Store):
+        raise DistUsageError(
+            "init_process_group: store must be a blocking aiodist.sync store (TCPStore, "
+            f"FileStore, HashStore, PrefixStore), got {type(store).__name__}"
+        )
+
+    async def init() -> _group.World:
+        await _aio_api.init_process_group(
+            backend, init_method, timeout, world_size, rank,
+            None if store is None else store.async_store, group_name,
+        )  # fmt: skip
+        world = _group.peek_world()
+        assert world is not None
+        return world
+
+    with _world_lock:
+        if _world is not None:
+            raise DistUsageError("trying to initialize the default process group twice!")
+        _world = _run(init())
+
+
+def destroy_process_group(group: Group = None) -> None:
+    """Destroy ``group``, or with ``None`` every group and the default one.
+
+    Destroying the default group closes its connections; when no blocking store is still
+    open, the event-loop thread stops too (a later call starts a new one), so
+    ``init_process_group`` may be called again.
+
+    Raises:
+        DistUsageError: not initialized, or ``group`` is not a process group of this world.
+    """
+    global _world
+    with _world_lock:
+        world = _world
+
+        async def destroy() -> None:
+            _enter_world("destroy_process_group")
+            await _aio_api.destroy_process_group(group)
+
+        _run(destroy())
+        if world is not None and (group is None or group is world.default_group):
+            _world = None
+            if not any(not s._closed for s in list(_live_stores)):
+                _loop_thread.stop()
+
+
+def is_initialized() -> bool:
+    """Return whether this process has a default process group."""
+    return _world is not None
+
+
+def get_rank(group: Group = None) -> int:
+    """Return this rank in ``group`` (default: the global rank); ``-1`` for a non-member.
+
+    Raises:
+        DistUsageError: not initialized.
+    """
+    return _local("get_rank", _aio_api.get_rank, group)
+
+
+def get_world_size(group: Group = None) -> int:
+    """Return the number of ranks in ``group``; ``-1`` for a non-member.
+
+    Raises:
+        DistUsageError: not initialized.
+    """
+    return _local("get_world_size", _aio_api.get_world_size, group)
+
+
+def get_backend(group: Group = None) -> str:
+    """Return the backend of ``group``.
+
+    Raises:
+        DistUsageError: not initialized.
+    """
+    return _local("get_backend", _aio_api.get_backend, group)
+
+
+def get_process_group_ranks(group: Group = None) -> list[int]:
+    """Return the global ranks of ``group`` in group-rank order.
+
+    Raises:
+        DistUsageError: not initialized.
+    """
+    return _local("get_process_group_ranks", _aio_api.get_process_group_ranks, group)
+
+
+def get_group_rank(group: Group, global_rank: int) -> int:
+    """Return the group rank of ``global_rank`` in ``group``.
+
+    Raises:
+        DistUsageError: ``global_rank`` is not in the group.
+    """
+    return _local("get_group_rank", _aio_api.get_group_rank, group, global_rank)
+
+
+def get_global_rank(group: Group, group_rank: int) -> int:
+    """Return the global rank of ``group_rank`` in ``group``.
+
+    Raises:
+        DistUsageError: ``group_rank`` is out of range.
+    """
+    return _local("get_global_rank", _aio_api.get_global_rank, group, group_rank)
+
+
+def new_group(
+    ranks: Sequence[int] | None = None,
+    timeout: Timeout = None,
+    backend: str | None = None,
+    pg_options: object = None,
+    use_local_synchronization: bool = False,
+    group_desc: str | None = None,
+) -> ProcessGroup | NonGroupMember:
+    """Create a group of ``ranks``; every rank of the world must call it the same way.
+
+    Returns :data:`NON_GROUP_MEMBER` on ranks outside the group. ``pg_options``,
+    ``use_local_synchronization`` and ``group_desc`` are accepted and ignored.
+
+    Raises:
+        DistUsageError: not initialized, or bad ranks.
+    """
+
+    async def create() -> ProcessGroup | NonGroupMember:
+        _enter_world("new_group")
+        return await _aio_api.new_group(ranks, timeout, backend)
+
+    return _run(create())
+
+
+def new_subgroups(
+    group_size: int | None = None,
+    group: ProcessGroup | None = None,
+    timeout: Timeout = None,
+    backend: str | None = None,
+    pg_options: object = None,
+    group_desc: str | None = None,
+) -> tuple[ProcessGroup, list[ProcessGroup | NonGroupMember]]:
+    """Split ``group`` into subgroups of ``group_size`` ranks; return (mine, all).
+
+    Raises:
+        DistUsageError: not initialized, or a size that does not divide the group.
+    """
+
+    async def create() -> tuple[ProcessGroup, list[ProcessGroup | NonGroupMember]]:
+        _enter_world("new_subgroups")
+        return await _aio_api.new_subgroups(group_size, group, timeout, backend)
+
+    return _run(create())
+
+
+# -- collectives: torch's signatures; ``async_op=True`` returns a Work, else None ----------
+def all_reduce(
+    tensor: Any, op: ReduceOp | int = ReduceOp.SUM, group: Group = None, async_op: bool = False
+) -> Work[Any] | None:
+    """Reduce ``tensor`` across the group, in place on every rank.
+
+    Raises:
+        DistUsageError: bad array, op or group (at once, or from the work).
+        DistNetworkError: a peer failed. DistTimeoutError: the group timeout passed.
+    """
+    return _issue("all_reduce", async_op, _aio_api.all_reduce, tensor, op, group)
+
+
+def broadcast(
+    tensor: Any,
+    src: int | None = None,
+    group: Group = None,
+    async_op: bool = False,
+    group_src: int | None = None,
+) -> Work[Any] | None:
+    """Copy ``tensor`` of ``src`` into ``tensor`` of every rank.
+
+    Raises:
+        DistUsageError: bad array or source. DistNetworkError, DistTimeoutError: as all_reduce.
+    """
+    return _issue("broadcast", async_op, _aio_api.broadcast, tensor, src, group, group_src)
+
+
+def reduce(
+    tensor: Any,
+    dst: int | None = None,
+    op: ReduceOp | int = ReduceOp.SUM,
+    group: Group = None,
+    async_op: bool = False,
+    group_dst: int | None = None,
+) -> Work[Any] | None:
+    """Reduce ``tensor`` of every rank into ``tensor`` of ``dst``.
+
+    Raises:
+        DistUsageError: bad array, op or destination. DistNetworkError, DistTimeoutError.
+    """
+    return _issue("reduce", async_op, _aio_api.reduce, tensor, dst, op, group, group_dst)
+
+
+def all_gather(
+    tensor_list: list[Any], tensor: Any, group: Group = None, async_op: bool = False
+) -> Work[Any] | None:
+    """Gather ``tensor`` of every rank into ``tensor_list`` on every rank.
+
+    Raises:
+        DistUsageError: bad arrays or list length. DistNetworkError, DistTimeoutError.
+    """
+    return _issue("all_gather", async_op, _aio_api.all_gather, tensor_list, tensor, group)
+
+
+def all_gather_into_tensor(
+    output_tensor: Any, input_tensor: Any, group: Group = None, async_op: bool = False
+) -> Work[Any] | None:
+    """Gather ``input_tensor`` of every rank into ``output_tensor`` (concatenated).
+
+    Raises:
+        DistUsageError: bad arrays or sizes. DistNetworkError, DistTimeoutError.
+    """
+    return _issue(
+        "all_gather_into_tensor", async_op, _aio_api.all_gather_into_tensor,
+        output_tensor, input_tensor, group,
+    )  # fmt: skip
+
+
+def gather(
+    tensor: Any,
+    gather_list: list[Any] | None = None,
+    dst: int | None = None,
+    group: Group = None,
+    async_op: bool = False,
+    group_dst: int | None = None,
+) -> Work[Any] | None:
+    """Gather ``tensor`` of every rank into ``gather_list`` on ``dst``.
+
+    Raises:
+        DistUsageError: bad arrays, list or destination. DistNetworkError, DistTimeoutError.
+    """
+    return _issue("gather", async_op, _aio_api.gather, tensor, gather_list, dst, group, group_dst)
+
+
+def scatter(
+    tensor: Any,
+    scatter_list: list[Any] | None = None,
+    src: int | None = None,
+    group: Group = None,
+    async_op: bool = False,
+    group_src: int | None = None,
+) -> Work[Any] | None:
+    """Send ``scatter_list[i]`` of ``src`` into ``tensor`` of rank ``i``.
+
+    Raises:
+        DistUsageError: bad arrays, list or source. DistNetworkError, DistTimeoutError.
+    """
+    return _issue(
+        "scatter", async_op, _aio_api.scatter, tensor, scatter_list, src, group, group_src
+    )
+
+
+def reduce_scatter(
+    output: Any,
+    input_list: list[Any],
+    op: ReduceOp | int = ReduceOp.SUM,
+    group: Group = None,
+    async_op: bool = False,
+) -> Work[Any] | None:
+    """Reduce ``input_list[i]`` across ranks into ``output`` of rank ``i``.
+
+    Raises:
+        DistUsageError: bad arrays or op. DistNetworkError, DistTimeoutError.
+    """
+    return _issue(
+        "reduce_scatter", async_op, _aio_api.reduce_scatter, output, input_list, op, group
+    )
+
+
+def reduce_scatter_tensor(
+    output: Any,
+    input: Any,
+    op: ReduceOp | int = ReduceOp.SUM,
+    group: Group = None,
+    async_op: bool = False,
+) -> Work[Any] | None:
+    """Reduce ``input`` across ranks; rank ``i`` gets slice ``i`` of the result in ``output``.
+
+    Raises:
+        DistUsageError: bad arrays, sizes or op. DistNetworkError, DistTimeoutError.
+    """
+    return _issue(
+        "reduce_scatter_tensor", async_op, _aio_api.reduce_scatter_tensor,
+        output, input, op, group,
+    )  # fmt: skip
+
+
+def all_to_all(
+    output_tensor_list: list[Any],
+    input_tensor_list: list[Any],
+    group: Group = None,
+    async_op: bool = False,
+) -> Work[Any] | None:
+    """Send ``input_tensor_list[i]`` to rank ``i``; receive into ``output_tensor_list``.
+
+    Raises:
+        DistUsageError: bad arrays or list lengths. DistNetworkError, DistTimeoutError.
+    """
+    return _issue(
+        "all_to_all", async_op, _aio_api.all_to_all, output_tensor_list, input_tensor_list, group
+    )
+
+
+def all_to_all_single(
+    output: Any,
+    input: Any,
+    output_split_sizes: Sequence[int] | None = None,
+    input_split_sizes: Sequence[int] | None = None,
+    group: Group = None,
+    async_op: bool = False,
+) -> Work[Any] | None:
+    """Split ``input`` along dimension 0 among the ranks; concatenate what arrives in ``output``.
+
+    Raises:
+        DistUsageError: split sizes that do not add up, bad arrays. DistNetworkError,
+            DistTimeoutError.
+    """
+    return _issue(
+        "all_to_all_single", async_op, _aio_api.all_to_all_single,
+        output, input, output_split_sizes, input_split_sizes, group,
+    )  # fmt: skip
+
+
+def barrier(
+    group: Group = None,
+    async_op: bool = False,
+    device_ids: Sequence[int] | None = None,
+    timeout: Timeout = None,
+) -> Work[None] | None:
+    """Wait until every rank of ``group`` has entered the barrier.
+
+    Args:
+        group: the group (default: the world).
+        async_op: return a :class:`Work` instead of waiting.
+        device_ids: ignored (torch compatibility).
+        timeout: with ``async_op=False``, give up after this long (``DistTimeoutError``,
+            which aborts the group, as in torch).
+
+    Raises:
+        DistTimeoutError: ``timeout`` or the group timeout passed. DistNetworkError.
+    """
+    if async_op:
+        return _start("barrier", _aio_api.barrier, group, device_ids)
+
+    async def call() -> None:
+        _enter_world("barrier")
+        await _aio_api.barrier(group, device_ids).wait(timeout)
+
+    _run(call())
+    return None
+
+
+def monitored_barrier(
+    group: Group = None, timeout: Timeout = None, wait_all_ranks: bool = False
+) -> None:
+    """A barrier that names the ranks which did not arrive within ``timeout``.
+
+    Raises:
+        DistTimeoutError: ranks missing at the deadline (named in the message).
+    """
+    _complete("monitored_barrier", _aio_api.monitored_barrier, group, timeout, wait_all_ranks)
+
+
+# -- point to point -------------------------------------------------------------------------
+def isend(
+    tensor: Any,
+    dst: int | None = None,
+    group: Group = None,
+    tag: int = 0,
+    group_dst: int | None = None,
+) -> Work[None]:
+    """Start sending ``tensor`` to ``dst``; return its :class:`Work`.
+
+    Raises:
+        DistUsageError: no or invalid destination, bad tag.
+    """
+    return _start("isend", _aio_api.isend, tensor, dst, group, tag, group_dst)
+
+
+def irecv(
+    tensor: Any,
+    src: int | None = None,
+    group: Group = None,
+    tag: int = 0,
+    group_src: int | None = None,
+) -> Work[int]:
+    """Start receiving into ``tensor`` from ``src`` (``None``: any); the result is the sender.
+
+    Raises:
+        DistUsageError: invalid source, bad tag, read-only array.
+    """
+    return _start("irecv", _aio_api.irecv, tensor, src, group, tag, group_src)
+
+
+def send(
+    tensor: Any,
+    dst: int | None = None,
+    group: Group = None,
+    tag: int = 0,
+    group_dst: int | None = None,
+) -> None:
+    """Send ``tensor`` to ``dst`` and block until the transport no longer needs it.
+
+    Raises:
+        DistUsageError: no or invalid destination, bad tag. DistNetworkError,
+            DistTimeoutError.
+    """
+    _complete("send", _aio_api.isend, tensor, dst, group, tag, group_dst)
+
+
+def recv(
+    tensor: Any,
+    src: int | None = None,
+    group: Group = None,
+    tag: int = 0,
+    group_src: int | None = None,
+) -> int:
+    """Receive into ``tensor`` from ``src`` (``None``: any rank); return the sender's rank.
+
+    Raises:
+        DistUsageError: invalid source, bad tag, read-only array, size mismatch.
+        DistNetworkError, DistTimeoutError.
+    """
+    return _complete("recv", _aio_api.irecv, tensor, src, group, tag, group_src)
+
+
+class P2POp:
+    """One send or receive of a :func:`batch_isend_irecv` batch (torch's ``P2POp``).
+
+    Args:
+        op: :func:`isend` or :func:`irecv` of this module (or ``send``/``recv``).
+        tensor: the array to send or to receive into.
+        peer: global rank of the peer.
+        group: the group (default: the world).
+        tag: the message tag.
+        group_peer: the peer as a group rank, instead of ``peer``.
+
+    Raises:
+        DistUsageError: ``op`` is not one of those functions.
+    """
+
+    def __init__(
+        self,
+        op: Callable[..., Any],
+        tensor: Any,
+        peer: int | None = None,
+        group: Group = None,
+        tag: int = 0,
+        group_peer: int | None = None,
+    ) -> None:
+        if op not in _P2P_ASYNC_OPS:
+            raise DistUsageError(
+                f"P2POp: op must be aiodist.sync.isend or aiodist.sync.irecv, got {op!r}"
+            )
+        self.op = op
+        self.tensor = tensor
+        self.peer = peer
+        self.group = group
+        self.tag = tag
+        self.group_peer = group_peer
+
+    def __repr__(self) -> str:
+        peer = f"group_peer={self.group_peer}" if self.peer is None else f"peer={self.peer}"
+        return f"<P2POp {getattr(self.op, '__name__', self.op)} {peer} tag={self.tag}>"
+
+    def _to_async(self) -> _aio_api.P2POp:
+        return _aio_api.P2POp(
+            _P2P_ASYNC_OPS[self.op], self.tensor, self.peer, self.group, self.tag,
+            self.group_peer,
+        )  # fmt: skip
+
+
+#: The async operation behind each blocking point-to-point function a P2POp may name.
+_P2P_ASYNC_OPS: dict[Callable[..., Any], Callable[..., _group.Work[Any]]] = {
+    isend: _aio_api.isend,
+    send: _aio_api.isend,
+    irecv: _aio_api.irecv,
+    recv: _aio_api.irecv,
+}
+
+
+def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work[Any]]:
+    """Start every send and receive of ``p2p_op_list``; return their works in order.
+
+    Raises:
+        DistUsageError: an empty list, an entry that is not a :class:`P2POp`, or ops on
+            different groups.
+    """
+    if not isinstance(p2p_op_list, list | tuple) or not p2p_op_list:
+        raise DistUsageError("batch_isend_irecv: p2p_op_list must be a non-empty list of P2POp")
+    for p in p2p_op_list:
+        if not isinstance(p, P2POp):
+            raise DistUsageError(f"batch_isend_irecv: expected P2POp entries, got {p!r}")
+    ops = [p._to_async() for p in p2p_op_list]
+
+    async def start() -> list[_group.Work[Any]]:
+        _enter_world("batch_isend_irecv")
+        return _aio_api.batch_isend_irecv(ops)
+
+    works = _run(start())
+    return [_start("batch_isend_irecv", lambda w=w: w) for w in works]
+
+
+# -- object collectives (blocking, as in torch) --------------------------------------------
+def broadcast_object_list(
+    object_list: list[Any],
+    src: int | None = None,
+    group: Group = None,
+    device: object = None,
+    group_src: int | None = None,
+) -> None:
+    """Broadcast the picklable objects of ``object_list`` from ``src``, in place elsewhere.
+
+    Unpickling runs code chosen by the sender: use only between trusted ranks.
+
+    Raises:
+        DistUsageError: not a non-empty list, or an object that cannot be pickled.
+    """
+    _complete(
+        "broadcast_object_list", _aio_api.broadcast_object_list,
+        object_list, src, group, device, group_src,
+    )  # fmt: skip
+
+
+def all_gather_object(object_list: list[Any], obj: Any, group: Group = None) -> None:
+    """Gather the picklable ``obj`` of every rank into ``object_list``.
+
+    Raises:
+        DistUsageError: the list length is not the group size, or ``obj`` cannot be pickled.
+    """
+    _complete("all_gather_object", _aio_api.all_gather_object, object_list, obj, group)
+
+
+def gather_object(
+    obj: Any,
+    object_gather_list: list[Any] | None = None,
+    dst: int | None = None,
+    group: Group = None,
+    group_dst: int | None = None,
+) -> None:
+    """Gather the picklable ``obj`` of every rank into ``object_gather_list`` on ``dst``.
+
+    Raises:
+        DistUsageError: a bad list, or ``obj`` cannot be pickled.
+    """
+    _complete(
+        "gather_object", _aio_api.gather_object, obj, object_gather_list, dst, group, group_dst
+    )
+
+
+def scatter_object_list(
+    scatter_object_output_list: list[Any],
+    scatter_object_input_list: list[Any] | None = None,
+    src: int | None = None,
+    group: Group = None,
+    group_src: int | None = None,
+) -> None:
+    """Send ``scatter_object_input_list[i]`` of ``src`` into slot 0 of rank ``i``'s list.
+
+    Raises:
+        DistUsageError: bad lists, or an object that cannot be pickled.
+    """
+    _complete(
+        "scatter_object_list", _aio_api.scatter_object_list,
+        scatter_object_output_list, scatter_object_input_list, src, group, group_src,
+    )  # fmt: skip
 
 
 def _close_all_at_exit() -> None:
