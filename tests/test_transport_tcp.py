@@ -444,6 +444,30 @@ async def test_abort_and_aclose_leave_no_socket_or_task_behind() -> None:
     assert open_fds() == before_fds
 
 
+@pytest.mark.both_loops
+async def test_abort_while_a_connect_completes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Aborting inside connection_made cancels create_connection just as it completes;
+    # uvloop then closes the transport without ever calling connection_lost.
+    from aiodist.transport.tcp import _Conn
+
+    original = _Conn.connection_made
+
+    def connection_made(self: _Conn, transport: asyncio.BaseTransport) -> None:
+        original(self, transport)
+        if self.peer is not None:  # the connecting side
+            self.owner.abort(aiodist.DistNetworkError("aborted while connecting"))
+
+    await (await make_world(1)).aclose()  # libuv's one reserved descriptor
+    before = open_fds()
+    world = await make_world(2)
+    monkeypatch.setattr(_Conn, "connection_made", connection_made)
+    t0 = world.t[0]
+    with pytest.raises(aiodist.DistNetworkError, match="aborted while connecting"):
+        await t0.send(1, T, memoryview(b"x"))
+    await asyncio.wait_for(world.aclose(), 5)
+    assert open_fds() == before
+
+
 # -- several processes ------------------------------------------------------------------------
 
 WORKER = textwrap.dedent(

@@ -274,6 +274,17 @@ class _Conn(asyncio.BufferedProtocol):
                 owner._lose(peer, reason)
             self._fail_sends(lost_peer_error(peer, reason))  # if the peer had failed before
 
+    def orphaned(self) -> None:
+        """Forget a connection whose ``create_connection`` call failed or was cancelled.
+
+        The loop closed its transport itself; uvloop may have called ``connection_made``
+        first and then never calls ``connection_lost``.
+        """
+        self.owner._live.discard(self)
+        self.state = _DONE
+        if not self.lost.done():
+            self.lost.set_result(None)
+
     def eof_received(self) -> bool:
         return False  # close our side too; connection_lost follows at once
 
@@ -784,7 +795,14 @@ class TCPTransport(Transport):
         while self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._live:  # their sockets are closed once connection_lost has run
-            await asyncio.wait([c.lost for c in self._live])
+            _, late = await asyncio.wait([c.lost for c in self._live], timeout=CLOSE_DRAIN_SECONDS)
+            if late:
+                logger.warning(
+                    "rank %d: %d connections did not report connection_lost within %g s",
+                    self.rank,
+                    len(late),
+                    CLOSE_DRAIN_SECONDS,
+                )
         if self._server is not None:
             await self._server.wait_closed()
 
@@ -845,30 +863,31 @@ class TCPTransport(Transport):
         peer = p.rank
         waiter = p.waiter
         assert waiter is not None
-        conn: _Conn | None = None
+        conn = _Conn(self, peer)
         try:
             async with asyncio.timeout(self._timeout):
                 address = (await self._store.get(_address_key(peer))).decode()
                 host, _, port = address.rpartition(":")
                 try:
-                    _, proto = await self._loop.create_connection(
-                        lambda: _Conn(self, peer), host, int(port)
-                    )
+                    await self._loop.create_connection(lambda: conn, host, int(port))
                 except OSError as exc:
+                    conn.orphaned()
                     raise DistNetworkError(
                         f"lost connection to rank {peer}: cannot connect to {address}: {exc}"
                     ) from exc
-                conn = proto
+                except BaseException:
+                    conn.orphaned()
+                    raise
                 accepted = await conn.handshake
                 p.connecting = None
                 if not accepted:
                     await asyncio.shield(waiter)
         except asyncio.CancelledError:
-            if conn is not None and conn.transport is not None and conn.state != _OPEN:
+            if conn.transport is not None and conn.state != _OPEN:
                 conn.transport.abort()
             raise
         except TimeoutError:
-            if conn is not None and conn.transport is not None and conn.state != _OPEN:
+            if conn.transport is not None and conn.state != _OPEN:
                 conn.transport.abort()
             self._fail_peer(
                 p,
