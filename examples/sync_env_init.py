@@ -22,7 +22,9 @@ def run(rank: int, size: int) -> None:
     tensor = np.full(8, rank + 1, dtype=np.int64)
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     np.testing.assert_array_equal(tensor, np.full(8, size * (size + 1) // 2))
-    print(f"rank {rank}/{size}: all_reduce -> {tensor[0]}", flush=True)
+    # One write per line: the ranks share the terminal.
+    sys.stdout.write(f"rank {rank}/{size}: all_reduce -> {tensor[0]}\n")
+    sys.stdout.flush()
 
 
 def init_process(rank: int, size: int, backend: str = "gloo") -> None:

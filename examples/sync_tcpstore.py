@@ -31,7 +31,9 @@ def run(rank: int, world_size: int, master_addr: str, master_port: int) -> None:
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     expected = np.arange(4, dtype=np.float32) * sum(range(1, world_size + 1))
     np.testing.assert_array_equal(tensor, expected)
-    print(f"rank {rank}/{world_size}: all_reduce -> {tensor.tolist()}", flush=True)
+    # One write per line: the ranks share the terminal.
+    sys.stdout.write(f"rank {rank}/{world_size}: all_reduce -> {tensor.tolist()}\n")
+    sys.stdout.flush()
     dist.destroy_process_group()
     store.close()
 

@@ -278,3 +278,41 @@ def test_blocking_calls_from_several_threads(clean_world: None) -> None:
     assert not errors and time.monotonic() - start < 30
     dist.destroy_process_group()
     store.close()
+
+
+@pytest.mark.multiprocess
+def test_destroy_leaves_no_thread_or_socket(tmp_path: Path) -> None:
+    code = textwrap.dedent(
+        f"""
+        import os, threading
+        import numpy as np
+        import aiodist.sync as dist
+
+        def state():
+            fds = sorted(os.listdir("/proc/self/fd"))
+            return fds, [t.name for t in threading.enumerate() if t.name != "MainThread"]
+
+        def cycle(attempt):
+            url = "file://{tmp_path}/rdzv" + str(attempt)
+            dist.init_process_group("gloo", init_method=url, rank=0, world_size=1)
+            x = np.ones(3)
+            dist.all_reduce(x)
+            assert "aiodist-loop" in state()[1]
+            dist.destroy_process_group()
+
+        # libuv keeps one signal pipe per process from its first loop on: warm up first.
+        cycle(0)
+        before = state()
+        assert before[1] == [], before
+        for attempt in (1, 2):
+            cycle(attempt)
+            after = state()
+            assert after == before, (before, after)
+        print("clean")
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "clean"
