@@ -188,6 +188,8 @@ async def rank_main(rank: int, n: int, tmp: str, args: argparse.Namespace) -> di
             count = count_for(name, size, n) if size else 0
             b = make_buffers(name, count, n, rank)
             iters = iters_for(size, args.quick)
+            if rank == 0 and args.verbose:
+                print(f"  {n} ranks: {name} {size} B", file=sys.stderr, flush=True)
             ours_op, theirs_op = aiodist_op(name, b), torch_op(name, b)
             # Warm-up (connections, scratch buffers), then repetitions that alternate
             # between the libraries, so a change in the machine's load hits both alike.
@@ -306,6 +308,7 @@ def main() -> None:
     parser.add_argument(
         "--out", default=os.path.join(os.path.dirname(__file__), "results", "collectives.md")
     )
+    parser.add_argument("--verbose", action="store_true", help="progress on stderr")
     parser.add_argument("--profile", default=None, help="directory for per-rank cProfile dumps")
     args = parser.parse_args()
     args.only = [c for c in args.only.split(",") if c]
