@@ -32,7 +32,7 @@ from typing import Any, Concatenate, Generic, ParamSpec, Self, TypeVar, overload
 from . import _api as _aio_api, group as _group, store as _aio
 from ._loop import loop_factory
 from ._ops import ReduceOp
-from ._timeouts import Timeout
+from ._timeouts import Timeout, to_seconds
 from .errors import DistTimeoutError, DistUsageError
 from .group import NON_GROUP_MEMBER, NonGroupMember, ProcessGroup
 from .rendezvous import get_node_local_rank
@@ -559,9 +559,16 @@ class Work(Generic[T]):
             DistError: the operation failed.
             KeyboardInterrupt: Ctrl-C; the operation itself keeps running.
         """
+        if to_seconds(timeout) is None:
+            # No deadline of its own: block on the future the loop completes, without a
+            # round trip to the loop thread.
+            self._future.result()
+            return True
+        # A deadline fails the operation when it passes: the async Work does that.
         _run(self._work.wait(timeout))
         # The blocking future is completed by a callback of the same event; let it land.
         concurrent.futures.wait([self._future])
+        self._future.result()
         return True
 
     def is_completed(self) -> bool:

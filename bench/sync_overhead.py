@@ -1,0 +1,190 @@
+"""The blocking facade's cost: an 8-byte all_reduce through ``aiodist.sync`` vs the async API.
+
+Run:  unshare -n bash -c 'ip link set lo up && .venv/bin/python bench/sync_overhead.py'
+      [--ranks 2] [--iters 3000] [--torch]
+
+Each of ``--ranks`` processes joins an aiodist group through env:// twice: first from its own
+event loop (the async API: ``await aiodist.all_reduce(x, op=MAX)``), then through the blocking
+facade (``aiodist.sync.all_reduce(x, op=MAX)``, and ``all_reduce(..., async_op=True).wait()``),
+whose loop runs in a thread of the process. With ``--torch`` a torch gloo group runs the same
+loop for comparison. MAX keeps the repeatedly reduced values finite. Every rank times each
+operation; the table shows the slowest rank's median and mean, in microseconds. A second
+table times blocking store calls against the async ones (HashStore and a TCPStore client,
+in one process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+
+def _stats(samples: list[float]) -> tuple[float, float]:
+    return statistics.median(samples) * 1e6, statistics.fmean(samples) * 1e6
+
+
+def _time_sync(fn: Callable[[], Any], iters: int) -> list[float]:
+    out = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def _rank(rank: int, size: int, ports: list[int], iters: int, use_torch: bool, q: Any) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1")
+    results: dict[str, list[float]] = {}
+    x = np.ones(2, dtype=np.float32)  # 8 bytes
+
+    import aiodist
+    from aiodist._loop import loop_factory
+
+    async def async_part() -> None:
+        os.environ["MASTER_PORT"] = str(ports[0])
+        await aiodist.init_process_group("cpu")
+        for _ in range(200):
+            await aiodist.all_reduce(x, op=aiodist.ReduceOp.MAX)
+        samples = []
+        for _ in range(iters):
+            t = time.perf_counter()
+            await aiodist.all_reduce(x, op=aiodist.ReduceOp.MAX)
+            samples.append(time.perf_counter() - t)
+        results["async API: await all_reduce(x, op=MAX)"] = samples
+        await aiodist.barrier()
+        await aiodist.destroy_process_group()
+
+    with asyncio.Runner(loop_factory=loop_factory("auto")) as runner:
+        runner.run(async_part())
+
+    import aiodist.sync as dist
+
+    os.environ["MASTER_PORT"] = str(ports[1])
+    dist.init_process_group("gloo")
+    for _ in range(200):
+        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    results["aiodist.sync: all_reduce(x, op=MAX)"] = _time_sync(
+        lambda: dist.all_reduce(x, op=dist.ReduceOp.MAX), iters
+    )
+
+    def with_work() -> None:
+        work = dist.all_reduce(x, op=dist.ReduceOp.MAX, async_op=True)
+        assert work is not None
+        work.wait()
+
+    results["aiodist.sync: all_reduce(x, op=MAX, async_op=True).wait()"] = _time_sync(
+        with_work, iters
+    )
+    dist.barrier()
+    dist.destroy_process_group()
+
+    if use_torch:
+        import torch
+        import torch.distributed as tdist
+
+        os.environ["MASTER_PORT"] = str(ports[2])
+        tdist.init_process_group("gloo", rank=rank, world_size=size)
+        t = torch.ones(2, dtype=torch.float32)
+        for _ in range(200):
+            tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+        results["torch gloo: all_reduce(t, op=MAX)"] = _time_sync(
+            lambda: tdist.all_reduce(t, op=tdist.ReduceOp.MAX), iters
+        )
+        tdist.barrier()
+        tdist.destroy_process_group()
+    q.put((rank, results))
+
+
+def _store_table(iters: int) -> list[tuple[str, float, float]]:
+    import aiodist
+    import aiodist.sync as dist
+    from aiodist._loop import loop_factory
+
+    rows = []
+    with dist.TCPStore("127.0.0.1", 0, is_master=True) as server:
+        for name, make_sync in (
+            ("HashStore", dist.HashStore),
+            ("TCPStore client", lambda: dist.TCPStore("127.0.0.1", server.port)),
+        ):
+            with make_sync() as store:
+                store.set("k", b"v")
+                rows.append(
+                    (f"blocking {name}.get", *_stats(_time_sync(lambda s=store: s.get("k"), iters)))
+                )
+
+        async def async_part() -> None:
+            for name, make in (
+                ("HashStore", lambda: _async_hash(aiodist)),
+                ("TCPStore client", lambda: aiodist.TCPStore.create("127.0.0.1", server.port)),
+            ):
+                store = await make()
+                await store.set("k", b"v")
+                samples = []
+                for _ in range(iters):
+                    t = time.perf_counter()
+                    await store.get("k")
+                    samples.append(time.perf_counter() - t)
+                rows.append((f"async {name}.get", *_stats(samples)))
+                await store.aclose()
+
+        with asyncio.Runner(loop_factory=loop_factory("auto")) as runner:
+            runner.run(async_part())
+    return rows
+
+
+async def _async_hash(aiodist: Any) -> Any:
+    return aiodist.HashStore()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=3000)
+    parser.add_argument("--torch", action="store_true", help="also time torch gloo")
+    args = parser.parse_args()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    ports = [_free_port() for _ in range(3)]
+    procs = [
+        ctx.Process(target=_rank, args=(r, args.ranks, ports, args.iters, args.torch, q))
+        for r in range(args.ranks)
+    ]
+    for p in procs:
+        p.start()
+    per_rank = dict(q.get(timeout=600) for _ in procs)
+    for p in procs:
+        p.join()
+    print(
+        f"8-byte all_reduce (MAX: repeated ops stay finite), {args.ranks} ranks, {args.iters} operations per row"
+    )
+    print("| how | median µs | mean µs |\n| --- | ---: | ---: |")
+    for label in per_rank[0]:
+        medians, means = zip(*(_stats(per_rank[r][label]) for r in per_rank), strict=True)
+        print(f"| {label} | {max(medians):.1f} | {max(means):.1f} |")
+    print()
+    print(f"store get of a present key, one process, {args.iters} calls per row")
+    print("| how | median µs | mean µs |\n| --- | ---: | ---: |")
+    for label, med, mean in _store_table(args.iters):
+        print(f"| {label} | {med:.1f} | {mean:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
