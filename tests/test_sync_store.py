@@ -253,14 +253,13 @@ class _nullcontext:
 def test_stop_and_restart_loop_thread() -> None:
     store = dist.HashStore()
     store.set("k", b"v")
-    first = _loop_thread.ident
+    first = _loop_thread._thread
+    assert first is not None and first.is_alive()
     _loop_thread.stop()
     assert _loop_thread.ident is None
-    deadline = time.monotonic() + 5
-    while any(t.ident == first for t in threading.enumerate()) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not any(t.ident == first for t in threading.enumerate())
+    first.join(5)
+    assert not first.is_alive()
     fresh = dist.HashStore()  # a new loop thread starts on demand
     fresh.set("a", b"1")
     assert fresh.get("a") == b"1"
-    assert _loop_thread.ident not in (None, first)
+    assert _loop_thread._thread is not None and _loop_thread._thread is not first
