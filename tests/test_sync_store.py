@@ -9,7 +9,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from datetime import timedelta
 from pathlib import Path
 
