@@ -33,7 +33,7 @@ from . import _api as _aio_api, group as _group, store as _aio
 from ._loop import loop_factory
 from ._ops import ReduceOp
 from ._timeouts import Timeout, to_seconds
-from .errors import DistTimeoutError, DistUsageError
+from .errors import DistError, DistTimeoutError, DistUsageError
 from .group import NON_GROUP_MEMBER, NonGroupMember, ProcessGroup
 from .rendezvous import get_node_local_rank
 
@@ -492,7 +492,17 @@ def _complete(op: str, fn: Callable[..., _group.Work[T]], *args: Any) -> T:
         _enter_world(op)
         return await fn(*args)
 
-    return _run(call())
+    try:
+        return _run(call())
+    except KeyboardInterrupt:
+        # The peers are part-way through the operation and this rank will not finish it:
+        # abort the group so they fail at once (with the reason) instead of waiting for its
+        # timeout. Recover with destroy_process_group() and init_process_group().
+        world = _world
+        if world is not None:
+            cause = DistError(f"rank {world.rank}: {op} interrupted by KeyboardInterrupt")
+            _loop_thread.loop().call_soon_threadsafe(world.abort, cause)
+        raise
 
 
 def _copy_outcome(target: concurrent.futures.Future[T], source: asyncio.Future[T]) -> None:

@@ -220,12 +220,18 @@ def test_ctrl_c_during_a_blocking_collective() -> None:
         f"""
         import os, signal, sys, threading, time
         import numpy as np
+        import aiodist
         import aiodist.sync as dist
         rank = int(sys.argv[1])
         store = dist.TCPStore("127.0.0.1", {port}, 2, rank == 0)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
         if rank == 1:
-            store.wait(["rank0-done"])   # never joins the all_reduce
+            store.wait(["rank0-interrupted"])   # joins the all_reduce only afterwards
+            start = time.monotonic()
+            try:
+                dist.all_reduce(np.ones(4))
+            except aiodist.DistError as exc:
+                print("peer failed after %.0f s:" % (time.monotonic() - start), exc, flush=True)
         else:
             threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
             start = time.monotonic()
@@ -233,8 +239,11 @@ def test_ctrl_c_during_a_blocking_collective() -> None:
                 dist.all_reduce(np.ones(4))
             except KeyboardInterrupt:
                 print("interrupted after %.1f s" % (time.monotonic() - start), flush=True)
-            store.set("rank0-done", b"")
+            store.set("rank0-interrupted", b"")
+            store.wait(["rank1-done"])
         dist.destroy_process_group()
+        if rank == 1:
+            store.set("rank1-done", b"")
         threads = [t.name for t in threading.enumerate() if t.name == "aiodist-loop"]
         print("rank", rank, "done", threads, flush=True)
         store.close()
@@ -253,6 +262,8 @@ def test_ctrl_c_during_a_blocking_collective() -> None:
     assert [p.returncode for p in procs] == [0, 0], [e for _, e in outs]
     assert "interrupted after 0.5 s" in outs[0][0]
     assert "rank 0 done" in outs[0][0] and "rank 1 done" in outs[1][0]
+    assert "peer failed after 0 s:" in outs[1][0]
+    assert "all_reduce interrupted by KeyboardInterrupt" in outs[1][0]
 
 
 def test_blocking_calls_from_several_threads(clean_world: None) -> None:

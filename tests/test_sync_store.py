@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import socket
 import subprocess
 import sys
@@ -262,3 +263,26 @@ def test_stop_and_restart_loop_thread() -> None:
     fresh.set("a", b"1")
     assert fresh.get("a") == b"1"
     assert _loop_thread._thread is not None and _loop_thread._thread is not first
+
+
+@pytest.mark.multiprocess
+def test_loop_kind_from_the_environment() -> None:
+    code = """
+import asyncio
+import aiodist.sync as dist
+from aiodist.sync import _run
+async def kind():
+    return type(asyncio.get_running_loop()).__module__
+dist.HashStore().set("k", b"v")
+print(_run(kind()))
+"""
+    for kind, module in (("asyncio", "asyncio"), ("uvloop", "uvloop")):
+        result = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "AIODIST_LOOP": kind},
+        )
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip().startswith(module)
