@@ -187,11 +187,6 @@ async def test_ops_on_same_group_interleave_across_groups() -> None:
         assert got == [3.0 + 3 * i for i in range(6)]
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="TCPTransport.aclose can wait forever for connection_lost of a connection aborted "
-    "during a simultaneous connect (uvloop)",
-)
 async def test_new_group_called_differently_is_detected() -> None:
     async def fn(rank: int, size: int) -> BaseException:
         # Rank 1 creates its groups in the other order.
