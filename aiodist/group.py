@@ -40,7 +40,9 @@ __all__ = [
     "new_group",
     "new_subgroups",
     "parse_backend",
+    "peek_world",
     "resolve_group",
+    "set_current_world",
     "start_world",
 ]
 
