@@ -230,6 +230,9 @@ async def test_zero_size_and_zero_dim_arrays() -> None:
         await aiodist.all_reduce(scalar)
         outs = [np.empty((0, 4)) for _ in range(size)]
         await aiodist.all_gather(outs, empty)
+        await aiodist.all_gather_into_tensor(np.empty((0, 4)), empty)
+        await aiodist.reduce_scatter_tensor(np.empty(0), np.empty(0))
+        await aiodist.all_to_all_single(np.empty((0, 2)), np.empty((0, 2)))
         return empty, scalar
 
     for empty, scalar in await run_world(fn, 3):

@@ -95,6 +95,10 @@ async def _one_rank_misuses(
             r"output_split_sizes \[1, 2, 2\] must be 3 non-negative sizes adding up to dimension 0 \(6\)",
         ),
         (
+            lambda r: aiodist.all_to_all_single(np.ones(3), np.array(1.0)),
+            r"output has shape \(3,\) and dtype float64 and input has shape \(\) and dtype float64",
+        ),
+        (
             lambda r: aiodist.all_to_all_single(np.ones(4), np.ones(4)),
             r"dimension 0 of output \(4\) is not divisible by the group size 3",
         ),

@@ -97,7 +97,8 @@ def _absent_on_non_root(value: object, name: str, op: str, root: int) -> None:
 
 
 def _flat_rows(a: Array, rows: int) -> list[Array]:
-    return list(a.reshape(rows, -1))
+    # An explicit width: numpy cannot infer -1 for a 0-size array.
+    return list(a.reshape(rows, a.size // rows))
 
 
 def _p2p_peer(pg: ProcessGroup, peer: int, op: str) -> int:
@@ -318,7 +319,7 @@ def all_to_all_single(
     with pg.checking("all_to_all_single"):
         out = as_array(output, writable=True, name="output")
         x = as_array(input, writable=False, name="input")
-        if out.dtype != x.dtype or out.ndim == 0 or out.shape[1:] != x.shape[1:]:
+        if out.dtype != x.dtype or 0 in (out.ndim, x.ndim) or out.shape[1:] != x.shape[1:]:
             raise DistUsageError(
                 f"all_to_all_single: output has {_describe(out)} and input has "
                 f"{_describe(x)}; they need the same dtype and the same trailing dimensions"
