@@ -158,8 +158,8 @@ class Work(Generic[T]):
         """Wait for the operation to finish and return its result.
 
         Args:
-            timeout: seconds (or ``timedelta``) to wait; ``None`` waits until the group's
-                own timeout ends the operation.
+            timeout: seconds (or ``timedelta``) to wait; ``None`` or ``0`` (torch's "no
+                timeout") waits until the group's own timeout ends the operation.
 
         Returns:
             The operation's result (see the class docstring).
@@ -173,7 +173,7 @@ class Work(Generic[T]):
         if self._future.done():
             return self._future.result()
         seconds = to_seconds(timeout, None)
-        if seconds is None:
+        if not seconds:
             await _join(self._future)
         else:
             # asyncio.wait never cancels what it waits on, so cancelling the caller leaves

@@ -99,7 +99,7 @@ async def test_cancelling_the_waiter_leaves_the_operation_running() -> None:
         with pytest.raises(asyncio.CancelledError):
             await waiter
         assert not w.is_completed()
-        await w
+        await w.wait(timeout=0)  # 0 is "no limit", so this waits for rank 1
         return float(x[0])
 
     assert await run_world(fn, 2) == [3.0, 3.0]
