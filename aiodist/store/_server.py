@@ -11,6 +11,7 @@ woken by the write that satisfies them; nothing ever blocks the loop for one cli
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 import os
@@ -117,7 +118,7 @@ class _Connection(asyncio.Protocol):
         self._out: list[bytes] = []
         self._peer = "?"
         # aiodist protocol: requests waiting on the state, by request id.
-        self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._tasks: dict[int, asyncio.Task[list[bytes]]] = {}
         self._discard = 0
         self._nonce = b""
         self._client_nonce = b""
@@ -170,7 +171,7 @@ class _Connection(asyncio.Protocol):
         except _Close as exc:
             logger.warning("store server: closing connection from %s: %s", self._peer, exc)
             self._flush()
-            self._abort()
+            self._shutdown()
             return
         except Exception:
             logger.exception("store server: internal error serving %s; closing it", self._peer)
@@ -188,6 +189,17 @@ class _Connection(asyncio.Protocol):
     def _send(self, data: bytes) -> None:
         if self._transport is not None and not self._transport.is_closing():
             self._transport.write(data)
+
+    def _shutdown(self) -> None:
+        # Close after the last reply (an auth verdict, a hello) is out, unless the client is
+        # not reading: then drop it.
+        self._mode = _CLOSED
+        transport = self._transport
+        if transport is not None:
+            if transport.get_write_buffer_size():
+                transport.abort()
+            else:
+                transport.close()
 
     def _abort(self) -> None:
         self._mode = _CLOSED
@@ -430,20 +442,24 @@ class _Connection(asyncio.Protocol):
         return [U32.pack(len(values)), *(blob32(v) for v in values)]
 
     def _spawn(self, rid: int, coro: Coroutine[Any, Any, list[bytes]]) -> None:
-        self._tasks[rid] = asyncio.get_running_loop().create_task(self._run_waiting(rid, coro))
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks[rid] = task
+        task.add_done_callback(functools.partial(self._waited, rid))
 
-    async def _run_waiting(self, rid: int, coro: Coroutine[Any, Any, list[bytes]]) -> None:
-        try:
-            parts: list[bytes] = await coro
-        except _WaitTimedOut as exc:
+    def _waited(self, rid: int, task: asyncio.Task[list[bytes]]) -> None:
+        if self._tasks.get(rid) is task:
+            del self._tasks[rid]
+        if task.cancelled():
+            return  # cancelled by the client or by its disconnection: nobody to answer
+        exc = task.exception()
+        if exc is None:
+            self._send(encode_frame(rid, Status.OK, *task.result()))
+        elif isinstance(exc, _WaitTimedOut):
             payload = [F64.pack(exc.waited), *self._blobs(exc.missing)]
             self._send(encode_frame(rid, Status.TIMEOUT, *payload))
-        except asyncio.CancelledError:
-            return  # cancelled by the client or its disconnection: nobody to answer
         else:
-            self._send(encode_frame(rid, Status.OK, *parts))
-        finally:
-            self._tasks.pop(rid, None)
+            logger.error("store server: request %d from %s failed", rid, self._peer, exc_info=exc)
+            self._send(encode_frame(rid, Status.STORE_ERROR, f"server error: {exc}".encode()))
 
     async def _wait_keys(self, keys: list[bytes], timeout: float) -> None:
         state = self._state

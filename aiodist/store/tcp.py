@@ -473,8 +473,11 @@ class _TorchChannel(_Channel, _Sink):
         self._port = port
         self.max_key_size = max_key_size
         self.max_value_size = max_value_size
-        self._fifo: deque[tuple[asyncio.Future[Any], _Parser]] = deque()
+        self._fifo: deque[tuple[asyncio.Future[Any], _Parser, bytes | None]] = deque()
         self._spare: list[_Conn] = []
+        # torch's server closes the connection when an add finds a non-integer; the client
+        # then reports that add as a store error and reconnects once for the next request.
+        self._reopen = False
         self._waiting: set[_Conn] = set()
         conn.sink = self
         if conn.buf:
@@ -488,7 +491,7 @@ class _TorchChannel(_Channel, _Sink):
         pos = 0
         fifo = self._fifo
         while fifo and pos < len(buf):
-            future, parser = fifo[0]
+            future, parser, _add_key = fifo[0]
             reader = Reader(buf, pos)
             try:
                 value = parser(reader)
@@ -507,28 +510,49 @@ class _TorchChannel(_Channel, _Sink):
 
     def lost(self, conn: _Conn) -> None:
         fifo, self._fifo = self._fifo, deque()
-        for future, _parser in fifo:
-            if not future.done():
+        for i, (future, _parser, add_key) in enumerate(fifo):
+            if future.done():
+                continue
+            if i == 0 and add_key is not None and conn.error is None:
+                self._reopen = True
+                future.set_exception(
+                    DistStoreError(
+                        f"add on key {format_keys([add_key[1:]])} failed: the torch store "
+                        "server closed the connection, as it does when the value is not an "
+                        "integer"
+                    )
+                )
+            else:
                 future.set_exception(conn.lost_error())
 
-    async def _call(self, request: bytes, parser: _Parser) -> Any:
+    async def _main(self) -> _Conn:
         conn = self._conn
         if conn.is_lost:
-            raise conn.lost_error()
+            if not self._reopen:
+                raise conn.lost_error()
+            self._reopen = False
+            conn = await _connect(self._host, self._port, _SERVER_GRACE)
+            if await _torch_validate(conn, os.getpid(), _SERVER_GRACE) != os.getpid():
+                conn.close()
+                raise DistProtocolError(f"torch store {conn.where} failed the PING check")
+            self._conn = conn
+            conn.sink = self
+        return conn
+
+    async def _call(self, request: bytes, parser: _Parser, add_key: bytes | None = None) -> Any:
+        conn = await self._main()
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._fifo.append((future, parser))
+        self._fifo.append((future, parser, add_key))
         conn.write(request)
         # A cancelled caller leaves its entry in the queue: the reply still arrives in order.
         return await future
 
-    def _send(self, request: bytes) -> None:
+    async def _send(self, request: bytes) -> None:
         # Requests with no reply (set, append, ...): torch's wire acknowledges nothing.
-        if self._conn.is_lost:
-            raise self._conn.lost_error()
-        self._conn.write(request)
+        (await self._main()).write(request)
 
     async def set(self, key: bytes, value: bytes) -> None:
-        self._send(torch_request(TorchOp.SET, key, value))
+        await self._send(torch_request(TorchOp.SET, key, value))
 
     async def get(self, key: bytes, timeout: float | None) -> bytes:
         await self.wait([key], timeout)
@@ -536,7 +560,7 @@ class _TorchChannel(_Channel, _Sink):
         return value
 
     async def add(self, key: bytes, amount: int) -> int:
-        value: int = await self._call(torch_request(TorchOp.ADD, key, amount), _p_i64)
+        value: int = await self._call(torch_request(TorchOp.ADD, key, amount), _p_i64, key)
         return value
 
     async def compare_set(self, key: bytes, expected: bytes, desired: bytes) -> bytes:
@@ -623,13 +647,13 @@ class _TorchChannel(_Channel, _Sink):
         # torch's layout: count of pairs, then key, value, key, value...
         parts = [U8.pack(TorchOp.MULTI_SET), I64.pack(len(items))]
         parts += [I64.pack(len(b)) + b for b in flat]
-        self._send(b"".join(parts))
+        await self._send(b"".join(parts))
 
     async def append(self, key: bytes, value: bytes) -> None:
-        self._send(torch_request(TorchOp.APPEND, key, value))
+        await self._send(torch_request(TorchOp.APPEND, key, value))
 
     async def queue_push(self, key: bytes, value: bytes) -> None:
-        self._send(torch_request(TorchOp.QUEUE_PUSH, key, value))
+        await self._send(torch_request(TorchOp.QUEUE_PUSH, key, value))
 
     async def queue_pop(self, key: bytes, block: bool, timeout: float | None) -> bytes:
         start = time.monotonic()
