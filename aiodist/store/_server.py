@@ -296,6 +296,8 @@ class _Connection(asyncio.Protocol):
     def _frame(self, pos: int) -> int:
         buf = self._buf
         if len(buf) - pos < FRAME_HEAD.size:
+            if len(buf) - pos >= 4 and U32.unpack_from(buf, pos)[0] < 5:
+                raise _Close("malformed frame (body shorter than its header)")
             raise Incomplete
         length, rid, op = FRAME_HEAD.unpack_from(buf, pos)
         server = self._server
