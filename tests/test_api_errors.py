@@ -215,3 +215,14 @@ async def test_monitored_barrier_names_missing_ranks(wait_all: bool, match: str)
                 await aiodist.monitored_barrier(timeout=20)
 
     await run_world(fn, 4, timeout=30)
+
+
+async def test_run_world_raises_the_root_cause_not_the_cascade() -> None:
+    async def fn(rank: int, size: int) -> None:
+        if rank == 2:
+            aiodist.all_gather([], np.ones(1))  # raises out of fn and aborts the group
+        await aiodist.all_reduce(np.ones(1))  # the others fail with DistNetworkError
+
+    for _ in range(3):
+        with pytest.raises(aiodist.DistUsageError, match="tensor_list is empty"):
+            await run_world(fn, 3, timeout=30, transport="local")

@@ -26,6 +26,9 @@ T = TypeVar("T")
 
 RankFn = Callable[[int, int], Awaitable[T]]
 
+#: Seconds to wait, after a rank failed, for the others to report how they failed.
+_FAILURE_GRACE = 2.0
+
 
 async def run_world(
     fn: RankFn[T],
@@ -72,32 +75,46 @@ async def run_world(
     local = LocalTransport.create_world(world_size) if transport == "local" else None
 
     async def one(rank: int) -> T:
-        group.set_current_world(None)  # this task's context gets a world of its own
-        if local is not None:
-            group.start_world(local[rank], store, backend=backend, timeout=seconds)
-        else:
-            await _api.init_process_group(
-                backend, store=store, rank=rank, world_size=world_size, timeout=seconds
-            )
         try:
-            return await fn(rank, world_size)
-        finally:
-            if _api.is_initialized():
-                await _api.destroy_process_group()
+            group.set_current_world(None)  # this task's context gets a world of its own
+            if local is not None:
+                group.start_world(local[rank], store, backend=backend, timeout=seconds)
+            else:
+                await _api.init_process_group(
+                    backend, store=store, rank=rank, world_size=world_size, timeout=seconds
+                )
+            try:
+                return await fn(rank, world_size)
+            except BaseException:
+                failed_at[rank] = time.monotonic()  # before teardown makes the peers fail
+                raise
+            finally:
+                if _api.is_initialized():
+                    await _api.destroy_process_group()
+        except BaseException:
+            failed_at.setdefault(rank, time.monotonic())
+            raise
 
+    # rank -> when its fn raised: the earliest failure is the root cause, the others
+    # usually follow from it (their group was aborted).
+    failed_at: dict[int, float] = {}
     tasks = [asyncio.create_task(one(r), name=f"aiodist-rank-{r}") for r in range(world_size)]
     try:
-        done, pending = await asyncio.wait(
-            tasks, timeout=seconds, return_when=asyncio.FIRST_EXCEPTION
-        )
+        _, pending = await asyncio.wait(tasks, timeout=seconds, return_when=asyncio.FIRST_EXCEPTION)
+        # Ranks that already failed but are still tearing down finish first, so the
+        # earliest failure is reported, not the fastest teardown.
+        tearing_down = [tasks[r] for r in failed_at if tasks[r] in pending]
+        if tearing_down:
+            await asyncio.wait(tearing_down, timeout=_FAILURE_GRACE)
     except BaseException:
         await _cancel(tasks)
         raise
-    failed = [t for t in tasks if t in done and not t.cancelled() and t.exception() is not None]
+    pending = {t for t in tasks if not t.done()}
     if pending:
         await _cancel(tasks)
+    failed = [r for r, t in enumerate(tasks) if r in failed_at and t.done() and not t.cancelled()]
     if failed:
-        exc = failed[0].exception()
+        exc = tasks[min(failed, key=failed_at.__getitem__)].exception()
         assert exc is not None
         raise exc
     if pending:
@@ -122,10 +139,6 @@ class WorldProcessError(DistError):
     def __init__(self, rank: int, message: str) -> None:
         super().__init__(message)
         self.rank = rank
-
-
-#: Seconds to wait, after a rank failed, for the others to report how they failed.
-_FAILURE_GRACE = 2.0
 
 
 def _free_port() -> int:
