@@ -743,11 +743,11 @@ class _Launcher:
             failure = outcome.failure
             # A launcher stopped by a signal is gone for good: restarting cannot bring it back.
             restart = failure is not None and failure.rank >= 0 and attempt < cfg.max_restarts
-            if cfg.nnodes > 1:
-                with contextlib.suppress(NodeLostError):
-                    await coord.increment(attempt, "stopped")
-                    if not restart and cfg.node_rank == 0:
-                        await self._linger(coord, attempt)
+            # Node 0 starts the next attempt once every node (this one too) counted in here.
+            with contextlib.suppress(NodeLostError):
+                await coord.increment(attempt, "stopped")
+                if not restart and cfg.node_rank == 0 and cfg.nnodes > 1:
+                    await self._linger(coord, attempt)
             if outcome.signum is not None:
                 return 128 + outcome.signum
             assert failure is not None

@@ -3,7 +3,8 @@
     aiodist-run --standalone --nproc-per-node=4 examples/data_parallel_sgd.py
 
 Every rank reads ``RANK``/``WORLD_SIZE`` (set by the launcher), joins the process group through
-``env://`` (node 0's launcher hosts the store), and then:
+``env://`` (node 0's launcher hosts the store) with the blocking, ``torch.distributed``-shaped
+API (``import aiodist.sync as dist``), and then:
 
 1. receives the initial weights from rank 0 (broadcast),
 2. each step, computes the gradient of the mean squared error on its own shard of the data
@@ -17,12 +18,11 @@ reference and compare.
 
 from __future__ import annotations
 
-import asyncio
 import os
 
 import numpy as np
 
-import aiodist
+import aiodist.sync as dist
 
 STEPS = 50
 LR = 0.1
@@ -52,23 +52,23 @@ def reference(x: np.ndarray, y: np.ndarray, w0: np.ndarray) -> np.ndarray:
     return w
 
 
-async def main() -> None:
+def main() -> None:
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
-    await aiodist.init_process_group(backend="gloo", rank=rank, world_size=world_size)
+    dist.init_process_group(backend="gloo", rank=rank, world_size=world_size)
     x, y, true_w = make_data(world_size)
     shard = slice(rank * SAMPLES_PER_RANK, (rank + 1) * SAMPLES_PER_RANK)
     x_local, y_local = x[shard], y[shard]
 
     # Rank 0 decides the initial weights; everyone else receives them.
     w = np.random.default_rng(rank).normal(size=FEATURES) if rank == 0 else np.empty(FEATURES)
-    await aiodist.broadcast(w, src=0)
+    dist.broadcast(w, src=0)
     w0 = w.copy()
 
     for step in range(STEPS):
         grad = gradient(w, x_local, y_local)
         # Equal shard sizes: the mean of the shard gradients is the full-batch gradient.
-        await aiodist.all_reduce(grad, op=aiodist.ReduceOp.AVG)
+        dist.all_reduce(grad, op=dist.ReduceOp.AVG)
         w -= LR * grad
         if rank == 0 and step % 10 == 0:
             loss = float(np.mean((x @ w - y) ** 2))
@@ -76,7 +76,7 @@ async def main() -> None:
 
     local_loss = np.array([np.mean((x_local @ w - y_local) ** 2)])
     losses = [np.empty(1) for _ in range(world_size)]
-    await aiodist.all_gather(losses, local_loss)
+    dist.all_gather(losses, local_loss)
     expected = reference(x, y, w0)
     assert np.allclose(w, expected, rtol=1e-10, atol=1e-12), (w, expected)
     print(
@@ -86,8 +86,8 @@ async def main() -> None:
         f"{np.mean(np.concatenate(losses)):.6f}",
         flush=True,
     )
-    await aiodist.destroy_process_group()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    main()

@@ -2,7 +2,8 @@
 
 Modes:
     env                 print the launcher's variables as one JSON line
-    allreduce           init the group through env://, all_reduce rank+1, print the sum
+    allreduce           init the group through env:// (async API), all_reduce rank+1, print
+    sync-allreduce      the same with aiodist.sync, as a torch.distributed script would
     fail R CODE         rank R exits with CODE (the others wait to be stopped)
     errorfile R         rank R writes TORCHELASTIC_ERROR_FILE and exits 1
     crash-once R        group formed and all_reduce ran, then rank R exits 3 on attempt 0;
@@ -63,6 +64,15 @@ def main() -> None:
             await shutdown()
 
         asyncio.run(run())
+    elif mode == "sync-allreduce":
+        import aiodist.sync as dist
+
+        dist.init_process_group(backend="gloo", rank=rank, world_size=world)
+        x = np.array([rank + 1.0])
+        dist.all_reduce(x)
+        dist.barrier()
+        print(f"sum={x[0]:g} expected={world * (world + 1) / 2:g}")
+        dist.destroy_process_group()
     elif mode == "fail":
         if rank == int(args[0]):
             time.sleep(0.2)

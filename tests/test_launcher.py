@@ -212,8 +212,9 @@ def test_bad_flag_exits_2_with_message() -> None:
 
 
 # -- running workers -----------------------------------------------------------------------------
-def test_seed_scenario_all_reduce_on_every_rank() -> None:
-    result = launch("--nproc-per-node=4", WORKER, "allreduce")
+@pytest.mark.parametrize("mode", ["sync-allreduce", "allreduce"])
+def test_seed_scenario_all_reduce_on_every_rank(mode: str) -> None:
+    result = launch("--nproc-per-node=4", WORKER, mode)
     assert result.returncode == 0, result.stderr
     assert by_rank(result.stdout) == {r: ["sum=10 expected=10"] for r in range(4)}
 

@@ -54,7 +54,8 @@ def test_torch_gloo_workers_restart_cleanly() -> None:
     assert "attempt 0 failed: rank 1 (node 0) exited with exit code 3" in result.stderr
 
 
-def test_aiodist_workers_under_torchrun() -> None:
+@pytest.mark.parametrize("mode", ["sync-allreduce", "allreduce"])
+def test_aiodist_workers_under_torchrun(mode: str) -> None:
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     if torchrun is None:
         pytest.skip("torch's torchrun script is not installed next to this python")
@@ -62,6 +63,6 @@ def test_aiodist_workers_under_torchrun() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     # torchrun hosts its own (torch) TCPStore; the aiodist workers join it as clients.
-    result = run([torchrun, "--nproc-per-node=2", f"--master-port={port}", WORKER, "allreduce"])
+    result = run([torchrun, "--nproc-per-node=2", f"--master-port={port}", WORKER, mode])
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("sum=3 expected=3") == 2
