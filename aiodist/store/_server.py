@@ -165,9 +165,15 @@ class _Connection(asyncio.Protocol):
             data = data[skip:]
             if not data:
                 return
-        self._buf += data
+        # The usual read holds whole requests: parse it in place and buffer only leftovers.
+        buf: bytes | bytearray
+        if self._buf:
+            self._buf += data
+            buf = self._buf
+        else:
+            buf = data
         try:
-            self._process()
+            pos = self._process(buf)
         except _Close as exc:
             logger.warning("store server: closing connection from %s: %s", self._peer, exc)
             self._flush()
@@ -177,6 +183,11 @@ class _Connection(asyncio.Protocol):
             logger.exception("store server: internal error serving %s; closing it", self._peer)
             self._abort()
             return
+        if buf is data:
+            if pos < len(data):
+                self._buf += data[pos:]
+        elif pos:
+            del self._buf[:pos]
         self._flush()
 
     # -- plumbing ------------------------------------------------------------------------
@@ -206,22 +217,22 @@ class _Connection(asyncio.Protocol):
         if self._transport is not None:
             self._transport.abort()
 
-    def _process(self) -> None:
-        buf = self._buf
+    def _process(self, buf: bytes | bytearray) -> int:
+        """Handle every complete request in ``buf``; return how many bytes were used."""
         pos = 0
         try:
             while pos < len(buf) and self._mode != _CLOSED:
                 mode = self._mode
                 if mode == _FRAMES:
-                    pos = self._frame(pos)
+                    pos = self._frame(buf, pos)
                 elif mode == _TORCH:
-                    pos = self._torch(pos)
+                    pos = self._torch(buf, pos)
                 elif mode == _DETECT:
-                    pos = self._detect(pos)
+                    pos = self._detect(buf, pos)
                 elif mode == _HELLO:
-                    pos = self._hello(pos)
+                    pos = self._hello(buf, pos)
                 elif mode == _AUTH:
-                    pos = self._auth(pos)
+                    pos = self._auth(buf, pos)
                 if self._discard:
                     # An oversized frame: drop what is buffered of it, skip the rest later.
                     drop = min(self._discard, len(buf) - pos)
@@ -229,16 +240,11 @@ class _Connection(asyncio.Protocol):
                     self._discard -= drop
         except Incomplete:
             pass
-        finally:
-            if pos:
-                del buf[:pos]
-        if len(buf) > _HIGH_WATER + max_request_size(
-            self._server.max_key_size, self._server.max_value_size
-        ):
-            raise _Close(f"{len(buf)} bytes buffered without a complete request")
+        if len(buf) - pos > _HIGH_WATER + self._server._max_request:
+            raise _Close(f"{len(buf) - pos} bytes buffered without a complete request")
+        return pos
 
-    def _detect(self, pos: int) -> int:
-        buf = self._buf
+    def _detect(self, buf: bytes | bytearray, pos: int) -> int:
         if buf[pos] == 0:
             self._mode = _TORCH
             return pos
@@ -252,10 +258,10 @@ class _Connection(asyncio.Protocol):
         return pos
 
     # -- aiodist protocol ----------------------------------------------------------------
-    def _hello(self, pos: int) -> int:
-        if len(self._buf) - pos < CLIENT_HELLO.size:
+    def _hello(self, buf: bytes | bytearray, pos: int) -> int:
+        if len(buf) - pos < CLIENT_HELLO.size:
             raise Incomplete
-        _magic, version, client_nonce = CLIENT_HELLO.unpack_from(self._buf, pos)
+        _magic, version, client_nonce = CLIENT_HELLO.unpack_from(buf, pos)
         server = self._server
         self._nonce = os.urandom(NONCE_SIZE)
         self._client_nonce = client_nonce
@@ -279,12 +285,12 @@ class _Connection(asyncio.Protocol):
         self._mode = _AUTH if flags else _FRAMES
         return pos + CLIENT_HELLO.size
 
-    def _auth(self, pos: int) -> int:
-        if len(self._buf) - pos < AUTH_MAC_SIZE:
+    def _auth(self, buf: bytes | bytearray, pos: int) -> int:
+        if len(buf) - pos < AUTH_MAC_SIZE:
             raise Incomplete
         token = self._server._token
         assert token is not None
-        got = bytes(self._buf[pos : pos + AUTH_MAC_SIZE])
+        got = bytes(buf[pos : pos + AUTH_MAC_SIZE])
         want = auth_mac(token, b"client", self._nonce, self._client_nonce)
         if not hmac.compare_digest(got, want):
             self._out.append(U8.pack(1))
@@ -293,8 +299,7 @@ class _Connection(asyncio.Protocol):
         self._mode = _FRAMES
         return pos + AUTH_MAC_SIZE
 
-    def _frame(self, pos: int) -> int:
-        buf = self._buf
+    def _frame(self, buf: bytes | bytearray, pos: int) -> int:
         if len(buf) - pos < FRAME_HEAD.size:
             if len(buf) - pos >= 4 and U32.unpack_from(buf, pos)[0] < 5:
                 raise _Close("malformed frame (body shorter than its header)")
@@ -499,9 +504,9 @@ class _Connection(asyncio.Protocol):
                 raise _WaitTimedOut([key], time.monotonic() - start) from None
 
     # -- torch protocol ------------------------------------------------------------------
-    def _torch(self, pos: int) -> int:
+    def _torch(self, buf: bytes | bytearray, pos: int) -> int:
         server = self._server
-        reader = Reader(self._buf, pos)
+        reader = Reader(buf, pos)
         try:
             op, args = parse_torch_request(reader, server.max_key_size, server.max_value_size)
         except DistProtocolError as exc:

@@ -256,7 +256,7 @@ def blob32(data: bytes) -> bytes:
 
 def encode_frame(rid: int, code: int, *parts: bytes) -> bytes:
     """Encode one aiodist frame (request or response) from its payload parts."""
-    payload = b"".join(parts)
+    payload = parts[0] if len(parts) == 1 else b"".join(parts)
     return FRAME_HEAD.pack(len(payload) + 5, rid, code) + payload
 
 
