@@ -106,6 +106,32 @@ async def test_torch_requests_split_byte_by_byte_are_parsed(
     assert await asyncio.to_thread(talk) == struct.pack("<Q", 5) + b"value"
 
 
+async def test_aiodist_frames_split_anywhere_are_parsed(server: aiodist.TCPStoreServer) -> None:
+    hello = _wire.CLIENT_HELLO.pack(_wire.AIODIST_MAGIC, _wire.PROTOCOL_VERSION, b"n" * 32)
+    frames = _wire.encode_frame(
+        1, _wire.Op.SET, _wire.blob32(b"/k"), _wire.blob32(b"v" * 300)
+    ) + _wire.encode_frame(2, _wire.Op.GET, struct.pack("<d", 5.0), _wire.blob32(b"/k"))
+
+    def talk(step: int) -> bytes:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.sendall(hello)
+            received = b""
+            for i in range(0, len(frames), step):
+                sock.sendall(frames[i : i + step])
+                time.sleep(0.0005)
+            want = _wire.SERVER_HELLO.size + 9 + 9 + 300
+            while len(received) < want:
+                received += sock.recv(65536)
+            return received[_wire.SERVER_HELLO.size :]
+
+    for step in (1, 7, 1000):
+        replies = await asyncio.to_thread(talk, step)
+        assert replies == _wire.encode_frame(1, _wire.Status.OK) + _wire.encode_frame(
+            2, _wire.Status.OK, b"v" * 300
+        )
+
+
 async def test_add_on_a_non_number_keeps_connection_and_value(
     server: aiodist.TCPStoreServer,
 ) -> None:

@@ -229,19 +229,28 @@ class Reader:
         self.pos = self.end
         return bytes(self.buf[start : self.end])
 
-    def blob64(self, limit: int, what: str) -> bytes:
-        """A torch-wire string: u64 length, then the bytes."""
-        n = self.u64()
+    def _blob(self, head: struct.Struct, limit: int, what: str) -> bytes:
+        # The hottest parsing path: inlined rather than built on u32()/raw().
+        start = self.pos
+        body = start + head.size
+        if body > self.end:
+            raise _INCOMPLETE
+        n: int = head.unpack_from(self.buf, start)[0]
         if n > limit:
             raise DistProtocolError(f"{what} of {n} bytes exceeds the limit of {limit} bytes")
-        return self.raw(n)
+        stop = body + n
+        if stop > self.end:
+            raise _INCOMPLETE
+        self.pos = stop
+        return bytes(self.buf[body:stop])
+
+    def blob64(self, limit: int, what: str) -> bytes:
+        """A torch-wire string: u64 length, then the bytes."""
+        return self._blob(U64, limit, what)
 
     def blob32(self, limit: int, what: str) -> bytes:
         """An aiodist-wire string: u32 length, then the bytes."""
-        n = self.u32()
-        if n > limit:
-            raise DistProtocolError(f"{what} of {n} bytes exceeds the limit of {limit} bytes")
-        return self.raw(n)
+        return self._blob(U32, limit, what)
 
 
 def blob64(data: bytes) -> bytes:
