@@ -1,7 +1,7 @@
 """The TCPStore server: one asyncio server speaking aiodist's protocol and torch's on one port.
 
 Every connection starts in a detection state: a first byte of 0 is torch's VALIDATE, the four
-bytes ``AIOD`` open the aiodist protocol, anything else is garbage and the connection is
+bytes ``AIOS`` open the aiodist protocol, anything else is garbage and the connection is
 closed. The store itself is a :class:`KeyValueState`, so the server holds no store semantics
 of its own: it parses, calls the state, and encodes replies. Requests that must wait (a get of
 a missing key, a wait, a blocking queue pop, a torch barrier) become waiters on the state,

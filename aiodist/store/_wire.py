@@ -8,8 +8,8 @@ torch's wire (torch >= 2.4): a 1-byte opcode, then arguments; integers are littl
 byte strings are a u64 length then the bytes. There is no request id and no length header,
 so requests are parsed by opcode and replies come back in request order.
 
-aiodist's wire: a 38-byte hello (``AIOD``, u16 version, 32-byte nonce) answered by a 51-byte
-server hello (``AIOD``, u16 version, u8 flags, u32 max key size, u64 max value size, 32-byte
+aiodist's wire: a 38-byte hello (``AIOS``, u16 version, 32-byte nonce) answered by a 51-byte
+server hello (``AIOS``, u16 version, u8 flags, u32 max key size, u64 max value size, 32-byte
 nonce), an optional HMAC-SHA256 challenge-response, then frames in both directions::
 
     u32 body length | u32 request id | u8 opcode (request) or status (response) | payload
@@ -62,9 +62,10 @@ __all__ = [
     "torch_request",
 ]
 
-#: The first four bytes of an aiodist-protocol connection. torch's first byte is always 0
-#: (VALIDATE), so the server tells the two apart by the first byte.
-AIODIST_MAGIC = b"AIOD"
+#: The first four bytes of an aiodist store connection (the transport's peer links use
+#: ``AIOD``). torch's first byte is always 0 (VALIDATE), so the server tells the two apart by
+#: the first byte.
+AIODIST_MAGIC = b"AIOS"
 #: Bumped whenever the frame layout or an opcode's meaning changes.
 PROTOCOL_VERSION = 1
 NONCE_SIZE = 32
