@@ -432,3 +432,42 @@ async def _large_round(run: Runner, n: int, seq: int) -> None:
 def _args(comm: OpComm, seq: int) -> tuple[Any, ...]:
     """Constructor arguments of another operation's OpComm on the same group."""
     return (comm._transport, comm._ranks, comm.rank, 0, seq)
+
+
+@pytest.mark.parametrize("name", ["scatter", "gather", "broadcast", "reduce", "all_to_all"])
+@pytest.mark.parametrize("big_rank", [0, 1])
+async def test_size_mismatch_across_ready_threshold_fails_fast(
+    run: Runner, name: str, big_rank: int
+) -> None:
+    """One rank's message is above the ready-signal threshold, the other's is tiny: the
+    mismatch surfaces as a usage error instead of both ranks waiting for each other."""
+
+    def arr(r: int) -> np.ndarray:
+        return np.zeros(100_000 if r == big_rank else 3)
+
+    async def rank(comm: OpComm) -> None:
+        r = comm.rank
+        if name == "scatter":
+            await coll.scatter(comm, arr(r), [arr(r), arr(r)] if r == 0 else None, 0)
+        elif name == "gather":
+            await coll.gather(comm, [arr(r), arr(r)] if r == 0 else None, arr(r), 0)
+        elif name == "broadcast":
+            await coll.broadcast(comm, arr(r), 0)
+        elif name == "reduce":
+            await coll.reduce(comm, arr(r), 0, ReduceOp.SUM)
+        else:
+            await coll.all_to_all(comm, [arr(r), arr(r)], [arr(r), arr(r)])
+
+    async def guarded(comm: OpComm) -> BaseException | None:
+        try:
+            await rank(comm)
+        except DistUsageError as exc:
+            comm._transport.abort(exc)  # as the process group does on failure
+            return exc
+        except DistNetworkError as exc:
+            return exc
+        return None
+
+    results = await asyncio.wait_for(run(2, guarded), 10)
+    assert any(isinstance(r, DistUsageError) for r in results), results
+    assert any("message size mismatch" in str(r) for r in results)

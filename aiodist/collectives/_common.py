@@ -32,6 +32,12 @@ READY_STEP = 1 << 48
 #: sending. A receiver that is still busy with the previous operation would otherwise have
 #: the transport stage the data (allocate, copy in, copy out): milliseconds for megabytes,
 #: against one empty message's round trip.
+#:
+#: Where the receiver's and the sender's sizes could disagree without any other message
+#: failing (rooted and all-to-all operations), the receiver signals whatever its size and
+#: the sender always takes the signal, waiting for it only when its own message is large:
+#: a mismatch then reaches the length check of the receive instead of leaving both sides
+#: waiting for each other.
 READY_BYTES = 256 * 1024
 
 
@@ -223,7 +229,7 @@ class Dataflow:
             return
         try:
             handler(*args)
-        except BaseException as err:  # a handler's failure fails the operation
+        except Exception as err:  # a handler's failure fails the operation
             self._done.set_exception(err)
 
     def after_ready(
@@ -236,6 +242,23 @@ class Dataflow:
     def signal_ready(self, comm: OpComm, peer: int) -> None:
         """Tell ``peer`` that our receives for its data are posted."""
         self.flight.add(comm.send(peer, READY_STEP, EMPTY))
+
+    def send_when_ready(self, comm: OpComm, peer: int, step: int, data: memoryview) -> None:
+        """Send ``data`` to ``peer``: at once if small, else once ``peer`` signalled ready.
+
+        Takes ``peer``'s ready signal either way and counts as one unit of work, done when
+        the signal came.
+        """
+        large = len(data) >= READY_BYTES
+        if not large:
+            self.flight.add(comm.send(peer, step, data))
+
+        def ready() -> None:
+            if large:
+                self.flight.add(comm.send(peer, step, data))
+            self.finish_one()
+
+        self.after_ready(comm, peer, ready)
 
     def finish_one(self) -> None:
         """Record that one unit of work is complete."""

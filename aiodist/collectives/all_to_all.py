@@ -10,7 +10,7 @@ import numpy.typing as npt
 
 from .._arrays import byte_view
 from ..transport.base import OpComm
-from ._common import WINDOW, Flight, copy_into
+from ._common import Dataflow, copy_into
 
 __all__ = ["all_to_all"]
 
@@ -25,10 +25,9 @@ async def all_to_all(
     """Send ``ins[j]`` to rank ``j``; ``outs[j]`` receives rank ``j``'s block for this rank.
 
     Pairwise exchange: in step ``k`` (``1 <= k < n``) rank ``r`` sends to ``r+k`` and
-    receives from ``r-k``, so every rank talks to one new peer per step and no rank is
-    flooded; sends run up to :data:`WINDOW` steps ahead of the receives that completed.
-    Every receive is posted first (straight into ``outs``) and the local block is copied
-    before the first send. Blocks may
+    receives from ``r-k``, so the sends of all ranks spread over distinct peers. Every
+    receive is posted first (straight into ``outs``), the local block is copied, and large
+    blocks wait for their receiver's ready signal. Blocks may
     differ in size (zero included); ``outs[j]`` must have the size rank ``j`` sends.
 
     Args:
@@ -41,22 +40,20 @@ async def all_to_all(
         DistUsageError: a block's size differs from the size its receiver expects.
     """
     n, rank = comm.size, comm.rank
-    flight = Flight()
+    flow = Dataflow(n - 1)
     try:
-        # Every receive lands in its final place, so all are posted at once: a peer that
-        # starts early never has its block staged by the transport.
-        recvs = [
-            flight.add(comm.recv_into((rank - k) % n, 0, byte_view(outs[(rank - k) % n])))
-            for k in range(1, n)
-        ]
+        # Every receive lands in its final place, so all are posted at once.
+        for k in range(1, n):
+            src = (rank - k) % n
+            flow.flight.add(comm.recv_into(src, 0, byte_view(outs[src])))
         # Our own block first: while we copy, late peers catch up and post their receives.
         await copy_into(outs[rank], ins[rank])
         for k in range(1, n):
+            flow.signal_ready(comm, (rank - k) % n)
+        for k in range(1, n):
             dst = (rank + k) % n
-            flight.add(comm.send(dst, 0, byte_view(ins[dst])))
-            if k > WINDOW:
-                await recvs[k - 1 - WINDOW]
-        await flight.drain()
+            flow.send_when_ready(comm, dst, 0, byte_view(ins[dst]))
     except BaseException:
-        flight.abandon()
+        flow.flight.abandon()
         raise
+    await flow.wait()

@@ -11,7 +11,7 @@ import numpy.typing as npt
 from .._arrays import byte_view
 from ..errors import DistUsageError
 from ..transport.base import OpComm
-from ._common import READY_BYTES, Dataflow, Flight, chunk_size, copy_into, num_chunks, split
+from ._common import READY_BYTES, Dataflow, chunk_size, copy_into, num_chunks, split
 
 __all__ = ["all_gather", "gather", "scatter"]
 
@@ -109,21 +109,23 @@ async def gather(
         DistNetworkError: a peer was lost.
         DistUsageError: the peers' arrays differ in size, or the root has no ``outs``.
     """
-    flight = Flight()
+    if outs is None and comm.rank == root:
+        raise DistUsageError("gather needs output arrays on the root")
+    flow = Dataflow(0 if comm.rank == root else 1)
     try:
         if comm.rank == root:
-            if outs is None:
-                raise DistUsageError("gather needs output arrays on the root")
+            assert outs is not None
             for i in range(comm.size):
                 if i != root:
-                    flight.add(comm.recv_into(i, 0, byte_view(outs[i])))
+                    flow.flight.add(comm.recv_into(i, 0, byte_view(outs[i])))
+                    flow.signal_ready(comm, i)
             await copy_into(outs[root], x)
         else:
-            flight.add(comm.send(root, 0, byte_view(x)))
-        await flight.drain()
+            flow.send_when_ready(comm, root, 0, byte_view(x))
     except BaseException:
-        flight.abandon()
+        flow.flight.abandon()
         raise
+    await flow.wait()
 
 
 async def scatter(
@@ -147,18 +149,20 @@ async def scatter(
         DistNetworkError: a peer was lost.
         DistUsageError: the peers' arrays differ in size, or the root has no ``ins``.
     """
-    flight = Flight()
+    if ins is None and comm.rank == root:
+        raise DistUsageError("scatter needs input arrays on the root")
+    flow = Dataflow(comm.size - 1 if comm.rank == root else 0)
     try:
         if comm.rank == root:
-            if ins is None:
-                raise DistUsageError("scatter needs input arrays on the root")
+            assert ins is not None
             for i in range(comm.size):
                 if i != root:
-                    flight.add(comm.send(i, 0, byte_view(ins[i])))
+                    flow.send_when_ready(comm, i, 0, byte_view(ins[i]))
             await copy_into(out, ins[root])
         else:
-            flight.add(comm.recv_into(root, 0, byte_view(out)))
-        await flight.drain()
+            flow.flight.add(comm.recv_into(root, 0, byte_view(out)))
+            flow.signal_ready(comm, root)
     except BaseException:
-        flight.abandon()
+        flow.flight.abandon()
         raise
+    await flow.wait()

@@ -11,9 +11,9 @@ from .._arrays import byte_view
 from .._ops import ReduceOp, finish_into, reduce_into
 from ..transport.base import OpComm
 from ._common import (
+    READY_BYTES,
     SCRATCH,
     Dataflow,
-    Flight,
     binomial_tree,
     chunk_size,
     num_chunks,
@@ -52,26 +52,45 @@ async def broadcast(
     parent, children = binomial_tree(vrank, n)
     xb = byte_view(x)
     pieces = split(x.nbytes, num_chunks(x.nbytes, chunk_size(chunk_bytes)))
+    nchunks = len(pieces)
     targets = [(child + root) % n for child in children]
-    flight = Flight()
+    handshake = x.nbytes >= READY_BYTES
+    have = [parent is None] * nchunks
+    ready = dict.fromkeys(targets, not handshake)
+    flow = Dataflow((0 if parent is None else nchunks) + len(targets))
+
+    def on_chunk(c: int) -> None:
+        have[c] = True
+        lo, hi = pieces[c]
+        for peer in targets:
+            if ready[peer]:
+                flow.flight.add(comm.send(peer, c, xb[lo:hi]))
+        flow.finish_one()
+
+    def on_ready(peer: int) -> None:
+        if not ready[peer]:
+            ready[peer] = True
+            for c, (lo, hi) in enumerate(pieces):
+                if have[c]:
+                    flow.flight.add(comm.send(peer, c, xb[lo:hi]))
+        flow.finish_one()
+
     try:
-        if parent is None:
-            for c, (lo, hi) in enumerate(pieces):
-                for peer in targets:
-                    flight.add(comm.send(peer, c, xb[lo:hi]))
-        else:
+        if parent is not None:
             src = (parent + root) % n
-            recvs = [
-                flight.add(comm.recv_into(src, c, xb[lo:hi])) for c, (lo, hi) in enumerate(pieces)
-            ]
             for c, (lo, hi) in enumerate(pieces):
-                await recvs[c]
-                for peer in targets:
-                    flight.add(comm.send(peer, c, xb[lo:hi]))
-        await flight.drain()
+                flow.on(comm.recv_into(src, c, xb[lo:hi]), on_chunk, c)
+            flow.signal_ready(comm, src)
+        for peer in targets:
+            # Small messages go at once; the signal is taken either way (see READY_BYTES).
+            flow.after_ready(comm, peer, on_ready, peer)
+            if parent is None and not handshake:
+                for c, (lo, hi) in enumerate(pieces):
+                    flow.flight.add(comm.send(peer, c, xb[lo:hi]))
     except BaseException:
-        flight.abandon()
+        flow.flight.abandon()
         raise
+    await flow.wait()
 
 
 async def reduce(
@@ -112,17 +131,30 @@ async def reduce(
     itemsize = x.itemsize
     pieces = split(flat.size, num_chunks(x.nbytes, chunk_size(chunk_bytes)))
     xb = byte_view(x)
-    flight = Flight()
+    handshake = x.nbytes >= READY_BYTES
     if not sources:
         assert parent is not None
         dst = (parent + root) % n
-        try:
+        leaf = Dataflow(1)
+
+        def send_all() -> None:
             for c, (lo, hi) in enumerate(pieces):
-                flight.add(comm.send(dst, c, xb[lo * itemsize : hi * itemsize]))
-            await flight.drain()
+                leaf.flight.add(comm.send(dst, c, xb[lo * itemsize : hi * itemsize]))
+
+        def on_ready() -> None:
+            if handshake:
+                send_all()
+            leaf.finish_one()
+
+        try:
+            # Small messages go at once; the signal is taken either way (see READY_BYTES).
+            if not handshake:
+                send_all()
+            leaf.after_ready(comm, dst, on_ready)
         except BaseException:
-            flight.abandon()
+            leaf.flight.abandon()
             raise
+        await leaf.wait()
         return
     nsrc = len(sources)
     # Every child's whole message has a receive posted up front (children send at once;
@@ -132,7 +164,23 @@ async def reduce(
     acc = flat if acc_buf is None else typed(acc_buf, x.dtype, flat.size)
     accb = xb if acc_buf is None else acc_buf[: x.nbytes].data
     arrived = [0] * len(pieces)
-    flow = Dataflow(len(pieces))
+    complete = [False] * len(pieces)
+    upward = None if parent is None else (parent + root) % n
+    parent_ready = [not handshake]
+    flow = Dataflow(len(pieces) + (0 if upward is None else 1))
+
+    def send_up(c: int) -> None:
+        assert upward is not None
+        lo, hi = pieces[c]
+        flow.flight.add(comm.send(upward, c, accb[lo * itemsize : hi * itemsize]))
+
+    def on_parent_ready() -> None:
+        if not parent_ready[0]:
+            parent_ready[0] = True
+            for c in range(len(pieces)):
+                if complete[c]:
+                    send_up(c)
+        flow.finish_one()
 
     def on_chunk(c: int) -> None:
         arrived[c] += 1
@@ -145,10 +193,11 @@ async def reduce(
         # Children's contributions in a fixed order, whatever order they arrived in.
         for buf in recv_bufs:
             reduce_into(op, part, typed(buf, x.dtype, flat.size)[lo:hi])
-        if parent is None:
+        complete[c] = True
+        if upward is None:
             finish_into(op, part, n)
-        else:
-            flow.flight.add(comm.send((parent + root) % n, c, accb[lo * itemsize : hi * itemsize]))
+        elif parent_ready[0]:
+            send_up(c)
         flow.finish_one()
 
     try:
@@ -156,6 +205,11 @@ async def reduce(
             for peer, buf in zip(sources, recv_bufs, strict=True):
                 view = buf[lo * itemsize : hi * itemsize].data
                 flow.on(comm.recv_into(peer, c, view), on_chunk, c)
+        for peer in sources:
+            flow.signal_ready(comm, peer)
+        if upward is not None:
+            # Taken whatever the size (see READY_BYTES); waited for only when large.
+            flow.after_ready(comm, upward, on_parent_ready)
     except BaseException:
         flow.flight.abandon()
         raise
