@@ -470,3 +470,11 @@ async def test_sixteen_processes_add_exactly() -> None:
         for proc, (_out, err) in zip(procs, results, strict=True):
             assert proc.returncode == 0, err.decode()
         assert server.state.get(b"/total") == b"16000"
+
+
+@pytest.mark.both_loops
+async def test_connections_use_tcp_keepalive(store: aiodist.TCPStore) -> None:
+    # A server host that vanishes without FIN or RST is noticed by keepalive probes.
+    sock = store._channel._conn.transport.get_extra_info("socket")  # type: ignore[attr-defined]
+    assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+    assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 30

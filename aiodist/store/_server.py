@@ -64,7 +64,7 @@ from ._wire import (
     parse_torch_request,
 )
 
-__all__ = ["TCPStoreServer", "resolve_token"]
+__all__ = ["TCPStoreServer", "enable_keepalive", "resolve_token"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +73,25 @@ logger = logging.getLogger(__name__)
 _HIGH_WATER = 4 * 1024 * 1024
 
 _DETECT, _TORCH, _HELLO, _AUTH, _FRAMES, _CLOSED = range(6)
+
+
+def enable_keepalive(transport: asyncio.BaseTransport) -> None:
+    """Probe an idle store connection so a peer whose host vanished is noticed in ~1 min.
+
+    Such a peer sends neither FIN nor RST; without probes a waiting client (or the server's
+    waiters for a dead client) would sit there for hours.
+    """
+    sock = transport.get_extra_info("socket")
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        if hasattr(socket, "TCP_KEEPIDLE"):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 30)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 5)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 6)
+    except OSError as exc:
+        logger.debug("could not enable TCP keepalive: %s", exc)
 
 
 def resolve_token(auth_token: str | bytes | None) -> bytes | None:
@@ -131,6 +150,7 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses, but have its methods.
         self._transport = cast(asyncio.Transport, transport)
+        enable_keepalive(transport)
         peer = transport.get_extra_info("peername")
         self._peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         self._server._connections.add(self)

@@ -33,7 +33,7 @@ from ..errors import (
     QueueEmptyError,
 )
 from ._base import Store, Value, check_lengths, encode_key, encode_value
-from ._server import TCPStoreServer, resolve_token
+from ._server import TCPStoreServer, enable_keepalive, resolve_token
 from ._state import format_keys, timeout_error
 from ._wire import (
     AIODIST_MAGIC,
@@ -120,6 +120,7 @@ class _Conn(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses, but have its methods.
         self.transport = cast(asyncio.Transport, transport)
+        enable_keepalive(transport)
 
     def data_received(self, data: bytes) -> None:
         self.buf += data
