@@ -17,7 +17,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from types import TracebackType
 from typing import Any, Self, cast
 
@@ -363,102 +363,124 @@ class _Connection(asyncio.Protocol):
         self._out.append(encode_frame(rid, Status.OK, *parts))
 
     def _request(self, rid: int, op: int, r: Reader) -> None:
-        state = self._state
-        mk = self._server.max_key_size
-        mv = self._server.max_value_size
-        if op == Op.SET:
-            state.set(r.blob32(mk, "key"), r.blob32(mv, "value"))
-            self._reply(rid)
-        elif op == Op.GET:
-            timeout = r.f64()
-            key = r.blob32(mk, "key")
-            value = state.get(key)
-            if value is not None:
-                self._reply(rid, value)
-            else:
-                self._spawn(rid, self._get([key], timeout, single=True))
-        elif op == Op.ADD:
-            key = r.blob32(mk, "key")
-            amount = r.i64()
-            try:
-                total = state.add(key, amount)
-            except DistStoreError:
-                old = state.get(key) or b""
-                raise DistStoreError(
-                    f"add on key {_display(key)}: its value {old[:64]!r} is not an integer"
-                ) from None
-            self._reply(rid, I64.pack(total))
-        elif op == Op.COMPARE_SET:
-            key = r.blob32(mk, "key")
-            expected = r.blob32(mv, "value")
-            self._reply(rid, state.compare_set(key, expected, r.blob32(mv, "value")))
-        elif op == Op.WAIT:
-            timeout = r.f64()
-            keys = self._keys(r)
-            if state.check(keys):
-                self._reply(rid)
-            else:
-                self._spawn(rid, self._wait(keys, timeout))
-        elif op == Op.CHECK:
-            self._reply(rid, U8.pack(state.check(self._keys(r))))
-        elif op == Op.DELETE_KEY:
-            self._reply(rid, U8.pack(state.delete(r.blob32(mk, "key"))))
-        elif op == Op.NUM_KEYS:
-            self._reply(rid, I64.pack(state.num_keys()))
-        elif op == Op.LIST_KEYS:
-            self._reply(rid, *self._blobs(state.list_keys()))
-        elif op == Op.MULTI_GET:
-            timeout = r.f64()
-            keys = self._keys(r)
-            if state.check(keys):
-                self._reply(rid, *self._blobs([state.get(k) or b"" for k in keys]))
-            else:
-                self._spawn(rid, self._get(keys, timeout, single=False))
-        elif op == Op.MULTI_SET:
-            n = r.u32()
-            items = [(r.blob32(mk, "key"), r.blob32(mv, "value")) for _ in range(n)]
-            for key, value in items:
-                state.set(key, value)
-            self._reply(rid)
-        elif op == Op.APPEND:
-            key = r.blob32(mk, "key")
-            value = r.blob32(mv, "value")
-            size = len(state.get(key) or b"") + len(value)
-            if size > mv:
-                raise DistUsageError(
-                    f"append would make key {_display(key)} {size} bytes long, "
-                    f"past the server's max_value_size of {mv} bytes"
-                )
-            state.append(key, value)
-            self._reply(rid)
-        elif op == Op.QUEUE_PUSH:
-            state.queue_push(r.blob32(mk, "key"), r.blob32(mv, "value"))
-            self._reply(rid)
-        elif op == Op.QUEUE_POP:
-            timeout = r.f64()
-            block = r.u8()
-            key = r.blob32(mk, "key")
-            value = state.queue_pop(key)
-            if value is not None:
-                self._reply(rid, value)
-            elif not block:
-                self._out.append(
-                    encode_frame(
-                        rid, Status.QUEUE_EMPTY, f"queue {_display(key)} is empty".encode()
-                    )
-                )
-            else:
-                self._spawn(rid, self._queue_pop(key, timeout))
-        elif op == Op.QUEUE_LEN:
-            self._reply(rid, I64.pack(state.queue_len(r.blob32(mk, "key"))))
-        elif op == Op.CANCEL:
-            task = self._tasks.pop(r.u32(), None)
-            if task is not None:
-                task.cancel()
-        elif op == Op.PING:
+        handler = _AIODIST_HANDLERS.get(op)
+        if handler is None:
+            raise _Close(f"unknown aiodist store opcode {op}")
+        handler(self, rid, r)
+
+    def _op_set(self, rid: int, r: Reader) -> None:
+        mk, mv = self._server.max_key_size, self._server.max_value_size
+        self._state.set(r.blob32(mk, "key"), r.blob32(mv, "value"))
+        self._reply(rid)
+
+    def _op_get(self, rid: int, r: Reader) -> None:
+        timeout = r.f64()
+        key = r.blob32(self._server.max_key_size, "key")
+        value = self._state.get(key)
+        if value is not None:
+            self._reply(rid, value)
+        else:
+            self._spawn(rid, self._get([key], timeout, single=True))
+
+    def _op_add(self, rid: int, r: Reader) -> None:
+        key = r.blob32(self._server.max_key_size, "key")
+        amount = r.i64()
+        try:
+            total = self._state.add(key, amount)
+        except DistStoreError:
+            old = self._state.get(key) or b""
+            raise DistStoreError(
+                f"add on key {_display(key)}: its value {old[:64]!r} is not an integer"
+            ) from None
+        self._reply(rid, I64.pack(total))
+
+    def _op_compare_set(self, rid: int, r: Reader) -> None:
+        mk, mv = self._server.max_key_size, self._server.max_value_size
+        key = r.blob32(mk, "key")
+        expected = r.blob32(mv, "value")
+        self._reply(rid, self._state.compare_set(key, expected, r.blob32(mv, "value")))
+
+    def _op_wait(self, rid: int, r: Reader) -> None:
+        timeout = r.f64()
+        keys = self._keys(r)
+        if self._state.check(keys):
             self._reply(rid)
         else:
-            raise _Close(f"unknown aiodist store opcode {op}")
+            self._spawn(rid, self._wait(keys, timeout))
+
+    def _op_check(self, rid: int, r: Reader) -> None:
+        self._reply(rid, U8.pack(self._state.check(self._keys(r))))
+
+    def _op_delete_key(self, rid: int, r: Reader) -> None:
+        key = r.blob32(self._server.max_key_size, "key")
+        self._reply(rid, U8.pack(self._state.delete(key)))
+
+    def _op_num_keys(self, rid: int, r: Reader) -> None:
+        self._reply(rid, I64.pack(self._state.num_keys()))
+
+    def _op_list_keys(self, rid: int, r: Reader) -> None:
+        self._reply(rid, *self._blobs(self._state.list_keys()))
+
+    def _op_multi_get(self, rid: int, r: Reader) -> None:
+        state = self._state
+        timeout = r.f64()
+        keys = self._keys(r)
+        if state.check(keys):
+            self._reply(rid, *self._blobs([state.get(k) or b"" for k in keys]))
+        else:
+            self._spawn(rid, self._get(keys, timeout, single=False))
+
+    def _op_multi_set(self, rid: int, r: Reader) -> None:
+        mk, mv = self._server.max_key_size, self._server.max_value_size
+        n = r.u32()
+        # Parse everything before writing anything: a bad entry leaves the store untouched.
+        items = [(r.blob32(mk, "key"), r.blob32(mv, "value")) for _ in range(n)]
+        for key, value in items:
+            self._state.set(key, value)
+        self._reply(rid)
+
+    def _op_append(self, rid: int, r: Reader) -> None:
+        mk, mv = self._server.max_key_size, self._server.max_value_size
+        key = r.blob32(mk, "key")
+        value = r.blob32(mv, "value")
+        size = len(self._state.get(key) or b"") + len(value)
+        if size > mv:
+            raise DistUsageError(
+                f"append would make key {_display(key)} {size} bytes long, "
+                f"past the server's max_value_size of {mv} bytes"
+            )
+        self._state.append(key, value)
+        self._reply(rid)
+
+    def _op_queue_push(self, rid: int, r: Reader) -> None:
+        mk, mv = self._server.max_key_size, self._server.max_value_size
+        self._state.queue_push(r.blob32(mk, "key"), r.blob32(mv, "value"))
+        self._reply(rid)
+
+    def _op_queue_pop(self, rid: int, r: Reader) -> None:
+        timeout = r.f64()
+        block = r.u8()
+        key = r.blob32(self._server.max_key_size, "key")
+        value = self._state.queue_pop(key)
+        if value is not None:
+            self._reply(rid, value)
+        elif not block:
+            message = f"queue {_display(key)} is empty".encode()
+            self._out.append(encode_frame(rid, Status.QUEUE_EMPTY, message))
+        else:
+            self._spawn(rid, self._queue_pop(key, timeout))
+
+    def _op_queue_len(self, rid: int, r: Reader) -> None:
+        key = r.blob32(self._server.max_key_size, "key")
+        self._reply(rid, I64.pack(self._state.queue_len(key)))
+
+    def _op_cancel(self, rid: int, r: Reader) -> None:
+        task = self._tasks.pop(r.u32(), None)
+        if task is not None:
+            task.cancel()
+
+    def _op_ping(self, rid: int, r: Reader) -> None:
+        self._reply(rid)
 
     def _keys(self, r: Reader) -> list[bytes]:
         mk = self._server.max_key_size
@@ -554,61 +576,71 @@ class _Connection(asyncio.Protocol):
             raise _Close(f"torch protocol: {exc}") from None
         return reader.pos
 
-    def _torch_request(self, op: int, args: tuple[bytes | int | list[bytes], ...]) -> None:
-        state = self._state
-        out = self._out
-        if op == TorchOp.SET:
-            state.set(args[0], args[1])  # type: ignore[arg-type]
-        elif op == TorchOp.GET:
-            out.append(blob64(state.get(args[0]) or b""))  # type: ignore[arg-type]
-        elif op == TorchOp.ADD:
-            out.append(I64.pack(state.add(args[0], args[1])))  # type: ignore[arg-type]
-        elif op == TorchOp.COMPARE_SET:
-            out.append(blob64(state.compare_set(*args)))  # type: ignore[arg-type]
-        elif op == TorchOp.CHECK:
-            ready = state.check(args[0])  # type: ignore[arg-type]
-            out.append(U8.pack(TORCH_READY if ready else TORCH_NOT_READY))
-        elif op == TorchOp.WAIT:
-            self._torch_watch(state.watch(args[0]))  # type: ignore[arg-type]
-        elif op == TorchOp.GETNUMKEYS:
-            out.append(I64.pack(state.num_keys()))
-        elif op == TorchOp.DELETE_KEY:
-            out.append(I64.pack(int(state.delete(args[0]))))  # type: ignore[arg-type]
-        elif op == TorchOp.APPEND:
-            state.append(args[0], args[1])  # type: ignore[arg-type]
-        elif op == TorchOp.MULTI_GET:
-            keys: list[bytes] = args[0]  # type: ignore[assignment]
-            out.extend(blob64(state.get(k) or b"") for k in keys)
-        elif op == TorchOp.MULTI_SET:
-            items: list[bytes] = args[0]  # type: ignore[assignment]
-            for i in range(0, len(items), 2):
-                state.set(items[i], items[i + 1])
-        elif op == TorchOp.CANCEL_WAIT:
-            self._torch_cancel_wait()
-        elif op == TorchOp.PING:
-            out.append(U32.pack(args[0]))
-        elif op == TorchOp.QUEUE_PUSH:
-            state.queue_push(args[0], args[1])  # type: ignore[arg-type]
-        elif op == TorchOp.QUEUE_POP:
-            key: bytes = args[0]  # type: ignore[assignment]
-            length = state.queue_len(key)
-            out.append(I64.pack(length))
-            if length:
-                out.append(blob64(state.queue_pop(key) or b""))
-        elif op == TorchOp.QUEUE_LEN:
-            out.append(I64.pack(state.queue_len(args[0])))  # type: ignore[arg-type]
-        elif op == TorchOp.LIST_KEYS:
-            listed = state.list_keys()
-            out.append(I64.pack(len(listed)))
-            out.extend(blob64(k) for k in listed)
-        elif op == TorchOp.BARRIER:
-            counter, world = args[0], args[1]
-            assert isinstance(counter, bytes) and isinstance(world, int)
-            state.add(counter, 1)
-            loop = asyncio.get_running_loop()
-            self._torch_watch(loop.create_task(self._torch_barrier(counter, world)))
-        else:  # VALIDATE again
+    def _torch_request(self, op: int, args: tuple[Any, ...]) -> None:
+        handler = _TORCH_HANDLERS.get(op)
+        if handler is None:  # VALIDATE again
             raise _Close(f"torch protocol: unexpected opcode {TorchOp(op).name}")
+        handler(self, *args)
+
+    def _t_set(self, key: bytes, value: bytes) -> None:
+        self._state.set(key, value)
+
+    def _t_get(self, key: bytes) -> None:
+        self._out.append(blob64(self._state.get(key) or b""))
+
+    def _t_add(self, key: bytes, amount: int) -> None:
+        self._out.append(I64.pack(self._state.add(key, amount)))
+
+    def _t_compare_set(self, key: bytes, expected: bytes, desired: bytes) -> None:
+        self._out.append(blob64(self._state.compare_set(key, expected, desired)))
+
+    def _t_check(self, keys: list[bytes]) -> None:
+        ready = self._state.check(keys)
+        self._out.append(U8.pack(TORCH_READY if ready else TORCH_NOT_READY))
+
+    def _t_wait(self, keys: list[bytes]) -> None:
+        self._torch_watch(self._state.watch(keys))
+
+    def _t_num_keys(self) -> None:
+        self._out.append(I64.pack(self._state.num_keys()))
+
+    def _t_delete_key(self, key: bytes) -> None:
+        self._out.append(I64.pack(int(self._state.delete(key))))
+
+    def _t_append(self, key: bytes, value: bytes) -> None:
+        self._state.append(key, value)
+
+    def _t_multi_get(self, keys: list[bytes]) -> None:
+        self._out.extend(blob64(self._state.get(k) or b"") for k in keys)
+
+    def _t_multi_set(self, items: list[bytes]) -> None:
+        for i in range(0, len(items), 2):
+            self._state.set(items[i], items[i + 1])
+
+    def _t_ping(self, nonce: int) -> None:
+        self._out.append(U32.pack(nonce))
+
+    def _t_queue_push(self, key: bytes, value: bytes) -> None:
+        self._state.queue_push(key, value)
+
+    def _t_queue_pop(self, key: bytes) -> None:
+        length = self._state.queue_len(key)
+        self._out.append(I64.pack(length))
+        if length:
+            self._out.append(blob64(self._state.queue_pop(key) or b""))
+
+    def _t_queue_len(self, key: bytes) -> None:
+        self._out.append(I64.pack(self._state.queue_len(key)))
+
+    def _t_list_keys(self) -> None:
+        listed = self._state.list_keys()
+        self._out.append(I64.pack(len(listed)))
+        self._out.extend(blob64(k) for k in listed)
+
+    def _t_barrier(self, counter: bytes, world: int) -> None:
+        self._state.add(counter, 1)
+        loop = asyncio.get_running_loop()
+        self._torch_watch(loop.create_task(self._torch_barrier(counter, world)))
 
     async def _torch_barrier(self, key: bytes, world: int) -> None:
         state = self._state
@@ -646,6 +678,52 @@ class _Connection(asyncio.Protocol):
             wait.cancel()
         self._torch_wait = None
         self._out.append(U8.pack(TORCH_WAIT_CANCELED))
+
+
+_AiodistHandler = Callable[[_Connection, int, Reader], None]
+#: aiodist opcode -> handler; a dict rather than an if-chain keeps dispatch O(1) (comparing
+#: against enum members costs ~70 ns each on CPython 3.11).
+_AIODIST_HANDLERS: dict[int, _AiodistHandler] = {
+    Op.SET: _Connection._op_set,
+    Op.GET: _Connection._op_get,
+    Op.ADD: _Connection._op_add,
+    Op.COMPARE_SET: _Connection._op_compare_set,
+    Op.WAIT: _Connection._op_wait,
+    Op.CHECK: _Connection._op_check,
+    Op.DELETE_KEY: _Connection._op_delete_key,
+    Op.NUM_KEYS: _Connection._op_num_keys,
+    Op.LIST_KEYS: _Connection._op_list_keys,
+    Op.MULTI_GET: _Connection._op_multi_get,
+    Op.MULTI_SET: _Connection._op_multi_set,
+    Op.APPEND: _Connection._op_append,
+    Op.QUEUE_PUSH: _Connection._op_queue_push,
+    Op.QUEUE_POP: _Connection._op_queue_pop,
+    Op.QUEUE_LEN: _Connection._op_queue_len,
+    Op.CANCEL: _Connection._op_cancel,
+    Op.PING: _Connection._op_ping,
+}
+
+#: torch opcode -> handler, called with the parsed arguments.
+_TORCH_HANDLERS: dict[int, Callable[..., None]] = {
+    TorchOp.SET: _Connection._t_set,
+    TorchOp.COMPARE_SET: _Connection._t_compare_set,
+    TorchOp.GET: _Connection._t_get,
+    TorchOp.ADD: _Connection._t_add,
+    TorchOp.CHECK: _Connection._t_check,
+    TorchOp.WAIT: _Connection._t_wait,
+    TorchOp.GETNUMKEYS: _Connection._t_num_keys,
+    TorchOp.DELETE_KEY: _Connection._t_delete_key,
+    TorchOp.APPEND: _Connection._t_append,
+    TorchOp.MULTI_GET: _Connection._t_multi_get,
+    TorchOp.MULTI_SET: _Connection._t_multi_set,
+    TorchOp.CANCEL_WAIT: _Connection._torch_cancel_wait,
+    TorchOp.PING: _Connection._t_ping,
+    TorchOp.QUEUE_PUSH: _Connection._t_queue_push,
+    TorchOp.QUEUE_POP: _Connection._t_queue_pop,
+    TorchOp.QUEUE_LEN: _Connection._t_queue_len,
+    TorchOp.LIST_KEYS: _Connection._t_list_keys,
+    TorchOp.BARRIER: _Connection._t_barrier,
+}
 
 
 class TCPStoreServer:

@@ -305,31 +305,42 @@ def parse_torch_request(reader: Reader, max_key: int, max_value: int) -> TorchRe
         DistProtocolError: unknown opcode, or a length past the limits.
     """
     op = reader.u8()
-    if op == TorchOp.SET or op == TorchOp.APPEND or op == TorchOp.QUEUE_PUSH:
+    if op in _T_KEY_VALUE:
         return op, (reader.blob64(max_key, "key"), reader.blob64(max_value, "value"))
-    if op == TorchOp.GET or op == TorchOp.DELETE_KEY or op == TorchOp.QUEUE_POP:
-        return op, (reader.blob64(max_key, "key"),)
-    if op == TorchOp.QUEUE_LEN:
-        return op, (reader.blob64(max_key, "key"),)
-    if op == TorchOp.ADD or op == TorchOp.BARRIER:
+    if op in _T_KEY_INT:
         return op, (reader.blob64(max_key, "key"), reader.i64())
-    if op == TorchOp.COMPARE_SET:
+    if op in _T_KEY:
+        return op, (reader.blob64(max_key, "key"),)
+    if op in _T_KEYS:
+        return op, (_torch_keys(reader, max_key),)
+    if op in _T_NONE:
+        return op, ()
+    if op in _T_U32:
+        return op, (reader.u32(),)
+    if op == _T_COMPARE_SET:
         key = reader.blob64(max_key, "key")
         return op, (key, reader.blob64(max_value, "value"), reader.blob64(max_value, "value"))
-    if op == TorchOp.CHECK or op == TorchOp.WAIT or op == TorchOp.MULTI_GET:
-        return op, (_torch_keys(reader, max_key),)
-    if op == TorchOp.MULTI_SET:
+    if op == _T_MULTI_SET:
         n = _torch_count(reader)
         items: list[bytes] = []
         for _ in range(n):
             items.append(reader.blob64(max_key, "key"))
             items.append(reader.blob64(max_value, "value"))
         return op, (items,)
-    if op == TorchOp.GETNUMKEYS or op == TorchOp.CANCEL_WAIT or op == TorchOp.LIST_KEYS:
-        return op, ()
-    if op == TorchOp.PING or op == TorchOp.VALIDATE:
-        return op, (reader.u32(),)
     raise DistProtocolError(f"unknown torch store opcode {op}")
+
+
+# Request layouts by opcode (sets of plain ints: membership is cheaper than enum compares).
+_T_KEY_VALUE = frozenset(int(o) for o in (TorchOp.SET, TorchOp.APPEND, TorchOp.QUEUE_PUSH))
+_T_KEY_INT = frozenset(int(o) for o in (TorchOp.ADD, TorchOp.BARRIER))
+_T_KEY = frozenset(
+    int(o) for o in (TorchOp.GET, TorchOp.DELETE_KEY, TorchOp.QUEUE_POP, TorchOp.QUEUE_LEN)
+)
+_T_KEYS = frozenset(int(o) for o in (TorchOp.CHECK, TorchOp.WAIT, TorchOp.MULTI_GET))
+_T_NONE = frozenset(int(o) for o in (TorchOp.GETNUMKEYS, TorchOp.CANCEL_WAIT, TorchOp.LIST_KEYS))
+_T_U32 = frozenset(int(o) for o in (TorchOp.PING, TorchOp.VALIDATE))
+_T_COMPARE_SET = int(TorchOp.COMPARE_SET)
+_T_MULTI_SET = int(TorchOp.MULTI_SET)
 
 
 def _torch_count(reader: Reader) -> int:
