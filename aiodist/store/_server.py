@@ -240,11 +240,12 @@ class _Connection(asyncio.Protocol):
     def _process(self, buf: bytes | bytearray) -> int:
         """Handle every complete request in ``buf``; return how many bytes were used."""
         pos = 0
+        size = len(buf)
         try:
-            while pos < len(buf) and self._mode != _CLOSED:
+            while pos < size and self._mode != _CLOSED:
                 mode = self._mode
                 if mode == _FRAMES:
-                    pos = self._frame(buf, pos)
+                    pos = self._frame(buf, pos, size)
                 elif mode == _TORCH:
                     pos = self._torch(buf, pos)
                 elif mode == _DETECT:
@@ -255,13 +256,13 @@ class _Connection(asyncio.Protocol):
                     pos = self._auth(buf, pos)
                 if self._discard:
                     # An oversized frame: drop what is buffered of it, skip the rest later.
-                    drop = min(self._discard, len(buf) - pos)
+                    drop = min(self._discard, size - pos)
                     pos += drop
                     self._discard -= drop
         except Incomplete:
             pass
-        if len(buf) - pos > _HIGH_WATER + self._server._max_request:
-            raise _Close(f"{len(buf) - pos} bytes buffered without a complete request")
+        if size - pos > _HIGH_WATER + self._server._max_request:
+            raise _Close(f"{size - pos} bytes buffered without a complete request")
         return pos
 
     def _detect(self, buf: bytes | bytearray, pos: int) -> int:
@@ -319,9 +320,9 @@ class _Connection(asyncio.Protocol):
         self._mode = _FRAMES
         return pos + AUTH_MAC_SIZE
 
-    def _frame(self, buf: bytes | bytearray, pos: int) -> int:
-        if len(buf) - pos < FRAME_HEAD.size:
-            if len(buf) - pos >= 4 and U32.unpack_from(buf, pos)[0] < 5:
+    def _frame(self, buf: bytes | bytearray, pos: int, size: int) -> int:
+        if size - pos < FRAME_HEAD.size:
+            if size - pos >= 4 and U32.unpack_from(buf, pos)[0] < 5:
                 raise _Close("malformed frame (body shorter than its header)")
             raise Incomplete
         length, rid, op = FRAME_HEAD.unpack_from(buf, pos)
@@ -344,7 +345,7 @@ class _Connection(asyncio.Protocol):
         if length < 5:
             raise _Close(f"malformed frame (body length {length})")
         end: int = pos + 4 + length
-        if end > len(buf):
+        if end > size:
             raise Incomplete
         reader = Reader(buf, pos + FRAME_HEAD.size, end)
         try:
