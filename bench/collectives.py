@@ -144,9 +144,16 @@ def torch_op(name: str, b: dict[str, Any]) -> Callable[[], Any]:
 # -- one rank --------------------------------------------------------------------------------
 
 
+#: Untimed operations before each timed batch: the library whose turn it is gets its
+#: threads, caches and connections going again after the other library's batch.
+WARMUP = 5
+
+
 async def batch_aiodist(op: Callable[[], Any], iters: int) -> float:
     import aiodist
 
+    for _ in range(min(iters, WARMUP)):
+        await op()
     await aiodist.barrier()
     start = time.perf_counter()
     for _ in range(iters):
@@ -157,6 +164,8 @@ async def batch_aiodist(op: Callable[[], Any], iters: int) -> float:
 def batch_torch(op: Callable[[], Any], iters: int) -> float:
     import torch.distributed as dist
 
+    for _ in range(min(iters, WARMUP)):
+        op()
     dist.barrier()
     start = time.perf_counter()
     for _ in range(iters):
@@ -191,10 +200,10 @@ async def rank_main(rank: int, n: int, tmp: str, args: argparse.Namespace) -> di
             if rank == 0 and args.verbose:
                 print(f"  {n} ranks: {name} {size} B", file=sys.stderr, flush=True)
             ours_op, theirs_op = aiodist_op(name, b), torch_op(name, b)
-            # Warm-up (connections, scratch buffers), then repetitions that alternate
+            # A warm-up batch each (connections, scratch buffers), then repetitions that alternate
             # between the libraries, so a change in the machine's load hits both alike.
-            await ours_op()
-            theirs_op()
+            await batch_aiodist(ours_op, iters)
+            batch_torch(theirs_op, iters)
             ours, theirs = [], []
             for _ in range(reps):
                 if profiler:
