@@ -21,6 +21,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from types import TracebackType
 from typing import Any, Self, cast
 
+from .._auth import resolve_token
 from ..errors import (
     DistNetworkError,
     DistProtocolError,
@@ -92,18 +93,6 @@ def enable_keepalive(transport: asyncio.BaseTransport) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 6)
     except OSError as exc:
         logger.debug("could not enable TCP keepalive: %s", exc)
-
-
-def resolve_token(auth_token: str | bytes | None) -> bytes | None:
-    """Return the shared secret to use: ``auth_token``, else ``$AIODIST_AUTH_TOKEN``, else None."""
-    if auth_token is None:
-        auth_token = os.environ.get("AIODIST_AUTH_TOKEN") or None
-    if auth_token is None:
-        return None
-    token = auth_token.encode() if isinstance(auth_token, str) else bytes(auth_token)
-    if not token:
-        raise DistUsageError("auth_token must not be empty")
-    return token
 
 
 class _Close(Exception):
@@ -312,11 +301,13 @@ class _Connection(asyncio.Protocol):
         token = self._server._token
         assert token is not None
         got = bytes(buf[pos : pos + AUTH_MAC_SIZE])
-        want = auth_mac(token, b"client", self._nonce, self._client_nonce)
+        want = auth_mac(token, b"store/client", self._nonce, self._client_nonce)
         if not hmac.compare_digest(got, want):
             self._out.append(U8.pack(1))
             raise _Close("authentication failed (wrong auth token)")
-        self._out.append(U8.pack(0) + auth_mac(token, b"server", self._client_nonce, self._nonce))
+        self._out.append(
+            U8.pack(0) + auth_mac(token, b"store/server", self._client_nonce, self._nonce)
+        )
         self._mode = _FRAMES
         return pos + AUTH_MAC_SIZE
 

@@ -22,11 +22,10 @@ them in any order.
 from __future__ import annotations
 
 import enum
-import hashlib
-import hmac
 import struct
 from collections.abc import Sequence
 
+from .._auth import AUTH_MAC_SIZE, NONCE_SIZE, auth_mac
 from ..errors import DistProtocolError
 
 __all__ = [
@@ -68,8 +67,6 @@ __all__ = [
 AIODIST_MAGIC = b"AIOS"
 #: Bumped whenever the frame layout or an opcode's meaning changes.
 PROTOCOL_VERSION = 1
-NONCE_SIZE = 32
-AUTH_MAC_SIZE = 32
 FLAG_AUTH = 0x01
 
 #: Limits a server applies unless told otherwise (torch's libuv server allows 8 KiB keys and
@@ -268,15 +265,6 @@ def encode_frame(rid: int, code: int, *parts: bytes) -> bytes:
     """Encode one aiodist frame (request or response) from its payload parts."""
     payload = parts[0] if len(parts) == 1 else b"".join(parts)
     return FRAME_HEAD.pack(len(payload) + 5, rid, code) + payload
-
-
-def auth_mac(token: bytes, role: bytes, first: bytes, second: bytes) -> bytes:
-    """HMAC-SHA256 proof that the sender holds ``token``, bound to both nonces and a role.
-
-    The role (``b"client"``/``b"server"``) keeps a server's proof from being replayed as a
-    client's answer.
-    """
-    return hmac.new(token, b"aiodist-store/" + role + first + second, hashlib.sha256).digest()
 
 
 # -- torch wire -------------------------------------------------------------------------------

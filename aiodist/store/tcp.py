@@ -708,14 +708,14 @@ async def _handshake_aiodist(
                 f"the store at {conn.where} requires authentication: pass auth_token= "
                 "or set AIODIST_AUTH_TOKEN"
             )
-        conn.write(auth_mac(token, b"client", server_nonce, nonce))
+        conn.write(auth_mac(token, b"store/client", server_nonce, nonce))
         verdict = await conn.read_exactly(1, timeout)
         if verdict != b"\x00":
             raise DistStoreError(
                 f"the store at {conn.where} rejected the auth token (tokens differ)"
             )
         proof = await conn.read_exactly(AUTH_MAC_SIZE, timeout)
-        if not hmac.compare_digest(proof, auth_mac(token, b"server", nonce, server_nonce)):
+        if not hmac.compare_digest(proof, auth_mac(token, b"store/server", nonce, server_nonce)):
             raise DistStoreError(
                 f"the store at {conn.where} could not prove it holds the auth token"
             )
