@@ -381,8 +381,8 @@ async def test_peer_answering_garbage_is_a_protocol_error() -> None:
     t0 = await TCPTransport.create(store, 0, 2, timeout=2)
 
     async def bad_peer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readexactly(16)
-        writer.write(struct.pack("<4sHHII", b"AIOD", 99, 1, 1, 2))
+        await reader.readexactly(82)
+        writer.write(struct.pack("<4sHHHII32s32s", b"AIOD", 99, 1, 0, 1, 2, b"", b""))
         await writer.drain()
         await reader.read()
         writer.close()
@@ -393,7 +393,7 @@ async def test_peer_answering_garbage_is_a_protocol_error() -> None:
     try:
         with pytest.raises(
             aiodist.DistProtocolError,
-            match=r"speaks transport protocol version 99, this rank 1",
+            match=r"speaks transport protocol version 99, this rank 2",
         ):
             await t0.send(1, T, memoryview(b"x"))
         with pytest.raises(aiodist.DistProtocolError):

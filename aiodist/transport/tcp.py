@@ -1,8 +1,13 @@
 """The TCP transport: one connection per pair of ranks, an asyncio ``BufferedProtocol`` each.
 
-Wire format. After connecting, the connecting rank sends a 16-byte hello and the accepting
-rank answers with 16 bytes (``<4sHHII``: magic ``AIOD``, version, kind, rank, world size;
-kind is hello, accept or reject). Then both directions carry frames::
+Wire format. After connecting, the connecting rank sends an 82-byte hello and the accepting
+rank answers with 82 bytes (``<4sHHHII32s32s``: magic ``AIOD``, version, kind, flags, rank,
+world size, nonce, proof; kind is hello, accept, reject or refused). With a shared secret
+(``auth_token``, flag bit 0), the answer's proof is an HMAC of the token over both nonces,
+the ranks and the world size, and the connecting rank checks it, then sends 32 bytes of
+proof of its own, which the accepting rank checks before it reads a single frame. A side
+without the token, or with another one, is refused and never gets to send a frame. Then
+both directions carry frames::
 
     frame := group:u64 seq:u64 step:u64 nbytes:u64 (little endian) | nbytes of payload
 
@@ -33,6 +38,7 @@ from collections import deque
 from collections.abc import Coroutine
 from typing import Any, cast
 
+from .._auth import AUTH_MAC_SIZE, NONCE_SIZE, auth_mac, resolve_token, verify_mac
 from .._timeouts import Timeout, to_seconds
 from ..errors import DistNetworkError, DistProtocolError, DistTimeoutError, DistUsageError
 from ..store import Store
@@ -44,10 +50,16 @@ __all__ = ["TCPTransport"]
 logger = logging.getLogger(__name__)
 
 _MAGIC = b"AIOD"
-_VERSION = 1
-_HELLO, _ACCEPT, _REJECT = 0, 1, 2
-# magic, version, kind, rank, world size
-_HANDSHAKE = struct.Struct("<4sHHII")
+_VERSION = 2
+# REFUSED: the two sides disagree on authentication (one has a token, the other not).
+_HELLO, _ACCEPT, _REJECT, _REFUSED = 0, 1, 2, 3
+_FLAG_AUTH = 0x01
+# magic, version, kind, flags, rank, world size, nonce, proof (zeros without a token)
+_HANDSHAKE = struct.Struct(f"<4sHHHII{NONCE_SIZE}s{AUTH_MAC_SIZE}s")
+_NO_PROOF = bytes(AUTH_MAC_SIZE)
+# Roles of the two proofs, so neither can be reflected back as the other.
+_ROLE_ACCEPT, _ROLE_CONNECT = b"peer/accept", b"peer/connect"
+_IDS = struct.Struct("<III")
 # group id, sequence number, step, payload length
 _HEADER = struct.Struct("<QQQQ")
 _HEADER_SIZE = _HEADER.size
@@ -100,6 +112,18 @@ def _enable_keepalive(sock: socket.socket) -> None:
         logger.debug("could not enable TCP keepalive: %s", exc)
 
 
+def _auth_mismatch(peer: int, peer_auth: bool) -> DistNetworkError:
+    if peer_auth:
+        return DistNetworkError(
+            f"authentication with rank {peer} failed: it requires an auth token and this "
+            "rank has none (pass auth_token= or set AIODIST_AUTH_TOKEN on every rank)"
+        )
+    return DistNetworkError(
+        f"authentication with rank {peer} failed: this rank has an auth token and rank "
+        f"{peer} has none (give every rank the same auth_token / AIODIST_AUTH_TOKEN)"
+    )
+
+
 class _Conn(asyncio.BufferedProtocol):
     """One connection: the handshake, then the frame reader and the send queue."""
 
@@ -118,6 +142,10 @@ class _Conn(asyncio.BufferedProtocol):
         self.bye = False
         self._hs = bytearray(_HANDSHAKE.size)
         self._hs_got = 0
+        # Our nonce, the peer's, and the proof the peer must send next (accepting side).
+        self._nonce = os.urandom(NONCE_SIZE)
+        self._peer_nonce = b""
+        self._want_proof: bytes | None = None
         self._timer: asyncio.TimerHandle | None = None
         # Sending: frames not yet handed to the transport, and futures of frames handed
         # over but possibly still referenced by the transport's buffer.
@@ -163,11 +191,26 @@ class _Conn(asyncio.BufferedProtocol):
             transport.abort()
             return
         if self.peer is not None:
-            transport.write(
-                _HANDSHAKE.pack(_MAGIC, _VERSION, _HELLO, self.owner.rank, self.owner.world_size)
-            )
+            transport.write(self._handshake_message(_HELLO, _NO_PROOF))
         elif self.owner._timeout is not None:
             self._timer = self.loop.call_later(self.owner._timeout, self._handshake_timeout)
+
+    def _handshake_message(self, kind: int, proof: bytes) -> bytes:
+        owner = self.owner
+        flags = _FLAG_AUTH if owner._token is not None else 0
+        return _HANDSHAKE.pack(
+            _MAGIC, _VERSION, kind, flags, owner.rank, owner.world_size, self._nonce, proof
+        )
+
+    def _proof(self, role: bytes, first: bytes, second: bytes, connector: int) -> bytes:
+        # Bound to both nonces (no replay), the role (no reflection), both ranks and the
+        # world size (no splicing of one pair's exchange into another's).
+        owner = self.owner
+        token = owner._token
+        assert token is not None and self.peer is not None
+        acceptor = self.peer if connector == owner.rank else owner.rank
+        ids = _IDS.pack(connector, acceptor, owner.world_size)
+        return auth_mac(token, role, first, second + ids)
 
     def _handshake_timeout(self) -> None:
         if self.state == _HANDSHAKING and self.transport is not None:
@@ -180,18 +223,22 @@ class _Conn(asyncio.BufferedProtocol):
         if not self.handshake.done():
             self.handshake.set_exception(exc)
             self.handshake.exception()  # the connecting task reads it, or has gone
-        if self.peer is None or isinstance(exc, DistProtocolError):
+        if self.peer is None or not isinstance(exc, DistNetworkError):
             logger.warning("rank %d dropped a connection: %s", self.owner.rank, exc)
         assert self.transport is not None
         self.transport.abort()
 
     def _on_handshake(self) -> None:
+        if self._want_proof is not None:
+            return self._on_proof()
         owner = self.owner
-        magic, version, kind, rank, world_size = _HANDSHAKE.unpack(self._hs)
+        magic, version, kind, flags, rank, world_size, nonce, proof = _HANDSHAKE.unpack(self._hs)
         who = f"rank {self.peer}" if self.peer is not None else "a connecting peer"
-        if magic != _MAGIC or kind not in (_HELLO, _ACCEPT, _REJECT):
+        if magic != _MAGIC or kind not in (_HELLO, _ACCEPT, _REJECT, _REFUSED):
             return self._handshake_failed(
-                DistProtocolError(f"{who} sent {bytes(self._hs)!r}, not an aiodist handshake")
+                DistProtocolError(
+                    f"{who} sent {bytes(self._hs[:16])!r}..., not an aiodist handshake"
+                )
             )
         if version != _VERSION:
             return self._handshake_failed(
@@ -206,47 +253,96 @@ class _Conn(asyncio.BufferedProtocol):
                     f"{owner.rank} of {owner.world_size}"
                 )
             )
+        self._peer_nonce = nonce
+        peer_auth = bool(flags & _FLAG_AUTH)
         assert self.transport is not None
         if self.peer is None:  # we accepted this connection: decide whether to keep it
-            if kind != _HELLO:
-                return self._handshake_failed(
-                    DistProtocolError(f"{who} did not start with a hello")
+            return self._on_hello(kind, rank, peer_auth)
+        if rank != self.peer:
+            return self._handshake_failed(
+                DistProtocolError(
+                    f"the address published for rank {self.peer} belongs to rank {rank}"
                 )
-            self.peer = rank
-            keep = owner._accepts(rank)
-            reply = _ACCEPT if keep else _REJECT
-            self.transport.write(
-                _HANDSHAKE.pack(_MAGIC, _VERSION, reply, owner.rank, owner.world_size)
             )
-            if not keep:
-                self.state = _DONE
-                self.transport.close()
-                return None
-        else:
-            if rank != self.peer:
+        if kind == _REFUSED or peer_auth != (owner._token is not None):
+            return self._handshake_failed(_auth_mismatch(self.peer, peer_auth))
+        if kind not in (_ACCEPT, _REJECT):
+            return self._handshake_failed(DistProtocolError(f"{who} answered a hello with a hello"))
+        if owner._token is not None:
+            want = self._proof(_ROLE_ACCEPT, self._nonce, nonce, owner.rank)
+            if not verify_mac(proof, want):
                 return self._handshake_failed(
-                    DistProtocolError(
-                        f"the address published for rank {self.peer} belongs to rank {rank}"
+                    DistNetworkError(
+                        f"authentication with rank {self.peer} failed: it could not prove it "
+                        "holds this rank's auth token (the ranks' tokens differ)"
                     )
                 )
-            if kind == _REJECT:
-                # The peer's own connection to us is the one kept.
-                self.state = _DONE
-                self.handshake.set_result(False)
-                self.transport.close()
-                return None
-            if kind != _ACCEPT:
-                return self._handshake_failed(
-                    DistProtocolError(f"{who} answered a hello with a hello")
+        if kind == _REJECT:
+            # The peer's own connection to us is the one kept.
+            self.state = _DONE
+            self.handshake.set_result(False)
+            self.transport.close()
+            return None
+        if owner._token is not None:
+            self.transport.write(self._proof(_ROLE_CONNECT, nonce, self._nonce, owner.rank))
+        return self._open()
+
+    def _on_hello(self, kind: int, rank: int, peer_auth: bool) -> None:
+        owner = self.owner
+        assert self.transport is not None
+        if kind != _HELLO:
+            return self._handshake_failed(
+                DistProtocolError("a connecting peer did not start with a hello")
+            )
+        if peer_auth != (owner._token is not None):
+            # Tell the peer why, so that it fails with a clear message; then drop it.
+            self.transport.write(self._handshake_message(_REFUSED, _NO_PROOF))
+            logger.warning(
+                "rank %d refused a connection from a peer claiming rank %d: %s",
+                owner.rank,
+                rank,
+                "it has no auth token" if owner._token is not None else "it has an auth token",
+            )
+            self.state = _DONE
+            self.transport.close()
+            return None
+        self.peer = rank
+        keep = owner._accepts(rank)
+        proof = _NO_PROOF
+        if owner._token is not None:
+            proof = self._proof(_ROLE_ACCEPT, self._peer_nonce, self._nonce, rank)
+        self.transport.write(self._handshake_message(_ACCEPT if keep else _REJECT, proof))
+        if not keep:
+            self.state = _DONE
+            self.transport.close()
+            return None
+        if owner._token is not None:
+            # Not one frame is read before the peer has proven that it holds the token.
+            self._want_proof = self._proof(_ROLE_CONNECT, self._nonce, self._peer_nonce, rank)
+            self._hs = bytearray(AUTH_MAC_SIZE)
+            self._hs_got = 0
+            return None
+        return self._open()
+
+    def _on_proof(self) -> None:
+        assert self._want_proof is not None
+        if not verify_mac(bytes(self._hs), self._want_proof):
+            return self._handshake_failed(
+                DistProtocolError(
+                    f"a peer claiming rank {self.peer} failed authentication (wrong auth token)"
                 )
+            )
+        self._want_proof = None
+        return self._open()
+
+    def _open(self) -> None:
         self.state = _OPEN
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         if not self.handshake.done():
             self.handshake.set_result(True)
-        owner._establish(self)
-        return None
+        self.owner._establish(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
         owner = self.owner
@@ -419,6 +515,16 @@ class _Conn(asyncio.BufferedProtocol):
             self._hs_got += nbytes
             if self._hs_got == len(self._hs):
                 self._on_handshake()
+            elif (
+                self._want_proof is None
+                and self._hs[: min(self._hs_got, 4)] != _MAGIC[: min(self._hs_got, 4)]
+            ):
+                # Garbage (a port scanner, an HTTP client): drop it now, not at the timeout.
+                self._handshake_failed(
+                    DistProtocolError(
+                        f"a peer sent {bytes(self._hs[: self._hs_got])!r}, not an aiodist handshake"
+                    )
+                )
             return
         if self.state != _OPEN:
             return
@@ -487,7 +593,20 @@ class _Conn(asyncio.BufferedProtocol):
                         ),
                     )
                     return
-                inbound = self.mailbox.incoming(self.peer, (group, seq, step), nbytes)
+                try:
+                    inbound = self.mailbox.incoming(self.peer, (group, seq, step), nbytes)
+                except MemoryError:
+                    # A message nobody posted a receive for yet is staged in memory of its
+                    # own: a length no allocation can hold must fail this peer, not the loop.
+                    self.owner._lose(
+                        self.peer,
+                        "",
+                        DistProtocolError(
+                            f"rank {self.peer} sent a message of {nbytes} bytes, more than "
+                            "this rank can allocate to hold it"
+                        ),
+                    )
+                    return
                 if nbytes:
                     self._inbound = inbound
                     self._dest = inbound.buffer
@@ -558,6 +677,7 @@ class TCPTransport(Transport):
         timeout: float | None,
         spin: float,
         auto_spin: bool,
+        token: bytes | None,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -579,6 +699,7 @@ class TCPTransport(Transport):
         self._live: set[_Conn] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed: BaseException | None = None
+        self._token = token
         TCPTransport._open_count += 1
 
     @classmethod
@@ -592,6 +713,7 @@ class TCPTransport(Transport):
         timeout: Timeout = None,
         local_world_size: int | None = None,
         spin: float | None = None,
+        auth_token: str | bytes | None = None,
     ) -> TCPTransport:
         """Listen on ``host`` (ephemeral port) and publish the address in ``store``.
 
@@ -611,12 +733,17 @@ class TCPTransport(Transport):
                 the number of CPUs this process may use.
             spin: seconds to poll before sleeping, overriding the automatic choice
                 (``0`` never polls).
+            auth_token: shared secret every peer connection must prove it holds (HMAC
+                challenge-response in both directions); ``None`` reads
+                ``$AIODIST_AUTH_TOKEN``; unset means no authentication. Every rank needs
+                the same token.
 
         Returns:
             The listening transport. Connections are opened when first needed.
 
         Raises:
-            DistUsageError: ``rank``, ``world_size``, ``timeout`` or ``spin`` is invalid.
+            DistUsageError: ``rank``, ``world_size``, ``timeout`` or ``spin`` is invalid,
+                or the token is empty.
             OSError: the listening socket could not be created.
         """
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -624,6 +751,7 @@ class TCPTransport(Transport):
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
             raise DistUsageError(f"rank must be in [0, {world_size}), got {rank!r}")
         seconds = to_seconds(timeout, DEFAULT_CONNECT_TIMEOUT)
+        token = resolve_token(auth_token)
         auto_spin = spin is None
         if spin is None:
             local = local_world_size
@@ -648,7 +776,7 @@ class TCPTransport(Transport):
         except BaseException:
             listener.close()
             raise
-        self = cls(store, rank, world_size, address, seconds, float(spin), auto_spin)
+        self = cls(store, rank, world_size, address, seconds, float(spin), auto_spin, token)
         try:
             self._server = await loop.create_server(
                 lambda: _Conn(self, None), sock=listener, backlog=min(max(world_size, 128), 4096)
@@ -666,7 +794,8 @@ class TCPTransport(Transport):
         return (
             f"<TCPTransport rank={self.rank}/{self.world_size} "
             f"address={self.address[0]}:{self.address[1]} "
-            f"connected={self.connected_peers()} {state}>"
+            f"connected={self.connected_peers()} "
+            f"auth={'on' if self._token is not None else 'off'} {state}>"
         )
 
     def connected_peers(self) -> list[int]:
