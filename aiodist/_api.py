@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import group as _group
+from ._auth import resolve_token
 from ._ops import ReduceOp
 from ._timeouts import Timeout, to_seconds
 from .backends import cpu as _cpu
@@ -85,6 +86,8 @@ async def init_process_group(
     rank: int = -1,
     store: Store | None = None,
     group_name: str = "",
+    *,
+    auth_token: str | bytes | None = None,
 ) -> ProcessGroup:
     """Join the job's ranks into the default process group of the current context.
 
@@ -108,6 +111,10 @@ async def init_process_group(
         rank: this process's rank (required with ``store``).
         store: an already connected store shared by all ranks.
         group_name: namespace of this job's keys in the store.
+        auth_token: shared secret that the TCPStore made by the rendezvous and every
+            connection between ranks must prove they hold (HMAC challenge-response);
+            ``None`` reads ``$AIODIST_AUTH_TOKEN``; unset means no authentication. Every
+            rank needs the same token.
 
     Returns:
         The default :class:`ProcessGroup`.
@@ -122,6 +129,7 @@ async def init_process_group(
         raise DistUsageError("trying to initialize the default process group twice")
     name = parse_backend(backend)
     seconds = to_seconds(timeout, DEFAULT_PG_TIMEOUT)
+    token = resolve_token(auth_token)
     if not isinstance(group_name, str):
         raise DistUsageError(f"group_name must be a string, got {type(group_name).__name__}")
     owned: list[Store] = []
@@ -145,14 +153,14 @@ async def init_process_group(
         from .rendezvous import rendezvous
 
         store, rank, world_size = await rendezvous(
-            init_method or "env://", rank, world_size, timeout=seconds
+            init_method or "env://", rank, world_size, timeout=seconds, auth_token=token
         )
         owned.append(store)
     try:
         namespace = f"aiodist/{group_name or 'default_pg'}"
         joined = await store.add(f"{namespace}/joined/{world_size}", 1)
         prefixed = PrefixStore(f"{namespace}/{world_size}/{(joined - 1) // world_size}", store)
-        transport = await _connect(prefixed, rank, world_size, seconds)
+        transport = await _connect(prefixed, rank, world_size, seconds, token)
     except BaseException:
         for s in owned:
             await s.aclose()
@@ -161,7 +169,9 @@ async def init_process_group(
     return start_world(transport, prefixed, backend=name, timeout=seconds, owned=owned)
 
 
-async def _connect(store: Store, rank: int, world_size: int, timeout: float | None) -> Any:
+async def _connect(
+    store: Store, rank: int, world_size: int, timeout: float | None, token: bytes | None
+) -> Any:
     from .transport.tcp import TCPTransport
 
     # Listen on loopback unless the job spans hosts: AIODIST_HOST names the address to
@@ -170,7 +180,9 @@ async def _connect(store: Store, rank: int, world_size: int, timeout: float | No
     if host is None:
         master = os.environ.get("MASTER_ADDR", "127.0.0.1")
         host = "127.0.0.1" if master in ("localhost", "::1") or master.startswith("127.") else ""
-    return await TCPTransport.create(store, rank, world_size, host=host, timeout=timeout)
+    return await TCPTransport.create(
+        store, rank, world_size, host=host, timeout=timeout, auth_token=token
+    )
 
 
 async def destroy_process_group(group: Group = None) -> None:

@@ -25,6 +25,7 @@ from importlib.metadata import entry_points
 from typing import Protocol
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
+from ._auth import resolve_token
 from ._timeouts import Timeout, to_seconds
 from .errors import DistUsageError
 from .store import FileStore, Store
@@ -53,10 +54,13 @@ class RendezvousHandler(Protocol):
 
     ``url`` already carries the ``rank`` and ``world_size`` that :func:`rendezvous` was given,
     as query parameters. ``timeout`` is the store timeout in seconds (``None``: the store's
-    default).
+    default). ``auth_token`` is passed only when the caller gave one: the shared secret the
+    store must require (handlers that make no network store may ignore it).
     """
 
-    def __call__(self, url: str, *, timeout: float | None) -> Awaitable[tuple[Store, int, int]]:
+    def __call__(
+        self, url: str, *, timeout: float | None, auth_token: bytes | None = None
+    ) -> Awaitable[tuple[Store, int, int]]:
         """Create or join the store the URL names."""
         ...
 
@@ -109,7 +113,12 @@ def _check_int(name: str, value: object) -> int:
 
 
 async def rendezvous(
-    url: str, rank: int = -1, world_size: int = -1, timeout: Timeout = None
+    url: str,
+    rank: int = -1,
+    world_size: int = -1,
+    timeout: Timeout = None,
+    *,
+    auth_token: str | bytes | None = None,
 ) -> tuple[Store, int, int]:
     """Rendezvous through ``url``: return a store shared by the job, this rank and the world size.
 
@@ -121,6 +130,7 @@ async def rendezvous(
         rank: this process's rank, or ``-1`` to take it from the URL or environment.
         world_size: the number of processes, or ``-1`` to take it from the URL or environment.
         timeout: the store timeout (seconds or ``timedelta``; ``None``: the store's default).
+        auth_token: shared secret for the TCPStore (``None``: ``$AIODIST_AUTH_TOKEN``, if set).
 
     Returns:
         ``(store, rank, world_size)``.
@@ -151,6 +161,8 @@ async def rendezvous(
         query[name] = str(value)
     merged = urlunsplit(parts._replace(query=urlencode(query)))
     handler = _find_handler(parts.scheme.lower())
+    if auth_token is not None:
+        return await handler(merged, timeout=seconds, auth_token=resolve_token(auth_token))
     return await handler(merged, timeout=seconds)
 
 
@@ -203,7 +215,13 @@ def _rank_and_size(scheme: str, query: dict[str, str], use_env: bool) -> tuple[i
 
 
 async def _tcp_store(
-    scheme: str, host: str, port: int, rank: int, world_size: int, timeout: float | None
+    scheme: str,
+    host: str,
+    port: int,
+    rank: int,
+    world_size: int,
+    timeout: float | None,
+    auth_token: bytes | None,
 ) -> Store:
     if not 0 <= port < 2**16:
         raise _error(scheme, f"port must be from 0 to 65535, got {port}")
@@ -217,21 +235,30 @@ async def _tcp_store(
         scheme, rank, world_size, "hosts" if is_master else "joins", host, port,
     )  # fmt: skip
     store: Store = await TCPStore.create(
-        host, port, world_size=world_size, is_master=is_master, timeout=timeout
+        host,
+        port,
+        world_size=world_size,
+        is_master=is_master,
+        timeout=timeout,
+        auth_token=auth_token,
     )
     return store
 
 
-async def _env_handler(url: str, *, timeout: float | None) -> tuple[Store, int, int]:
+async def _env_handler(
+    url: str, *, timeout: float | None, auth_token: bytes | None = None
+) -> tuple[Store, int, int]:
     query = dict(parse_qsl(urlsplit(url).query, keep_blank_values=True))
     rank, world_size = _rank_and_size("env", query, use_env=True)
     host = _from_env("env", ("MASTER_ADDR",))
     port = _parse_int("env", "MASTER_PORT", _from_env("env", ("MASTER_PORT",)))
-    store = await _tcp_store("env", host, port, rank, world_size, timeout)
+    store = await _tcp_store("env", host, port, rank, world_size, timeout, auth_token)
     return store, rank, world_size
 
 
-async def _tcp_handler(url: str, *, timeout: float | None) -> tuple[Store, int, int]:
+async def _tcp_handler(
+    url: str, *, timeout: float | None, auth_token: bytes | None = None
+) -> tuple[Store, int, int]:
     parts = urlsplit(url)
     try:
         port = parts.port
@@ -243,11 +270,13 @@ async def _tcp_handler(url: str, *, timeout: float | None) -> tuple[Store, int, 
         raise _error("tcp", "port number missing")
     query = dict(parse_qsl(parts.query, keep_blank_values=True))
     rank, world_size = _rank_and_size("tcp", query, use_env=False)
-    store = await _tcp_store("tcp", parts.hostname, port, rank, world_size, timeout)
+    store = await _tcp_store("tcp", parts.hostname, port, rank, world_size, timeout, auth_token)
     return store, rank, world_size
 
 
-async def _file_handler(url: str, *, timeout: float | None) -> tuple[Store, int, int]:
+async def _file_handler(
+    url: str, *, timeout: float | None, auth_token: bytes | None = None
+) -> tuple[Store, int, int]:
     parts = urlsplit(url)
     if parts.netloc not in ("", "localhost"):
         raise _error(

@@ -643,6 +643,8 @@ def init_process_group(
     group_name: str = "",
     pg_options: object = None,
     device_id: object = None,
+    *,
+    auth_token: str | bytes | None = None,
 ) -> None:
     """Join this process to the default process group, with torch's rules.
 
@@ -661,6 +663,8 @@ def init_process_group(
         group_name: namespace of this job's keys in the store.
         pg_options: ignored.
         device_id: ignored.
+        auth_token: shared secret for the store the rendezvous makes and for every
+            connection between ranks (``None``: ``$AIODIST_AUTH_TOKEN``, if set).
 
     Raises:
         DistUsageError: initialized already, conflicting or missing arguments, an unknown
@@ -679,6 +683,7 @@ def init_process_group(
         await _aio_api.init_process_group(
             backend, init_method, timeout, world_size, rank,
             None if store is None else store.async_store, group_name,
+            auth_token=auth_token,
         )  # fmt: skip
         world = _group.peek_world()
         assert world is not None
