@@ -23,7 +23,7 @@ from .. import collectives
 from .._arrays import as_array, byte_view
 from .._ops import check_reduce_op
 from .._timeouts import Timeout, to_seconds
-from ..errors import DistError, DistTimeoutError, DistUsageError
+from ..errors import DistError, DistProtocolError, DistTimeoutError, DistUsageError
 from ..group import ProcessGroup, Work
 from ..transport.base import OpComm, Transport
 
@@ -427,6 +427,42 @@ def _dumps(obj: object, name: str) -> Array:
     return np.frombuffer(data, np.uint8)
 
 
+#: The largest pickled object an object collective takes from a peer. Sizes are announced by
+#: the peers before the bytes follow, so they are checked before anything is allocated.
+MAX_OBJECT_SIZE = 1 << 40
+
+
+def _checked_sizes(sizes: Array, op: str, root: int | None = None) -> list[int]:
+    """The announced sizes as ints, each in ``[0, MAX_OBJECT_SIZE]``.
+
+    Raises:
+        DistProtocolError: a peer announced a negative or oversized object.
+    """
+    out = sizes.tolist()
+    for i, n in enumerate(out):
+        if not 0 <= n <= MAX_OBJECT_SIZE:
+            who = f"rank {root}" if root is not None else f"group rank {i}"
+            raise DistProtocolError(
+                f"{op}: {who} announced a pickled object of {n} bytes (the limit is "
+                f"{MAX_OBJECT_SIZE}): a corrupted stream or a peer that is not aiodist"
+            )
+    return [int(n) for n in out]
+
+
+def _bytes(shape: int | tuple[int, int], op: str) -> Array:
+    """Zeroed receive memory for pickled objects; a clear error when it cannot be had.
+
+    Raises:
+        DistError: the memory cannot be allocated.
+    """
+    try:
+        return np.zeros(shape, np.uint8)
+    except (MemoryError, ValueError) as exc:
+        raise DistError(
+            f"{op}: cannot allocate {shape} bytes for the peers' objects: {exc}"
+        ) from exc
+
+
 def _loads(buf: Array, name: str) -> Any:
     try:
         return pickle.loads(buf.tobytes())
@@ -465,7 +501,12 @@ def broadcast_object_list(pg: ProcessGroup, object_list: object, root: int) -> W
 
     async def body(c_sizes: OpComm, c_data: OpComm) -> list[Any]:
         await collectives.broadcast(c_sizes, sizes, root)
-        data = np.concatenate(payloads) if pg.rank == root else np.empty(int(sizes.sum()), np.uint8)
+        if pg.rank == root:
+            data = np.concatenate(payloads)
+        else:
+            data = _bytes(
+                sum(_checked_sizes(sizes, "broadcast_object_list", root)), "broadcast_object_list"
+            )
         await collectives.broadcast(c_data, data, root)
         if pg.rank != root:
             offsets = np.cumsum([0, *sizes.tolist()])
@@ -487,8 +528,9 @@ def all_gather_object(pg: ProcessGroup, object_list: object, obj: object) -> Wor
         await collectives.all_gather(
             c_sizes, _flat_rows(sizes, pg.size), np.array([mine.size], np.int64)
         )
-        rows = np.zeros((pg.size, int(sizes.max())), np.uint8)
-        await collectives.all_gather(c_data, list(rows), _padded([mine], rows.shape[1])[0])
+        width = max(_checked_sizes(sizes, "all_gather_object"))
+        rows = _bytes((pg.size, width), "all_gather_object")
+        await collectives.all_gather(c_data, list(rows), _padded([mine], width)[0])
         for i in range(pg.size):
             objs[i] = _loads(rows[i, : sizes[i]], f"object from group rank {i}")
         return objs
@@ -514,8 +556,8 @@ def gather_object(
         await collectives.all_gather(
             c_sizes, _flat_rows(sizes, pg.size), np.array([mine.size], np.int64)
         )
-        width = int(sizes.max())
-        rows = np.zeros((pg.size, width), np.uint8) if objs is not None else None
+        width = max(_checked_sizes(sizes, "gather_object"))
+        rows = _bytes((pg.size, width), "gather_object") if objs is not None else None
         await collectives.gather(
             c_data, None if rows is None else list(rows), _padded([mine], width)[0], root
         )
@@ -547,8 +589,8 @@ def scatter_object_list(
 
     async def body(c_sizes: OpComm, c_data: OpComm) -> list[Any]:
         await collectives.broadcast(c_sizes, sizes, root)
-        width = int(sizes.max())
-        row = np.zeros(width, np.uint8)
+        width = max(_checked_sizes(sizes, "scatter_object_list", root))
+        row = _bytes(width, "scatter_object_list")
         rows = list(_padded(payloads, width)) if pg.rank == root else None
         await collectives.scatter(c_data, row, rows, root)
         outs[0] = _loads(row[: sizes[pg.rank]], "scattered object")
