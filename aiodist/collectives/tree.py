@@ -32,8 +32,9 @@ async def broadcast(
     """Copy ``x`` of rank ``root`` into ``x`` of every other rank.
 
     A binomial tree (``ceil(log2 n)`` rounds; the root feeds the largest subtree first).
-    Messages are cut into chunks and every rank forwards a chunk to its children as soon as
-    it has it, so for large messages the levels of the tree work at the same time.
+    With more than two ranks messages are cut into chunks and every rank forwards a chunk
+    to its children as soon as it has it, so for large messages the levels of the tree work
+    at the same time.
 
     Args:
         comm: This operation's view of the group.
@@ -51,8 +52,9 @@ async def broadcast(
     vrank = (comm.rank - root) % n
     parent, children = binomial_tree(vrank, n)
     xb = byte_view(x)
-    pieces = split(x.nbytes, num_chunks(x.nbytes, chunk_size(chunk_bytes)))
-    nchunks = len(pieces)
+    # Chunks only pay where a rank forwards what it receives (more than two ranks).
+    nchunks = num_chunks(x.nbytes, chunk_size(chunk_bytes)) if n > 2 else 1
+    pieces = split(x.nbytes, nchunks)
     targets = [(child + root) % n for child in children]
     handshake = x.nbytes >= READY_BYTES
     have = [parent is None] * nchunks
