@@ -1,0 +1,54 @@
+"""A hand-written peer that speaks the transport's wire format byte by byte.
+
+It follows the layout documented in ``aiodist/transport/tcp.py`` independently of the
+implementation, so tests can act as a well-behaved, a hostile or a broken rank.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import struct
+from typing import Any
+
+from aiodist._auth import auth_mac
+
+MAGIC = b"AIOD"
+VERSION = 2
+HELLO, ACCEPT, REJECT, REFUSED = 0, 1, 2, 3
+FLAG_AUTH = 1
+HANDSHAKE = struct.Struct("<4sHHHII32s32s")
+HEADER = struct.Struct("<QQQQ")
+IDS = struct.Struct("<III")
+
+
+def hello(rank: int, world_size: int, *, auth: bool, nonce: bytes = b"") -> bytes:
+    """The connecting side's first 82 bytes."""
+    flags = FLAG_AUTH if auth else 0
+    return HANDSHAKE.pack(MAGIC, VERSION, HELLO, flags, rank, world_size, nonce, b"")
+
+
+def frame(tag: tuple[int, int, int], payload: bytes) -> bytes:
+    """One frame: a 32-byte header and the payload."""
+    return HEADER.pack(*tag, len(payload)) + payload
+
+
+async def connect(
+    address: tuple[str, int], rank: int, peer: int, world_size: int, token: bytes | None
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, tuple[Any, ...], bool]:
+    """Connect to rank ``peer`` as rank ``rank`` and run the handshake (with ``token``).
+
+    Returns the stream pair, the peer's answer (magic, version, kind, flags, rank, world
+    size, nonce, proof) and whether its proof checked out with ``token``. Our own proof is
+    sent either way, so a wrong token can be tried on the other side.
+    """
+    reader, writer = await asyncio.open_connection(*address)
+    nonce = os.urandom(32)
+    writer.write(hello(rank, world_size, auth=token is not None, nonce=nonce))
+    reply = HANDSHAKE.unpack(await reader.readexactly(HANDSHAKE.size))
+    verified = False
+    if token is not None and reply[2] == ACCEPT:
+        ids = IDS.pack(rank, peer, world_size)
+        verified = reply[7] == auth_mac(token, b"peer/accept", nonce, reply[6] + ids)
+        writer.write(auth_mac(token, b"peer/connect", reply[6], nonce + ids))
+    return reader, writer, reply, verified
