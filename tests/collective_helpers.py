@@ -40,6 +40,16 @@ async def run_tcp(n: int, fn: RankFn, *, seq: int = 0, group_id: int = 0) -> lis
             await t.aclose()
 
 
+async def make_world(kind: str, n: int) -> list[Transport]:
+    """``n`` connected transports of ``kind`` (``"local"`` or ``"tcp"``); close them after."""
+    if kind == "local":
+        return list(LocalTransport.create_world(n))
+    store = HashStore()
+    return list(
+        await asyncio.gather(*(TCPTransport.create(store, r, n, timeout=10) for r in range(n)))
+    )
+
+
 #: The ways to run a world, by name (for test parametrization).
 RUNNERS = {"local": run_local, "tcp": run_tcp}
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from collective_helpers import RUNNERS, numpy_reduce, run_on, sample
+from collective_helpers import RUNNERS, make_world, numpy_reduce, run_on, sample
 
 from aiodist import collectives as coll
 from aiodist._ops import ReduceOp
@@ -277,10 +277,11 @@ async def test_barrier_waits_for_every_rank(run: Runner, n: int) -> None:
     assert min(left) >= max(entered)
 
 
-async def test_thousand_concurrent_all_reduces() -> None:
+@pytest.mark.parametrize("kind", sorted(RUNNERS))
+async def test_thousand_concurrent_all_reduces(kind: str) -> None:
     """1000 operations in flight at once on one group, told apart by sequence number."""
     n = 4
-    world = LocalTransport.create_world(n)
+    world = await make_world(kind, n)
     ranks = list(range(n))
     arrays = {(r, s): np.full(3, s * (r + 1), np.int64) for r in range(n) for s in range(1000)}
 
@@ -293,11 +294,13 @@ async def test_thousand_concurrent_all_reduces() -> None:
         order = list(range(1000)) if r % 2 == 0 else list(reversed(range(1000)))
         await asyncio.gather(*(ops[s] for s in order))
 
-    await asyncio.gather(*(rank(r) for r in range(n)))
+    try:
+        await asyncio.gather(*(rank(r) for r in range(n)))
+    finally:
+        for t in world:
+            await t.aclose()
     for (_r, s), a in arrays.items():
         assert a.tolist() == [s * 10] * 3
-    for t in world:
-        await t.aclose()
 
 
 async def test_size_mismatch_fails_with_usage_error() -> None:

@@ -108,6 +108,13 @@ async def pair_all_reduce_pipelined(
     receive posted when the slot frees, on both ranks alike, so chunks arrive where a
     receive waits for them.
 
+    Args:
+        comm: This operation's view of a two-rank group.
+        x: C-contiguous array, same shape and dtype on both ranks; reduced in place.
+        op: A reduction that ``x.dtype`` can take.
+        chunk_bytes: Pipelining unit in bytes (default 512 KiB).
+        slots: Chunks in flight at once (scratch memory: slots x chunk).
+
     Raises:
         DistNetworkError: the peer was lost.
         DistUsageError: the peers' arrays differ in size.
