@@ -236,6 +236,8 @@ async def test_server_without_client_serves_several_stores_and_clone() -> None:
 
 
 async def test_bad_arguments() -> None:
+    with pytest.raises(aiodist.DistUsageError, match=r"await aiodist.TCPStore.create\(host_name"):
+        aiodist.TCPStore("127.0.0.1", 29500)  # type: ignore[arg-type]
     with pytest.raises(aiodist.DistUsageError, match=r"wire must be 'auto', 'aiodist' or 'torch'"):
         await aiodist.TCPStore.create("127.0.0.1", 0, is_master=True, wire="grpc")  # type: ignore[arg-type]
     with pytest.raises(aiodist.DistUsageError, match=r"max_key_size must be an integer"):

@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, cast
 
-from .._timeouts import Timeout, to_seconds
+from .._timeouts import DEFAULT_STORE_TIMEOUT, Timeout, to_seconds
 from ..errors import (
     DistNetworkError,
     DistProtocolError,
@@ -790,13 +790,18 @@ class TCPStore(Store):
     def __init__(
         self,
         channel: _Channel,
-        host: str,
-        port: int,
-        timeout: Timeout,
+        host: str = "",
+        port: int = 0,
+        timeout: Timeout = None,
         *,
         server: TCPStoreServer | None = None,
         token: bytes | None = None,
     ) -> None:
+        if not isinstance(channel, _Channel):
+            raise DistUsageError(
+                "make a TCPStore with `await aiodist.TCPStore.create(host_name, port, ...)` "
+                "(aiodist.sync.TCPStore is the blocking form with torch's constructor)"
+            )
         super().__init__(timeout)
         self._channel = channel
         self.host = host
@@ -866,7 +871,7 @@ class TCPStore(Store):
             isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1
         ):
             raise DistUsageError(f"TCPStore world_size must be a positive int, got {world_size!r}")
-        seconds = to_seconds(timeout, cls.DEFAULT_TIMEOUT)
+        seconds = to_seconds(timeout, DEFAULT_STORE_TIMEOUT)
         token = resolve_token(auth_token)
         server = None
         connect_host = host_name
@@ -895,8 +900,6 @@ class TCPStore(Store):
                 await server.aclose()
             raise
         return store
-
-    DEFAULT_TIMEOUT = 300.0
 
     # -- helpers -------------------------------------------------------------------------
     def _key(self, key: str) -> bytes:
