@@ -114,6 +114,7 @@ class _Conn(asyncio.Protocol):
         self.sink: _Sink | None = None
         self.error: BaseException | None = None
         self.is_lost = False
+        self.closed_here = False
         self._need = 0
         self._need_future: asyncio.Future[None] | None = None
 
@@ -143,6 +144,8 @@ class _Conn(asyncio.Protocol):
             self.sink.lost(self)
 
     def lost_error(self) -> DistNetworkError:
+        if self.closed_here:
+            return DistNetworkError(f"the connection to the store at {self.where} was closed")
         return _lost(self.where, self.error)
 
     def write(self, data: bytes) -> None:
@@ -166,6 +169,7 @@ class _Conn(asyncio.Protocol):
         return data
 
     def close(self) -> None:
+        self.closed_here = True
         if self.transport is not None:
             self.transport.close()
 
@@ -514,7 +518,7 @@ class _TorchChannel(_Channel, _Sink):
         for i, (future, _parser, add_key) in enumerate(fifo):
             if future.done():
                 continue
-            if i == 0 and add_key is not None and conn.error is None:
+            if i == 0 and add_key is not None and conn.error is None and not conn.closed_here:
                 self._reopen = True
                 future.set_exception(
                     DistStoreError(
@@ -886,6 +890,7 @@ class TCPStore(Store):
             port = server.port
             if server.host in ("0.0.0.0", "::"):
                 connect_host = "127.0.0.1" if server.host == "0.0.0.0" else "::1"
+        channel: _Channel | None = None
         try:
             channel = await _open_channel(
                 connect_host, port, wire, token, seconds, max_key_size, max_value_size
@@ -896,6 +901,8 @@ class TCPStore(Store):
                 if server is not None and wait_for_workers:
                     await server.wait_for_count(_JOIN_KEY, world_size, seconds)
         except BaseException:
+            if channel is not None:
+                channel.close()
             if server is not None:
                 await server.aclose()
             raise
