@@ -287,3 +287,13 @@ async def test_env_rendezvous_with_an_agent_store(monkeypatch: pytest.MonkeyPatc
         assert await agent.get("r2") == b"2"
     finally:
         await agent.aclose()
+
+
+async def test_tcp_rendezvous_without_a_server_fails_within_its_timeout() -> None:
+    import time
+
+    port = _free_port()  # nothing listens there
+    start = time.monotonic()
+    with pytest.raises(aiodist.DistNetworkError, match=f"127.0.0.1:{port}"):
+        await rendezvous(f"tcp://127.0.0.1:{port}?rank=1&world_size=2", timeout=0.5)
+    assert time.monotonic() - start < 5
