@@ -41,6 +41,7 @@ __all__ = [
     "NON_GROUP_MEMBER",
     "Backend",
     "FileStore",
+    "GroupMember",
     "HashStore",
     "P2POp",
     "PrefixStore",
@@ -69,10 +70,15 @@ __all__ = [
     "get_process_group_ranks",
     "get_rank",
     "get_world_size",
+    "group",
     "init_process_group",
     "irecv",
     "is_available",
+    "is_backend_available",
+    "is_gloo_available",
     "is_initialized",
+    "is_nccl_available",
+    "is_torchelastic_launched",
     "isend",
     "monitored_barrier",
     "new_group",
@@ -620,17 +626,62 @@ class Backend(str):
     CUDA = "cuda"
     GLOO = "gloo"
     NCCL = "nccl"
+    _NAMES = (CPU, CUDA, GLOO, NCCL)
 
     def __new__(cls, name: str) -> Self:
         if not isinstance(name, str):
             raise DistUsageError(f"backend must be a string, got {type(name).__name__}")
-        _group.parse_backend(name)
-        return super().__new__(cls, name.lower())
+        value = name.strip().lower()
+        # A name check, as torch's: whether this build can run it is is_backend_available's.
+        for part in value.split(","):
+            device, _, impl = part.strip().rpartition(":")
+            if impl not in cls._NAMES or device not in ("", "cpu", "cuda"):
+                raise DistUsageError(
+                    f"unknown backend {name!r}: expected 'cpu' (alias 'gloo'), 'cuda' (alias "
+                    "'nccl') or a per-device form such as 'cpu:gloo,cuda:nccl'"
+                )
+        return super().__new__(cls, value)
 
 
 def is_available() -> bool:
     """Return ``True``: aiodist's process groups are always available."""
     return True
+
+
+def is_backend_available(backend: str) -> bool:
+    """Return whether ``init_process_group(backend)`` can work in this build."""
+    try:
+        _group.parse_backend(backend)
+    except DistUsageError:
+        return False
+    return True
+
+
+def is_gloo_available() -> bool:
+    """Return ``True``: ``"gloo"`` names the CPU backend."""
+    return is_backend_available("gloo")
+
+
+def is_nccl_available() -> bool:
+    """Return whether the CUDA backend (``"nccl"``) is available in this build."""
+    return is_backend_available("nccl")
+
+
+def is_torchelastic_launched() -> bool:
+    """Return whether a torchrun-style launcher started this process (``TORCHELASTIC_RUN_ID``)."""
+    return os.environ.get("TORCHELASTIC_RUN_ID") is not None
+
+
+class GroupMember:
+    """torch's group constants: ``WORLD`` (the default group) and ``NON_GROUP_MEMBER``."""
+
+    #: Passing ``group=GroupMember.WORLD`` (``None``) means the default group.
+    WORLD: ProcessGroup | None = None
+    NON_GROUP_MEMBER = NON_GROUP_MEMBER
+
+
+#: ``dist.group.WORLD``, as torch spells it.
+group = GroupMember
 
 
 def init_process_group(

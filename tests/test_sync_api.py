@@ -327,3 +327,18 @@ def test_destroy_leaves_no_thread_or_socket(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "clean"
+
+
+def test_torch_module_level_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert dist.is_available() and dist.is_gloo_available()
+    assert dist.is_backend_available("cpu:gloo,cuda:nccl")
+    assert not dist.is_backend_available("mpi")
+    assert dist.is_nccl_available() is False  # the CUDA backend is not in this build
+    assert dist.group.WORLD is None and dist.GroupMember.NON_GROUP_MEMBER is dist.NON_GROUP_MEMBER
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert not dist.is_torchelastic_launched()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    assert dist.is_torchelastic_launched()
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert dist.get_node_local_rank() == 3
+    assert dist.ReduceOp.SUM == 0 and dist.Backend("NCCL") == dist.Backend.NCCL
