@@ -131,13 +131,15 @@ class Work(Generic[T]):
     list), the sender's rank for a receive, and ``None`` for a barrier or a send.
     """
 
-    __slots__ = ("_future", "_group", "_task", "op", "seq")
+    __slots__ = ("_future", "_group", "_task", "label", "op", "seq")
 
-    def __init__(self, op: str, seq: int, group: ProcessGroup) -> None:
+    def __init__(self, op: str, seq: int, group: ProcessGroup, *, p2p: bool = False) -> None:
         #: The operation's name, e.g. ``"all_reduce"``.
         self.op = op
         #: The group sequence number (or the tag, for point-to-point operations).
         self.seq = seq
+        #: ``"seq N"`` or, for point-to-point operations, ``"tag N"``; used in messages.
+        self.label = f"{'tag' if p2p else 'seq'} {seq}"
         self._group = group
         self._future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
         self._task: asyncio.Task[None] | None = None
@@ -149,7 +151,8 @@ class Work(Generic[T]):
             state = f"failed ({type(self._future.exception()).__name__})"
         else:
             state = "completed"
-        return f"<Work {self.op} seq={self.seq} group={self._group.group_id} {state}>"
+        key = self.label.replace(" ", "=")
+        return f"<Work {self.op} {key} group={self._group.group_id} {state}>"
 
     def __await__(self) -> Generator[Any, None, T]:
         return self.wait().__await__()
@@ -183,7 +186,7 @@ class Work(Generic[T]):
                 self._group._fail(
                     self,
                     DistTimeoutError(
-                        f"{self.op} (seq {self.seq}) on {self._group!r} did not complete "
+                        f"{self.op} ({self.label}) on {self._group!r} did not complete "
                         f"within the wait timeout of {seconds:g} s"
                     ),
                 )
@@ -508,7 +511,7 @@ class ProcessGroup:
         """
         self.check_usable(op)
         transport, gid = self._world.transport, self.group_id | P2P_GROUP_BIT
-        return self._start(Work(op, tag, self), lambda: body(transport, gid))
+        return self._start(Work(op, tag, self, p2p=True), lambda: body(transport, gid))
 
     def _start(self, work: Work[T], make: Callable[[], Coroutine[Any, Any, T]]) -> Work[T]:
         loop = asyncio.get_running_loop()
@@ -558,7 +561,7 @@ class ProcessGroup:
             self._fail(
                 work,
                 DistTimeoutError(
-                    f"{work.op} (seq {work.seq}) on {self!r} did not complete within the "
+                    f"{work.op} ({work.label}) on {self!r} did not complete within the "
                     f"group timeout of {self.timeout:g} s"
                 ),
             )
@@ -567,7 +570,7 @@ class ProcessGroup:
         if work._future.done():
             return
         if not isinstance(exc, DistError):
-            wrapped = DistError(f"{work.op} (seq {work.seq}) failed: {type(exc).__name__}: {exc}")
+            wrapped = DistError(f"{work.op} ({work.label}) failed: {type(exc).__name__}: {exc}")
             wrapped.__cause__ = exc
             exc = wrapped
         _set_failed(work._future, exc)
