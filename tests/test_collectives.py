@@ -13,8 +13,9 @@ from collective_helpers import RUNNERS, make_world, numpy_reduce, run_on, sample
 
 from aiodist import collectives as coll
 from aiodist._ops import ReduceOp
+from aiodist.collectives._common import READY_STEP
 from aiodist.errors import DistNetworkError, DistUsageError
-from aiodist.transport.base import OpComm
+from aiodist.transport.base import OpComm, Transport
 from aiodist.transport.local import LocalTransport
 
 Runner = Callable[[int, Callable[[OpComm], Awaitable[Any]]], Awaitable[list[Any]]]
@@ -434,7 +435,7 @@ async def _large_round(run: Runner, n: int, seq: int) -> None:
 
 def _args(comm: OpComm, seq: int) -> tuple[Any, ...]:
     """Constructor arguments of another operation's OpComm on the same group."""
-    return (comm._transport, comm._ranks, comm.rank, 0, seq)
+    return (comm._transport, comm._ranks, comm.rank, 0, comm._seq + seq)
 
 
 @pytest.mark.parametrize("name", ["scatter", "gather", "broadcast", "reduce", "all_to_all"])
@@ -474,3 +475,46 @@ async def test_size_mismatch_across_ready_threshold_fails_fast(
     results = await asyncio.wait_for(run(2, guarded), 10)
     assert any(isinstance(r, DistUsageError) for r in results), results
     assert any("message size mismatch" in str(r) for r in results)
+
+
+class _LateSignals(Transport):
+    """A LocalTransport whose ready signals arrive 20 ms late: a rank may then receive
+    everything it needs before its neighbour's signal, and must still send its own part."""
+
+    def __init__(self, inner: LocalTransport) -> None:
+        self.inner = inner
+        self.rank = inner.rank
+        self.world_size = inner.world_size
+
+    def send(self, peer: int, tag: Any, data: memoryview) -> asyncio.Future[None]:
+        if tag[2] != READY_STEP:
+            return self.inner.send(peer, tag, data)
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        fut.set_result(None)
+        asyncio.get_running_loop().call_later(0.02, self.inner.send, peer, tag, data)
+        return fut
+
+    def recv_into(self, peer: int | None, tag: Any, out: memoryview) -> asyncio.Future[int]:
+        return self.inner.recv_into(peer, tag, out)
+
+    def abort(self, exc: BaseException) -> None:
+        self.inner.abort(exc)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+async def test_late_ready_signals(n: int) -> None:
+    world = [_LateSignals(t) for t in LocalTransport.create_world(n)]
+    try:
+        for seq in range(2):
+
+            def run(n: int, fn: Any, seq: int = seq) -> Any:
+                return run_on(world, fn, seq=10 * seq)
+
+            await asyncio.wait_for(_large_round(run, n, seq), 10)
+    finally:
+        await asyncio.sleep(0.05)  # let the delayed signals land before closing
+        for t in world:
+            await t.aclose()

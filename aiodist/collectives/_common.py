@@ -199,8 +199,11 @@ class Dataflow:
     Each received chunk is handled (reduced, forwarded) as soon as it lands, whatever the
     order of arrival, without a task per chunk. :meth:`on` registers a handler for a
     future; a handler calls :meth:`finish_one` when it completed one of the ``expected``
-    units of work. :meth:`wait` returns when all are done and every send has drained, or
-    raises the first failure (a failed future or a handler that raised).
+    units of work. :meth:`after_ready` counts its own unit: a rank may receive everything
+    it needs before its neighbour's ready signal arrives, and must still send its part
+    then. :meth:`wait` returns when all units are done and every send has drained, or
+    raises the first failure (a failed future or a handler that raised). Handlers of a
+    finished or failed operation do not run.
     """
 
     __slots__ = ("_done", "flight", "remaining")
@@ -209,8 +212,6 @@ class Dataflow:
         self._done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.flight = Flight()
         self.remaining = expected
-        if expected == 0:
-            self._done.set_result(None)
 
     def __repr__(self) -> str:
         return f"<Dataflow remaining={self.remaining} {self.flight!r}>"
@@ -236,8 +237,16 @@ class Dataflow:
         self, comm: OpComm, peer: int, handler: Callable[..., None], *args: Any
     ) -> None:
         """Call ``handler(*args)`` once ``peer`` signalled (:meth:`signal_ready`) that its
-        receives are posted."""
-        self.on(comm.recv_into(peer, READY_STEP, memoryview(bytearray())), handler, *args)
+        receives are posted; this is one more unit of work."""
+        # Only while work remains: a finished flow would never run the handler.
+        assert not self._done.done(), "after_ready on a finished Dataflow"
+        self.remaining += 1
+
+        def ready() -> None:
+            handler(*args)
+            self.finish_one()
+
+        self.on(comm.recv_into(peer, READY_STEP, memoryview(bytearray())), ready)
 
     def signal_ready(self, comm: OpComm, peer: int) -> None:
         """Tell ``peer`` that our receives for its data are posted."""
@@ -246,8 +255,8 @@ class Dataflow:
     def send_when_ready(self, comm: OpComm, peer: int, step: int, data: memoryview) -> None:
         """Send ``data`` to ``peer``: at once if small, else once ``peer`` signalled ready.
 
-        Takes ``peer``'s ready signal either way and counts as one unit of work, done when
-        the signal came.
+        Takes ``peer``'s ready signal either way (one unit of work, see
+        :meth:`after_ready`).
         """
         large = len(data) >= READY_BYTES
         if not large:
@@ -256,7 +265,6 @@ class Dataflow:
         def ready() -> None:
             if large:
                 self.flight.add(comm.send(peer, step, data))
-            self.finish_one()
 
         self.after_ready(comm, peer, ready)
 
@@ -269,6 +277,8 @@ class Dataflow:
     async def wait(self) -> None:
         """Wait for all the work and every tracked send; on failure clean up and raise."""
         try:
+            if self.remaining == 0 and not self._done.done():
+                self._done.set_result(None)
             await self._done
             await self.flight.drain()
         except BaseException:

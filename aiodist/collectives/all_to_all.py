@@ -40,7 +40,7 @@ async def all_to_all(
         DistUsageError: a block's size differs from the size its receiver expects.
     """
     n, rank = comm.size, comm.rank
-    flow = Dataflow(n - 1)
+    flow = Dataflow(0)
     try:
         # Every receive lands in its final place, so all are posted at once.
         for k in range(1, n):

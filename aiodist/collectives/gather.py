@@ -74,12 +74,14 @@ async def all_gather(
             view = views[(rank - s - 1) % n]
             for c, (lo, hi) in enumerate(pieces):
                 flow.on(comm.recv_into(left, s * nchunks + c, view[lo:hi]), on_block, s, c)
-        # Our own block first: while we copy, a late neighbour posts its receives.
-        await copy_into(outs[rank], x)
         if nbytes >= READY_BYTES:
+            # Registered before anything can finish the flow (the copy yields).
             flow.signal_ready(comm, left)
             flow.after_ready(comm, right, send_first)
+            await copy_into(outs[rank], x)
         else:
+            # Our own block first: while we copy, a late neighbour posts its receives.
+            await copy_into(outs[rank], x)
             send_first()
     except BaseException:
         flow.flight.abandon()
@@ -111,7 +113,7 @@ async def gather(
     """
     if outs is None and comm.rank == root:
         raise DistUsageError("gather needs output arrays on the root")
-    flow = Dataflow(0 if comm.rank == root else 1)
+    flow = Dataflow(0)
     try:
         if comm.rank == root:
             assert outs is not None
@@ -151,7 +153,7 @@ async def scatter(
     """
     if ins is None and comm.rank == root:
         raise DistUsageError("scatter needs input arrays on the root")
-    flow = Dataflow(comm.size - 1 if comm.rank == root else 0)
+    flow = Dataflow(0)
     try:
         if comm.rank == root:
             assert ins is not None

@@ -59,7 +59,7 @@ async def broadcast(
     handshake = x.nbytes >= READY_BYTES
     have = [parent is None] * nchunks
     ready = dict.fromkeys(targets, not handshake)
-    flow = Dataflow((0 if parent is None else nchunks) + len(targets))
+    flow = Dataflow(0 if parent is None else nchunks)
 
     def on_chunk(c: int) -> None:
         have[c] = True
@@ -75,7 +75,6 @@ async def broadcast(
             for c, (lo, hi) in enumerate(pieces):
                 if have[c]:
                     flow.flight.add(comm.send(peer, c, xb[lo:hi]))
-        flow.finish_one()
 
     try:
         if parent is not None:
@@ -137,7 +136,7 @@ async def reduce(
     if not sources:
         assert parent is not None
         dst = (parent + root) % n
-        leaf = Dataflow(1)
+        leaf = Dataflow(0)
 
         def send_all() -> None:
             for c, (lo, hi) in enumerate(pieces):
@@ -146,7 +145,6 @@ async def reduce(
         def on_ready() -> None:
             if handshake:
                 send_all()
-            leaf.finish_one()
 
         try:
             # Small messages go at once; the signal is taken either way (see READY_BYTES).
@@ -169,7 +167,7 @@ async def reduce(
     complete = [False] * len(pieces)
     upward = None if parent is None else (parent + root) % n
     parent_ready = [not handshake]
-    flow = Dataflow(len(pieces) + (0 if upward is None else 1))
+    flow = Dataflow(len(pieces))
 
     def send_up(c: int) -> None:
         assert upward is not None
@@ -182,7 +180,6 @@ async def reduce(
             for c in range(len(pieces)):
                 if complete[c]:
                     send_up(c)
-        flow.finish_one()
 
     def on_chunk(c: int) -> None:
         arrived[c] += 1
