@@ -418,7 +418,7 @@ class _Conn(asyncio.BufferedProtocol):
         # pause_writing ran inside write() if the transport kept any of the bytes.
         if self._write_paused:
             self._handed.append(fut)
-        else:
+        elif not fut.done():  # the sender may have given up on it (an aborted operation)
             fut.set_result(None)
 
     def _flush(self) -> None:
