@@ -14,6 +14,7 @@ import asyncio
 import functools
 import hmac
 import logging
+import math
 import os
 import socket
 import time
@@ -112,6 +113,19 @@ def _display(key: bytes) -> str:
 
 def _timeout_arg(seconds: float) -> float | None:
     return None if seconds < 0 else seconds
+
+
+def _read_timeout(r: Reader) -> float:
+    """A request's timeout in seconds: negative (or infinite) waits without limit.
+
+    Raises:
+        DistProtocolError: the timeout is NaN (as a timer deadline it would break the
+            ordering of every other client's timers on the loop).
+    """
+    seconds = r.f64()
+    if math.isnan(seconds):
+        raise DistProtocolError("the request's timeout is NaN")
+    return -1.0 if math.isinf(seconds) else seconds
 
 
 class _Connection(asyncio.Protocol):
@@ -366,7 +380,7 @@ class _Connection(asyncio.Protocol):
         self._reply(rid)
 
     def _op_get(self, rid: int, r: Reader) -> None:
-        timeout = r.f64()
+        timeout = _read_timeout(r)
         key = r.blob32(self._server.max_key_size, "key")
         value = self._state.get(key)
         if value is not None:
@@ -393,7 +407,7 @@ class _Connection(asyncio.Protocol):
         self._reply(rid, self._state.compare_set(key, expected, r.blob32(mv, "value")))
 
     def _op_wait(self, rid: int, r: Reader) -> None:
-        timeout = r.f64()
+        timeout = _read_timeout(r)
         keys = self._keys(r)
         if self._state.check(keys):
             self._reply(rid)
@@ -415,7 +429,7 @@ class _Connection(asyncio.Protocol):
 
     def _op_multi_get(self, rid: int, r: Reader) -> None:
         state = self._state
-        timeout = r.f64()
+        timeout = _read_timeout(r)
         keys = self._keys(r)
         if state.check(keys):
             self._reply(rid, *self._blobs([state.get(k) or b"" for k in keys]))
@@ -450,7 +464,7 @@ class _Connection(asyncio.Protocol):
         self._reply(rid)
 
     def _op_queue_pop(self, rid: int, r: Reader) -> None:
-        timeout = r.f64()
+        timeout = _read_timeout(r)
         block = r.u8()
         key = r.blob32(self._server.max_key_size, "key")
         value = self._state.queue_pop(key)
@@ -483,6 +497,11 @@ class _Connection(asyncio.Protocol):
         return [U32.pack(len(values)), *(blob32(v) for v in values)]
 
     def _spawn(self, rid: int, coro: Coroutine[Any, Any, list[bytes]]) -> None:
+        if rid in self._tasks:
+            # A second waiting request under one id would orphan the first one's task and
+            # waiter, which the disconnection could then no longer cancel.
+            coro.close()
+            raise DistProtocolError(f"request id {rid} is already used by a waiting request")
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks[rid] = task
         task.add_done_callback(functools.partial(self._waited, rid))
