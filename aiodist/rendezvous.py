@@ -146,7 +146,10 @@ async def rendezvous(
     rank = _check_int("rank", rank)
     world_size = _check_int("world_size", world_size)
     seconds = to_seconds(timeout)
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:  # e.g. an unbalanced "[" in the host
+        raise DistUsageError(f"rendezvous url {url!r} is malformed: {exc}") from None
     if not parts.scheme:
         raise DistUsageError(f"rendezvous url {url!r} has no scheme, e.g. env:// or tcp://")
     query = dict(parse_qsl(parts.query, keep_blank_values=True))
