@@ -18,7 +18,10 @@ fi
 .venv/bin/ruff format --check .
 .venv/bin/mypy aiodist
 
+# The whole suite takes a few minutes; the outer limit turns a hang that no per-test timeout
+# could interrupt into a failure instead of a stalled run.
+limit=(timeout --kill-after=30 1800)
 if unshare -n true 2>/dev/null; then
-  exec unshare -n bash -c 'ip link set lo up && exec .venv/bin/pytest "$@"' pytest "$@"
+  exec "${limit[@]}" unshare -n bash -c 'ip link set lo up && exec .venv/bin/pytest "$@"' pytest "$@"
 fi
-exec .venv/bin/pytest "$@"
+exec "${limit[@]}" .venv/bin/pytest "$@"
