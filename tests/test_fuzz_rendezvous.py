@@ -85,7 +85,9 @@ async def test_file_urls(tmp_path: Path, name: str, netloc: str, query: str) -> 
     await _try(f"file://{netloc}{tmp_path}/{safe}?{query}", -1, -1)
 
 
-@pytest.mark.parametrize("url", ["tcp://[:29500?rank=0&world_size=1", "file://[/tmp/x", "env://x]["])
+@pytest.mark.parametrize(
+    "url", ["tcp://[:29500?rank=0&world_size=1", "file://[/tmp/x", "env://x]["]
+)
 async def test_unbalanced_bracket_is_a_usage_error(url: str) -> None:
     """Found by fuzzing: urlsplit's ValueError escaped instead of a DistUsageError."""
     with pytest.raises(aiodist.DistUsageError, match=r"rendezvous url .* is malformed: "):
