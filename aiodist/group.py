@@ -58,6 +58,14 @@ DEFAULT_PG_TIMEOUT = 1800.0
 ABORT_REASON_WAIT = 1.0
 _ABORT_KEY = "abort"
 
+#: Seconds a rank whose operation timed out waits for the other ranks to record that they
+#: entered it too (``arrived/<group>/<seq>/<rank>``), to name those that did not.
+ARRIVAL_GRACE = 1.0
+
+#: Each rank watches the abort key with a server-side wait renewed this often: a rank that
+#: aborts wakes every other rank at once, whether or not they have a connection to it.
+_WATCH_PERIOD = 3600.0
+
 #: Point-to-point messages of group ``g`` travel under group id ``g | P2P_GROUP_BIT`` with
 #: the user's tag as sequence number, so they never meet a collective's messages.
 P2P_GROUP_BIT = 1 << 31
@@ -183,13 +191,7 @@ class Work(Generic[T]):
             # the operation running.
             await asyncio.wait([self._future], timeout=seconds)
             if not self._future.done():
-                self._group._fail(
-                    self,
-                    DistTimeoutError(
-                        f"{self.op} ({self.label}) on {self._group!r} did not complete "
-                        f"within the wait timeout of {seconds:g} s"
-                    ),
-                )
+                self._group._fail(self, self._group._timeout_error(self, "wait", seconds, None))
         return self._future.result()
 
     def is_completed(self) -> bool:
@@ -269,7 +271,39 @@ class World:
         self.broken: BaseException | None = None
         self.closed = False
         self._publishing: asyncio.Task[None] | None = None
+        self._watcher: asyncio.Task[None] | None = None
         self.default_group = ProcessGroup(self, range(self.size), 0, backend, timeout)
+
+    def start_watching(self) -> None:
+        """Start the task that aborts this world when another rank aborts or the store goes."""
+        if self._watcher is None and self.size > 1:
+            self._watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        # A failure seen by one rank must reach every rank, including those with no
+        # connection to the one that failed (rings connect neighbours only): every rank
+        # parks a wait for the abort key on the store, which costs nothing until it fires.
+        try:
+            while True:
+                try:
+                    await self.store.wait([_ABORT_KEY], _WATCH_PERIOD)
+                    break
+                except DistTimeoutError:
+                    continue
+            reason = (await self.store.get(_ABORT_KEY)).decode(errors="replace")
+        except DistNetworkError as exc:
+            # Losing the store is a failure of the job too (the rank hosting it died, or
+            # its server): every later rendezvous, group creation and abort needs it.
+            if not self.closed:
+                lost = DistNetworkError(f"rank {self.rank}: lost the store: {exc}")
+                lost.__cause__ = exc
+                self.abort(lost)
+            return
+        except DistError as exc:
+            logger.warning("rank %d: watching the abort key failed: %s", self.rank, exc)
+            return
+        if not self.closed and not reason.startswith(f"rank {self.rank}:"):
+            self.abort(DistNetworkError(f"the group was aborted by {reason}"))
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "broken" if self.broken else "open"
@@ -319,6 +353,9 @@ class World:
         if self.closed:
             return
         self.closed = True
+        if self._watcher is not None:
+            self._watcher.cancel()
+            await asyncio.gather(self._watcher, return_exceptions=True)
         cause = DistUsageError("the process group was destroyed while the operation ran")
         pending: list[asyncio.Task[None]] = []
         for group in self.groups:
@@ -382,6 +419,8 @@ class ProcessGroup:
         # Operations in flight, in issue order, with their deadlines (group timeout).
         self._inflight: dict[Work[Any], float] = {}
         self._watchdog: asyncio.TimerHandle | None = None
+        # Operations past their deadline, while the ranks that entered them are counted.
+        self._expiring: dict[Work[Any], asyncio.Task[None]] = {}
         self._destroyed = False
         world.groups.append(self)
 
@@ -539,6 +578,10 @@ class ProcessGroup:
                 _set_failed(work._future, DistUsageError(f"{work.op} was cancelled"))
             raise
         except Exception as exc:
+            if work in self._expiring:
+                # Timed out here already: the timeout, not the abort of a rank that timed
+                # out a moment earlier, is this operation's error.
+                return
             if isinstance(exc, DistNetworkError) and self._world.broken is None:
                 # A peer went away: if it aborted on purpose, say why.
                 reason = await self._world.abort_reason()
@@ -555,16 +598,62 @@ class ProcessGroup:
         self._watchdog = None
         now = asyncio.get_running_loop().time()
         for work, deadline in list(self._inflight.items()):
+            if work in self._expiring:
+                continue
             if deadline > now:
                 self._watchdog = asyncio.get_running_loop().call_at(deadline, self._check_deadlines)
                 return
-            self._fail(
-                work,
-                DistTimeoutError(
-                    f"{work.op} ({work.label}) on {self!r} did not complete within the "
-                    f"group timeout of {self.timeout:g} s"
-                ),
-            )
+            self._expiring[work] = asyncio.get_running_loop().create_task(self._expire(work))
+
+    async def _expire(self, work: Work[Any]) -> None:
+        try:
+            missing = None if work.label.startswith("tag") else await self._not_arrived(work.seq)
+            assert self.timeout is not None  # only operations with a deadline expire
+            self._fail(work, self._timeout_error(work, "group", self.timeout, missing))
+        finally:
+            self._expiring.pop(work, None)
+
+    async def _not_arrived(self, seq: int) -> list[int] | None:
+        """Return the group ranks that did not record entering operation ``seq`` in time.
+
+        Every rank whose operation times out records that it entered it, then waits up to
+        :data:`ARRIVAL_GRACE` for the others (their deadlines pass at about the same time).
+        ``None`` if the store cannot be reached.
+        """
+        loop = asyncio.get_running_loop()
+        store, prefix = self._world.store, f"arrived/{self.group_id}/{seq}/"
+        try:
+            await store.set(f"{prefix}{self.rank}", b"1")
+            pending = [r for r in range(self.size) if r != self.rank]
+            end = loop.time() + ARRIVAL_GRACE
+            while True:
+                pending = [r for r in pending if not await store.check([f"{prefix}{r}"])]
+                if not pending or loop.time() >= end:
+                    return pending
+                await asyncio.sleep(0.02)
+        except DistError as exc:
+            logger.warning("rank %d: could not count the ranks that arrived: %s", self.rank, exc)
+            return None
+
+    def _timeout_error(
+        self, work: Work[Any], kind: str, seconds: float, missing: list[int] | None
+    ) -> DistTimeoutError:
+        """Build the error of ``work`` timing out: op, sequence number, ranks, time waited."""
+        text = (
+            f"{work.op} ({work.label}) on {self!r} did not complete within the {kind} "
+            f"timeout of {seconds:g} s"
+        )
+        if missing is not None:
+            text += f"; ranks that did not arrive: {missing or 'none'}"
+        group = self.group_id | P2P_GROUP_BIT if work.label.startswith("tag") else self.group_id
+        waiting = [
+            self._group_rank_of[p]
+            for p in self._world.transport.waiting_for(group, work.seq)
+            if p in self._group_rank_of
+        ]
+        if waiting:
+            text += f"; still waiting for messages from ranks {waiting}"
+        return DistTimeoutError(text)
 
     def _fail(self, work: Work[Any], exc: BaseException) -> None:
         if work._future.done():
@@ -601,6 +690,11 @@ class ProcessGroup:
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
+        for work, expiring in self._expiring.items():
+            if not work._future.done():
+                _set_failed(work._future, cause)
+            expiring.cancel()
+            tasks.append(expiring)
         for work in list(self._inflight):
             if not work._future.done():
                 _set_failed(work._future, cause)
@@ -691,6 +785,8 @@ def start_world(
         timeout=to_seconds(timeout, DEFAULT_PG_TIMEOUT),
         owned=owned,
     )
+    with contextlib.suppress(RuntimeError):  # no running loop: nothing to watch with
+        world.start_watching()
     _current_world.set(world)
     return world.default_group
 

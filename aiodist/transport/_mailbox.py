@@ -228,6 +228,16 @@ class Mailbox:
         """Return whether any receive waits for a message."""
         return bool(self._posted) or bool(self._posted_any)
 
+    def waiting_for(self, group: int, seq: int) -> list[int]:
+        """Return the peers with a posted receive for a step of operation ``(group, seq)``."""
+        return sorted(
+            {
+                peer
+                for (peer, tag), queue in self._posted.items()
+                if tag[0] == group and tag[1] == seq and any(not r.fut.done() for r in queue)
+            }
+        )
+
     def lost(self, peer: int) -> BaseException | None:
         """Return the error that ended ``peer``'s connection, if it was lost."""
         return self._exc if self._exc is not None else self._lost.get(peer)

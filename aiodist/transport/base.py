@@ -62,6 +62,15 @@ class Transport(abc.ABC):
         harmless.
         """
 
+    def waiting_for(self, group: int, seq: int) -> list[int]:
+        """Return the peers whose messages of operation ``(group, seq)`` are still awaited.
+
+        Used to name the ranks an operation that timed out was waiting for. Transports
+        without a mailbox return an empty list.
+        """
+        mailbox = getattr(self, "_mailbox", None)
+        return [] if mailbox is None else mailbox.waiting_for(group, seq)
+
     @abc.abstractmethod
     async def aclose(self) -> None:
         """Close every connection and listener in order. Closing twice is harmless.
