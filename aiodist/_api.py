@@ -166,6 +166,11 @@ async def init_process_group(
             await s.aclose()
         raise
     logger.debug("rank %d/%d joined %s", rank, world_size, prefixed.prefix)
+    if os.environ.get("AIODIST_FR_DUMP_DIR"):
+        # Opted in through the environment (aiodist-run passes it on to its workers).
+        from .debug import install_signal_handler
+
+        install_signal_handler()
     return start_world(transport, prefixed, backend=name, timeout=seconds, owned=owned)
 
 

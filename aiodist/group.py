@@ -23,7 +23,9 @@ import math
 from collections.abc import Callable, Coroutine, Generator, Iterable, Sequence
 from typing import Any, Generic, TypeVar
 
+from ._fingerprint import NO_FINGERPRINT
 from ._timeouts import Timeout, to_seconds
+from .debug import FlightRecorder, OpRecord
 from .errors import DistError, DistNetworkError, DistTimeoutError, DistUsageError
 from .store import Store
 from .transport.base import OpComm, Transport
@@ -139,7 +141,7 @@ class Work(Generic[T]):
     list), the sender's rank for a receive, and ``None`` for a barrier or a send.
     """
 
-    __slots__ = ("_future", "_group", "_task", "label", "op", "seq")
+    __slots__ = ("_future", "_group", "_record", "_task", "label", "op", "seq")
 
     def __init__(self, op: str, seq: int, group: ProcessGroup, *, p2p: bool = False) -> None:
         #: The operation's name, e.g. ``"all_reduce"``.
@@ -151,6 +153,7 @@ class Work(Generic[T]):
         self._group = group
         self._future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
         self._task: asyncio.Task[None] | None = None
+        self._record: OpRecord | None = None
 
     def __repr__(self) -> str:
         if not self._future.done():
@@ -270,6 +273,9 @@ class World:
         self.groups: list[ProcessGroup] = []
         self.broken: BaseException | None = None
         self.closed = False
+        #: The last operations of this rank (see :mod:`aiodist.debug`).
+        self.recorder = FlightRecorder(self.rank, self.size)
+        transport.set_mismatch_handler(self._on_mismatch)
         self._publishing: asyncio.Task[None] | None = None
         self._watcher: asyncio.Task[None] | None = None
         self.default_group = ProcessGroup(self, range(self.size), 0, backend, timeout)
@@ -308,6 +314,15 @@ class World:
     def __repr__(self) -> str:
         state = "closed" if self.closed else "broken" if self.broken else "open"
         return f"<World rank={self.rank}/{self.size} backend={self.backend} {state}>"
+
+    def _on_mismatch(self, group_id: int, seq: int, exc: DistUsageError) -> None:
+        # A peer called another collective than this rank under (group, seq): that
+        # operation fails with the mismatch, and the world is aborted so nobody waits.
+        for group in self.groups:
+            if group.group_id == group_id:
+                group._fail_seq(seq, exc)
+                return
+        self.abort(exc)
 
     def allocate_group_id(self) -> int:
         """Return the next group id; every rank allocates ids in the same order."""
@@ -520,11 +535,14 @@ class ProcessGroup:
         body: Callable[..., Coroutine[Any, Any, T]],
         *,
         nseq: int = 1,
+        fingerprint: bytes = NO_FINGERPRINT,
     ) -> Work[T]:
         """Start collective ``op`` as a task and return its :class:`Work`.
 
         ``body`` is called with ``nseq`` :class:`OpComm` objects, one per sequence number
         reserved for the operation (an object collective runs two algorithms in a row).
+        ``fingerprint`` (see :mod:`aiodist._fingerprint`) travels with every message of the
+        operation, so that a rank that called something else is told so.
 
         Raises:
             DistUsageError: the group was destroyed.
@@ -537,7 +555,12 @@ class ProcessGroup:
             OpComm(self._world.transport, self.ranks, self.rank, self.group_id, first + i)
             for i in range(nseq)
         ]
-        return self._start(Work(op, first, self), lambda: body(*comms))
+        work: Work[T] = Work(op, first, self)
+        transport, gid = self._world.transport, self.group_id
+        for i in range(nseq):
+            transport.begin_op(gid, first + i, fingerprint)
+        work._record = self._world.recorder.record(op, gid, first, fingerprint, self.ranks)
+        return self._start(work, lambda: body(*comms), nseq)
 
     def launch_p2p(
         self, op: str, tag: int, body: Callable[[Transport, int], Coroutine[Any, Any, T]]
@@ -550,9 +573,15 @@ class ProcessGroup:
         """
         self.check_usable(op)
         transport, gid = self._world.transport, self.group_id | P2P_GROUP_BIT
-        return self._start(Work(op, tag, self, p2p=True), lambda: body(transport, gid))
+        work: Work[T] = Work(op, tag, self, p2p=True)
+        work._record = self._world.recorder.record(
+            op, self.group_id, tag, NO_FINGERPRINT, self.ranks, p2p=True
+        )
+        return self._start(work, lambda: body(transport, gid), 0)
 
-    def _start(self, work: Work[T], make: Callable[[], Coroutine[Any, Any, T]]) -> Work[T]:
+    def _start(
+        self, work: Work[T], make: Callable[[], Coroutine[Any, Any, T]], nseq: int
+    ) -> Work[T]:
         loop = asyncio.get_running_loop()
         if self.timeout is None:
             self._inflight[work] = math.inf
@@ -565,11 +594,32 @@ class ProcessGroup:
         # The coroutine is made inside the task: a task cancelled before its first step
         # (destroy right after issuing) then leaves no never-awaited coroutine behind.
         task = asyncio.get_running_loop().create_task(self._run(work, make))
-        task.add_done_callback(lambda _: self._inflight.pop(work, None))
+        task.add_done_callback(lambda _: self._finished(work, nseq))
         work._task = task
         return work
 
+    def _finished(self, work: Work[Any], nseq: int) -> None:
+        self._inflight.pop(work, None)
+        transport = self._world.transport
+        for i in range(nseq):
+            transport.end_op(self.group_id, work.seq + i)
+        rec = work._record
+        if rec is not None:
+            fut = work._future
+            rec.finish(fut.exception() if fut.done() else DistError("ended without a result"))
+
+    def _fail_seq(self, seq: int, exc: DistUsageError) -> None:
+        # The collective in flight that holds sequence number ``seq`` (an object collective
+        # holds two) fails with ``exc``; the world is aborted either way.
+        for work in reversed(list(self._inflight)):
+            if not work.label.startswith("tag") and work.seq <= seq:
+                self._fail(work, exc)
+                return
+        self._world.abort(exc)
+
     async def _run(self, work: Work[T], make: Callable[[], Coroutine[Any, Any, T]]) -> None:
+        if work._record is not None:
+            work._record.start()
         try:
             result = await make()
         except asyncio.CancelledError:
@@ -663,6 +713,8 @@ class ProcessGroup:
             wrapped.__cause__ = exc
             exc = wrapped
         _set_failed(work._future, exc)
+        if isinstance(exc, DistTimeoutError):
+            self._world.recorder.dump_on_timeout()
         self._world.abort(exc)
         task = work._task
         if task is not None and task is not asyncio.current_task():

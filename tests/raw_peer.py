@@ -14,11 +14,12 @@ from typing import Any
 from aiodist._auth import auth_mac
 
 MAGIC = b"AIOD"
-VERSION = 2
+VERSION = 3
 HELLO, ACCEPT, REJECT, REFUSED = 0, 1, 2, 3
 FLAG_AUTH = 1
 HANDSHAKE = struct.Struct("<4sHHHII32s32s")
-HEADER = struct.Struct("<QQQQ")
+# group, seq, step, payload length, then a 32-byte fingerprint (zeros: not checked)
+HEADER = struct.Struct("<QQQQ32x")
 IDS = struct.Struct("<III")
 
 
@@ -29,7 +30,7 @@ def hello(rank: int, world_size: int, *, auth: bool, nonce: bytes = b"") -> byte
 
 
 def frame(tag: tuple[int, int, int], payload: bytes) -> bytes:
-    """One frame: a 32-byte header and the payload."""
+    """One frame: a 64-byte header and the payload."""
     return HEADER.pack(*tag, len(payload)) + payload
 
 

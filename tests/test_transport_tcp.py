@@ -393,7 +393,7 @@ async def test_peer_answering_garbage_is_a_protocol_error() -> None:
     try:
         with pytest.raises(
             aiodist.DistProtocolError,
-            match=r"speaks transport protocol version 99, this rank 2",
+            match=r"speaks transport protocol version 99, this rank 3",
         ):
             await t0.send(1, T, memoryview(b"x"))
         with pytest.raises(aiodist.DistProtocolError):

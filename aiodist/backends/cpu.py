@@ -21,6 +21,7 @@ import numpy.typing as npt
 
 from .. import collectives
 from .._arrays import as_array, byte_view
+from .._fingerprint import fingerprint
 from .._ops import check_reduce_op
 from .._timeouts import Timeout, to_seconds
 from ..errors import DistError, DistProtocolError, DistTimeoutError, DistUsageError
@@ -55,6 +56,11 @@ Array = npt.NDArray[Any]
 
 #: The largest user tag of a point-to-point message (tags travel as unsigned 64-bit).
 MAX_TAG = 2**63 - 1
+
+# Fingerprints of the calls that have no arguments to compare.
+_BARRIER_FP = fingerprint("barrier")
+_MONITORED_BARRIER_FP = fingerprint("monitored_barrier")
+_ALL_GATHER_OBJECT_FP = fingerprint("all_gather_object")
 
 
 # -- argument checks ----------------------------------------------------------------------
@@ -126,7 +132,11 @@ def all_reduce(pg: ProcessGroup, tensor: object, op: object) -> Work[Any]:
         await collectives.all_reduce(comm, x, rop)
         return tensor
 
-    return pg.launch("all_reduce", body)
+    return pg.launch(
+        "all_reduce",
+        body,
+        fingerprint=fingerprint("all_reduce", dtype=x.dtype, shape=x.shape, reduce_op=rop),
+    )
 
 
 def broadcast(pg: ProcessGroup, tensor: object, root: int) -> Work[Any]:
@@ -138,7 +148,11 @@ def broadcast(pg: ProcessGroup, tensor: object, root: int) -> Work[Any]:
         await collectives.broadcast(comm, x, root)
         return tensor
 
-    return pg.launch("broadcast", body)
+    return pg.launch(
+        "broadcast",
+        body,
+        fingerprint=fingerprint("broadcast", dtype=x.dtype, shape=x.shape, root=root),
+    )
 
 
 def reduce(pg: ProcessGroup, tensor: object, root: int, op: object) -> Work[Any]:
@@ -152,7 +166,8 @@ def reduce(pg: ProcessGroup, tensor: object, root: int, op: object) -> Work[Any]
         await collectives.reduce(comm, x, root, rop)
         return tensor
 
-    return pg.launch("reduce", body)
+    fp = fingerprint("reduce", dtype=x.dtype, shape=x.shape, root=root, reduce_op=rop)
+    return pg.launch("reduce", body, fingerprint=fp)
 
 
 def all_gather(pg: ProcessGroup, tensor_list: object, tensor: object) -> Work[Any]:
@@ -167,7 +182,9 @@ def all_gather(pg: ProcessGroup, tensor_list: object, tensor: object) -> Work[An
         await collectives.all_gather(comm, outs, x)
         return tensor_list
 
-    return pg.launch("all_gather", body)
+    return pg.launch(
+        "all_gather", body, fingerprint=fingerprint("all_gather", dtype=x.dtype, shape=x.shape)
+    )
 
 
 def all_gather_into_tensor(pg: ProcessGroup, output: object, input: object) -> Work[Any]:
@@ -181,7 +198,8 @@ def all_gather_into_tensor(pg: ProcessGroup, output: object, input: object) -> W
         await collectives.all_gather(comm, _flat_rows(out, pg.size), x.reshape(-1))
         return output
 
-    return pg.launch("all_gather_into_tensor", body)
+    fp = fingerprint("all_gather_into_tensor", dtype=x.dtype, shape=x.shape)
+    return pg.launch("all_gather_into_tensor", body, fingerprint=fp)
 
 
 def _check_concat(
@@ -210,7 +228,8 @@ def gather(pg: ProcessGroup, tensor: object, gather_list: object, root: int) -> 
         await collectives.gather(comm, outs, x, root)
         return gather_list
 
-    return pg.launch("gather", body)
+    fp = fingerprint("gather", dtype=x.dtype, shape=x.shape, root=root)
+    return pg.launch("gather", body, fingerprint=fp)
 
 
 def scatter(pg: ProcessGroup, tensor: object, scatter_list: object, root: int) -> Work[Any]:
@@ -229,7 +248,8 @@ def scatter(pg: ProcessGroup, tensor: object, scatter_list: object, root: int) -
         await collectives.scatter(comm, out, ins, root)
         return tensor
 
-    return pg.launch("scatter", body)
+    fp = fingerprint("scatter", dtype=out.dtype, shape=out.shape, root=root)
+    return pg.launch("scatter", body, fingerprint=fp)
 
 
 def reduce_scatter(pg: ProcessGroup, output: object, input_list: object, op: object) -> Work[Any]:
@@ -245,7 +265,8 @@ def reduce_scatter(pg: ProcessGroup, output: object, input_list: object, op: obj
         await collectives.reduce_scatter(comm, out, ins, rop)
         return output
 
-    return pg.launch("reduce_scatter", body)
+    fp = fingerprint("reduce_scatter", dtype=out.dtype, shape=out.shape, reduce_op=rop)
+    return pg.launch("reduce_scatter", body, fingerprint=fp)
 
 
 def reduce_scatter_tensor(pg: ProcessGroup, output: object, input: object, op: object) -> Work[Any]:
@@ -260,7 +281,8 @@ def reduce_scatter_tensor(pg: ProcessGroup, output: object, input: object, op: o
         await collectives.reduce_scatter(comm, out.reshape(-1), _flat_rows(x, pg.size), rop)
         return output
 
-    return pg.launch("reduce_scatter_tensor", body)
+    fp = fingerprint("reduce_scatter_tensor", dtype=out.dtype, shape=out.shape, reduce_op=rop)
+    return pg.launch("reduce_scatter_tensor", body, fingerprint=fp)
 
 
 def all_to_all(pg: ProcessGroup, output_list: object, input_list: object) -> Work[Any]:
@@ -280,7 +302,7 @@ def all_to_all(pg: ProcessGroup, output_list: object, input_list: object) -> Wor
         await collectives.all_to_all(comm, outs, ins)
         return output_list
 
-    return pg.launch("all_to_all", body)
+    return pg.launch("all_to_all", body, fingerprint=fingerprint("all_to_all", dtype=ins[0].dtype))
 
 
 def _splits(sizes: Sequence[int] | None, dim0: int, n: int, name: str) -> list[int]:
@@ -333,13 +355,14 @@ def all_to_all_single(
         await collectives.all_to_all(comm, outs, ins)
         return output
 
-    return pg.launch("all_to_all_single", body)
+    fp = fingerprint("all_to_all_single", dtype=x.dtype)
+    return pg.launch("all_to_all_single", body, fingerprint=fp)
 
 
 def barrier(pg: ProcessGroup) -> Work[None]:
     """Wait until every rank of the group has called ``barrier``."""
     pg.check_usable("barrier")
-    return pg.launch("barrier", collectives.barrier)
+    return pg.launch("barrier", collectives.barrier, fingerprint=_BARRIER_FP)
 
 
 def monitored_barrier(pg: ProcessGroup, timeout: Timeout, wait_all_ranks: bool) -> Work[None]:
@@ -382,7 +405,7 @@ def monitored_barrier(pg: ProcessGroup, timeout: Timeout, wait_all_ranks: bool) 
             )
         await asyncio.gather(*(comm.send(r, 1, byte_view(token)) for r in bufs))
 
-    return pg.launch("monitored_barrier", body)
+    return pg.launch("monitored_barrier", body, fingerprint=_MONITORED_BARRIER_FP)
 
 
 # -- point to point --------------------------------------------------------------------------
@@ -514,7 +537,8 @@ def broadcast_object_list(pg: ProcessGroup, object_list: object, root: int) -> W
                 objs[i] = _loads(data[offsets[i] : offsets[i + 1]], f"object_list[{i}]")
         return objs
 
-    return pg.launch("broadcast_object_list", body, nseq=2)
+    fp = fingerprint("broadcast_object_list", root=root)
+    return pg.launch("broadcast_object_list", body, nseq=2, fingerprint=fp)
 
 
 def all_gather_object(pg: ProcessGroup, object_list: object, obj: object) -> Work[list[Any]]:
@@ -535,7 +559,7 @@ def all_gather_object(pg: ProcessGroup, object_list: object, obj: object) -> Wor
             objs[i] = _loads(rows[i, : sizes[i]], f"object from group rank {i}")
         return objs
 
-    return pg.launch("all_gather_object", body, nseq=2)
+    return pg.launch("all_gather_object", body, nseq=2, fingerprint=_ALL_GATHER_OBJECT_FP)
 
 
 def gather_object(
@@ -566,7 +590,8 @@ def gather_object(
                 objs[i] = _loads(rows[i, : sizes[i]], f"object from group rank {i}")
         return objs
 
-    return pg.launch("gather_object", body, nseq=2)
+    fp = fingerprint("gather_object", root=root)
+    return pg.launch("gather_object", body, nseq=2, fingerprint=fp)
 
 
 def scatter_object_list(
@@ -596,4 +621,5 @@ def scatter_object_list(
         outs[0] = _loads(row[: sizes[pg.rank]], "scattered object")
         return outs
 
-    return pg.launch("scatter_object_list", body, nseq=2)
+    fp = fingerprint("scatter_object_list", root=root)
+    return pg.launch("scatter_object_list", body, nseq=2, fingerprint=fp)

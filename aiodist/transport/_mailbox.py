@@ -18,8 +18,10 @@ import asyncio
 import logging
 import struct
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
+from .._fingerprint import NO_FINGERPRINT, mismatch_error
 from ..errors import DistNetworkError, DistUsageError
 from .base import Tag
 
@@ -104,10 +106,13 @@ class _Recv:
 class _Staged:
     """A message that arrived before its receive: complete, or still arriving."""
 
-    __slots__ = ("buf", "claim", "complete", "order", "peer", "queue")
+    __slots__ = ("buf", "claim", "complete", "fp", "order", "peer", "queue")
 
-    def __init__(self, nbytes: int, peer: int, order: int, queue: deque[_Staged]) -> None:
+    def __init__(
+        self, nbytes: int, peer: int, order: int, queue: deque[_Staged], fp: bytes
+    ) -> None:
         self.buf = bytearray(nbytes)
+        self.fp = fp
         self.peer = peer
         self.order = order
         self.complete = False
@@ -207,6 +212,13 @@ class Mailbox:
         self._broken: BaseException | None = None
         self._exc: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        # The fingerprint of each collective this rank has issued and not finished, by
+        # (group, seq): what its peers' messages of that operation must carry.
+        self._ops: dict[tuple[int, int], bytes] = {}
+        #: Called (soon, from the loop) with ``(group, seq, error)`` when a peer's message
+        #: carries another fingerprint than the operation this rank issued under that
+        #: ``(group, seq)``. Without a handler the mailbox aborts itself with the error.
+        self.on_mismatch: Callable[[int, int, DistUsageError], None] | None = None
 
     def __repr__(self) -> str:
         return (
@@ -242,6 +254,42 @@ class Mailbox:
         """Return the error that ended ``peer``'s connection, if it was lost."""
         return self._exc if self._exc is not None else self._lost.get(peer)
 
+    def begin(self, group: int, seq: int, fp: bytes) -> None:
+        """Record that this rank issued operation ``(group, seq)`` with fingerprint ``fp``.
+
+        Messages of it that arrived before are checked now; later ones when they arrive.
+        An operation without a fingerprint (:data:`NO_FINGERPRINT`) is not checked.
+        """
+        if fp == NO_FINGERPRINT:
+            return
+        self._ops[group, seq] = fp
+        if self._staged:
+            for tag, by_peer in self._staged.items():
+                if tag[0] == group and tag[1] == seq:
+                    for peer, queue in by_peer.items():
+                        if queue and queue[0].fp != fp and queue[0].fp != NO_FINGERPRINT:
+                            self._report(group, seq, fp, peer, queue[0].fp)
+                            return
+
+    def end(self, group: int, seq: int) -> None:
+        """Forget the fingerprint of a finished operation."""
+        self._ops.pop((group, seq), None)
+
+    def fingerprint_of(self, group: int, seq: int) -> bytes:
+        """Return the fingerprint that messages of operation ``(group, seq)`` carry."""
+        return self._ops.get((group, seq), NO_FINGERPRINT)
+
+    def _report(self, group: int, seq: int, mine: bytes, peer: int, theirs: bytes) -> None:
+        exc = mismatch_error(self.rank, mine, peer, theirs, group, seq)
+        handler = self.on_mismatch
+        # Soon rather than now: the caller is parsing a stream or issuing an operation,
+        # and the handler aborts everything.
+        loop = asyncio.get_running_loop()
+        if handler is None:
+            loop.call_soon(self.abort, exc)
+        else:
+            loop.call_soon(handler, group, seq, exc)
+
     def _next_order(self) -> int:
         self._order += 1
         return self._order
@@ -258,6 +306,13 @@ class Mailbox:
         fut: asyncio.Future[int] = loop.create_future()
         staged = self._take_staged(peer, tag)
         if staged is not None:
+            if staged.fp != NO_FINGERPRINT:
+                mine = self._ops.get((tag[0], tag[1]))
+                if mine is not None and mine != staged.fp:
+                    fail_future(
+                        fut, mismatch_error(self.rank, mine, staged.peer, staged.fp, *tag[:2])
+                    )
+                    return fut
             if len(staged.buf) != len(out):
                 fail_future(fut, _mismatch(staged.peer, tag, len(out), len(staged.buf)))
                 # The message is consumed; if it is still arriving, its bytes go nowhere.
@@ -332,21 +387,34 @@ class Mailbox:
                 del self._posted[key]
         return best
 
-    def incoming(self, peer: int, tag: Tag, nbytes: int) -> Inbound:
+    def incoming(self, peer: int, tag: Tag, nbytes: int, fp: bytes = NO_FINGERPRINT) -> Inbound:
         """Return where the ``nbytes`` bytes of a message from ``peer`` tagged ``tag`` go.
 
         The caller fills ``Inbound.buffer`` and calls ``Inbound.done()``. The message is
         matched now, so messages from one peer must be announced in the order it sent them.
+        A message whose fingerprint ``fp`` differs from that of the operation this rank
+        issued under the same ``(group, seq)`` is discarded (its bytes never reach a
+        receive's memory) and reported to :attr:`on_mismatch`.
         """
         if self._exc is not None:
             return Inbound(self, peer, memoryview(bytearray(nbytes)))
+        if fp != NO_FINGERPRINT:
+            mine = self._ops.get((tag[0], tag[1]))
+            if mine is not None and mine != fp:
+                self._report(tag[0], tag[1], mine, peer, fp)
+                inbound = Inbound(self, peer, memoryview(bytearray(nbytes)))
+                if nbytes == 0:
+                    inbound.done()
+                else:
+                    self._inflight.add(inbound)
+                return inbound
         recv = self._take_posted(peer, tag)
         if recv is None:
             by_peer = self._staged.setdefault(tag, {})
             queue = by_peer.get(peer)
             if queue is None:
                 queue = by_peer[peer] = deque()
-            staged = _Staged(nbytes, peer, self._next_order(), queue)
+            staged = _Staged(nbytes, peer, self._next_order(), queue, fp)
             queue.append(staged)
             inbound = Inbound(self, peer, memoryview(staged.buf), staged=staged)
         elif len(recv.out) != nbytes:
@@ -360,9 +428,9 @@ class Mailbox:
             self._inflight.add(inbound)
         return inbound
 
-    def deliver(self, peer: int, tag: Tag, data: memoryview) -> None:
+    def deliver(self, peer: int, tag: Tag, data: memoryview, fp: bytes = NO_FINGERPRINT) -> None:
         """Match a whole message that is already in memory, copying it once."""
-        inbound = self.incoming(peer, tag, len(data))
+        inbound = self.incoming(peer, tag, len(data), fp)
         if data:
             inbound.buffer[:] = data
             inbound.done()

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+from ..errors import DistUsageError
 
 __all__ = ["OpComm", "Tag", "Transport"]
 
@@ -70,6 +72,29 @@ class Transport(abc.ABC):
         """
         mailbox = getattr(self, "_mailbox", None)
         return [] if mailbox is None else mailbox.waiting_for(group, seq)
+
+    def begin_op(self, group: int, seq: int, fingerprint: bytes) -> None:
+        """Record that collective ``(group, seq)`` was issued here with ``fingerprint``.
+
+        Its messages then carry the fingerprint, and a peer's message of the same
+        ``(group, seq)`` with another one is reported to the mismatch handler instead of
+        being delivered. Transports without a mailbox check nothing.
+        """
+        mailbox = getattr(self, "_mailbox", None)
+        if mailbox is not None:
+            mailbox.begin(group, seq, fingerprint)
+
+    def end_op(self, group: int, seq: int) -> None:
+        """Forget the fingerprint of collective ``(group, seq)``, which has finished."""
+        mailbox = getattr(self, "_mailbox", None)
+        if mailbox is not None:
+            mailbox.end(group, seq)
+
+    def set_mismatch_handler(self, handler: Callable[[int, int, DistUsageError], None]) -> None:
+        """Call ``handler(group, seq, error)`` when a peer's call differs from ours."""
+        mailbox = getattr(self, "_mailbox", None)
+        if mailbox is not None:
+            mailbox.on_mismatch = handler
 
     @abc.abstractmethod
     async def aclose(self) -> None:

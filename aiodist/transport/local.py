@@ -72,7 +72,8 @@ class LocalTransport(Transport):
         if exc is not None:
             fail_future(fut, exc)
             return fut
-        self._world[peer]._mailbox.deliver(self.rank, tag, data)
+        fp = self._mailbox.fingerprint_of(tag[0], tag[1])
+        self._world[peer]._mailbox.deliver(self.rank, tag, data, fp)
         fut.set_result(None)
         return fut
 

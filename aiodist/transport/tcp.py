@@ -39,6 +39,7 @@ from collections.abc import Coroutine
 from typing import Any, cast
 
 from .._auth import AUTH_MAC_SIZE, NONCE_SIZE, auth_mac, resolve_token, verify_mac
+from .._fingerprint import FINGERPRINT_SIZE, NO_FINGERPRINT
 from .._timeouts import Timeout, to_seconds
 from ..errors import DistNetworkError, DistProtocolError, DistTimeoutError, DistUsageError
 from ..store import Store
@@ -50,7 +51,7 @@ __all__ = ["TCPTransport"]
 logger = logging.getLogger(__name__)
 
 _MAGIC = b"AIOD"
-_VERSION = 2
+_VERSION = 3
 # REFUSED: the two sides disagree on authentication (one has a token, the other not).
 _HELLO, _ACCEPT, _REJECT, _REFUSED = 0, 1, 2, 3
 _FLAG_AUTH = 0x01
@@ -60,14 +61,14 @@ _NO_PROOF = bytes(AUTH_MAC_SIZE)
 # Roles of the two proofs, so neither can be reflected back as the other.
 _ROLE_ACCEPT, _ROLE_CONNECT = b"peer/accept", b"peer/connect"
 _IDS = struct.Struct("<III")
-# group id, sequence number, step, payload length
-_HEADER = struct.Struct("<QQQQ")
+# group id, sequence number, step, payload length, the operation's fingerprint
+_HEADER = struct.Struct(f"<QQQQ{FINGERPRINT_SIZE}s")
 _HEADER_SIZE = _HEADER.size
 # A length this large is garbage, not a message: refuse to allocate a staging buffer for it.
 _MAX_MESSAGE = 1 << 48
 # A header with this length says goodbye: the sender closes in order, no more frames follow.
 _BYE = (1 << 64) - 1
-_BYE_FRAME = _HEADER.pack(0, 0, 0, _BYE)
+_BYE_FRAME = _HEADER.pack(0, 0, 0, _BYE, NO_FINGERPRINT)
 
 #: Bytes handed to a connection's asyncio transport per loop turn. On loopback the sender's
 #: syscall also does the receiver's TCP work; one 32 MiB write stalls the loop 6-12 ms.
@@ -578,7 +579,7 @@ class _Conn(asyncio.BufferedProtocol):
             if self._inbound is None:
                 if avail < _HEADER_SIZE:
                     return
-                group, seq, step, nbytes = _HEADER.unpack_from(rx, self._rstart)
+                group, seq, step, nbytes, fp = _HEADER.unpack_from(rx, self._rstart)
                 self._rstart += _HEADER_SIZE
                 if nbytes == _BYE:
                     self.bye = True
@@ -594,7 +595,7 @@ class _Conn(asyncio.BufferedProtocol):
                     )
                     return
                 try:
-                    inbound = self.mailbox.incoming(self.peer, (group, seq, step), nbytes)
+                    inbound = self.mailbox.incoming(self.peer, (group, seq, step), nbytes, fp)
                 except MemoryError:
                     # A message nobody posted a receive for yet is staged in memory of its
                     # own: a length no allocation can hold must fail this peer, not the loop.
@@ -816,7 +817,8 @@ class TCPTransport(Transport):
         """
         data = as_bytes(data, writable=False)
         try:
-            header = _HEADER.pack(tag[0], tag[1], tag[2], len(data))
+            fp = self._mailbox.fingerprint_of(tag[0], tag[1])
+            header = _HEADER.pack(tag[0], tag[1], tag[2], len(data), fp)
         except (struct.error, TypeError, IndexError):
             raise DistUsageError(
                 f"a tag must be three integers in [0, 2**64) (group id, seq, step), got {tag!r}"
@@ -833,7 +835,7 @@ class TCPTransport(Transport):
         elif p.error is not None:
             fail_future(fut, p.error)
         elif peer == self.rank:
-            self._mailbox.deliver(peer, (tag[0], tag[1], tag[2]), data)
+            self._mailbox.deliver(peer, (tag[0], tag[1], tag[2]), data, fp)
             fut.set_result(None)
         else:
             p.pending.append((header, data, fut))
@@ -856,7 +858,7 @@ class TCPTransport(Transport):
         ):
             raise DistUsageError(f"peer must be a rank in [0, {self.world_size}), got {peer!r}")
         try:
-            _HEADER.pack(tag[0], tag[1], tag[2], 0)
+            _HEADER.pack(tag[0], tag[1], tag[2], 0, NO_FINGERPRINT)
         except (struct.error, TypeError, IndexError):
             raise DistUsageError(
                 f"a tag must be three integers in [0, 2**64) (group id, seq, step), got {tag!r}"
