@@ -340,25 +340,33 @@ class World:
             f"rank {self.rank}: process group aborted: {type(cause).__name__}: {cause}"
         )
         failure.__cause__ = cause
-        self.transport.abort(failure)
         # The peers only see connections drop; the store tells them why (the first rank
-        # to abort wins the key).
+        # to abort wins the key), and it wakes the ranks watching the key. The reason is
+        # recorded *before* the connections drop (one store round trip, at most
+        # ABORT_REASON_WAIT), so a peer that sees the drop finds it already there.
         reason = f"rank {self.rank}: {type(cause).__name__}: {cause}"
-        with contextlib.suppress(RuntimeError):  # no running loop: nobody to tell
-            self._publishing = asyncio.get_running_loop().create_task(self._publish(reason))
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no running loop: nobody to tell
+            self.transport.abort(failure)
+            return
+        self._publishing = loop.create_task(self._publish(reason, failure))
 
-    async def _publish(self, reason: str) -> None:
+    async def _publish(self, reason: str, failure: BaseException) -> None:
         try:
             async with asyncio.timeout(ABORT_REASON_WAIT):
                 await self.store.compare_set(_ABORT_KEY, "", reason)
         except (DistError, TimeoutError) as exc:
             logger.debug("rank %d: could not record the abort reason: %s", self.rank, exc)
+        finally:
+            self.transport.abort(failure)
 
     async def abort_reason(self) -> str | None:
-        """Return why another rank aborted the world, waiting briefly for it to be recorded."""
+        """Return why another rank aborted the world, if one recorded it (no waiting)."""
         try:
             async with asyncio.timeout(ABORT_REASON_WAIT):
-                await self.store.wait([_ABORT_KEY], ABORT_REASON_WAIT)
+                if not await self.store.check([_ABORT_KEY]):
+                    return None
                 return (await self.store.get(_ABORT_KEY)).decode(errors="replace")
         except (DistError, TimeoutError):
             return None
@@ -378,9 +386,10 @@ class World:
             pending.extend(group._cancel_all(cause))
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
-        await self.transport.aclose()
         if self._publishing is not None:
-            await self._publishing
+            # The abort drops the connections once its reason is recorded.
+            await asyncio.gather(self._publishing, return_exceptions=True)
+        await self.transport.aclose()
         await self._leave()
         for store in self._owned:
             await store.aclose()
