@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import re
 import signal
@@ -48,10 +49,8 @@ class Proc:
     async def _read(self) -> None:
         assert self.proc.stdout is not None
         async for line in self.proc.stdout:
-            try:
+            with contextlib.suppress(json.JSONDecodeError):
                 self.events.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
 
     async def event(self, name: str, timeout: float) -> dict[str, Any] | None:
         end = time.monotonic() + timeout
@@ -218,8 +217,9 @@ async def main() -> None:
         f"{table}\n\n## Messages\n\n" + "\n".join(details) + "\n"
     )
     print(table)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)  # noqa: ASYNC240 - once, at the end
 
 
 if __name__ == "__main__":
