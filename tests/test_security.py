@@ -335,3 +335,45 @@ def test_launcher_passes_the_token_to_workers(tmp_path: Path) -> None:
         lines[prefix] = json.loads(body)
     assert lines["[rank0]"]["sum"] == lines["[rank1]"]["sum"] == 3.0
     assert "requires authentication" in lines["[rank0]"]["refused"]
+
+
+SYNC_WORKER = """
+import sys
+import numpy as np
+import aiodist.sync as dist
+
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+dist.init_process_group(
+    "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, auth_token="tok"
+)
+x = np.array([rank + 1.0])
+dist.all_reduce(x)
+print(x[0], flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.multiprocess
+def test_sync_init_process_group_takes_auth_token(tmp_path: Path) -> None:
+    script = tmp_path / "sync_worker.py"
+    script.write_text(SYNC_WORKER)
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "AIODIST_AUTH_TOKEN"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(r), str(port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for r in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err
+        assert out.strip() == "3.0"
