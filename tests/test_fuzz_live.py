@@ -108,7 +108,7 @@ class Fuzzer:
         tag = (rng.choice([0, gid, rng.randrange(2**64)]), rng.randrange(8), rng.randrange(4))
         roll = rng.random()
         if roll < 0.02:
-            return HEADER.pack(*tag, rng.choice([2**47, 2**48, 2**64 - 2]))
+            return HEADER.pack(*tag, rng.choice([2**47 + 5, 2**48, 2**64 - 2]))
         if roll < 0.04:
             return HEADER.pack(*tag, 2**64 - 1)
         payload = rng.randbytes(rng.randrange(0, 64))
