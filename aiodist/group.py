@@ -60,6 +60,11 @@ DEFAULT_PG_TIMEOUT = 1800.0
 ABORT_REASON_WAIT = 1.0
 _ABORT_KEY = "abort"
 
+#: Seconds a rank whose operation lost a peer waits for that peer's reason. A rank that
+#: aborts records it before dropping its connections, so it is normally there already; a
+#: peer that died without one (SIGKILL) costs this much before the loss is reported.
+REASON_READ_WAIT = 0.25
+
 #: Seconds a rank whose operation timed out waits for the other ranks to record that they
 #: entered it too (``arrived/<group>/<seq>/<rank>``), to name those that did not.
 ARRIVAL_GRACE = 1.0
@@ -362,11 +367,10 @@ class World:
             self.transport.abort(failure)
 
     async def abort_reason(self) -> str | None:
-        """Return why another rank aborted the world, if one recorded it (no waiting)."""
+        """Return why another rank aborted the world, waiting briefly for it to be recorded."""
         try:
-            async with asyncio.timeout(ABORT_REASON_WAIT):
-                if not await self.store.check([_ABORT_KEY]):
-                    return None
+            async with asyncio.timeout(REASON_READ_WAIT):
+                await self.store.wait([_ABORT_KEY], REASON_READ_WAIT)
                 return (await self.store.get(_ABORT_KEY)).decode(errors="replace")
         except (DistError, TimeoutError):
             return None
@@ -641,13 +645,22 @@ class ProcessGroup:
                 # Timed out here already: the timeout, not the abort of a rank that timed
                 # out a moment earlier, is this operation's error.
                 return
-            if isinstance(exc, DistNetworkError) and self._world.broken is None:
+            broken = self._world.broken
+            if isinstance(exc, DistNetworkError) and broken is None:
                 # A peer went away: if it aborted on purpose, say why.
                 reason = await self._world.abort_reason()
                 if reason is not None and not reason.startswith(f"rank {self._world.rank}:"):
                     explained = DistNetworkError(f"{exc} (the group was aborted by {reason})")
                     explained.__cause__ = exc
                     exc = explained
+            elif isinstance(exc, DistNetworkError) and str(broken) not in str(exc):
+                # The group was aborted while this operation was losing a peer (the abort
+                # drops the connections only once its reason is recorded): name the cause.
+                explained = DistNetworkError(
+                    f"{exc} (the group was aborted: {type(broken).__name__}: {broken})"
+                )
+                explained.__cause__ = exc
+                exc = explained
             self._fail(work, exc)
         else:
             if not work._future.done():
