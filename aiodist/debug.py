@@ -21,6 +21,7 @@ called differently.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
@@ -56,6 +57,8 @@ _DIR_ENV = "AIODIST_FR_DUMP_DIR"
 
 # Every live recorder of this process (ranks may be tasks of one loop), for SIGUSR1.
 _recorders: weakref.WeakSet[FlightRecorder] = weakref.WeakSet()
+# Loops that already run the SIGUSR1 dump.
+_loops_with_handler: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
 
 
 class OpRecord:
@@ -99,7 +102,9 @@ class OpRecord:
         self.started = time.time()
 
     def finish(self, exc: BaseException | None) -> None:
-        """Mark the operation as completed, or failed with ``exc``."""
+        """Mark the operation as completed, or failed with ``exc`` (the first outcome stays)."""
+        if self.ended:
+            return
         self.ended = time.time()
         if exc is None:
             self.state = "completed"
@@ -135,7 +140,14 @@ def _buffer_size() -> int:
     except ValueError:
         size = 0
     if size < 1:
-        raise DistUsageError(f"{_BUFFER_ENV} must be a positive integer, got {text!r}")
+        # Not worth failing a job over: the recorder is a debugging aid.
+        logger.warning(
+            "%s must be a positive integer, got %r; keeping %d ops",
+            _BUFFER_ENV,
+            text,
+            DEFAULT_BUFFER_SIZE,
+        )
+        return DEFAULT_BUFFER_SIZE
     return size
 
 
@@ -145,10 +157,8 @@ class FlightRecorder:
     Args:
         rank: the rank's global rank.
         world_size: the number of ranks.
-        size: how many operations to keep; default ``AIODIST_FR_BUFFER_SIZE`` or 2000.
-
-    Raises:
-        DistUsageError: ``AIODIST_FR_BUFFER_SIZE`` is not a positive integer.
+        size: how many operations to keep; default ``AIODIST_FR_BUFFER_SIZE`` or 2000 (a
+            value that is not a positive integer is logged and ignored).
     """
 
     def __init__(self, rank: int, world_size: int, size: int | None = None) -> None:
@@ -244,12 +254,16 @@ def dump(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
 def install_signal_handler(directory: str | os.PathLike[str] | None = None) -> bool:
     """Dump every rank of this process into ``directory`` when it receives ``SIGUSR1``.
 
+    Called from a running event loop, the handler is registered with the loop
+    (``loop.add_signal_handler``) and lives as long as the loop; otherwise with
+    :func:`signal.signal`.
+
     Args:
         directory: where ``rank<N>.json`` files go; default ``AIODIST_FR_DUMP_DIR``.
 
     Returns:
-        Whether the handler was installed (only the main thread can install one, and a
-        handler the program installed itself is left alone).
+        Whether a handler is in place (only the main thread can install one, and a handler
+        the program installed itself is left alone).
 
     Raises:
         DistUsageError: no directory given and ``AIODIST_FR_DUMP_DIR`` is not set.
@@ -260,18 +274,32 @@ def install_signal_handler(directory: str | os.PathLike[str] | None = None) -> b
     if threading.current_thread() is not threading.main_thread():
         logger.info("not installing the SIGUSR1 flight recorder dump: not the main thread")
         return False
+    try:
+        loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+    except RuntimeError:
+        loop = None
+    if loop is not None and loop in _loops_with_handler:
+        return True
     current = signal.getsignal(signal.SIGUSR1)
     if current not in (signal.SIG_DFL, None) and not getattr(current, "_aiodist", False):
         logger.info("SIGUSR1 already has a handler; the flight recorder leaves it")
         return False
     where = Path(target)
 
-    def handler(signum: int, frame: FrameType | None) -> None:
+    def dump_all() -> None:
         for recorder in list(_recorders):
             try:
                 recorder.write(recorder.default_path(where))
             except OSError as exc:
                 logger.warning("rank %d: flight recorder dump failed: %s", recorder.rank, exc)
+
+    if loop is not None:
+        loop.add_signal_handler(signal.SIGUSR1, dump_all)
+        _loops_with_handler.add(loop)
+        return True
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        dump_all()
 
     handler._aiodist = True  # type: ignore[attr-defined]
     signal.signal(signal.SIGUSR1, handler)

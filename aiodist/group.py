@@ -737,6 +737,8 @@ class ProcessGroup:
         _set_failed(work._future, exc)
         if isinstance(exc, DistTimeoutError):
             self._world.recorder.dump_on_timeout()
+        if work._record is not None:
+            work._record.finish(exc)
         self._world.abort(exc)
         task = work._task
         if task is not None and task is not asyncio.current_task():
