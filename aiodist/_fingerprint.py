@@ -100,6 +100,21 @@ def fingerprint(
     Raises:
         DistUsageError: ``op`` is not a known collective.
     """
+    key = (op, dtype, None if shape is None else tuple(shape), root, reduce_op)
+    fp = _cache.get(key)
+    if fp is None:
+        fp = _cache[key] = _pack(op, dtype, shape, root, reduce_op)
+        if len(_cache) > _CACHE_SIZE:  # programs use a few call shapes; never grow unbounded
+            _cache.clear()
+    return fp
+
+
+# Packing costs a few microseconds (dtype names, struct); a lookup a fraction of one.
+_cache: dict[tuple[object, ...], bytes] = {}
+_CACHE_SIZE = 4096
+
+
+def _pack(op: str, dtype: object, shape: Sequence[int] | None, root: int, reduce_op: int) -> bytes:
     code = _OP_CODE.get(op)
     if code is None:
         raise DistUsageError(f"no fingerprint for unknown collective {op!r}")
