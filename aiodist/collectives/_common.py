@@ -248,6 +248,22 @@ class Dataflow:
 
         self.on(comm.recv_into(peer, READY_STEP, memoryview(bytearray())), ready)
 
+    def start_sends(
+        self,
+        comm: OpComm,
+        nbytes: int,
+        signal_to: int,
+        wait_for: int,
+        send_first: Callable[[], None],
+    ) -> None:
+        """Run ``send_first`` now for small messages; for large ones (``READY_BYTES``), tell
+        ``signal_to`` our receives are posted and run it once ``wait_for`` says the same."""
+        if nbytes >= READY_BYTES:
+            self.signal_ready(comm, signal_to)
+            self.after_ready(comm, wait_for, send_first)
+        else:
+            send_first()
+
     def signal_ready(self, comm: OpComm, peer: int) -> None:
         """Tell ``peer`` that our receives for its data are posted."""
         self.flight.add(comm.send(peer, READY_STEP, EMPTY))

@@ -12,7 +12,6 @@ from .._arrays import byte_view
 from .._ops import ReduceOp, finish_into, reduce_into
 from ..transport.base import OpComm
 from ._common import (
-    READY_BYTES,
     SCRATCH,
     Dataflow,
     Flight,
@@ -162,11 +161,7 @@ async def pair_all_reduce_pipelined(
     try:
         for c in range(nslots):
             post(c)
-        if x.nbytes >= READY_BYTES:
-            flow.signal_ready(comm, peer)
-            flow.after_ready(comm, peer, send_first)
-        else:
-            send_first()
+        flow.start_sends(comm, x.nbytes, peer, peer, send_first)
     except BaseException:
         flow.flight.abandon()
         raise
@@ -327,11 +322,7 @@ async def ring_all_reduce(
                 flow.on(comm.recv_into(left, k * nchunks + c, buf), on_ag, k, c)
         for c in range(nslots):
             post_rs(0, c)
-        if seg_bytes >= READY_BYTES:
-            flow.signal_ready(comm, left)
-            flow.after_ready(comm, right, send_first)
-        else:
-            send_first()
+        flow.start_sends(comm, seg_bytes, left, right, send_first)
     except BaseException:
         flow.flight.abandon()
         raise

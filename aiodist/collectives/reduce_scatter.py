@@ -11,7 +11,7 @@ import numpy.typing as npt
 from .._arrays import byte_view
 from .._ops import ReduceOp, finish_into, reduce_into
 from ..transport.base import OpComm
-from ._common import READY_BYTES, SCRATCH, Dataflow, chunk_size, copy_into, num_chunks, split, typed
+from ._common import SCRATCH, Dataflow, chunk_size, copy_into, num_chunks, split, typed
 
 __all__ = ["SLOTS", "reduce_scatter"]
 
@@ -130,11 +130,7 @@ async def reduce_scatter(
             flow.on(comm.recv_into(left, final * nchunks + c, buf), on_final, c)
         for c in range(nslots):
             post_first(c)
-        if out.nbytes >= READY_BYTES:
-            flow.signal_ready(comm, left)
-            flow.after_ready(comm, right, send_all_first)
-        else:
-            send_all_first()
+        flow.start_sends(comm, out.nbytes, left, right, send_all_first)
     except BaseException:
         flow.flight.abandon()
         raise
