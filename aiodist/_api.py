@@ -5,20 +5,25 @@ Collectives and point-to-point operations return a :class:`~aiodist.group.Work` 
 (``init_process_group``, ``new_group``, ``destroy_process_group``) is a coroutine; the
 introspection functions are plain functions. Keyword names follow ``torch.distributed``:
 ``src``/``dst`` are global ranks, ``group_src``/``group_dst`` ranks within ``group``.
+
+Each function only names its operation and hands its arguments to the group: the group
+reserves the operation's number, and :func:`aiodist.backends.plan` sends the call to the
+backend that serves the device its arrays live on, whose checks either pass (the operation
+starts) or reject it (see :mod:`aiodist.group`).
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import group as _group
+from . import backends as _backends, group as _group
 from ._auth import resolve_token
-from ._ops import ReduceOp
+from ._ops import PremulSum, ReduceOp
 from ._timeouts import Timeout, to_seconds
-from .backends import cpu as _cpu
 from .errors import DistUsageError
 from .group import (
     DEFAULT_PG_TIMEOUT,
@@ -26,9 +31,6 @@ from .group import (
     NonGroupMember,
     ProcessGroup,
     Work,
-    new_group,
-    new_subgroups,
-    parse_backend,
     resolve_group,
     start_world,
 )
@@ -36,11 +38,14 @@ from .store import PrefixStore, Store
 
 __all__ = [
     "NON_GROUP_MEMBER",
+    "DebugLevel",
     "P2POp",
     "all_gather",
+    "all_gather_coalesced",
     "all_gather_into_tensor",
     "all_gather_object",
     "all_reduce",
+    "all_reduce_coalesced",
     "all_to_all",
     "all_to_all_single",
     "barrier",
@@ -51,8 +56,11 @@ __all__ = [
     "gather",
     "gather_object",
     "get_backend",
+    "get_debug_level",
+    "get_default_backend_for_device",
     "get_global_rank",
     "get_group_rank",
+    "get_pg_count",
     "get_process_group_ranks",
     "get_rank",
     "get_world_size",
@@ -63,18 +71,29 @@ __all__ = [
     "monitored_barrier",
     "new_group",
     "new_subgroups",
+    "new_subgroups_by_enumeration",
     "recv",
+    "recv_object_list",
     "reduce",
     "reduce_scatter",
     "reduce_scatter_tensor",
     "scatter",
     "scatter_object_list",
     "send",
+    "send_object_list",
+    "set_debug_level",
+    "split_group",
+    "supports_complex",
 ]
 
 logger = logging.getLogger(__name__)
 
 Group = ProcessGroup | NonGroupMember | None
+Op = ReduceOp | int | PremulSum
+
+
+def _collective(name: str, group: Group, *args: Any, nseq: int = 1) -> Work[Any]:
+    return resolve_group(group, name).issue(name, _backends.plan, args, nseq)
 
 
 # -- set-up and tear-down -------------------------------------------------------------------
@@ -89,7 +108,7 @@ async def init_process_group(
     *,
     auth_token: str | bytes | None = None,
 ) -> ProcessGroup:
-    """Join the job's ranks into the default process group of the current context.
+    """Join the job's ranks into the default process group.
 
     Either hand over a ``store`` (then ``rank`` and ``world_size`` are required), or an
     ``init_method`` URL for :func:`aiodist.rendezvous.rendezvous` (``None`` means
@@ -98,12 +117,13 @@ async def init_process_group(
     (``aiodist/<group_name>/<generation>/``, the generation counting the times this world
     size joined under that name), so several jobs or restarts can share one store.
 
-    The default group lives in a :class:`contextvars.ContextVar`: the task that calls this
-    (and tasks it creates afterwards) see it; other tasks of the same loop can hold other
-    worlds.
+    The default group is process-wide, as in torch: every task and thread of the process
+    sees it (a context made with :func:`aiodist.group.isolate_context` holds its own).
 
     Args:
-        backend: ``"cpu"`` (alias ``"gloo"``), ``"cpu:gloo,cuda:nccl"`` or ``None`` (cpu).
+        backend: ``"cpu"`` (alias ``"gloo"``), ``"cuda"`` (alias ``"nccl"``), torch's
+            per-device form ``"cpu:gloo,cuda:nccl"``, a registered backend, or ``None``
+            (every backend available here, chosen per call by where the arrays live).
         init_method: rendezvous URL; exclusive with ``store``.
         timeout: limit of each operation (seconds or ``timedelta``), also the rendezvous
             and connection timeout; default 30 minutes as in torch.
@@ -121,13 +141,15 @@ async def init_process_group(
 
     Raises:
         DistUsageError: already initialized, both or wrong ``store``/``init_method``
-            arguments, bad rank or world size, or an unknown backend.
+            arguments, bad rank or world size, or an unknown or unavailable backend.
         DistTimeoutError: the rendezvous or the connections did not complete in time.
         DistNetworkError: the store or a peer could not be reached.
     """
     if _group.peek_world() is not None:
         raise DistUsageError("trying to initialize the default process group twice")
-    name = parse_backend(backend)
+    name, devices = _backends.parse_backend(backend)
+    for backend_name in devices.values():
+        _backends.load(backend_name)  # an unavailable backend fails here, not at first use
     seconds = to_seconds(timeout, DEFAULT_PG_TIMEOUT)
     token = resolve_token(auth_token)
     if not isinstance(group_name, str):
@@ -171,12 +193,15 @@ async def init_process_group(
         from .debug import install_signal_handler
 
         install_signal_handler()
-    return start_world(transport, prefixed, backend=name, timeout=seconds, owned=owned)
+    return start_world(
+        transport, prefixed, backend=name, backends=devices, timeout=seconds, owned=owned
+    )
 
 
 async def _connect(
     store: Store, rank: int, world_size: int, timeout: float | None, token: bytes | None
 ) -> Any:
+    from .transport.base import PeerDirectory
     from .transport.tcp import TCPTransport
 
     # Listen on loopback unless the job spans hosts: AIODIST_HOST names the address to
@@ -186,16 +211,16 @@ async def _connect(
         master = os.environ.get("MASTER_ADDR", "127.0.0.1")
         host = "127.0.0.1" if master in ("localhost", "::1") or master.startswith("127.") else ""
     return await TCPTransport.create(
-        store, rank, world_size, host=host, timeout=timeout, auth_token=token
+        PeerDirectory(store), rank, world_size, host=host, timeout=timeout, auth_token=token
     )
 
 
 async def destroy_process_group(group: Group = None) -> None:
-    """Destroy ``group``, or (``None`` or the default group) every group of this context.
+    """Destroy ``group``, or (``None`` or the default group) every group of the default world.
 
     Destroying the default group fails the operations still running, closes every
     connection and task the world opened (and the store, if ``init_process_group`` made it)
-    and leaves the context uninitialized. Later operations on a destroyed group raise at
+    and leaves the process uninitialized. Later operations on a destroyed group raise at
     once.
 
     Raises:
@@ -214,7 +239,7 @@ async def destroy_process_group(group: Group = None) -> None:
 
 
 def is_initialized() -> bool:
-    """Return whether the current context has a default process group."""
+    """Return whether the default process group is initialized."""
     return _group.peek_world() is not None
 
 
@@ -276,47 +301,216 @@ def get_global_rank(group: Group, group_rank: int) -> int:
     return resolve_group(group, "get_global_rank").global_rank(group_rank)
 
 
-# -- helpers ---------------------------------------------------------------------------------
-def _root(
-    pg: ProcessGroup,
-    op: str,
-    global_rank: int | None,
-    group_rank: int | None,
-    names: tuple[str, str],
-    default: int | None = 0,
-) -> int | None:
-    """Resolve a ``src``/``group_src`` pair to a group rank (``default`` when neither)."""
-    if global_rank is not None and group_rank is not None:
-        raise DistUsageError(f"{op}: pass either {names[0]} or {names[1]}, not both")
-    if group_rank is not None:
-        pg.global_rank(group_rank, f"{op}: {names[1]}")
-        return group_rank
-    if global_rank is not None:
-        return pg.group_rank(global_rank, f"{op}: {names[0]}")
-    return default
+def get_pg_count() -> int:
+    """Return how many process groups this world has made, the default group included.
+
+    Raises:
+        DistUsageError: not initialized.
+    """
+    return _group.current_world("get_pg_count").group_count
 
 
-def _rooted(
-    op: str,
-    group: Group,
-    global_rank: int | None,
-    group_rank: int | None,
-    names: tuple[str, str],
-) -> tuple[ProcessGroup, int]:
-    pg = resolve_group(group, op)
-    with pg.checking(op):
-        root = _root(pg, op, global_rank, group_rank, names)
-    assert root is not None
-    return pg, root
+def get_default_backend_for_device(device: str) -> str:
+    """Return the backend that serves ``device`` (``"cpu"`` or ``"cuda"``, ``"cuda:1"``).
+
+    Raises:
+        DistUsageError: a device kind aiodist has no backend for.
+    """
+    kind = str(device).split(":")[0].strip().lower()
+    if kind not in ("cpu", "cuda"):
+        raise DistUsageError(f"no backend serves device {device!r}; aiodist has cpu and cuda")
+    return kind
+
+
+def supports_complex(reduce_op: Op) -> bool:
+    """Return whether ``reduce_op`` can reduce complex arrays (not MIN, MAX or bitwise ops)."""
+    if isinstance(reduce_op, PremulSum):
+        return True
+    return int(reduce_op) not in (
+        ReduceOp.MIN,
+        ReduceOp.MAX,
+        ReduceOp.BAND,
+        ReduceOp.BOR,
+        ReduceOp.BXOR,
+    )
+
+
+class DebugLevel(enum.IntEnum):
+    """How much aiodist logs, as torch's ``TORCH_DISTRIBUTED_DEBUG`` levels.
+
+    ``OFF`` logs warnings only, ``INFO`` adds set-up and tear-down, ``DETAIL`` everything
+    (connections, every abort path).
+    """
+
+    OFF = 0
+    INFO = 1
+    DETAIL = 2
+
+
+_LOG_LEVELS = {
+    DebugLevel.OFF: logging.WARNING,
+    DebugLevel.INFO: logging.INFO,
+    DebugLevel.DETAIL: logging.DEBUG,
+}
+
+
+def set_debug_level(level: DebugLevel | str) -> None:
+    """Set how much the ``aiodist`` loggers log (``OFF``, ``INFO`` or ``DETAIL``).
+
+    Raises:
+        DistUsageError: an unknown level.
+    """
+    try:
+        chosen = DebugLevel[level.upper()] if isinstance(level, str) else DebugLevel(level)
+    except (KeyError, ValueError):
+        raise DistUsageError(f"debug level must be OFF, INFO or DETAIL, got {level!r}") from None
+    logging.getLogger("aiodist").setLevel(_LOG_LEVELS[chosen])
+
+
+def get_debug_level() -> DebugLevel:
+    """Return the level :func:`set_debug_level` set (``OFF`` by default)."""
+    level = logging.getLogger("aiodist").getEffectiveLevel()
+    if level <= logging.DEBUG:
+        return DebugLevel.DETAIL
+    return DebugLevel.INFO if level <= logging.INFO else DebugLevel.OFF
+
+
+# -- groups ------------------------------------------------------------------------------------
+async def new_group(
+    ranks: Sequence[int] | None = None,
+    timeout: Timeout = None,
+    backend: str | None = None,
+) -> ProcessGroup | NonGroupMember:
+    """Create a process group of the given global ranks.
+
+    Every rank of the default group must call ``new_group`` with the same arguments in the
+    same order (members and non-members alike), so that the group gets the same id
+    everywhere; the ranks check through the store that they agree. Group ranks follow the
+    sorted global ranks.
+
+    Args:
+        ranks: global ranks of the members; ``None`` means every rank.
+        timeout: per-operation timeout of the new group; ``None`` inherits the default
+            group's.
+        backend: ``None`` inherits the default group's backend.
+
+    Returns:
+        The new group on members, :data:`NON_GROUP_MEMBER` on other ranks.
+
+    Raises:
+        DistUsageError: not initialized, an empty list, a duplicate or out-of-range rank,
+            ranks that differ between the ranks (raised on every rank; the world stays
+            usable), or an unknown backend.
+        DistTimeoutError: some rank did not call ``new_group`` in time.
+    """
+    world = _group.current_world("new_group")
+    world.default_group.check_usable("new_group")
+    if backend is None:
+        name, devices = world.backend, dict(world.backends)
+    else:
+        name, devices = _backends.parse_backend(backend)
+    seconds = world.timeout if timeout is None else to_seconds(timeout, None)
+    return await _group.new_group(world, ranks, backend=name, backends=devices, timeout=seconds)
+
+
+async def new_subgroups(
+    group_size: int | None = None,
+    group: ProcessGroup | None = None,
+    timeout: Timeout = None,
+    backend: str | None = None,
+) -> tuple[ProcessGroup, list[ProcessGroup | NonGroupMember]]:
+    """Split the ranks of ``group`` into consecutive subgroups of ``group_size`` ranks.
+
+    Every rank of the default group must call it with the same arguments.
+
+    Args:
+        group_size: ranks per subgroup; ``None`` makes one subgroup of every rank of
+            ``group``.
+        group: the group to split (global ranks are taken from it); default the world.
+        timeout: per-operation timeout of the subgroups.
+        backend: backend of the subgroups; ``None`` inherits.
+
+    Returns:
+        ``(this rank's subgroup, every subgroup)``; entries of subgroups this rank is not in
+        are :data:`NON_GROUP_MEMBER`.
+
+    Raises:
+        DistUsageError: ``group_size`` is not positive, or does not divide the group size.
+    """
+    parent = resolve_group(group, "new_subgroups")
+    size = parent.size if group_size is None else group_size
+    if isinstance(size, bool) or not isinstance(size, int) or size <= 0 or parent.size % size:
+        raise DistUsageError(
+            f"new_subgroups: group_size {group_size!r} must be a positive int dividing the "
+            f"group size {parent.size}"
+        )
+    lists = [list(parent.ranks[i : i + size]) for i in range(0, parent.size, size)]
+    mine, groups = await new_subgroups_by_enumeration(lists, timeout, backend)
+    assert mine is not None  # this rank is in the parent group, so in one subgroup
+    return mine, groups
+
+
+async def new_subgroups_by_enumeration(
+    ranks_per_subgroup_list: Sequence[Sequence[int]],
+    timeout: Timeout = None,
+    backend: str | None = None,
+) -> tuple[ProcessGroup | None, list[ProcessGroup | NonGroupMember]]:
+    """Create one subgroup per list of global ranks; every rank calls it the same way.
+
+    Returns:
+        ``(this rank's subgroup or None, every subgroup)``.
+
+    Raises:
+        DistUsageError: a rank in two lists, or a bad list.
+    """
+    seen: set[int] = set()
+    for ranks in ranks_per_subgroup_list:
+        overlap = seen.intersection(ranks)
+        if overlap:
+            raise DistUsageError(
+                f"new_subgroups_by_enumeration: rank {min(overlap)} is in more than one subgroup"
+            )
+        seen.update(ranks)
+    mine: ProcessGroup | None = None
+    groups: list[ProcessGroup | NonGroupMember] = []
+    for ranks in ranks_per_subgroup_list:
+        sub = await new_group(ranks, timeout, backend)
+        groups.append(sub)
+        if isinstance(sub, ProcessGroup):
+            mine = sub
+    return mine, groups
+
+
+async def split_group(
+    parent_pg: ProcessGroup | None = None,
+    split_ranks: Sequence[Sequence[int]] | None = None,
+    timeout: Timeout = None,
+    group_desc: str | None = None,
+) -> ProcessGroup | None:
+    """Split ``parent_pg`` into the groups of ``split_ranks`` (global ranks); return this rank's.
+
+    Every rank of the world calls it with the same lists; ranks in none of them get ``None``.
+
+    Raises:
+        DistUsageError: ``split_ranks`` missing, a rank outside the parent, or in two lists.
+    """
+    parent = resolve_group(parent_pg, "split_group")
+    if not split_ranks:
+        raise DistUsageError("split_group: split_ranks must be a non-empty list of rank lists")
+    outside = {r for ranks in split_ranks for r in ranks} - set(parent.ranks)
+    if outside:
+        raise DistUsageError(f"split_group: ranks {sorted(outside)} are not in the parent group")
+    mine, _ = await new_subgroups_by_enumeration(split_ranks, timeout)
+    return mine
 
 
 # -- collectives -----------------------------------------------------------------------------
-def all_reduce(tensor: Any, op: ReduceOp | int = ReduceOp.SUM, group: Group = None) -> Work[Any]:
+def all_reduce(tensor: Any, op: Op = ReduceOp.SUM, group: Group = None) -> Work[Any]:
     """Reduce ``tensor`` across the group, in place on every rank.
 
     Args:
-        tensor: a writable C-contiguous numpy array (or CPU DLPack tensor), same shape and
-            dtype on every rank.
+        tensor: a writable C-contiguous array (numpy, a CPU DLPack tensor, or a CUDA array
+            with the CUDA backend), same shape and dtype on every rank.
         op: the reduction.
         group: the group (default: the world).
 
@@ -324,11 +518,25 @@ def all_reduce(tensor: Any, op: ReduceOp | int = ReduceOp.SUM, group: Group = No
         A :class:`Work` whose result is ``tensor``.
 
     Raises:
-        DistUsageError: bad array, or an op the dtype cannot take (the group is aborted,
-            so the peers fail too).
-        DistNetworkError: the group was aborted earlier.
+        DistUsageError: bad array, or an op the dtype cannot take. The operation is
+            rejected: the peers' works fail with the reason and the group stays usable.
+        DistError: the group was aborted earlier (the error has the class of the cause).
     """
-    return _cpu.all_reduce(resolve_group(group, "all_reduce"), tensor, op)
+    return _collective("all_reduce", group, tensor, op)
+
+
+def all_reduce_coalesced(
+    tensors: list[Any], op: Op = ReduceOp.SUM, group: Group = None
+) -> Work[Any]:
+    """Reduce every array of ``tensors`` in place, as one operation.
+
+    Returns:
+        A :class:`Work` whose result is ``tensors``.
+
+    Raises:
+        DistUsageError: an empty list, mixed dtypes, or an op the dtype cannot take.
+    """
+    return _collective("all_reduce_coalesced", group, tensors, op)
 
 
 def broadcast(
@@ -348,14 +556,13 @@ def broadcast(
     Raises:
         DistUsageError: bad array, or a source outside the group.
     """
-    pg, root = _rooted("broadcast", group, src, group_src, ("src", "group_src"))
-    return _cpu.broadcast(pg, tensor, root)
+    return _collective("broadcast", group, tensor, src, group_src)
 
 
 def reduce(
     tensor: Any,
     dst: int | None = None,
-    op: ReduceOp | int = ReduceOp.SUM,
+    op: Op = ReduceOp.SUM,
     group: Group = None,
     group_dst: int | None = None,
 ) -> Work[Any]:
@@ -369,8 +576,7 @@ def reduce(
     Raises:
         DistUsageError: bad array, op or destination.
     """
-    pg, root = _rooted("reduce", group, dst, group_dst, ("dst", "group_dst"))
-    return _cpu.reduce(pg, tensor, root, op)
+    return _collective("reduce", group, tensor, dst, op, group_dst)
 
 
 def all_gather(tensor_list: list[Any], tensor: Any, group: Group = None) -> Work[Any]:
@@ -383,7 +589,23 @@ def all_gather(tensor_list: list[Any], tensor: Any, group: Group = None) -> Work
         DistUsageError: the list is not one array per rank, or an entry differs from
             ``tensor`` in shape or dtype.
     """
-    return _cpu.all_gather(resolve_group(group, "all_gather"), tensor_list, tensor)
+    return _collective("all_gather", group, tensor_list, tensor)
+
+
+def all_gather_coalesced(
+    output_tensor_lists: list[list[Any]], input_tensor_list: list[Any], group: Group = None
+) -> Work[Any]:
+    """Gather each array of ``input_tensor_list`` from every rank, as one operation.
+
+    ``output_tensor_lists[r][i]`` receives ``input_tensor_list[i]`` of group rank ``r``.
+
+    Returns:
+        A :class:`Work` whose result is ``output_tensor_lists``.
+
+    Raises:
+        DistUsageError: lists of the wrong length, or entries that do not match.
+    """
+    return _collective("all_gather_coalesced", group, output_tensor_lists, input_tensor_list)
 
 
 def all_gather_into_tensor(output_tensor: Any, input_tensor: Any, group: Group = None) -> Work[Any]:
@@ -398,8 +620,7 @@ def all_gather_into_tensor(output_tensor: Any, input_tensor: Any, group: Group =
     Raises:
         DistUsageError: sizes or dtypes do not fit.
     """
-    pg = resolve_group(group, "all_gather_into_tensor")
-    return _cpu.all_gather_into_tensor(pg, output_tensor, input_tensor)
+    return _collective("all_gather_into_tensor", group, output_tensor, input_tensor)
 
 
 def gather(
@@ -419,8 +640,7 @@ def gather(
     Raises:
         DistUsageError: a bad list, or a list given on another rank.
     """
-    pg, root = _rooted("gather", group, dst, group_dst, ("dst", "group_dst"))
-    return _cpu.gather(pg, tensor, gather_list, root)
+    return _collective("gather", group, tensor, gather_list, dst, group_dst)
 
 
 def scatter(
@@ -438,12 +658,11 @@ def scatter(
     Raises:
         DistUsageError: a bad list, or a list given on another rank.
     """
-    pg, root = _rooted("scatter", group, src, group_src, ("src", "group_src"))
-    return _cpu.scatter(pg, tensor, scatter_list, root)
+    return _collective("scatter", group, tensor, scatter_list, src, group_src)
 
 
 def reduce_scatter(
-    output: Any, input_list: list[Any], op: ReduceOp | int = ReduceOp.SUM, group: Group = None
+    output: Any, input_list: list[Any], op: Op = ReduceOp.SUM, group: Group = None
 ) -> Work[Any]:
     """Reduce ``input_list[i]`` of every rank into ``output`` of group rank ``i``.
 
@@ -453,11 +672,11 @@ def reduce_scatter(
     Raises:
         DistUsageError: the list is not one array per rank shaped like ``output``.
     """
-    return _cpu.reduce_scatter(resolve_group(group, "reduce_scatter"), output, input_list, op)
+    return _collective("reduce_scatter", group, output, input_list, op)
 
 
 def reduce_scatter_tensor(
-    output: Any, input: Any, op: ReduceOp | int = ReduceOp.SUM, group: Group = None
+    output: Any, input: Any, op: Op = ReduceOp.SUM, group: Group = None
 ) -> Work[Any]:
     """Reduce-scatter ``input`` (``group size`` blocks of ``output``'s size) into ``output``.
 
@@ -467,8 +686,7 @@ def reduce_scatter_tensor(
     Raises:
         DistUsageError: sizes or dtypes do not fit.
     """
-    pg = resolve_group(group, "reduce_scatter_tensor")
-    return _cpu.reduce_scatter_tensor(pg, output, input, op)
+    return _collective("reduce_scatter_tensor", group, output, input, op)
 
 
 def all_to_all(
@@ -482,8 +700,7 @@ def all_to_all(
     Raises:
         DistUsageError: lists of the wrong length or mixed dtypes.
     """
-    pg = resolve_group(group, "all_to_all")
-    return _cpu.all_to_all(pg, output_tensor_list, input_tensor_list)
+    return _collective("all_to_all", group, output_tensor_list, input_tensor_list)
 
 
 def all_to_all_single(
@@ -504,8 +721,8 @@ def all_to_all_single(
         DistUsageError: split sizes that do not add up, or mismatched dtypes or trailing
             dimensions.
     """
-    pg = resolve_group(group, "all_to_all_single")
-    return _cpu.all_to_all_single(pg, output, input, output_split_sizes, input_split_sizes)
+    args = (output, input, output_split_sizes, input_split_sizes)
+    return _collective("all_to_all_single", group, *args)
 
 
 def barrier(group: Group = None, device_ids: Sequence[int] | None = None) -> Work[None]:
@@ -514,9 +731,9 @@ def barrier(group: Group = None, device_ids: Sequence[int] | None = None) -> Wor
     ``device_ids`` is accepted for torch compatibility and ignored.
 
     Raises:
-        DistNetworkError: the group was aborted earlier.
+        DistError: the group was aborted earlier.
     """
-    return _cpu.barrier(resolve_group(group, "barrier"))
+    return _collective("barrier", group)
 
 
 def monitored_barrier(
@@ -537,8 +754,7 @@ def monitored_barrier(
     Raises:
         DistTimeoutError: (from the work) ranks missing at the deadline.
     """
-    pg = resolve_group(group, "monitored_barrier")
-    return _cpu.monitored_barrier(pg, timeout, wait_all_ranks)
+    return _collective("monitored_barrier", group, timeout, wait_all_ranks)
 
 
 # -- point to point -------------------------------------------------------------------------
@@ -552,17 +768,18 @@ def isend(
     """Send ``tensor`` to rank ``dst`` with ``tag``.
 
     The work completes once the transport no longer needs ``tensor`` (not when the peer
-    has received it). Messages with the same tag between two ranks arrive in order.
+    has received it). Messages with the same tag between two ranks arrive in order. A send
+    whose checks fail is rejected: the receive that would have taken its message fails
+    with the reason instead.
 
     Raises:
-        DistUsageError: no or invalid destination (sending to oneself included), bad tag.
+        DistUsageError: no or invalid destination (sending to oneself included), bad tag,
+            bad array.
     """
     pg = resolve_group(group, "send")
-    with pg.checking("send"):
-        peer = _root(pg, "send", dst, group_dst, ("dst", "group_dst"), default=None)
-        if peer is None:
-            raise DistUsageError("send: a destination is required (dst or group_dst)")
-    return _cpu.send(pg, tensor, peer, tag)
+    return pg.issue_p2p(
+        "send", _backends.plan, (tensor,), peer=dst, group_peer=group_dst, tag=tag, sends=True
+    )
 
 
 def irecv(
@@ -580,17 +797,72 @@ def irecv(
 
     Raises:
         DistUsageError: invalid source (oneself included), bad tag, read-only array; the
-            work fails with it if the message's size differs from ``tensor``'s.
+            work fails with it if the message's size differs from ``tensor``'s, or if the
+            sender rejected its send.
     """
     pg = resolve_group(group, "recv")
-    with pg.checking("recv"):
-        peer = _root(pg, "recv", src, group_src, ("src", "group_src"), default=None)
-    return _cpu.recv(pg, tensor, peer, tag, group_ranks=group_src is not None)
+    args = (tensor, group_src is not None)
+    return pg.issue_p2p(
+        "recv", _backends.plan, args, peer=src, group_peer=group_src, tag=tag, sends=False
+    )
 
 
 #: In the async API ``send`` and ``recv`` return a :class:`Work` like ``isend``/``irecv``.
 send = isend
 recv = irecv
+
+
+def send_object_list(
+    object_list: list[Any],
+    dst: int | None = None,
+    group: Group = None,
+    device: object = None,
+    group_dst: int | None = None,
+) -> Work[None]:
+    """Send the picklable objects of ``object_list`` to rank ``dst`` (see :func:`recv_object_list`).
+
+    ``device`` is accepted for torch compatibility and ignored.
+
+    Raises:
+        DistUsageError: not a non-empty list, an object that cannot be pickled, or a bad
+            destination.
+    """
+    pg = resolve_group(group, "send_object_list")
+    return pg.issue_p2p(
+        "send_object_list",
+        _backends.plan,
+        (object_list,),
+        peer=dst,
+        group_peer=group_dst,
+        tag=0,
+        sends=True,
+    )
+
+
+def recv_object_list(
+    object_list: list[Any],
+    src: int | None = None,
+    group: Group = None,
+    device: object = None,
+    group_src: int | None = None,
+) -> Work[int]:
+    """Receive objects sent with :func:`send_object_list` into ``object_list``, in place.
+
+    ``object_list`` must have as many entries as the sender's list. Unpickling runs code
+    chosen by the sender: use only between trusted ranks.
+
+    Returns:
+        A :class:`Work` whose result is the sender's rank (global, or the group rank when
+        ``group_src`` was used).
+
+    Raises:
+        DistUsageError: not a non-empty list, or a list of another length than the sender's.
+    """
+    pg = resolve_group(group, "recv_object_list")
+    args = (object_list, group_src is not None)
+    return pg.issue_p2p(
+        "recv_object_list", _backends.plan, args, peer=src, group_peer=group_src, tag=0, sends=False
+    )
 
 
 class P2POp:
@@ -634,9 +906,12 @@ class P2POp:
 def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work[Any]]:
     """Start every send and receive of ``p2p_op_list``; return their works in order.
 
+    Every entry is checked before any is started: if one fails its checks, none starts, the
+    error names the entry, and the receivers of the batch's sends are told.
+
     Raises:
-        DistUsageError: an empty list, an entry that is not a :class:`P2POp`, or ops on
-            different groups.
+        DistUsageError: an empty list, an entry that is not a :class:`P2POp`, ops on
+            different groups, or an entry that failed its checks.
     """
     if not isinstance(p2p_op_list, list | tuple) or not p2p_op_list:
         raise DistUsageError("batch_isend_irecv: p2p_op_list must be a non-empty list of P2POp")
@@ -645,13 +920,23 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work[Any]]:
             raise DistUsageError(f"batch_isend_irecv: expected P2POp entries, got {p!r}")
     if len({id(p.group) for p in p2p_op_list}) != 1:
         raise DistUsageError("batch_isend_irecv: every P2POp of a batch must use the same group")
-    works: list[Work[Any]] = []
-    for p in p2p_op_list:
-        if p.op is isend:
-            works.append(isend(p.tensor, p.peer, p.group, p.tag, p.group_peer))
-        else:
-            works.append(irecv(p.tensor, p.peer, p.group, p.tag, p.group_peer))
-    return works
+    pg = resolve_group(p2p_op_list[0].group, "batch_isend_irecv")
+    entries = [
+        (
+            ("send", _backends.plan, (p.tensor,), p.peer, p.group_peer, p.tag)
+            if p.op is isend
+            else (
+                "recv",
+                _backends.plan,
+                (p.tensor, p.group_peer is not None),
+                p.peer,
+                p.group_peer,
+                p.tag,
+            )
+        )
+        for p in p2p_op_list
+    ]
+    return pg.issue_batch(entries)
 
 
 # -- object collectives ----------------------------------------------------------------------
@@ -674,8 +959,7 @@ def broadcast_object_list(
     Raises:
         DistUsageError: not a non-empty list, or an object that cannot be pickled.
     """
-    pg, root = _rooted("broadcast_object_list", group, src, group_src, ("src", "group_src"))
-    return _cpu.broadcast_object_list(pg, object_list, root)
+    return _collective("broadcast_object_list", group, object_list, src, group_src, nseq=2)
 
 
 def all_gather_object(object_list: list[Any], obj: Any, group: Group = None) -> Work[list[Any]]:
@@ -687,8 +971,7 @@ def all_gather_object(object_list: list[Any], obj: Any, group: Group = None) -> 
     Raises:
         DistUsageError: the list length is not the group size, or ``obj`` cannot be pickled.
     """
-    pg = resolve_group(group, "all_gather_object")
-    return _cpu.all_gather_object(pg, object_list, obj)
+    return _collective("all_gather_object", group, object_list, obj, nseq=2)
 
 
 def gather_object(
@@ -707,8 +990,7 @@ def gather_object(
         DistUsageError: a bad list on the destination, a list on another rank, or ``obj``
             cannot be pickled.
     """
-    pg, root = _rooted("gather_object", group, dst, group_dst, ("dst", "group_dst"))
-    return _cpu.gather_object(pg, obj, object_gather_list, root)
+    return _collective("gather_object", group, obj, object_gather_list, dst, group_dst, nseq=2)
 
 
 def scatter_object_list(
@@ -726,5 +1008,5 @@ def scatter_object_list(
     Raises:
         DistUsageError: bad lists, or an object that cannot be pickled.
     """
-    pg, root = _rooted("scatter_object_list", group, src, group_src, ("src", "group_src"))
-    return _cpu.scatter_object_list(pg, scatter_object_output_list, scatter_object_input_list, root)
+    args = (scatter_object_output_list, scatter_object_input_list, src, group_src)
+    return _collective("scatter_object_list", group, *args, nseq=2)

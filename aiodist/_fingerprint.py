@@ -65,7 +65,7 @@ _DTYPES = (
     "bfloat16",
 )
 _DTYPE_CODE = {name: i + 1 for i, name in enumerate(_DTYPES)}
-_REDUCE_OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR")
+_REDUCE_OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM")
 _ROOT_NAME = {
     "broadcast": "src",
     "reduce": "dst",

@@ -30,7 +30,14 @@ import numpy.typing as npt
 
 from .errors import DistUsageError
 
-__all__ = ["ReduceOp", "check_reduce_op", "finish_into", "reduce_into"]
+__all__ = [
+    "PremulSum",
+    "ReduceOp",
+    "check_reduce_op",
+    "finish_into",
+    "make_premul_sum",
+    "reduce_into",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -50,9 +57,46 @@ class ReduceOp(enum.IntEnum):
     BAND = 5
     BOR = 6
     BXOR = 7
+    #: A sum of each rank's input multiplied by a factor first; pass
+    #: :func:`make_premul_sum` ``(factor)`` as the op.
+    PREMUL_SUM = 8
 
     def __repr__(self) -> str:
         return f"ReduceOp.{self.name}"
+
+
+class PremulSum:
+    """``ReduceOp.PREMUL_SUM`` with its factor: every input is multiplied by it, then summed.
+
+    Make one with :func:`make_premul_sum`. Floating and complex dtypes only.
+    """
+
+    __slots__ = ("factor",)
+
+    def __init__(self, factor: float) -> None:
+        self.factor = factor
+
+    def __repr__(self) -> str:
+        return f"make_premul_sum({self.factor!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PremulSum) and other.factor == self.factor
+
+    def __hash__(self) -> int:
+        return hash(("premul_sum", self.factor))
+
+
+def make_premul_sum(factor: float) -> PremulSum:
+    """Return the reduction "multiply each rank's input by ``factor``, then sum".
+
+    torch spells it ``torch.distributed._make_nccl_premul_sum(factor)``.
+
+    Raises:
+        DistUsageError: ``factor`` is not a real number.
+    """
+    if isinstance(factor, bool) or not isinstance(factor, int | float):
+        raise DistUsageError(f"make_premul_sum: factor must be a real number, got {factor!r}")
+    return PremulSum(float(factor))
 
 
 # The numpy ufunc behind each op; AVG reduces as SUM and divides in finish_into.
@@ -65,6 +109,7 @@ _UFUNCS: dict[ReduceOp, np.ufunc] = {
     ReduceOp.BAND: np.bitwise_and,
     ReduceOp.BOR: np.bitwise_or,
     ReduceOp.BXOR: np.bitwise_xor,
+    ReduceOp.PREMUL_SUM: np.add,
 }
 
 _BITWISE = frozenset({ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR})
@@ -93,12 +138,20 @@ def check_reduce_op(op: object, dtype: np.dtype[Any]) -> ReduceOp:
             floating or complex dtypes, ``MIN``/``MAX`` on complex, ``AVG`` on bool). The
             message names both.
     """
+    if isinstance(op, PremulSum):
+        if _kind(dtype) not in "fc":
+            raise DistUsageError(f"ReduceOp.PREMUL_SUM is not supported for dtype {dtype}")
+        return ReduceOp.PREMUL_SUM
     if isinstance(op, bool) or not isinstance(op, int):
         raise DistUsageError(f"op must be an aiodist.ReduceOp, got {op!r}")
     try:
         rop = ReduceOp(op)
     except ValueError:
         raise DistUsageError(f"op must be an aiodist.ReduceOp, got {op!r}") from None
+    if rop is ReduceOp.PREMUL_SUM:
+        raise DistUsageError(
+            "ReduceOp.PREMUL_SUM needs its factor: pass aiodist.make_premul_sum(factor)"
+        )
     kind = _kind(dtype)
     if kind not in "biufc":
         raise DistUsageError(f"cannot reduce arrays of dtype {dtype}")

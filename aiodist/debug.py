@@ -1,11 +1,6 @@
-"""The flight recorder: the last operations of each rank, dumped as JSON when things go wrong.
+"""The flight recorder's dumps, and the command line that reads them.
 
-Every world keeps a ring of the last ``AIODIST_FR_BUFFER_SIZE`` operations (default 2000):
-operation, group, sequence number, the call (shape, dtype, root, reduce op), peers, state
-(``queued``, ``started``, ``completed``, ``failed``), timestamps and the error. Recording costs
-one small object per operation and no I/O.
-
-A rank's record is written as JSON
+Every world keeps a ring of its last operations (:mod:`aiodist._recorder`). A rank's record is written as JSON
 
 * when one of its operations times out (``DistTimeoutError``), into ``AIODIST_FR_DUMP_DIR``
   if that is set;
@@ -28,14 +23,19 @@ import os
 import signal
 import sys
 import threading
-import time
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from ._fingerprint import NO_FINGERPRINT, describe
+from ._recorder import (
+    DEFAULT_BUFFER_SIZE,
+    DUMP_DIR_ENV,
+    FlightRecorder,
+    OpRecord,
+    live_recorders,
+)
 from .errors import DistUsageError
 
 __all__ = [
@@ -50,180 +50,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Operations each rank remembers unless ``AIODIST_FR_BUFFER_SIZE`` says otherwise.
-DEFAULT_BUFFER_SIZE = 2000
-_BUFFER_ENV = "AIODIST_FR_BUFFER_SIZE"
-_DIR_ENV = "AIODIST_FR_DUMP_DIR"
-
-# Every live recorder of this process (ranks may be tasks of one loop), for SIGUSR1.
-_recorders: weakref.WeakSet[FlightRecorder] = weakref.WeakSet()
 # Loops that already run the SIGUSR1 dump.
 _loops_with_handler: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
-
-
-class OpRecord:
-    """One operation as the flight recorder keeps it."""
-
-    __slots__ = (
-        "ended",
-        "error",
-        "fp",
-        "group",
-        "op",
-        "p2p",
-        "peers",
-        "queued",
-        "seq",
-        "started",
-        "state",
-    )
-
-    def __init__(
-        self, op: str, group: int, seq: int, fp: bytes, peers: Sequence[int], p2p: bool
-    ) -> None:
-        self.op = op
-        self.group = group
-        self.seq = seq
-        self.fp = fp
-        self.peers = peers
-        self.p2p = p2p
-        self.state = "queued"
-        self.queued = time.time()
-        self.started = 0.0
-        self.ended = 0.0
-        self.error: str | None = None
-
-    def __repr__(self) -> str:
-        return f"<OpRecord {self.op} group={self.group} seq={self.seq} {self.state}>"
-
-    def start(self) -> None:
-        """Mark the operation as running."""
-        self.state = "started"
-        self.started = time.time()
-
-    def finish(self, exc: BaseException | None) -> None:
-        """Mark the operation as completed, or failed with ``exc`` (the first outcome stays)."""
-        if self.ended:
-            return
-        self.ended = time.time()
-        if exc is None:
-            self.state = "completed"
-        else:
-            self.state = "failed"
-            self.error = f"{type(exc).__name__}: {exc}"
-
-    def to_json(self) -> dict[str, Any]:
-        """Return the record as a JSON-ready dict."""
-        start = self.started or self.queued
-        return {
-            "op": self.op,
-            "group": self.group,
-            "seq": self.seq,
-            "p2p": self.p2p,
-            "call": self.op if self.fp == NO_FINGERPRINT else describe(self.fp),
-            "peers": list(self.peers),
-            "state": self.state,
-            "queued": self.queued,
-            "started": self.started or None,
-            "ended": self.ended or None,
-            "duration_s": round(self.ended - start, 6) if self.ended else None,
-            "error": self.error,
-        }
-
-
-def _buffer_size() -> int:
-    text = os.environ.get(_BUFFER_ENV)
-    if text is None:
-        return DEFAULT_BUFFER_SIZE
-    try:
-        size = int(text)
-    except ValueError:
-        size = 0
-    if size < 1:
-        # Not worth failing a job over: the recorder is a debugging aid.
-        logger.warning(
-            "%s must be a positive integer, got %r; keeping %d ops",
-            _BUFFER_ENV,
-            text,
-            DEFAULT_BUFFER_SIZE,
-        )
-        return DEFAULT_BUFFER_SIZE
-    return size
-
-
-class FlightRecorder:
-    """A ring of one rank's last operations.
-
-    Args:
-        rank: the rank's global rank.
-        world_size: the number of ranks.
-        size: how many operations to keep; default ``AIODIST_FR_BUFFER_SIZE`` or 2000 (a
-            value that is not a positive integer is logged and ignored).
-    """
-
-    def __init__(self, rank: int, world_size: int, size: int | None = None) -> None:
-        self.rank = rank
-        self.world_size = world_size
-        self.size = _buffer_size() if size is None else size
-        self._ring: list[OpRecord | None] = [None] * self.size
-        self._count = 0
-        _recorders.add(self)
-
-    def __repr__(self) -> str:
-        return f"<FlightRecorder rank={self.rank} ops={self._count} size={self.size}>"
-
-    def record(
-        self, op: str, group: int, seq: int, fp: bytes, peers: Sequence[int], p2p: bool = False
-    ) -> OpRecord:
-        """Add a newly issued operation, dropping the oldest when the ring is full."""
-        rec = OpRecord(op, group, seq, fp, peers, p2p)
-        self._ring[self._count % self.size] = rec
-        self._count += 1
-        return rec
-
-    def records(self) -> list[OpRecord]:
-        """Return the kept operations, oldest first."""
-        n = min(self._count, self.size)
-        start = self._count - n
-        return [r for i in range(start, self._count) if (r := self._ring[i % self.size])]
-
-    def to_json(self) -> dict[str, Any]:
-        """Return the whole record of this rank as a JSON-ready dict."""
-        return {
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "pid": os.getpid(),
-            "time": time.time(),
-            "ops_recorded": self._count,
-            "ops": [r.to_json() for r in self.records()],
-        }
-
-    def write(self, path: str | os.PathLike[str]) -> Path:
-        """Write the record as JSON to ``path`` and return it."""
-        out = Path(path)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=1))
-        tmp.replace(out)  # a reader never sees half a dump
-        return out
-
-    def default_path(self, directory: str | os.PathLike[str]) -> Path:
-        """Return this rank's dump file in ``directory``: ``rank<N>.json``."""
-        return Path(directory) / f"rank{self.rank}.json"
-
-    def dump_on_timeout(self) -> Path | None:
-        """Write the record into ``AIODIST_FR_DUMP_DIR``, if set (called on a timeout)."""
-        directory = os.environ.get(_DIR_ENV)
-        if not directory:
-            logger.info("rank %d: set %s to dump the flight recorder", self.rank, _DIR_ENV)
-            return None
-        try:
-            path = self.write(self.default_path(directory))
-        except OSError as exc:
-            logger.warning("rank %d: could not dump the flight recorder: %s", self.rank, exc)
-            return None
-        logger.warning("rank %d: flight recorder dumped to %s", self.rank, path)
-        return path
 
 
 def dump(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
@@ -242,10 +70,10 @@ def dump(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     """
     from .group import current_world
 
-    recorder: FlightRecorder = current_world("aiodist.debug.dump").recorder
+    recorder = current_world("aiodist.debug.dump").recorder
     data = recorder.to_json()
-    if path is None and os.environ.get(_DIR_ENV):
-        path = recorder.default_path(os.environ[_DIR_ENV])
+    if path is None and os.environ.get(DUMP_DIR_ENV):
+        path = recorder.default_path(os.environ[DUMP_DIR_ENV])
     if path is not None:
         recorder.write(path)
     return data
@@ -268,9 +96,9 @@ def install_signal_handler(directory: str | os.PathLike[str] | None = None) -> b
     Raises:
         DistUsageError: no directory given and ``AIODIST_FR_DUMP_DIR`` is not set.
     """
-    target = directory if directory is not None else os.environ.get(_DIR_ENV)
+    target = directory if directory is not None else os.environ.get(DUMP_DIR_ENV)
     if not target:
-        raise DistUsageError(f"install_signal_handler needs a directory or {_DIR_ENV}")
+        raise DistUsageError(f"install_signal_handler needs a directory or {DUMP_DIR_ENV}")
     if threading.current_thread() is not threading.main_thread():
         logger.info("not installing the SIGUSR1 flight recorder dump: not the main thread")
         return False
@@ -287,7 +115,7 @@ def install_signal_handler(directory: str | os.PathLike[str] | None = None) -> b
     where = Path(target)
 
     def dump_all() -> None:
-        for recorder in list(_recorders):
+        for recorder in live_recorders():
             try:
                 recorder.write(recorder.default_path(where))
             except OSError as exc:

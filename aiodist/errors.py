@@ -7,7 +7,11 @@ at fault and mixed with the builtin exception a caller would naturally catch, so
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator, Mapping
+
 __all__ = [
+    "DistBackendError",
     "DistError",
     "DistNetworkError",
     "DistProtocolError",
@@ -15,6 +19,7 @@ __all__ = [
     "DistTimeoutError",
     "DistUsageError",
     "QueueEmptyError",
+    "map_exceptions",
 ]
 
 
@@ -34,6 +39,10 @@ class QueueEmptyError(DistStoreError):
     """A non-blocking ``queue_pop`` found the queue empty."""
 
 
+class DistBackendError(DistError):
+    """A backend failed while running an operation (a CUDA or NCCL error, for instance)."""
+
+
 class DistNetworkError(DistError, ConnectionError):
     """A peer or the store went away, or could not be reached."""
 
@@ -44,3 +53,32 @@ class DistTimeoutError(DistError, TimeoutError):
 
 class DistProtocolError(DistError):
     """A peer sent bytes that are not part of the protocol."""
+
+
+@contextlib.contextmanager
+def map_exceptions(
+    mapping: Mapping[type[BaseException], type[DistError]], context: str
+) -> Iterator[None]:
+    """Translate a lower layer's exceptions into aiodist's, once, at a layer boundary.
+
+    An exception raised in the block that is an instance of a key of ``mapping`` is
+    re-raised as the mapped class, with ``context`` and the original message, chained to
+    the original. aiodist's own errors and unmapped exceptions pass through unchanged.
+
+    Args:
+        mapping: source exception class -> aiodist error class, tried in order.
+        context: what was being done, e.g. ``"cannot connect to 10.0.0.2:29500"``.
+
+    Raises:
+        DistError: the translated exception.
+    """
+    try:
+        yield
+    except DistError:
+        raise
+    except BaseException as exc:
+        for source, target in mapping.items():
+            if isinstance(exc, source):
+                detail = str(exc) or type(exc).__name__
+                raise target(f"{context}: {detail}") from exc
+        raise

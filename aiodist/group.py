@@ -1,16 +1,28 @@
-"""Process groups, work handles, sequence numbers, subgroups and the default group.
+"""Process groups, the operations issued on them, their work handles, and the default group.
 
-A *world* is what ``init_process_group`` builds: one transport between all ranks, the store
-it was bootstrapped through, and the process groups made from it (the default group covers
-every rank; :func:`new_group` adds subgroups). The world of the running code is held in a
-:class:`contextvars.ContextVar`, so several ranks can live as tasks of one event loop and each
-sees its own.
+A *world* is what ``init_process_group`` builds: a transport between all ranks, the failure
+domain over the store it was bootstrapped through (:mod:`aiodist._world`), and the process
+groups made from it (the default group covers every rank; :func:`new_group` adds more).
 
-A :class:`ProcessGroup` turns each call into a :class:`Work` at once: it assigns the group's
-next sequence number, binds it into an :class:`~aiodist.transport.base.OpComm` (so the
-messages of concurrent operations never mix), and runs the operation as a task. Any failure of
-an operation aborts the whole world: the transport drops its connections so the peers' pending
-receives fail within moments, and every later call raises at once, naming the cause.
+Every call on a group is an :class:`Operation`, whose life has four steps:
+
+1. **reserve**: the group's next sequence number (or, point to point, the tag) is taken
+   first, before any argument is looked at, so every rank stays in step whatever happens;
+2. **plan**: a backend's validate function checks the arguments and returns a :class:`Plan`
+   (the algorithm and its checked arguments, the call's fingerprint);
+3. **reject** or **start**: a check that fails *rejects* the operation: the caller gets the
+   ``DistUsageError``, the group's other members (point to point: the receiver) are told
+   ``(group, seq)`` and why before any byte of it moved, and they fail their side of it at
+   once; the group stays usable. Otherwise the algorithm runs as a task and the
+   operation's :class:`Work` resolves with its result;
+4. **fail**: only real failures abort the whole world (a lost peer, a mismatch found after
+   bytes flowed, the group timeout, a lost store); every rank then raises, naming the first
+   cause, until ``destroy`` and ``init`` rebuild it.
+
+The default group is process-wide once initialised, as in torch: a group made in one task
+(a FastAPI lifespan) or thread is the default in every other. A context may hold a world of
+its own instead (:func:`isolate_context`), which is how ``aiodist.testing.run_world`` runs
+several ranks as tasks of one event loop.
 """
 
 from __future__ import annotations
@@ -18,30 +30,37 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import enum
 import logging
 import math
-from collections.abc import Callable, Coroutine, Generator, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from ._fingerprint import NO_FINGERPRINT
+from ._recorder import FlightRecorder, OpRecord
 from ._timeouts import Timeout, to_seconds
-from .debug import FlightRecorder, OpRecord
-from .errors import DistError, DistNetworkError, DistTimeoutError, DistUsageError
+from ._world import FailureDomain
+from .errors import DistError, DistTimeoutError, DistUsageError
 from .store import Store
 from .transport.base import OpComm, Transport
 
 __all__ = [
+    "ANY_TAG",
     "DEFAULT_PG_TIMEOUT",
+    "MAX_TAG",
     "NON_GROUP_MEMBER",
     "P2P_GROUP_BIT",
     "NonGroupMember",
+    "OpKind",
+    "Operation",
+    "Plan",
     "ProcessGroup",
     "Work",
     "World",
     "current_world",
+    "isolate_context",
     "new_group",
-    "new_subgroups",
-    "parse_backend",
     "peek_world",
     "resolve_group",
     "set_current_world",
@@ -55,65 +74,42 @@ T = TypeVar("T")
 #: torch's default for CPU process groups: thirty minutes per operation.
 DEFAULT_PG_TIMEOUT = 1800.0
 
-#: Seconds a rank waits for the store to say why a peer aborted (and to record its own
-#: reason). Only failures pay it, and only when the peer vanished without a reason.
-ABORT_REASON_WAIT = 1.0
-_ABORT_KEY = "abort"
-
-#: Seconds a rank whose operation lost a peer waits for that peer's reason. A rank that
-#: aborts records it before dropping its connections, so it is normally there already; a
-#: peer that died without one (SIGKILL) costs this much before the loss is reported.
-REASON_READ_WAIT = 0.25
-
-#: Seconds a rank whose operation timed out waits for the other ranks to record that they
-#: entered it too (``arrived/<group>/<seq>/<rank>``), to name those that did not.
-ARRIVAL_GRACE = 1.0
-
-#: Each rank watches the abort key with a server-side wait renewed this often: a rank that
-#: aborts wakes every other rank at once, whether or not they have a connection to it.
-_WATCH_PERIOD = 3600.0
-
 #: Point-to-point messages of group ``g`` travel under group id ``g | P2P_GROUP_BIT`` with
 #: the user's tag as sequence number, so they never meet a collective's messages.
 P2P_GROUP_BIT = 1 << 31
+#: The largest user tag of a point-to-point message.
+MAX_TAG = 2**63 - 1
+#: The tag of a point-to-point rejection whose sender could not name a valid tag.
+ANY_TAG = (1 << 64) - 1
 
-_KNOWN_BACKENDS = ("cpu", "gloo", "cuda", "nccl")
+
+class OpKind(enum.Enum):
+    """What an operation is: a collective of the whole group, or point to point."""
+
+    COLLECTIVE = "collective"
+    P2P = "p2p"
 
 
-def parse_backend(backend: str | None) -> str:
-    """Return the canonical backend name (``"cpu"``) for what the caller asked for.
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A checked operation, ready to run: ``await algorithm(*comms, *args)``.
 
-    ``None``, ``"cpu"`` and ``"gloo"`` mean the CPU backend; torch's per-device form
-    ``"cpu:gloo,cuda:nccl"`` is accepted (its CUDA half is not available in this build, so
-    only the CPU backend runs).
-
-    Raises:
-        DistUsageError: the backend is unknown, or only CUDA was asked for.
+    Attributes:
+        algorithm: the coroutine function that moves the data (one ``OpComm`` per sequence
+            number of the operation, then ``args``).
+        args: its checked arguments.
+        fingerprint: the call's fingerprint, which every message of it carries.
+        output: the Work's result when the algorithm returns ``None`` (the output array).
     """
-    if backend is None:
-        return "cpu"
-    if not isinstance(backend, str):
-        raise DistUsageError(f"backend must be a string or None, got {type(backend).__name__}")
-    name = backend.strip().lower()
-    parts = [p.strip() for p in name.split(",")] if ":" in name else [name]
-    chosen: list[str] = []
-    for part in parts:
-        device, _, impl = part.rpartition(":")
-        if impl not in _KNOWN_BACKENDS or device not in ("", "cpu", "cuda"):
-            raise DistUsageError(
-                f"unknown backend {backend!r}: expected 'cpu' (alias 'gloo'), 'cuda' (alias "
-                "'nccl') or a per-device form such as 'cpu:gloo,cuda:nccl'"
-            )
-        kind = "cpu" if impl in ("cpu", "gloo") else "cuda"
-        if device and device != kind:
-            raise DistUsageError(f"backend {backend!r}: {impl!r} cannot serve {device!r} arrays")
-        chosen.append(kind)
-    if "cpu" not in chosen:
-        raise DistUsageError(
-            f"backend {backend!r}: the CUDA backend is not available in this build of "
-            "aiodist; use backend='cpu' (alias 'gloo') for numpy arrays"
-        )
-    return "cpu"
+
+    algorithm: Callable[..., Awaitable[Any]]
+    args: tuple[Any, ...] = ()
+    fingerprint: bytes = NO_FINGERPRINT
+    output: Any = None
+
+
+#: A backend's entry point for one call: ``planner(group, op_name, args) -> Plan``.
+Planner = Callable[["ProcessGroup", str, tuple[Any, ...]], Plan]
 
 
 class NonGroupMember:
@@ -140,35 +136,40 @@ class Work(Generic[T]):
 
     Await it (``await work``) or call ``await work.wait(timeout)`` to get the operation's
     result; both can be done any number of times. The operation runs as a task on the event
-    loop whether or not anyone awaits it.
+    loop whether or not anyone awaits it, and a caller that stops waiting (cancelled, or
+    ``asyncio.timeout`` around the await) leaves it running.
 
     The result is the output the operation wrote (the array or list passed in, or the object
     list), the sender's rank for a receive, and ``None`` for a barrier or a send.
     """
 
-    __slots__ = ("_future", "_group", "_record", "_task", "label", "op", "seq")
+    __slots__ = ("_future", "_op")
 
-    def __init__(self, op: str, seq: int, group: ProcessGroup, *, p2p: bool = False) -> None:
-        #: The operation's name, e.g. ``"all_reduce"``.
-        self.op = op
-        #: The group sequence number (or the tag, for point-to-point operations).
-        self.seq = seq
-        #: ``"seq N"`` or, for point-to-point operations, ``"tag N"``; used in messages.
-        self.label = f"{'tag' if p2p else 'seq'} {seq}"
-        self._group = group
+    def __init__(self, op: Operation) -> None:
+        self._op = op
         self._future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        self._task: asyncio.Task[None] | None = None
-        self._record: OpRecord | None = None
+
+    @property
+    def op(self) -> str:
+        """The operation's name, e.g. ``"all_reduce"``."""
+        return self._op.name
+
+    @property
+    def seq(self) -> int:
+        """The group sequence number (the tag, for a point-to-point operation)."""
+        return self._op.seq
 
     def __repr__(self) -> str:
-        if not self._future.done():
+        fut = self._future
+        if not fut.done():
             state = "pending"
-        elif self._future.exception() is not None:
-            state = f"failed ({type(self._future.exception()).__name__})"
+        elif fut.exception() is not None:
+            state = f"failed ({type(fut.exception()).__name__})"
         else:
             state = "completed"
-        key = self.label.replace(" ", "=")
-        return f"<Work {self.op} {key} group={self._group.group_id} {state}>"
+        op = self._op
+        key = op.label.replace(" ", "=")
+        return f"<Work {op.name} {key} group={op.group.group_id} {state}>"
 
     def __await__(self) -> Generator[Any, None, T]:
         return self.wait().__await__()
@@ -189,18 +190,20 @@ class Work(Generic[T]):
                 left part-way through it.
             DistError: the operation failed (the same exception on every call).
         """
-        if self._future.done():
-            return self._future.result()
+        fut = self._future
+        if fut.done():
+            return fut.result()
         seconds = to_seconds(timeout, None)
         if not seconds:
-            await _join(self._future)
+            await _join(fut)
         else:
             # asyncio.wait never cancels what it waits on, so cancelling the caller leaves
             # the operation running.
-            await asyncio.wait([self._future], timeout=seconds)
-            if not self._future.done():
-                self._group._fail(self, self._group._timeout_error(self, "wait", seconds, None))
-        return self._future.result()
+            await asyncio.wait([fut], timeout=seconds)
+            if not fut.done():
+                op = self._op
+                op.group._fail(op, op.group._timeout_error(op, "wait", seconds, None))
+        return fut.result()
 
     def is_completed(self) -> bool:
         """Return whether the operation has finished, successfully or not."""
@@ -225,6 +228,10 @@ class Work(Generic[T]):
             raise DistUsageError(f"{self!r} has not completed yet; await it first")
         return self._future.result()
 
+    def add_done_callback(self, fn: Callable[[Work[T]], object]) -> None:
+        """Call ``fn(work)`` on the loop once the operation has finished."""
+        self._future.add_done_callback(lambda _: fn(self))
+
 
 async def _join(future: asyncio.Future[Any]) -> None:
     """Wait for ``future`` without cancelling it if the waiting task is cancelled."""
@@ -241,21 +248,83 @@ async def _join(future: asyncio.Future[Any]) -> None:
         future.remove_done_callback(wake)
 
 
-def _set_failed(future: asyncio.Future[Any], exc: BaseException) -> None:
-    # Work that nobody awaits must not report "exception never retrieved": the failure is
-    # kept in the work and in the world's state, so it is marked as retrieved here.
-    future.set_exception(exc)
-    future.exception()
+class Operation:
+    """One call on a process group, from the reservation of its number to its end.
+
+    It owns what the call is (name, kind, sequence number or tag, how many sequence
+    numbers), its fingerprint and flight-recorder entry once planned, its deadline and
+    task once started, the :class:`Work` handed to the caller, and its failure scope: the
+    peers told if it is rejected (every other member for a collective; the receiver for a
+    send; nobody for a receive).
+    """
+
+    __slots__ = ("group", "kind", "name", "nseq", "peer", "record", "sends", "seq", "task", "work")
+
+    def __init__(
+        self,
+        group: ProcessGroup,
+        name: str,
+        kind: OpKind,
+        seq: int,
+        *,
+        nseq: int = 1,
+        peer: int | None = None,
+        sends: bool = False,
+    ) -> None:
+        self.group = group
+        self.name = name
+        self.kind = kind
+        self.seq = seq
+        self.nseq = nseq
+        #: Point to point: the peer's group rank (``None``: any source).
+        self.peer = peer
+        #: Point to point: whether this is a send (whose receiver waits for it).
+        self.sends = sends
+        self.record: OpRecord | None = None
+        self.task: asyncio.Task[None] | None = None
+        self.work: Work[Any] = Work(self)
+
+    def __repr__(self) -> str:
+        return f"<Operation {self.name} {self.label} group={self.group.group_id}>"
+
+    @property
+    def label(self) -> str:
+        """``"seq N"``, or ``"tag N"`` for a point-to-point operation."""
+        return f"{'tag' if self.kind is OpKind.P2P else 'seq'} {self.seq}"
+
+    @property
+    def wire_group(self) -> int:
+        """The group id its messages travel under."""
+        gid = self.group.group_id
+        return gid | P2P_GROUP_BIT if self.kind is OpKind.P2P else gid
+
+    def settle(self, exc: BaseException | None, result: Any = None) -> None:
+        """Resolve the work with ``result``, or fail it with ``exc``; the first outcome stays."""
+        fut = self.work._future
+        if fut.done():
+            return
+        if exc is None:
+            fut.set_result(result)
+        else:
+            # Work nobody awaits must not report "exception never retrieved": the failure
+            # is kept in the work (and in the world's state), so it is marked retrieved.
+            fut.set_exception(exc)
+            fut.exception()
+        if self.record is not None:
+            self.record.finish(exc)
 
 
 class World:
-    """What one ``init_process_group`` built: a transport, a store and their groups.
+    """What one ``init_process_group`` built: a transport, a failure domain and their groups.
 
     Attributes:
         rank: this process's global rank.
         size: the number of ranks.
         store: the store the world was bootstrapped through (its keys namespaced).
         transport: the connections to the other ranks.
+        domain: the failure domain (abort key, watch, leaving).
+        backends: the backends of the default group, by device kind.
+        recorder: the last operations of this rank (see :mod:`aiodist.debug`).
     """
 
     def __init__(
@@ -264,6 +333,7 @@ class World:
         store: Store,
         *,
         backend: str,
+        backends: Mapping[str, Any],
         timeout: float | None,
         owned: Sequence[Store] = (),
     ) -> None:
@@ -272,62 +342,43 @@ class World:
         self.transport = transport
         self.store = store
         self.backend = backend
+        self.backends = backends
         self.timeout = timeout
         self._owned = list(owned)
+        hosting = any(getattr(s, "server", None) is not None for s in self._owned)
+        self.domain = FailureDomain(
+            store, self.rank, self.size, on_abort=transport.abort, hosting=hosting, timeout=timeout
+        )
         self._next_group_id = 1
-        self.groups: list[ProcessGroup] = []
-        self.broken: BaseException | None = None
-        self.closed = False
-        #: The last operations of this rank (see :mod:`aiodist.debug`).
+        self.groups: dict[int, ProcessGroup] = {}
+        # Operations a peer rejected before this rank issued them: (group, seq) -> error.
+        self.rejected: dict[tuple[int, int], tuple[int, str]] = {}
         self.recorder = FlightRecorder(self.rank, self.size)
-        transport.set_mismatch_handler(self._on_mismatch)
-        self._publishing: asyncio.Task[None] | None = None
-        self._watcher: asyncio.Task[None] | None = None
-        self.default_group = ProcessGroup(self, range(self.size), 0, backend, timeout)
-
-    def start_watching(self) -> None:
-        """Start the task that aborts this world when another rank aborts or the store goes."""
-        if self._watcher is None and self.size > 1:
-            self._watcher = asyncio.get_running_loop().create_task(self._watch())
-
-    async def _watch(self) -> None:
-        # A failure seen by one rank must reach every rank, including those with no
-        # connection to the one that failed (rings connect neighbours only): every rank
-        # parks a wait for the abort key on the store, which costs nothing until it fires.
-        try:
-            while True:
-                try:
-                    await self.store.wait([_ABORT_KEY], _WATCH_PERIOD)
-                    break
-                except DistTimeoutError:
-                    continue
-            reason = (await self.store.get(_ABORT_KEY)).decode(errors="replace")
-        except DistNetworkError as exc:
-            # Losing the store is a failure of the job too (the rank hosting it died, or
-            # its server): every later rendezvous, group creation and abort needs it.
-            if not self.closed:
-                lost = DistNetworkError(f"rank {self.rank}: lost the store: {exc}")
-                lost.__cause__ = exc
-                self.abort(lost)
-            return
-        except DistError as exc:
-            logger.warning("rank %d: watching the abort key failed: %s", self.rank, exc)
-            return
-        if not self.closed and not reason.startswith(f"rank {self.rank}:"):
-            self.abort(DistNetworkError(f"the group was aborted by {reason}"))
+        transport.mailbox.listener = self
+        self.default_group = ProcessGroup(self, range(self.size), 0, backend, backends, timeout)
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "broken" if self.broken else "open"
         return f"<World rank={self.rank}/{self.size} backend={self.backend} {state}>"
 
-    def _on_mismatch(self, group_id: int, seq: int, exc: DistUsageError) -> None:
-        # A peer called another collective than this rank under (group, seq): that
-        # operation fails with the mismatch, and the world is aborted so nobody waits.
-        for group in self.groups:
-            if group.group_id == group_id:
-                group._fail_seq(seq, exc)
-                return
-        self.abort(exc)
+    @property
+    def broken(self) -> BaseException | None:
+        """The first failure that aborted this world, or ``None``."""
+        return self.domain.broken
+
+    @property
+    def closed(self) -> bool:
+        """Whether the world was destroyed."""
+        return self.domain.closed
+
+    def abort(self, cause: BaseException) -> None:
+        """Make the world unusable because of ``cause``; every rank is told."""
+        self.domain.abort(cause)
+
+    @property
+    def group_count(self) -> int:
+        """How many process groups this world has made, the default group included."""
+        return self._next_group_id
 
     def allocate_group_id(self) -> int:
         """Return the next group id; every rank allocates ids in the same order."""
@@ -335,84 +386,53 @@ class World:
         self._next_group_id += 1
         return gid
 
-    def abort(self, cause: BaseException) -> None:
-        """Make the world unusable because of ``cause`` and drop every connection."""
-        if self.broken is not None or self.closed:
-            return
-        self.broken = cause
-        logger.warning("rank %d: aborting the process group: %s", self.rank, cause)
-        failure = DistNetworkError(
-            f"rank {self.rank}: process group aborted: {type(cause).__name__}: {cause}"
-        )
-        failure.__cause__ = cause
-        # The peers only see connections drop; the store tells them why (the first rank
-        # to abort wins the key), and it wakes the ranks watching the key. The reason is
-        # recorded *before* the connections drop (one store round trip, at most
-        # ABORT_REASON_WAIT), so a peer that sees the drop finds it already there.
-        reason = f"rank {self.rank}: {type(cause).__name__}: {cause}"
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # no running loop: nobody to tell
-            self.transport.abort(failure)
-            return
-        self._publishing = loop.create_task(self._publish(reason, failure))
+    # -- what the mailbox reports (MailboxListener) --------------------------------------
 
-    async def _publish(self, reason: str, failure: BaseException) -> None:
-        try:
-            async with asyncio.timeout(ABORT_REASON_WAIT):
-                await self.store.compare_set(_ABORT_KEY, "", reason)
-        except (DistError, TimeoutError) as exc:
-            logger.debug("rank %d: could not record the abort reason: %s", self.rank, exc)
-        finally:
-            self.transport.abort(failure)
+    def on_mismatch(self, group_id: int, seq: int, exc: DistUsageError) -> None:
+        """A peer called another collective than this rank under ``(group, seq)``."""
+        group = self.groups.get(group_id)
+        op = None if group is None else group.inflight_op(seq)
+        if group is not None and op is not None:
+            group._fail(op, exc)
+        else:
+            self.abort(exc)
 
-    async def abort_reason(self) -> str | None:
-        """Return why another rank aborted the world, waiting briefly for it to be recorded."""
-        try:
-            async with asyncio.timeout(REASON_READ_WAIT):
-                await self.store.wait([_ABORT_KEY], REASON_READ_WAIT)
-                return (await self.store.get(_ABORT_KEY)).decode(errors="replace")
-        except (DistError, TimeoutError):
-            return None
+    def on_reject(self, peer: int, group_id: int, seq: int, reason: str) -> None:
+        """``peer`` rejected its operation ``(group, seq)`` before sending any of its data."""
+        mailbox = self.transport.mailbox
+        if group_id & P2P_GROUP_BIT:
+            # Its send takes the place of one message: the receive that would have taken
+            # it fails instead.
+            tag = None if seq == ANY_TAG else seq
+            exc = DistUsageError(
+                f"recv from rank {peer} ({'any tag' if tag is None else f'tag {tag}'}): "
+                f"rank {peer} rejected its send: {reason}"
+            )
+            mailbox.poison(peer, group_id & ~P2P_GROUP_BIT, tag, exc)
+            return
+        mailbox.kill(group_id, seq, DistUsageError(f"rejected by rank {peer}: {reason}"))
+        group = self.groups.get(group_id)
+        op = None if group is None else group.inflight_op(seq)
+        if group is not None and op is not None:
+            group._fail_rejected(op, group._rejection(op, peer, reason))
+        else:
+            self.rejected[group_id, seq] = (peer, reason)
 
     async def close(self) -> None:
         """Fail what is still running, close the transport and the stores the world owns."""
         if self.closed:
             return
-        self.closed = True
-        if self._watcher is not None:
-            self._watcher.cancel()
-            await asyncio.gather(self._watcher, return_exceptions=True)
         cause = DistUsageError("the process group was destroyed while the operation ran")
         pending: list[asyncio.Task[None]] = []
-        for group in self.groups:
+        for group in list(self.groups.values()):
             group._destroyed = True
             pending.extend(group._cancel_all(cause))
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
-        if self._publishing is not None:
-            # The abort drops the connections once its reason is recorded.
-            await asyncio.gather(self._publishing, return_exceptions=True)
         await self.transport.aclose()
-        await self._leave()
+        await self.domain.close()
         for store in self._owned:
             await store.aclose()
-
-    async def _leave(self) -> None:
-        # Peers look each other's addresses up in the store when they first talk, which can
-        # be long after this rank is done; so a rank that hosts the store (rank 0 under
-        # env:// or tcp://) keeps it up until every rank has left. A broken world skips the
-        # wait: its peers are failing anyway.
-        hosting = any(getattr(s, "server", None) is not None for s in self._owned)
-        try:
-            await self.store.set(f"left/{self.rank}", b"1")
-            if hosting and self.broken is None:
-                keys = [f"left/{r}" for r in range(self.size)]
-                if not await self.store.check(keys):
-                    logger.info("rank %d: keeping the store up until every rank left", self.rank)
-                    await self.store.wait(keys, self.timeout)
-        except DistError as exc:
-            logger.warning("rank %d: leaving the store: %s", self.rank, exc)
 
 
 class ProcessGroup:
@@ -423,7 +443,8 @@ class ProcessGroup:
         size: the number of ranks in the group.
         ranks: the global rank of each group rank.
         group_id: the group's number, the same on every member (the default group is 0).
-        backend: the backend's canonical name (``"cpu"``).
+        backend: the backend's name (``"cpu"``, ``"cuda"``, or both as ``"cpu:...,cuda:..."``).
+        backends: the backend serving each device kind, by device (``"cpu"``, ``"cuda"``).
         timeout: seconds one operation may run before it fails the group (``None``: no limit).
     """
 
@@ -433,6 +454,7 @@ class ProcessGroup:
         ranks: Iterable[int],
         group_id: int,
         backend: str,
+        backends: Mapping[str, Any],
         timeout: float | None,
     ) -> None:
         self._world = world
@@ -442,15 +464,18 @@ class ProcessGroup:
         self.size = len(self.ranks)
         self.group_id = group_id
         self.backend = backend
+        self.backends = backends
         self.timeout = timeout
         self._seq = 0
-        # Operations in flight, in issue order, with their deadlines (group timeout).
-        self._inflight: dict[Work[Any], float] = {}
+        # Collectives in flight, by each sequence number they hold.
+        self._by_seq: dict[int, Operation] = {}
+        # Every operation in flight, in issue order, with its deadline (group timeout).
+        self._inflight: dict[Operation, float] = {}
         self._watchdog: asyncio.TimerHandle | None = None
         # Operations past their deadline, while the ranks that entered them are counted.
-        self._expiring: dict[Work[Any], asyncio.Task[None]] = {}
+        self._expiring: dict[Operation, asyncio.Task[None]] = {}
         self._destroyed = False
-        world.groups.append(self)
+        world.groups[group_id] = self
 
     def __repr__(self) -> str:
         extra = ""
@@ -480,6 +505,10 @@ class ProcessGroup:
         """Whether ``destroy_process_group`` has been called for this group."""
         return self._destroyed
 
+    def inflight_op(self, seq: int) -> Operation | None:
+        """Return the collective in flight that holds sequence number ``seq``, if any."""
+        return self._by_seq.get(seq)
+
     def group_rank(self, global_rank: int, what: str = "rank") -> int:
         """Return the group rank of ``global_rank``.
 
@@ -508,241 +537,323 @@ class ProcessGroup:
             )
         return self.ranks[group_rank]
 
+    def root(
+        self,
+        global_rank: int | None,
+        group_rank: int | None,
+        names: tuple[str, str],
+        default: int | None = 0,
+    ) -> int | None:
+        """Resolve a ``src``/``group_src`` pair to a group rank (``default`` when neither).
+
+        Raises:
+            DistUsageError: both given, or a rank outside the group.
+        """
+        if global_rank is not None and group_rank is not None:
+            raise DistUsageError(f"pass either {names[0]} or {names[1]}, not both")
+        if group_rank is not None:
+            self.global_rank(group_rank, names[1])
+            return group_rank
+        if global_rank is not None:
+            return self.group_rank(global_rank, names[0])
+        return default
+
     def check_usable(self, op: str) -> None:
         """Raise at once if this group can no longer run operations.
 
         Raises:
             DistUsageError: the group was destroyed.
-            DistNetworkError: an earlier failure aborted the group (the cause is named).
+            DistError: an earlier failure aborted the group; the error has the class of
+                that failure (``DistNetworkError``, ``DistTimeoutError``, ...) and names it.
         """
         if self._destroyed or self._world.closed:
             raise DistUsageError(f"{op}: the process group has been destroyed")
         cause = self._world.broken
         if cause is not None:
-            raise DistNetworkError(
+            cls = type(cause) if isinstance(cause, DistError) else DistError
+            raise cls(
                 f"{op}: the process group is unusable after an earlier failure: "
                 f"{type(cause).__name__}: {cause}"
             ) from cause
 
-    @contextlib.contextmanager
-    def checking(self, op: str) -> Generator[None, None, None]:
-        """Validate the arguments of ``op`` inside this block.
+    # -- issuing -------------------------------------------------------------------------
 
-        A :class:`DistUsageError` raised in the block is re-raised and also aborts the group:
-        the peers have entered the same operation and would otherwise wait for this rank.
+    def issue(self, name: str, planner: Planner, args: tuple[Any, ...], nseq: int = 1) -> Work[Any]:
+        """Issue collective ``name``: reserve its sequence numbers, plan it, start or reject it.
 
-        Raises:
-            DistUsageError: from the block, or because the group is not usable.
-            DistNetworkError: the group was aborted earlier.
-        """
-        self.check_usable(op)
-        try:
-            yield
-        except DistUsageError as exc:
-            self._world.abort(exc)
-            raise
-
-    def launch(
-        self,
-        op: str,
-        body: Callable[..., Coroutine[Any, Any, T]],
-        *,
-        nseq: int = 1,
-        fingerprint: bytes = NO_FINGERPRINT,
-    ) -> Work[T]:
-        """Start collective ``op`` as a task and return its :class:`Work`.
-
-        ``body`` is called with ``nseq`` :class:`OpComm` objects, one per sequence number
-        reserved for the operation (an object collective runs two algorithms in a row).
-        ``fingerprint`` (see :mod:`aiodist._fingerprint`) travels with every message of the
-        operation, so that a rank that called something else is told so.
+        ``planner(self, name, args)`` checks the arguments and returns the :class:`Plan`.
 
         Raises:
-            DistUsageError: the group was destroyed.
-            DistNetworkError: the group was aborted earlier.
+            DistUsageError: the planner rejected the call (the peers are told), or the group
+                was destroyed.
+            DistError: the group was aborted earlier.
         """
-        self.check_usable(op)
-        first = self._seq
+        self.check_usable(name)
+        op = Operation(self, name, OpKind.COLLECTIVE, self._seq, nseq=nseq)
         self._seq += nseq
-        comms = [
-            OpComm(self._world.transport, self.ranks, self.rank, self.group_id, first + i)
-            for i in range(nseq)
-        ]
-        work: Work[T] = Work(op, first, self)
-        transport, gid = self._world.transport, self.group_id
-        for i in range(nseq):
-            transport.begin_op(gid, first + i, fingerprint)
-        work._record = self._world.recorder.record(op, gid, first, fingerprint, self.ranks)
-        return self._start(work, lambda: body(*comms), nseq)
+        try:
+            plan = planner(self, name, args)
+        except Exception as exc:
+            raise self._reject(op, exc)  # noqa: B904 (the error is chained to exc already)
+        rejected = self._world.rejected
+        if rejected:
+            for i in range(nseq):
+                found = rejected.pop((self.group_id, op.seq + i), None)
+                if found is not None:
+                    self._record(op, plan.fingerprint)
+                    op.settle(self._rejection(op, *found))
+                    return op.work
+        return self._start(op, plan)
 
-    def launch_p2p(
-        self, op: str, tag: int, body: Callable[[Transport, int], Coroutine[Any, Any, T]]
-    ) -> Work[T]:
-        """Start point-to-point ``op`` as a task; ``body`` gets the transport and wire tag group.
+    def issue_p2p(
+        self,
+        name: str,
+        planner: Planner,
+        args: tuple[Any, ...],
+        *,
+        peer: int | None,
+        group_peer: int | None,
+        tag: object,
+        sends: bool,
+    ) -> Work[Any]:
+        """Issue point-to-point ``name`` with ``peer`` (global) or ``group_peer`` and ``tag``.
+
+        ``planner`` gets ``(peer as a group rank or None, *args)``.
 
         Raises:
-            DistUsageError: the group was destroyed.
-            DistNetworkError: the group was aborted earlier.
+            DistUsageError: a bad peer or tag, or the planner rejected the call (a rejected
+                send is reported to its receiver).
+            DistError: the group was aborted earlier.
         """
-        self.check_usable(op)
-        transport, gid = self._world.transport, self.group_id | P2P_GROUP_BIT
-        work: Work[T] = Work(op, tag, self, p2p=True)
-        work._record = self._world.recorder.record(
-            op, self.group_id, tag, NO_FINGERPRINT, self.ranks, p2p=True
-        )
-        return self._start(work, lambda: body(transport, gid), 0)
+        self.check_usable(name)
+        op, plan = self._prepare_p2p(name, planner, args, peer, group_peer, tag, sends)
+        return self._start(op, plan)
 
-    def _start(
-        self, work: Work[T], make: Callable[[], Coroutine[Any, Any, T]], nseq: int
-    ) -> Work[T]:
+    def issue_batch(
+        self,
+        entries: Sequence[tuple[str, Planner, tuple[Any, ...], int | None, int | None, object]],
+    ) -> list[Work[Any]]:
+        """Check every ``(name, planner, args, peer, group_peer, tag)`` entry, then start all.
+
+        Nothing is started unless every entry passes its checks; the receivers of the
+        batch's sends are then told it was rejected.
+
+        Raises:
+            DistUsageError: the first entry that failed its checks, by index.
+        """
+        self.check_usable("batch_isend_irecv")
+        prepared: list[tuple[Operation, Plan]] = []
+        first: BaseException | None = None
+        for i, (name, planner, args, peer, group_peer, tag) in enumerate(entries):
+            try:
+                prepared.append(
+                    self._prepare_p2p(name, planner, args, peer, group_peer, tag, name == "send")
+                )
+            except Exception as exc:
+                if first is None:
+                    first = DistUsageError(f"batch_isend_irecv: entry {i}: {exc}")
+                    first.__cause__ = exc
+        if first is not None:
+            for op, _ in prepared:
+                self._reject(op, DistUsageError(f"the batch was rejected: {first}"))
+            raise first
+        return [self._start(op, plan) for op, plan in prepared]
+
+    def _prepare_p2p(
+        self,
+        name: str,
+        planner: Planner,
+        args: tuple[Any, ...],
+        peer: int | None,
+        group_peer: int | None,
+        tag: object,
+        sends: bool,
+    ) -> tuple[Operation, Plan]:
+        try:
+            target = self.root(
+                peer, group_peer, ("dst", "group_dst") if sends else ("src", "group_src"), None
+            )
+            if target is None and sends:
+                raise DistUsageError("a destination is required (dst or group_dst)")
+            if target == self.rank:
+                raise DistUsageError(
+                    f"peer group rank {target} is this rank; a rank cannot {name} to or from itself"
+                )
+        except DistUsageError as exc:
+            raise _named(name, exc) from exc
+        if not isinstance(tag, int) or isinstance(tag, bool) or not 0 <= tag <= MAX_TAG:
+            bad_tag = DistUsageError(f"{name}: tag must be an int in [0, 2**63), got {tag!r}")
+            if sends:
+                assert target is not None
+                wire = self.group_id | P2P_GROUP_BIT
+                self._world.transport.send_reject(self.ranks[target], wire, ANY_TAG, str(bad_tag))
+            raise bad_tag
+        op = Operation(self, name, OpKind.P2P, tag, peer=target, sends=sends)
+        try:
+            plan = planner(self, name, (target, *args))
+        except Exception as exc:
+            raise self._reject(op, exc)  # noqa: B904 (the error is chained to exc already)
+        return op, plan
+
+    def _reject(self, op: Operation, exc: BaseException) -> BaseException:
+        """Reject ``op``: tell the peers in its failure scope why; return the caller's error."""
+        error = _named(op.name, exc) if isinstance(exc, DistUsageError) else exc
+        reason = (
+            f"{type(error).__name__}: {error}"
+            if not isinstance(error, DistUsageError)
+            else str(error)
+        )
+        transport = self._world.transport
+        if op.kind is OpKind.COLLECTIVE:
+            mailbox = transport.mailbox
+            for i in range(op.nseq):
+                self._world.rejected.pop((self.group_id, op.seq + i), None)
+                # Messages the peers send for it before they hear of the rejection are
+                # dropped on arrival.
+                mailbox.kill(self.group_id, op.seq + i, DistUsageError(str(error)))
+                for r in self.ranks:
+                    if r != self._world.rank:
+                        transport.send_reject(r, self.group_id, op.seq + i, reason)
+        elif op.sends and op.peer is not None:
+            transport.send_reject(self.ranks[op.peer], op.wire_group, op.seq, reason)
+        self._record(op, NO_FINGERPRINT)
+        op.settle(error)
+        return error
+
+    def _rejection(self, op: Operation, peer: int, reason: str) -> DistUsageError:
+        return DistUsageError(
+            f"{op.name} ({op.label}) on {self!r} was rejected by rank {peer}: {reason}"
+        )
+
+    def _record(self, op: Operation, fingerprint: bytes) -> None:
+        op.record = self._world.recorder.record(
+            op.name, self.group_id, op.seq, fingerprint, self.ranks, p2p=op.kind is OpKind.P2P
+        )
+
+    def _start(self, op: Operation, plan: Plan) -> Work[Any]:
         loop = asyncio.get_running_loop()
+        transport, gid = self._world.transport, op.wire_group
+        if op.kind is OpKind.COLLECTIVE:
+            comms = [
+                OpComm(transport, self.ranks, self.rank, gid, op.seq + i) for i in range(op.nseq)
+            ]
+            mailbox = transport.mailbox
+            for i in range(op.nseq):
+                mailbox.begin(gid, op.seq + i, plan.fingerprint)
+                self._by_seq[op.seq + i] = op
+        else:
+            comms = [OpComm(transport, self.ranks, self.rank, gid, op.seq)]
+        self._record(op, plan.fingerprint)
         if self.timeout is None:
-            self._inflight[work] = math.inf
+            self._inflight[op] = math.inf
         else:
             # One timer per group, armed for the oldest operation's deadline, instead of a
             # timer per operation: operations are issued and mostly finish in order.
-            self._inflight[work] = deadline = loop.time() + self.timeout
+            self._inflight[op] = deadline = loop.time() + self.timeout
             if self._watchdog is None:
                 self._watchdog = loop.call_at(deadline, self._check_deadlines)
         # The coroutine is made inside the task: a task cancelled before its first step
         # (destroy right after issuing) then leaves no never-awaited coroutine behind.
-        task = asyncio.get_running_loop().create_task(self._run(work, make))
-        task.add_done_callback(lambda _: self._finished(work, nseq))
-        work._task = task
-        return work
+        task = loop.create_task(self._run(op, plan, comms))
+        task.add_done_callback(lambda _: self._finished(op))
+        op.task = task
+        return op.work
 
-    def _finished(self, work: Work[Any], nseq: int) -> None:
-        self._inflight.pop(work, None)
-        transport = self._world.transport
-        for i in range(nseq):
-            transport.end_op(self.group_id, work.seq + i)
-        rec = work._record
-        if rec is not None:
-            fut = work._future
-            rec.finish(fut.exception() if fut.done() else DistError("ended without a result"))
-
-    def _fail_seq(self, seq: int, exc: DistUsageError) -> None:
-        # The collective in flight that holds sequence number ``seq`` (an object collective
-        # holds two) fails with ``exc``; the world is aborted either way.
-        for work in reversed(list(self._inflight)):
-            if not work.label.startswith("tag") and work.seq <= seq:
-                self._fail(work, exc)
-                return
-        self._world.abort(exc)
-
-    async def _run(self, work: Work[T], make: Callable[[], Coroutine[Any, Any, T]]) -> None:
-        if work._record is not None:
-            work._record.start()
+    async def _run(self, op: Operation, plan: Plan, comms: list[OpComm]) -> None:
+        if op.record is not None:
+            op.record.start()
         try:
-            result = await make()
+            result = await plan.algorithm(*comms, *plan.args)
         except asyncio.CancelledError:
-            # Only close() and _fail() cancel operations, and both set the outcome first.
-            if not work._future.done():
-                _set_failed(work._future, DistUsageError(f"{work.op} was cancelled"))
+            # Only close(), _fail() and _fail_rejected() cancel operations, and they set
+            # the outcome first.
+            op.settle(DistUsageError(f"{op.name} was cancelled"))
             raise
         except Exception as exc:
-            if work in self._expiring:
-                # Timed out here already: the timeout, not the abort of a rank that timed
-                # out a moment earlier, is this operation's error.
-                return
-            broken = self._world.broken
-            if isinstance(exc, DistNetworkError) and broken is None:
-                # A peer went away: if it aborted on purpose, say why.
-                reason = await self._world.abort_reason()
-                if reason is not None and not reason.startswith(f"rank {self._world.rank}:"):
-                    explained = DistNetworkError(f"{exc} (the group was aborted by {reason})")
-                    explained.__cause__ = exc
-                    exc = explained
-            elif isinstance(exc, DistNetworkError) and str(broken) not in str(exc):
-                # The group was aborted while this operation was losing a peer (the abort
-                # drops the connections only once its reason is recorded): name the cause.
-                explained = DistNetworkError(
-                    f"{exc} (the group was aborted: {type(broken).__name__}: {broken})"
-                )
-                explained.__cause__ = exc
-                exc = explained
-            self._fail(work, exc)
+            if op not in self._expiring:
+                # (An operation that timed out here already fails with the timeout, not
+                # with the abort of a rank that timed out a moment earlier.)
+                self._fail(op, exc)
         else:
-            if not work._future.done():
-                work._future.set_result(result)
+            op.settle(None, plan.output if result is None else result)
+
+    def _finished(self, op: Operation) -> None:
+        self._inflight.pop(op, None)
+        if op.kind is OpKind.COLLECTIVE:
+            mailbox = self._world.transport.mailbox
+            for i in range(op.nseq):
+                mailbox.end(self.group_id, op.seq + i)
+                self._by_seq.pop(op.seq + i, None)
+        op.settle(DistError(f"{op.name} ({op.label}) ended without a result"))
+
+    # -- failing ---------------------------------------------------------------------------
+
+    def _fail(self, op: Operation, exc: BaseException) -> None:
+        """Fail ``op`` with a real failure: the world is aborted, every rank is told."""
+        if op.work._future.done():
+            return
+        if not isinstance(exc, DistError):
+            wrapped = DistError(f"{op.name} ({op.label}) failed: {type(exc).__name__}: {exc}")
+            wrapped.__cause__ = exc
+            exc = wrapped
+        op.settle(exc)
+        if isinstance(exc, DistTimeoutError):
+            self._world.recorder.dump_on_timeout()
+        self._world.abort(exc)
+        self._cancel_task(op)
+
+    def _fail_rejected(self, op: Operation, exc: DistUsageError) -> None:
+        """Fail ``op`` because a peer rejected it: only this operation ends."""
+        op.settle(exc)
+        self._cancel_task(op)
+
+    def _cancel_task(self, op: Operation) -> None:
+        task = op.task
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
 
     def _check_deadlines(self) -> None:
         self._watchdog = None
-        now = asyncio.get_running_loop().time()
-        for work, deadline in list(self._inflight.items()):
-            if work in self._expiring:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        for op, deadline in list(self._inflight.items()):
+            if op in self._expiring:
                 continue
             if deadline > now:
-                self._watchdog = asyncio.get_running_loop().call_at(deadline, self._check_deadlines)
+                self._watchdog = loop.call_at(deadline, self._check_deadlines)
                 return
-            self._expiring[work] = asyncio.get_running_loop().create_task(self._expire(work))
+            self._expiring[op] = loop.create_task(self._expire(op))
 
-    async def _expire(self, work: Work[Any]) -> None:
+    async def _expire(self, op: Operation) -> None:
         try:
-            missing = None if work.label.startswith("tag") else await self._not_arrived(work.seq)
+            missing = None
+            if op.kind is OpKind.COLLECTIVE:
+                missing = await self._world.domain.missing(
+                    f"{self.group_id}/{op.seq}", self.rank, list(range(self.size))
+                )
             assert self.timeout is not None  # only operations with a deadline expire
-            self._fail(work, self._timeout_error(work, "group", self.timeout, missing))
+            self._fail(op, self._timeout_error(op, "group", self.timeout, missing))
         finally:
-            self._expiring.pop(work, None)
-
-    async def _not_arrived(self, seq: int) -> list[int] | None:
-        """Return the group ranks that did not record entering operation ``seq`` in time.
-
-        Every rank whose operation times out records that it entered it, then waits up to
-        :data:`ARRIVAL_GRACE` for the others (their deadlines pass at about the same time).
-        ``None`` if the store cannot be reached.
-        """
-        loop = asyncio.get_running_loop()
-        store, prefix = self._world.store, f"arrived/{self.group_id}/{seq}/"
-        try:
-            await store.set(f"{prefix}{self.rank}", b"1")
-            pending = [r for r in range(self.size) if r != self.rank]
-            end = loop.time() + ARRIVAL_GRACE
-            while True:
-                pending = [r for r in pending if not await store.check([f"{prefix}{r}"])]
-                if not pending or loop.time() >= end:
-                    return pending
-                await asyncio.sleep(0.02)
-        except DistError as exc:
-            logger.warning("rank %d: could not count the ranks that arrived: %s", self.rank, exc)
-            return None
+            self._expiring.pop(op, None)
 
     def _timeout_error(
-        self, work: Work[Any], kind: str, seconds: float, missing: list[int] | None
+        self, op: Operation, kind: str, seconds: float, missing: list[int] | None
     ) -> DistTimeoutError:
-        """Build the error of ``work`` timing out: op, sequence number, ranks, time waited."""
+        """Build the error of ``op`` timing out: op, sequence number, ranks, time waited."""
         text = (
-            f"{work.op} ({work.label}) on {self!r} did not complete within the {kind} "
+            f"{op.name} ({op.label}) on {self!r} did not complete within the {kind} "
             f"timeout of {seconds:g} s"
         )
         if missing is not None:
             text += f"; ranks that did not arrive: {missing or 'none'}"
-        group = self.group_id | P2P_GROUP_BIT if work.label.startswith("tag") else self.group_id
         waiting = [
             self._group_rank_of[p]
-            for p in self._world.transport.waiting_for(group, work.seq)
+            for p in self._world.transport.waiting_for(op.wire_group, op.seq)
             if p in self._group_rank_of
         ]
         if waiting:
             text += f"; still waiting for messages from ranks {waiting}"
         return DistTimeoutError(text)
-
-    def _fail(self, work: Work[Any], exc: BaseException) -> None:
-        if work._future.done():
-            return
-        if not isinstance(exc, DistError):
-            wrapped = DistError(f"{work.op} ({work.label}) failed: {type(exc).__name__}: {exc}")
-            wrapped.__cause__ = exc
-            exc = wrapped
-        _set_failed(work._future, exc)
-        if isinstance(exc, DistTimeoutError):
-            self._world.recorder.dump_on_timeout()
-        if work._record is not None:
-            work._record.finish(exc)
-        self._world.abort(exc)
-        task = work._task
-        if task is not None and task is not asyncio.current_task():
-            task.cancel()
 
     async def destroy(self) -> None:
         """Destroy this group: later operations on it raise at once.
@@ -758,26 +869,33 @@ class ProcessGroup:
         if tasks:
             self._world.abort(cause)
             await asyncio.gather(*tasks, return_exceptions=True)
-        if self in self._world.groups:
-            self._world.groups.remove(self)
+        self._world.groups.pop(self.group_id, None)
 
     def _cancel_all(self, cause: BaseException) -> list[asyncio.Task[None]]:
         tasks = []
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
-        for work, expiring in self._expiring.items():
-            if not work._future.done():
-                _set_failed(work._future, cause)
+        for op, expiring in self._expiring.items():
+            op.settle(cause)
             expiring.cancel()
             tasks.append(expiring)
-        for work in list(self._inflight):
-            if not work._future.done():
-                _set_failed(work._future, cause)
-            if work._task is not None and not work._task.done():
-                work._task.cancel()
-                tasks.append(work._task)
+        for op in list(self._inflight):
+            op.settle(cause)
+            if op.task is not None and not op.task.done():
+                op.task.cancel()
+                tasks.append(op.task)
         return tasks
+
+
+def _named(op: str, exc: BaseException) -> DistUsageError:
+    """``exc`` as a usage error whose message starts with the operation's name."""
+    text = str(exc)
+    if isinstance(exc, DistUsageError) and text.startswith(f"{op}:"):
+        return exc
+    error = DistUsageError(f"{op}: {text}")
+    error.__cause__ = exc
+    return error
 
 
 def _check_int(value: object, what: str) -> None:
@@ -785,34 +903,55 @@ def _check_int(value: object, what: str) -> None:
         raise DistUsageError(f"{what} must be an int, got {type(value).__name__}")
 
 
-_current_world: contextvars.ContextVar[World | None] = contextvars.ContextVar(
-    "aiodist_world", default=None
-)
+# -- the default group ------------------------------------------------------------------------
+# The process-wide default world, and a per-context override: a context where
+# isolate_context() ran holds a world of its own (None until it initialises one).
+_process_world: World | None = None
+_context_world: contextvars.ContextVar[Any] = contextvars.ContextVar("aiodist_world", default=None)
+_isolated: contextvars.ContextVar[bool] = contextvars.ContextVar("aiodist_isolated", default=False)
+
+
+def isolate_context() -> None:
+    """Give the current context a default world of its own, apart from the process's.
+
+    After this, ``init_process_group`` in this context (and the tasks it creates) sets this
+    context's default group, and the process-wide one is not seen here. This is how several
+    ranks live as tasks of one event loop (``aiodist.testing.run_world``).
+    """
+    _isolated.set(True)
+    _context_world.set(None)
+
+
+def peek_world() -> World | None:
+    """Return the default world seen here (the context's own, else the process's), or ``None``."""
+    if _isolated.get():
+        world: World | None = _context_world.get()
+        return world
+    return _process_world
+
+
+def set_current_world(world: World | None) -> None:
+    """Make ``world`` the default seen here: this context's if it is isolated, else the process's."""
+    global _process_world
+    if _isolated.get():
+        _context_world.set(world)
+    else:
+        _process_world = world
 
 
 def current_world(op: str = "this operation") -> World:
-    """Return the world set up by ``init_process_group`` in the current context.
+    """Return the default world seen here.
 
     Raises:
-        DistUsageError: the default process group is not initialized here.
+        DistUsageError: the default process group is not initialized.
     """
-    world = _current_world.get()
+    world = peek_world()
     if world is None:
         raise DistUsageError(
             f"{op} needs the default process group: call "
             "`await aiodist.init_process_group(...)` first"
         )
     return world
-
-
-def set_current_world(world: World | None) -> None:
-    """Make ``world`` the current context's default world (``None`` clears it)."""
-    _current_world.set(world)
-
-
-def peek_world() -> World | None:
-    """Return the current context's world, or ``None``."""
-    return _current_world.get()
 
 
 def resolve_group(group: ProcessGroup | NonGroupMember | None, op: str) -> ProcessGroup:
@@ -837,11 +976,12 @@ def start_world(
     transport: Transport,
     store: Store,
     *,
-    backend: str | None = None,
+    backend: str,
+    backends: Mapping[str, Any],
     timeout: Timeout = None,
     owned: Sequence[Store] = (),
 ) -> ProcessGroup:
-    """Build a world over a connected ``transport`` and make it the current context's default.
+    """Build a world over a connected ``transport`` and make it the default seen here.
 
     This is the layer below ``init_process_group``: tests and embedders can hand it any
     :class:`~aiodist.transport.base.Transport` (for instance the in-process one).
@@ -850,117 +990,71 @@ def start_world(
         The default process group.
 
     Raises:
-        DistUsageError: a world is already initialized in this context, or bad arguments.
+        DistUsageError: a default world is already initialized here, or bad arguments.
     """
-    if _current_world.get() is not None:
+    if peek_world() is not None:
         raise DistUsageError("trying to initialize the default process group twice")
     world = World(
         transport,
         store,
-        backend=parse_backend(backend),
+        backend=backend,
+        backends=backends,
         timeout=to_seconds(timeout, DEFAULT_PG_TIMEOUT),
         owned=owned,
     )
     with contextlib.suppress(RuntimeError):  # no running loop: nothing to watch with
-        world.start_watching()
-    _current_world.set(world)
+        world.domain.start()
+    set_current_world(world)
     return world.default_group
 
 
 async def new_group(
-    ranks: Sequence[int] | None = None,
-    timeout: Timeout = None,
-    backend: str | None = None,
+    world: World,
+    ranks: Sequence[int] | None,
+    *,
+    backend: str,
+    backends: Mapping[str, Any],
+    timeout: float | None,
 ) -> ProcessGroup | NonGroupMember:
-    """Create a process group of the given global ranks.
+    """Create a process group of the given global ranks (see :func:`aiodist.new_group`).
 
-    Every rank of the default group must call ``new_group`` with the same arguments in the
-    same order (members and non-members alike), so that the group gets the same id
-    everywhere. Group ranks follow the sorted global ranks.
-
-    Args:
-        ranks: global ranks of the members; ``None`` means every rank.
-        timeout: per-operation timeout of the new group; ``None`` inherits the default
-            group's.
-        backend: ``None`` inherits the default group's backend.
-
-    Returns:
-        The new group on members, :data:`NON_GROUP_MEMBER` on other ranks.
+    The group id is reserved first, then every rank of the world votes through the store
+    with the ranks it was given; if any rank's list differs or fails its checks, every rank
+    raises the same ``DistUsageError`` and the world stays usable.
 
     Raises:
-        DistUsageError: not initialized, an empty list, a duplicate or out-of-range rank,
-            or an unknown backend.
+        DistUsageError: this rank's list, or another rank's, was rejected.
+        DistTimeoutError: some rank did not call ``new_group`` in time.
     """
-    world = current_world("new_group")
-    world.default_group.check_usable("new_group")
-    members = _check_ranks(ranks, world.size)
-    name = world.backend if backend is None else parse_backend(backend)
-    seconds = world.timeout if timeout is None else to_seconds(timeout, None)
     gid = world.allocate_group_id()
-    # Ranks that called new_group in different orders or with different ranks would give
-    # one id to different groups and mix their messages: the first rank to get here
-    # records what group ``gid`` is, the others check it (one store round trip).
-    mine = ",".join(map(str, members))
     try:
-        agreed = (await world.store.compare_set(f"group/{gid}", "", mine)).decode()
-    except DistError as exc:
-        world.abort(exc)
-        raise
-    if agreed != mine:
-        mismatch = DistUsageError(
-            f"new_group: group {gid} is ranks [{agreed}] on another rank but ranks [{mine}] "
-            "here; every rank must call new_group with the same ranks in the same order"
+        members: list[int] | None = _check_ranks(ranks, world.size)
+        problem = None
+        vote = ",".join(map(str, members)) if members else ""
+    except DistUsageError as exc:
+        members, problem, vote = None, str(exc), "invalid"
+    store, key = world.store, f"group/{gid}"
+    agreed = (await store.compare_set(f"{key}/ranks", "", vote)).decode()
+    if problem is None and agreed != vote:
+        problem = (
+            f"new_group: group {gid} is ranks [{agreed}] on another rank but ranks [{vote}] on "
+            f"rank {world.rank}; every rank must call new_group with the same ranks in the "
+            "same order"
         )
-        world.abort(mismatch)
-        raise mismatch
+    if problem is not None:
+        await store.compare_set(f"{key}/problem", "", f"rank {world.rank}: {problem}")
+    if await store.add(f"{key}/votes", 1) == world.size:
+        await store.set(f"{key}/done", b"1")
+    await store.wait([f"{key}/done"], timeout)
+    if await store.check([f"{key}/problem"]):
+        first = (await store.get(f"{key}/problem")).decode()
+        if problem is not None and first.startswith(f"rank {world.rank}:"):
+            raise DistUsageError(problem)
+        raise DistUsageError(f"new_group (group {gid}) was rejected by {first}")
+    assert members is not None
     if world.rank not in members:
         return NON_GROUP_MEMBER
-    return ProcessGroup(world, members, gid, name, seconds)
-
-
-async def new_subgroups(
-    group_size: int | None = None,
-    group: ProcessGroup | None = None,
-    timeout: Timeout = None,
-    backend: str | None = None,
-) -> tuple[ProcessGroup, list[ProcessGroup | NonGroupMember]]:
-    """Split the ranks of ``group`` into consecutive subgroups of ``group_size`` ranks.
-
-    Every rank of the default group must call it with the same arguments.
-
-    Args:
-        group_size: ranks per subgroup; ``None`` makes one subgroup per host, which in this
-            build means a single subgroup of every rank of ``group``.
-        group: the group to split (global ranks are taken from it); default the world.
-        timeout: per-operation timeout of the subgroups.
-        backend: backend of the subgroups; ``None`` inherits.
-
-    Returns:
-        ``(this rank's subgroup, every subgroup)``; entries of subgroups this rank is not in
-        are :data:`NON_GROUP_MEMBER`.
-
-    Raises:
-        DistUsageError: ``group_size`` is not positive, or does not divide the group size,
-            or this rank is not in ``group``.
-    """
-    parent = resolve_group(group, "new_subgroups")
-    if group_size is None:
-        group_size = parent.size
-    _check_int(group_size, "group_size")
-    if group_size <= 0 or parent.size % group_size:
-        raise DistUsageError(
-            f"new_subgroups: group_size {group_size} must be positive and divide the group "
-            f"size {parent.size}"
-        )
-    mine: ProcessGroup | None = None
-    groups: list[ProcessGroup | NonGroupMember] = []
-    for start in range(0, parent.size, group_size):
-        sub = await new_group(parent.ranks[start : start + group_size], timeout, backend)
-        groups.append(sub)
-        if isinstance(sub, ProcessGroup):
-            mine = sub
-    assert mine is not None  # this rank is in the parent group, so in one subgroup
-    return mine, groups
+    return ProcessGroup(world, members, gid, backend, backends, timeout)
 
 
 def _check_ranks(ranks: Sequence[int] | None, world_size: int) -> list[int]:
@@ -970,7 +1064,7 @@ def _check_ranks(ranks: Sequence[int] | None, world_size: int) -> list[int]:
         members = list(ranks)
     except TypeError:
         raise DistUsageError(
-            f"ranks must be a sequence of global ranks, got {type(ranks).__name__}"
+            f"new_group: ranks must be a sequence of global ranks, got {type(ranks).__name__}"
         ) from None
     if not members:
         raise DistUsageError("new_group: ranks must not be empty")

@@ -18,55 +18,85 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
-import contextvars
-import functools
+import inspect
 import logging
 import os
+import sys
 import threading
 import weakref
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterator
 from datetime import timedelta
 from types import TracebackType
 from typing import Any, Concatenate, Generic, ParamSpec, Self, TypeVar, overload
 
-from . import _api as _aio_api, group as _group, store as _aio
+from . import (
+    _api as _aio_api,
+    backends as _backends,
+    group as _group,
+    rendezvous as _rendezvous,
+    store as _aio,
+)
 from ._loop import loop_factory
-from ._ops import ReduceOp
+from ._ops import PremulSum, ReduceOp, make_premul_sum
+from ._recorder import DUMP_DIR_ENV
 from ._timeouts import Timeout, to_seconds
-from .errors import DistError, DistTimeoutError, DistUsageError
+from .errors import (
+    DistBackendError,
+    DistError,
+    DistNetworkError,
+    DistStoreError,
+    DistTimeoutError,
+    DistUsageError,
+    QueueEmptyError,
+)
 from .group import NON_GROUP_MEMBER, NonGroupMember, ProcessGroup
 from .rendezvous import get_node_local_rank
 
 __all__ = [
-    "NON_GROUP_MEMBER",
     "Backend",
+    "DebugLevel",
+    "DistBackendError",
+    "DistError",
+    "DistNetworkError",
+    "DistStoreError",
+    "DistTimeoutError",
+    "DistUsageError",
     "FileStore",
     "GroupMember",
     "HashStore",
+    "NON_GROUP_MEMBER",
     "P2POp",
     "PrefixStore",
+    "PremulSum",
     "ProcessGroup",
+    "QueueEmptyError",
     "ReduceOp",
     "Store",
     "TCPStore",
     "Work",
     "all_gather",
+    "all_gather_coalesced",
     "all_gather_into_tensor",
     "all_gather_object",
     "all_reduce",
+    "all_reduce_coalesced",
     "all_to_all",
     "all_to_all_single",
     "barrier",
     "batch_isend_irecv",
+    "breakpoint",
     "broadcast",
     "broadcast_object_list",
     "destroy_process_group",
     "gather",
     "gather_object",
     "get_backend",
+    "get_debug_level",
+    "get_default_backend_for_device",
     "get_global_rank",
     "get_group_rank",
     "get_node_local_rank",
+    "get_pg_count",
     "get_process_group_ranks",
     "get_rank",
     "get_world_size",
@@ -77,19 +107,32 @@ __all__ = [
     "is_backend_available",
     "is_gloo_available",
     "is_initialized",
+    "is_mpi_available",
     "is_nccl_available",
     "is_torchelastic_launched",
+    "is_ucc_available",
+    "is_xccl_available",
     "isend",
+    "make_premul_sum",
     "monitored_barrier",
     "new_group",
     "new_subgroups",
+    "new_subgroups_by_enumeration",
     "recv",
+    "recv_object_list",
     "reduce",
     "reduce_scatter",
     "reduce_scatter_tensor",
+    "register_rendezvous_handler",
+    "rendezvous",
     "scatter",
     "scatter_object_list",
     "send",
+    "send_object_list",
+    "set_debug_level",
+    "set_debug_level_from_env",
+    "split_group",
+    "supports_complex",
 ]
 
 logger = logging.getLogger(__name__)
@@ -461,11 +504,9 @@ class TCPStore(Store):
 
 
 # -- process groups ---------------------------------------------------------------------------
-# The async API keeps the default group in a ContextVar, so each asyncio task can belong to
-# its own world. A blocking script has one world per process: it is kept here and installed
-# into the context of every coroutine this module runs.
-_world: _group.World | None = None
-_world_lock = threading.Lock()
+# The default group is process-wide (see aiodist.group): the world initialised here is the
+# one every blocking call, and the async API on the loop thread, sees.
+_init_lock = threading.Lock()
 
 Group = ProcessGroup | NonGroupMember | None
 
@@ -473,92 +514,56 @@ Group = ProcessGroup | NonGroupMember | None
 _DEFAULT_PG_TIMEOUT = timedelta(minutes=30)
 
 
-def _enter_world(op: str) -> None:
-    if _world is None:
+def _abort_on_interrupt(op: str) -> None:
+    # The peers are part-way through the operation and this rank will not finish it: abort
+    # the group so they fail at once (with the reason) instead of waiting for its timeout.
+    # Recover with destroy_process_group() and init_process_group().
+    world = _group.peek_world()
+    if world is not None:
+        cause = DistError(f"rank {world.rank}: {op} interrupted by KeyboardInterrupt")
+        _loop_thread.loop().call_soon_threadsafe(world.abort, cause)
+
+
+def _on_loop(fn: Callable[..., T], *args: Any) -> T:
+    """Call ``fn(*args)`` on the loop thread and return its result (one hop, no task)."""
+    if threading.get_ident() == _loop_thread.ident:
         raise DistUsageError(
-            f"{op} needs the default process group: call aiodist.sync.init_process_group(...) first"
+            "a blocking aiodist.sync call was made on aiodist's event-loop thread, where it "
+            "would wait for itself forever; await the async API (import aiodist) there instead"
         )
-    _group.set_current_world(_world)
+    done: concurrent.futures.Future[T] = concurrent.futures.Future()
 
+    def call() -> None:
+        try:
+            done.set_result(fn(*args))
+        except BaseException as exc:
+            done.set_exception(exc)
 
-def _local(op: str, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
-    """Call a non-blocking function of the async API with this process's world installed."""
-
-    def call() -> T:
-        _enter_world(op)
-        return fn(*args, **kwargs)
-
-    return contextvars.copy_context().run(call)
-
-
-def _complete(op: str, fn: Callable[..., _group.Work[T]], *args: Any) -> T:
-    """Issue an operation on the loop and block until it is done; return its result."""
-
-    async def call() -> T:
-        _enter_world(op)
-        return await fn(*args)
-
-    try:
-        return _run(call())
-    except KeyboardInterrupt:
-        # The peers are part-way through the operation and this rank will not finish it:
-        # abort the group so they fail at once (with the reason) instead of waiting for its
-        # timeout. Recover with destroy_process_group() and init_process_group().
-        world = _world
-        if world is not None:
-            cause = DistError(f"rank {world.rank}: {op} interrupted by KeyboardInterrupt")
-            _loop_thread.loop().call_soon_threadsafe(world.abort, cause)
-        raise
-
-
-def _copy_outcome(target: concurrent.futures.Future[T], source: asyncio.Future[T]) -> None:
-    if source.cancelled():
-        target.set_exception(DistUsageError("the operation was cancelled"))
-    elif (exc := source.exception()) is not None:
-        target.set_exception(exc)
-    else:
-        target.set_result(source.result())
-
-
-def _start(op: str, fn: Callable[..., _group.Work[T]], *args: Any) -> Work[T]:
-    """Issue an operation on the loop and return its blocking :class:`Work` at once."""
-
-    async def start() -> tuple[_group.Work[T], asyncio.Task[T], concurrent.futures.Future[T]]:
-        _enter_world(op)
-        work = fn(*args)
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        future.set_running_or_notify_cancel()
-        task = asyncio.ensure_future(work.wait())
-        task.add_done_callback(functools.partial(_copy_outcome, future))
-        return work, task, future
-
-    return Work(*_run(start()))
-
-
-def _issue(
-    op: str, async_op: bool, fn: Callable[..., _group.Work[Any]], *args: Any
-) -> Work[Any] | None:
-    if async_op:
-        return _start(op, fn, *args)
-    _complete(op, fn, *args)
-    return None
+    _loop_thread.loop().call_soon_threadsafe(call)
+    return done.result()
 
 
 class Work(Generic[T]):
     """The blocking handle of an operation started with ``async_op=True`` (torch's ``Work``).
 
-    Thread-safe; every method may be called any number of times.
+    Thread-safe; every method may be called any number of times. Its state is the async
+    :class:`aiodist.Work`'s, read directly: ``is_completed()`` is true as soon as the
+    operation has finished.
     """
 
-    def __init__(
-        self,
-        work: _group.Work[T],
-        task: asyncio.Task[T],
-        future: concurrent.futures.Future[T],
-    ) -> None:
+    def __init__(self, work: _group.Work[T]) -> None:
         self._work = work
-        self._task = task  # keeps the task that feeds ``future`` alive
-        self._future = future
+        self._future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._future.set_running_or_notify_cancel()
+        # Runs on the loop thread (where the work was made), once the operation ends.
+        work.add_done_callback(self._settle)
+
+    def _settle(self, work: _group.Work[T]) -> None:
+        exc = work.exception()
+        if exc is not None:
+            self._future.set_exception(exc)
+        else:
+            self._future.set_result(work.result())
 
     def __repr__(self) -> str:
         return f"<Work (blocking) {self._work!r}>"
@@ -576,28 +581,24 @@ class Work(Generic[T]):
             KeyboardInterrupt: Ctrl-C; the operation itself keeps running.
         """
         if to_seconds(timeout) is None:
-            # No deadline of its own: block on the future the loop completes, without a
-            # round trip to the loop thread.
             self._future.result()
             return True
         # A deadline fails the operation when it passes: the async Work does that.
         _run(self._work.wait(timeout))
-        # The blocking future is completed by a callback of the same event; let it land.
-        concurrent.futures.wait([self._future])
         self._future.result()
         return True
 
     def is_completed(self) -> bool:
         """Return whether the operation has finished, successfully or not."""
-        return self._future.done()
+        return self._work.is_completed()
 
     def is_success(self) -> bool:
         """Return whether the operation has finished without an error."""
-        return self._future.done() and self._future.exception() is None
+        return self._work.is_success()
 
     def exception(self) -> BaseException | None:
         """Return the operation's error, or ``None`` if it succeeded or is still running."""
-        return self._future.exception() if self._future.done() else None
+        return self._work.exception()
 
     def result(self) -> T:
         """Return the result of a finished operation (the output array or list).
@@ -606,13 +607,62 @@ class Work(Generic[T]):
             DistUsageError: the operation has not finished yet.
             DistError: the operation failed.
         """
-        if not self._future.done():
-            raise DistUsageError(f"{self!r} has not completed yet; wait() for it first")
-        return self._future.result()
+        return self._work.result()
 
     def get_future(self) -> concurrent.futures.Future[T]:
         """Return a :class:`concurrent.futures.Future` resolved with the operation's result."""
         return self._future
+
+
+def _block(op: str, work: Work[T]) -> T:
+    try:
+        return work._future.result()
+    except KeyboardInterrupt:
+        _abort_on_interrupt(op)
+        raise
+
+
+def _twin(fn: Callable[..., _group.Work[Any]], mode: str) -> Callable[..., Any]:
+    """Make the blocking twin of async operation ``fn``, with torch's signature.
+
+    ``mode`` says what the twin returns: ``"async_op"`` (torch's collectives: ``None``, or a
+    :class:`Work` with ``async_op=True``, the parameter placed right after ``group`` as in
+    torch), ``"work"`` (``isend``/``irecv``: a :class:`Work` at once), ``"result"`` (the
+    operation's result once done: ``recv``'s sender) or ``"none"`` (blocks, returns ``None``).
+    """
+    name = fn.__name__
+    signature = inspect.signature(fn)
+    params = list(signature.parameters.values())
+    if mode == "async_op":
+        at = [p.name for p in params].index("group") + 1
+        params.insert(at, inspect.Parameter("async_op", _POSITIONAL, default=False))
+    signature = signature.replace(parameters=params, return_annotation=inspect.Signature.empty)
+
+    def twin(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        async_op = bound.arguments.pop("async_op", False)
+        work = Work(_on_loop(lambda: fn(*bound.args, **bound.kwargs)))
+        if mode == "work" or async_op:
+            return work
+        result = _block(name, work)
+        return result if mode == "result" else None
+
+    twin.__name__ = twin.__qualname__ = name
+    twin.__signature__ = signature  # type: ignore[attr-defined]
+    returns = {
+        "async_op": "``None``; with ``async_op=True`` a :class:`Work` at once.",
+        "work": "a :class:`Work` at once.",
+        "result": "the operation's result, once it is done.",
+        "none": "``None``, once the operation is done.",
+    }[mode]
+    twin.__doc__ = (
+        f"Blocking twin of :func:`aiodist.{name}` (torch's signature); returns {returns}\n\n"
+        + inspect.cleandoc(fn.__doc__ or "")
+    )
+    return twin
+
+
+_POSITIONAL = inspect.Parameter.POSITIONAL_OR_KEYWORD
 
 
 class Backend(str):
@@ -626,21 +676,12 @@ class Backend(str):
     CUDA = "cuda"
     GLOO = "gloo"
     NCCL = "nccl"
-    _NAMES = (CPU, CUDA, GLOO, NCCL)
 
     def __new__(cls, name: str) -> Self:
         if not isinstance(name, str):
             raise DistUsageError(f"backend must be a string, got {type(name).__name__}")
-        value = name.strip().lower()
-        # A name check, as torch's: whether this build can run it is is_backend_available's.
-        for part in value.split(","):
-            device, _, impl = part.strip().rpartition(":")
-            if impl not in cls._NAMES or device not in ("", "cpu", "cuda"):
-                raise DistUsageError(
-                    f"unknown backend {name!r}: expected 'cpu' (alias 'gloo'), 'cuda' (alias "
-                    "'nccl') or a per-device form such as 'cpu:gloo,cuda:nccl'"
-                )
-        return super().__new__(cls, value)
+        _backends.parse_backend(name)  # a name check, as torch's
+        return super().__new__(cls, name.strip().lower())
 
 
 def is_available() -> bool:
@@ -651,20 +692,35 @@ def is_available() -> bool:
 def is_backend_available(backend: str) -> bool:
     """Return whether ``init_process_group(backend)`` can work in this build."""
     try:
-        _group.parse_backend(backend)
+        _, devices = _backends.parse_backend(backend)
     except DistUsageError:
         return False
-    return True
+    return all(_backends.is_backend_available(name) for name in devices.values())
 
 
 def is_gloo_available() -> bool:
     """Return ``True``: ``"gloo"`` names the CPU backend."""
-    return is_backend_available("gloo")
+    return True
 
 
 def is_nccl_available() -> bool:
-    """Return whether the CUDA backend (``"nccl"``) is available in this build."""
-    return is_backend_available("nccl")
+    """Return whether the CUDA backend (``"nccl"``) can run here (cupy is installed)."""
+    return _backends.is_backend_available("cuda")
+
+
+def is_mpi_available() -> bool:
+    """Return ``False``: aiodist has no MPI backend (it runs under MPI launchers, though)."""
+    return False
+
+
+def is_ucc_available() -> bool:
+    """Return ``False``: aiodist has no UCC backend."""
+    return False
+
+
+def is_xccl_available() -> bool:
+    """Return ``False``: aiodist has no XCCL backend."""
+    return False
 
 
 def is_torchelastic_launched() -> bool:
@@ -672,11 +728,17 @@ def is_torchelastic_launched() -> bool:
     return os.environ.get("TORCHELASTIC_RUN_ID") is not None
 
 
-class GroupMember:
+class _GroupMemberMeta(type):
+    @property
+    def WORLD(cls) -> ProcessGroup | None:
+        """The default group once initialised, else ``None``."""
+        world = _group.peek_world()
+        return None if world is None else world.default_group
+
+
+class GroupMember(metaclass=_GroupMemberMeta):
     """torch's group constants: ``WORLD`` (the default group) and ``NON_GROUP_MEMBER``."""
 
-    #: Passing ``group=GroupMember.WORLD`` (``None``) means the default group.
-    WORLD: ProcessGroup | None = None
     NON_GROUP_MEMBER = NON_GROUP_MEMBER
 
 
@@ -701,8 +763,8 @@ def init_process_group(
 
     ``init_method`` and ``store`` are exclusive; with neither, ``init_method="env://"``; with
     ``store``, ``rank`` and ``world_size`` are required. ``backend``: ``"cpu"``/``"gloo"``,
-    ``"cpu:gloo,cuda:nccl"`` or ``None``. ``pg_options`` and ``device_id`` are accepted for
-    torch compatibility and ignored.
+    ``"cuda"``/``"nccl"``, ``"cpu:gloo,cuda:nccl"`` or ``None``. ``pg_options`` and
+    ``device_id`` are accepted for torch compatibility and ignored.
 
     Args:
         backend: the backend name.
@@ -723,27 +785,27 @@ def init_process_group(
         DistTimeoutError: the other ranks did not arrive in time.
         DistNetworkError: the store or a peer could not be reached.
     """
-    global _world
     if store is not None and not isinstance(store, Store):
         raise DistUsageError(
             "init_process_group: store must be a blocking aiodist.sync store (TCPStore, "
             f"FileStore, HashStore, PrefixStore), got {type(store).__name__}"
         )
-
-    async def init() -> _group.World:
-        await _aio_api.init_process_group(
-            backend, init_method, timeout, world_size, rank,
-            None if store is None else store.async_store, group_name,
-            auth_token=auth_token,
-        )  # fmt: skip
-        world = _group.peek_world()
-        assert world is not None
-        return world
-
-    with _world_lock:
-        if _world is not None:
+    with _init_lock:
+        if _group.peek_world() is not None:
             raise DistUsageError("trying to initialize the default process group twice!")
-        _world = _run(init())
+        _run(
+            _aio_api.init_process_group(
+                backend, init_method, timeout, world_size, rank,
+                None if store is None else store.async_store, group_name,
+                auth_token=auth_token,
+            )
+        )  # fmt: skip
+    if os.environ.get(DUMP_DIR_ENV):
+        # The handler must be installed from the main thread, not the loop's; it dumps
+        # there while the main thread waits for a blocking call.
+        from .debug import install_signal_handler
+
+        install_signal_handler()
 
 
 def destroy_process_group(group: Group = None) -> None:
@@ -756,400 +818,107 @@ def destroy_process_group(group: Group = None) -> None:
     Raises:
         DistUsageError: not initialized, or ``group`` is not a process group of this world.
     """
-    global _world
-    with _world_lock:
-        world = _world
-
-        async def destroy() -> None:
-            _enter_world("destroy_process_group")
-            await _aio_api.destroy_process_group(group)
-
-        _run(destroy())
-        if world is not None and (group is None or group is world.default_group):
-            _world = None
-            if not any(not s._closed for s in list(_live_stores)):
-                _loop_thread.stop()
+    with _init_lock:
+        world = _group.peek_world()
+        _run(_aio_api.destroy_process_group(group))
+        ended = world is not None and (group is None or group is world.default_group)
+        if ended and not any(not s._closed for s in list(_live_stores)):
+            _loop_thread.stop()
 
 
 def is_initialized() -> bool:
     """Return whether this process has a default process group."""
-    return _world is not None
+    return _group.peek_world() is not None
 
 
-def get_rank(group: Group = None) -> int:
-    """Return this rank in ``group`` (default: the global rank); ``-1`` for a non-member.
-
-    Raises:
-        DistUsageError: not initialized.
-    """
-    return _local("get_rank", _aio_api.get_rank, group)
-
-
-def get_world_size(group: Group = None) -> int:
-    """Return the number of ranks in ``group``; ``-1`` for a non-member.
-
-    Raises:
-        DistUsageError: not initialized.
-    """
-    return _local("get_world_size", _aio_api.get_world_size, group)
+# Introspection reads the world's state, which only the loop thread changes.
+get_rank = _aio_api.get_rank
+get_world_size = _aio_api.get_world_size
+get_backend = _aio_api.get_backend
+get_process_group_ranks = _aio_api.get_process_group_ranks
+get_group_rank = _aio_api.get_group_rank
+get_global_rank = _aio_api.get_global_rank
+get_pg_count = _aio_api.get_pg_count
+get_default_backend_for_device = _aio_api.get_default_backend_for_device
+supports_complex = _aio_api.supports_complex
+DebugLevel = _aio_api.DebugLevel
+get_debug_level = _aio_api.get_debug_level
+set_debug_level = _aio_api.set_debug_level
+register_rendezvous_handler = _rendezvous.register_rendezvous_handler
 
 
-def get_backend(group: Group = None) -> str:
-    """Return the backend of ``group``.
+def set_debug_level_from_env() -> None:
+    """Set the debug level from ``TORCH_DISTRIBUTED_DEBUG`` (``OFF``, ``INFO``, ``DETAIL``).
 
     Raises:
-        DistUsageError: not initialized.
+        DistUsageError: the variable holds an unknown level.
     """
-    return _local("get_backend", _aio_api.get_backend, group)
+    set_debug_level(os.environ.get("TORCH_DISTRIBUTED_DEBUG", "OFF"))
 
 
-def get_process_group_ranks(group: Group = None) -> list[int]:
-    """Return the global ranks of ``group`` in group-rank order.
+def rendezvous(
+    url: str, rank: int = -1, world_size: int = -1, **kwargs: Any
+) -> Iterator[tuple[Store, int, int]]:
+    """Rendezvous through ``url``; yield ``(blocking store, rank, world_size)`` once, as torch.
 
     Raises:
-        DistUsageError: not initialized.
+        DistUsageError: a malformed URL or missing parameters (named).
+        DistTimeoutError: the other ranks did not arrive in time.
     """
-    return _local("get_process_group_ranks", _aio_api.get_process_group_ranks, group)
+    store, r, n = _run(_rendezvous.rendezvous(url, rank, world_size, **kwargs))
+    yield Store(store), r, n
 
 
-def get_group_rank(group: Group, global_rank: int) -> int:
-    """Return the group rank of ``global_rank`` in ``group``.
+def _sync_group_call(fn: Callable[..., Coroutine[Any, Any, T]]) -> Callable[..., T]:
+    """The blocking twin of a coroutine function that makes groups; torch's extra
+    arguments (``pg_options``, ``use_local_synchronization``, ``group_desc``) are ignored."""
 
-    Raises:
-        DistUsageError: ``global_rank`` is not in the group.
-    """
-    return _local("get_group_rank", _aio_api.get_group_rank, group, global_rank)
+    def twin(*args: Any, **kwargs: Any) -> T:
+        for extra in ("pg_options", "use_local_synchronization", "group_desc"):
+            kwargs.pop(extra, None)
+        result: T = _run(fn(*args, **kwargs))
+        return result
 
-
-def get_global_rank(group: Group, group_rank: int) -> int:
-    """Return the global rank of ``group_rank`` in ``group``.
-
-    Raises:
-        DistUsageError: ``group_rank`` is out of range.
-    """
-    return _local("get_global_rank", _aio_api.get_global_rank, group, group_rank)
-
-
-def new_group(
-    ranks: Sequence[int] | None = None,
-    timeout: Timeout = None,
-    backend: str | None = None,
-    pg_options: object = None,
-    use_local_synchronization: bool = False,
-    group_desc: str | None = None,
-) -> ProcessGroup | NonGroupMember:
-    """Create a group of ``ranks``; every rank of the world must call it the same way.
-
-    Returns :data:`NON_GROUP_MEMBER` on ranks outside the group. ``pg_options``,
-    ``use_local_synchronization`` and ``group_desc`` are accepted and ignored.
-
-    Raises:
-        DistUsageError: not initialized, or bad ranks.
-    """
-
-    async def create() -> ProcessGroup | NonGroupMember:
-        _enter_world("new_group")
-        return await _aio_api.new_group(ranks, timeout, backend)
-
-    return _run(create())
-
-
-def new_subgroups(
-    group_size: int | None = None,
-    group: ProcessGroup | None = None,
-    timeout: Timeout = None,
-    backend: str | None = None,
-    pg_options: object = None,
-    group_desc: str | None = None,
-) -> tuple[ProcessGroup, list[ProcessGroup | NonGroupMember]]:
-    """Split ``group`` into subgroups of ``group_size`` ranks; return (mine, all).
-
-    Raises:
-        DistUsageError: not initialized, or a size that does not divide the group.
-    """
-
-    async def create() -> tuple[ProcessGroup, list[ProcessGroup | NonGroupMember]]:
-        _enter_world("new_subgroups")
-        return await _aio_api.new_subgroups(group_size, group, timeout, backend)
-
-    return _run(create())
-
-
-# -- collectives: torch's signatures; ``async_op=True`` returns a Work, else None ----------
-def all_reduce(
-    tensor: Any, op: ReduceOp | int = ReduceOp.SUM, group: Group = None, async_op: bool = False
-) -> Work[Any] | None:
-    """Reduce ``tensor`` across the group, in place on every rank.
-
-    Raises:
-        DistUsageError: bad array, op or group (at once, or from the work).
-        DistNetworkError: a peer failed. DistTimeoutError: the group timeout passed.
-    """
-    return _issue("all_reduce", async_op, _aio_api.all_reduce, tensor, op, group)
-
-
-def broadcast(
-    tensor: Any,
-    src: int | None = None,
-    group: Group = None,
-    async_op: bool = False,
-    group_src: int | None = None,
-) -> Work[Any] | None:
-    """Copy ``tensor`` of ``src`` into ``tensor`` of every rank.
-
-    Raises:
-        DistUsageError: bad array or source. DistNetworkError, DistTimeoutError: as all_reduce.
-    """
-    return _issue("broadcast", async_op, _aio_api.broadcast, tensor, src, group, group_src)
-
-
-def reduce(
-    tensor: Any,
-    dst: int | None = None,
-    op: ReduceOp | int = ReduceOp.SUM,
-    group: Group = None,
-    async_op: bool = False,
-    group_dst: int | None = None,
-) -> Work[Any] | None:
-    """Reduce ``tensor`` of every rank into ``tensor`` of ``dst``.
-
-    Raises:
-        DistUsageError: bad array, op or destination. DistNetworkError, DistTimeoutError.
-    """
-    return _issue("reduce", async_op, _aio_api.reduce, tensor, dst, op, group, group_dst)
-
-
-def all_gather(
-    tensor_list: list[Any], tensor: Any, group: Group = None, async_op: bool = False
-) -> Work[Any] | None:
-    """Gather ``tensor`` of every rank into ``tensor_list`` on every rank.
-
-    Raises:
-        DistUsageError: bad arrays or list length. DistNetworkError, DistTimeoutError.
-    """
-    return _issue("all_gather", async_op, _aio_api.all_gather, tensor_list, tensor, group)
-
-
-def all_gather_into_tensor(
-    output_tensor: Any, input_tensor: Any, group: Group = None, async_op: bool = False
-) -> Work[Any] | None:
-    """Gather ``input_tensor`` of every rank into ``output_tensor`` (concatenated).
-
-    Raises:
-        DistUsageError: bad arrays or sizes. DistNetworkError, DistTimeoutError.
-    """
-    return _issue(
-        "all_gather_into_tensor", async_op, _aio_api.all_gather_into_tensor,
-        output_tensor, input_tensor, group,
-    )  # fmt: skip
-
-
-def gather(
-    tensor: Any,
-    gather_list: list[Any] | None = None,
-    dst: int | None = None,
-    group: Group = None,
-    async_op: bool = False,
-    group_dst: int | None = None,
-) -> Work[Any] | None:
-    """Gather ``tensor`` of every rank into ``gather_list`` on ``dst``.
-
-    Raises:
-        DistUsageError: bad arrays, list or destination. DistNetworkError, DistTimeoutError.
-    """
-    return _issue("gather", async_op, _aio_api.gather, tensor, gather_list, dst, group, group_dst)
-
-
-def scatter(
-    tensor: Any,
-    scatter_list: list[Any] | None = None,
-    src: int | None = None,
-    group: Group = None,
-    async_op: bool = False,
-    group_src: int | None = None,
-) -> Work[Any] | None:
-    """Send ``scatter_list[i]`` of ``src`` into ``tensor`` of rank ``i``.
-
-    Raises:
-        DistUsageError: bad arrays, list or source. DistNetworkError, DistTimeoutError.
-    """
-    return _issue(
-        "scatter", async_op, _aio_api.scatter, tensor, scatter_list, src, group, group_src
+    twin.__name__ = twin.__qualname__ = fn.__name__
+    twin.__doc__ = f"Blocking twin of :func:`aiodist.{fn.__name__}`.\n\n" + inspect.cleandoc(
+        fn.__doc__ or ""
     )
+    return twin
 
 
-def reduce_scatter(
-    output: Any,
-    input_list: list[Any],
-    op: ReduceOp | int = ReduceOp.SUM,
-    group: Group = None,
-    async_op: bool = False,
-) -> Work[Any] | None:
-    """Reduce ``input_list[i]`` across ranks into ``output`` of rank ``i``.
+new_group = _sync_group_call(_aio_api.new_group)
+new_subgroups = _sync_group_call(_aio_api.new_subgroups)
+new_subgroups_by_enumeration = _sync_group_call(_aio_api.new_subgroups_by_enumeration)
+split_group = _sync_group_call(_aio_api.split_group)
 
-    Raises:
-        DistUsageError: bad arrays or op. DistNetworkError, DistTimeoutError.
-    """
-    return _issue(
-        "reduce_scatter", async_op, _aio_api.reduce_scatter, output, input_list, op, group
-    )
-
-
-def reduce_scatter_tensor(
-    output: Any,
-    input: Any,
-    op: ReduceOp | int = ReduceOp.SUM,
-    group: Group = None,
-    async_op: bool = False,
-) -> Work[Any] | None:
-    """Reduce ``input`` across ranks; rank ``i`` gets slice ``i`` of the result in ``output``.
-
-    Raises:
-        DistUsageError: bad arrays, sizes or op. DistNetworkError, DistTimeoutError.
-    """
-    return _issue(
-        "reduce_scatter_tensor", async_op, _aio_api.reduce_scatter_tensor,
-        output, input, op, group,
-    )  # fmt: skip
-
-
-def all_to_all(
-    output_tensor_list: list[Any],
-    input_tensor_list: list[Any],
-    group: Group = None,
-    async_op: bool = False,
-) -> Work[Any] | None:
-    """Send ``input_tensor_list[i]`` to rank ``i``; receive into ``output_tensor_list``.
-
-    Raises:
-        DistUsageError: bad arrays or list lengths. DistNetworkError, DistTimeoutError.
-    """
-    return _issue(
-        "all_to_all", async_op, _aio_api.all_to_all, output_tensor_list, input_tensor_list, group
-    )
-
-
-def all_to_all_single(
-    output: Any,
-    input: Any,
-    output_split_sizes: Sequence[int] | None = None,
-    input_split_sizes: Sequence[int] | None = None,
-    group: Group = None,
-    async_op: bool = False,
-) -> Work[Any] | None:
-    """Split ``input`` along dimension 0 among the ranks; concatenate what arrives in ``output``.
-
-    Raises:
-        DistUsageError: split sizes that do not add up, bad arrays. DistNetworkError,
-            DistTimeoutError.
-    """
-    return _issue(
-        "all_to_all_single", async_op, _aio_api.all_to_all_single,
-        output, input, output_split_sizes, input_split_sizes, group,
-    )  # fmt: skip
-
-
-def barrier(
-    group: Group = None,
-    async_op: bool = False,
-    device_ids: Sequence[int] | None = None,
-    timeout: Timeout = None,
-) -> Work[None] | None:
-    """Wait until every rank of ``group`` has entered the barrier.
-
-    Args:
-        group: the group (default: the world).
-        async_op: return a :class:`Work` instead of waiting.
-        device_ids: ignored (torch compatibility).
-        timeout: with ``async_op=False``, give up after this long (``DistTimeoutError``,
-            which aborts the group, as in torch).
-
-    Raises:
-        DistTimeoutError: ``timeout`` or the group timeout passed. DistNetworkError.
-    """
-    if async_op:
-        return _start("barrier", _aio_api.barrier, group, device_ids)
-
-    async def call() -> None:
-        _enter_world("barrier")
-        await _aio_api.barrier(group, device_ids).wait(timeout)
-
-    _run(call())
-    return None
-
-
-def monitored_barrier(
-    group: Group = None, timeout: Timeout = None, wait_all_ranks: bool = False
-) -> None:
-    """A barrier that names the ranks which did not arrive within ``timeout``.
-
-    Raises:
-        DistTimeoutError: ranks missing at the deadline (named in the message).
-    """
-    _complete("monitored_barrier", _aio_api.monitored_barrier, group, timeout, wait_all_ranks)
-
-
-# -- point to point -------------------------------------------------------------------------
-def isend(
-    tensor: Any,
-    dst: int | None = None,
-    group: Group = None,
-    tag: int = 0,
-    group_dst: int | None = None,
-) -> Work[None]:
-    """Start sending ``tensor`` to ``dst``; return its :class:`Work`.
-
-    Raises:
-        DistUsageError: no or invalid destination, bad tag.
-    """
-    return _start("isend", _aio_api.isend, tensor, dst, group, tag, group_dst)
-
-
-def irecv(
-    tensor: Any,
-    src: int | None = None,
-    group: Group = None,
-    tag: int = 0,
-    group_src: int | None = None,
-) -> Work[int]:
-    """Start receiving into ``tensor`` from ``src`` (``None``: any); the result is the sender.
-
-    Raises:
-        DistUsageError: invalid source, bad tag, read-only array.
-    """
-    return _start("irecv", _aio_api.irecv, tensor, src, group, tag, group_src)
-
-
-def send(
-    tensor: Any,
-    dst: int | None = None,
-    group: Group = None,
-    tag: int = 0,
-    group_dst: int | None = None,
-) -> None:
-    """Send ``tensor`` to ``dst`` and block until the transport no longer needs it.
-
-    Raises:
-        DistUsageError: no or invalid destination, bad tag. DistNetworkError,
-            DistTimeoutError.
-    """
-    _complete("send", _aio_api.isend, tensor, dst, group, tag, group_dst)
-
-
-def recv(
-    tensor: Any,
-    src: int | None = None,
-    group: Group = None,
-    tag: int = 0,
-    group_src: int | None = None,
-) -> int:
-    """Receive into ``tensor`` from ``src`` (``None``: any rank); return the sender's rank.
-
-    Raises:
-        DistUsageError: invalid source, bad tag, read-only array, size mismatch.
-        DistNetworkError, DistTimeoutError.
-    """
-    return _complete("recv", _aio_api.irecv, tensor, src, group, tag, group_src)
+# -- collectives and point to point: torch's signatures -----------------------------------
+all_reduce = _twin(_aio_api.all_reduce, "async_op")
+all_reduce_coalesced = _twin(_aio_api.all_reduce_coalesced, "async_op")
+broadcast = _twin(_aio_api.broadcast, "async_op")
+reduce = _twin(_aio_api.reduce, "async_op")
+all_gather = _twin(_aio_api.all_gather, "async_op")
+all_gather_coalesced = _twin(_aio_api.all_gather_coalesced, "async_op")
+all_gather_into_tensor = _twin(_aio_api.all_gather_into_tensor, "async_op")
+gather = _twin(_aio_api.gather, "async_op")
+scatter = _twin(_aio_api.scatter, "async_op")
+reduce_scatter = _twin(_aio_api.reduce_scatter, "async_op")
+reduce_scatter_tensor = _twin(_aio_api.reduce_scatter_tensor, "async_op")
+all_to_all = _twin(_aio_api.all_to_all, "async_op")
+all_to_all_single = _twin(_aio_api.all_to_all_single, "async_op")
+barrier = _twin(_aio_api.barrier, "async_op")
+monitored_barrier = _twin(_aio_api.monitored_barrier, "none")
+isend = _twin(_aio_api.isend, "work")
+irecv = _twin(_aio_api.irecv, "work")
+send = _twin(_aio_api.isend, "none")
+send.__name__ = send.__qualname__ = "send"
+recv = _twin(_aio_api.irecv, "result")
+recv.__name__ = recv.__qualname__ = "recv"
+broadcast_object_list = _twin(_aio_api.broadcast_object_list, "none")
+all_gather_object = _twin(_aio_api.all_gather_object, "none")
+gather_object = _twin(_aio_api.gather_object, "none")
+scatter_object_list = _twin(_aio_api.scatter_object_list, "none")
+send_object_list = _twin(_aio_api.send_object_list, "none")
+recv_object_list = _twin(_aio_api.recv_object_list, "result")
 
 
 class P2POp:
@@ -1176,7 +945,7 @@ class P2POp:
         tag: int = 0,
         group_peer: int | None = None,
     ) -> None:
-        if op not in _P2P_ASYNC_OPS:
+        if op not in (isend, send, irecv, recv):
             raise DistUsageError(
                 f"P2POp: op must be aiodist.sync.isend or aiodist.sync.irecv, got {op!r}"
             )
@@ -1189,109 +958,57 @@ class P2POp:
 
     def __repr__(self) -> str:
         peer = f"group_peer={self.group_peer}" if self.peer is None else f"peer={self.peer}"
-        return f"<P2POp {getattr(self.op, '__name__', self.op)} {peer} tag={self.tag}>"
-
-    def _to_async(self) -> _aio_api.P2POp:
-        return _aio_api.P2POp(
-            _P2P_ASYNC_OPS[self.op], self.tensor, self.peer, self.group, self.tag,
-            self.group_peer,
-        )  # fmt: skip
-
-
-#: The async operation behind each blocking point-to-point function a P2POp may name.
-_P2P_ASYNC_OPS: dict[Callable[..., Any], Callable[..., _group.Work[Any]]] = {
-    isend: _aio_api.isend,
-    send: _aio_api.isend,
-    irecv: _aio_api.irecv,
-    recv: _aio_api.irecv,
-}
+        return f"<P2POp {self.op.__name__} {peer} tag={self.tag}>"
 
 
 def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work[Any]]:
     """Start every send and receive of ``p2p_op_list``; return their works in order.
 
+    Every entry is checked before any starts (see :func:`aiodist.batch_isend_irecv`).
+
     Raises:
-        DistUsageError: an empty list, an entry that is not a :class:`P2POp`, or ops on
-            different groups.
+        DistUsageError: an empty list, an entry that is not a :class:`P2POp`, ops on
+            different groups, or an entry that failed its checks.
     """
     if not isinstance(p2p_op_list, list | tuple) or not p2p_op_list:
         raise DistUsageError("batch_isend_irecv: p2p_op_list must be a non-empty list of P2POp")
     for p in p2p_op_list:
         if not isinstance(p, P2POp):
             raise DistUsageError(f"batch_isend_irecv: expected P2POp entries, got {p!r}")
-    ops = [p._to_async() for p in p2p_op_list]
+    ops = [
+        _aio_api.P2POp(
+            _aio_api.isend if p.op in (isend, send) else _aio_api.irecv,
+            p.tensor,
+            p.peer,
+            p.group,
+            p.tag,
+            p.group_peer,
+        )
+        for p in p2p_op_list
+    ]
+    return [Work(w) for w in _on_loop(_aio_api.batch_isend_irecv, ops)]
 
-    async def start() -> list[_group.Work[Any]]:
-        _enter_world("batch_isend_irecv")
-        return _aio_api.batch_isend_irecv(ops)
 
-    works = _run(start())
-    return [_start("batch_isend_irecv", lambda w=w: w) for w in works]
+def breakpoint(rank: int = 0, skip: int = 0) -> None:
+    """Stop rank ``rank`` in the debugger; the other ranks wait for it in a barrier.
 
-
-# -- object collectives (blocking, as in torch) --------------------------------------------
-def broadcast_object_list(
-    object_list: list[Any],
-    src: int | None = None,
-    group: Group = None,
-    device: object = None,
-    group_src: int | None = None,
-) -> None:
-    """Broadcast the picklable objects of ``object_list`` from ``src``, in place elsewhere.
-
-    Unpickling runs code chosen by the sender: use only between trusted ranks.
+    ``skip`` is accepted for torch compatibility: the first ``skip`` calls are ignored.
 
     Raises:
-        DistUsageError: not a non-empty list, or an object that cannot be pickled.
+        DistUsageError: not initialized.
     """
-    _complete(
-        "broadcast_object_list", _aio_api.broadcast_object_list,
-        object_list, src, group, device, group_src,
-    )  # fmt: skip
+    global _breakpoints
+    _breakpoints += 1
+    if _breakpoints <= skip:
+        return
+    if get_rank() == rank:
+        import pdb
+
+        pdb.Pdb().set_trace(sys._getframe(1))
+    barrier()
 
 
-def all_gather_object(object_list: list[Any], obj: Any, group: Group = None) -> None:
-    """Gather the picklable ``obj`` of every rank into ``object_list``.
-
-    Raises:
-        DistUsageError: the list length is not the group size, or ``obj`` cannot be pickled.
-    """
-    _complete("all_gather_object", _aio_api.all_gather_object, object_list, obj, group)
-
-
-def gather_object(
-    obj: Any,
-    object_gather_list: list[Any] | None = None,
-    dst: int | None = None,
-    group: Group = None,
-    group_dst: int | None = None,
-) -> None:
-    """Gather the picklable ``obj`` of every rank into ``object_gather_list`` on ``dst``.
-
-    Raises:
-        DistUsageError: a bad list, or ``obj`` cannot be pickled.
-    """
-    _complete(
-        "gather_object", _aio_api.gather_object, obj, object_gather_list, dst, group, group_dst
-    )
-
-
-def scatter_object_list(
-    scatter_object_output_list: list[Any],
-    scatter_object_input_list: list[Any] | None = None,
-    src: int | None = None,
-    group: Group = None,
-    group_src: int | None = None,
-) -> None:
-    """Send ``scatter_object_input_list[i]`` of ``src`` into slot 0 of rank ``i``'s list.
-
-    Raises:
-        DistUsageError: bad lists, or an object that cannot be pickled.
-    """
-    _complete(
-        "scatter_object_list", _aio_api.scatter_object_list,
-        scatter_object_output_list, scatter_object_input_list, src, group, group_src,
-    )  # fmt: skip
+_breakpoints = 0
 
 
 def _close_all_at_exit() -> None:

@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import importlib.util
+
 import pytest
 
 import aiodist
-from aiodist.group import parse_backend
+from aiodist.backends import parse_backend
 from aiodist.testing import run_world
 
 pytestmark = pytest.mark.both_loops
@@ -81,11 +83,16 @@ async def test_init_twice_and_destroy() -> None:
 
 
 def test_parse_backend() -> None:
-    assert parse_backend(None) == "cpu"
-    assert parse_backend("GLOO") == "cpu"
-    assert parse_backend("cpu:gloo,cuda:nccl") == "cpu"
-    with pytest.raises(aiodist.DistUsageError, match="CUDA backend is not available in this build"):
-        parse_backend("cuda")
+    cuda = importlib.util.find_spec("cupy") is not None
+    assert parse_backend(None) == (
+        ("cpu:cpu,cuda:cuda", {"cpu": "cpu", "cuda": "cuda"}) if cuda else ("cpu", {"cpu": "cpu"})
+    )
+    assert parse_backend("GLOO") == ("cpu", {"cpu": "cpu"})
+    assert parse_backend("nccl") == ("cuda", {"cuda": "cuda"})
+    assert parse_backend("cpu:gloo,cuda:nccl") == (
+        "cpu:cpu,cuda:cuda",
+        {"cpu": "cpu", "cuda": "cuda"},
+    )
     with pytest.raises(aiodist.DistUsageError, match="unknown backend 'mpi'"):
         parse_backend("mpi")
     with pytest.raises(aiodist.DistUsageError, match="cannot serve 'cuda' arrays"):

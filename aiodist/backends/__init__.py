@@ -1,0 +1,253 @@
+"""Backends: per device kind, a table of operations, and the dispatch of each call to one.
+
+A :class:`Backend` maps each operation name to its *validate function*,
+``validate(group, *args) -> Plan``: it checks the arguments as only this rank can, and
+returns the :class:`~aiodist.group.Plan` to run (the algorithm, its checked arguments and the
+call's fingerprint). A process group holds the name of the backend serving each device kind
+(``{"cpu": "cpu"}`` for ``backend="gloo"``); :func:`plan` finds where a call's arrays live and
+hands the call to that backend. A backend plugs in with :func:`register_backend` (or is built
+in: ``"cpu"``, and ``"cuda"`` loaded on first use), without touching the public API.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..errors import DistUsageError
+
+if TYPE_CHECKING:
+    from ..group import Plan, ProcessGroup
+
+__all__ = [
+    "Backend",
+    "device_of",
+    "is_backend_available",
+    "load",
+    "parse_backend",
+    "plan",
+    "register_backend",
+]
+
+logger = logging.getLogger(__name__)
+
+#: ``validate(group, *args) -> Plan``.
+Validate = Callable[..., "Plan"]
+
+# DLPack device types (dlpack.h, DLDeviceType): host memory, and CUDA device memory.
+_DL_HOST = frozenset({1, 3, 13})  # CPU, CUDA pinned host, CUDA managed
+_DL_CUDA = 2
+
+
+class Backend:
+    """A table of operations for one kind of device.
+
+    Args:
+        name: the backend's name (``"cpu"``).
+        device: the device kind whose arrays it takes (``"cpu"``, ``"cuda"``).
+        ops: operation name -> validate function.
+    """
+
+    def __init__(self, name: str, device: str, ops: Mapping[str, Validate] | None = None) -> None:
+        self.name = name
+        self.device = device
+        self.ops: dict[str, Validate] = dict(ops or {})
+
+    def __repr__(self) -> str:
+        return f"<Backend {self.name} device={self.device} ops={len(self.ops)}>"
+
+    def op(self, name: str) -> Callable[[Validate], Validate]:
+        """Decorator: register the decorated function as the validate function of ``name``."""
+
+        def register(fn: Validate) -> Validate:
+            self.ops[name] = fn
+            return fn
+
+        return register
+
+
+# name -> module path that defines BACKEND, or the backend itself once loaded.
+_BUILTIN = {"cpu": "aiodist.backends.cpu", "cuda": "aiodist.backends.cuda"}
+_ALIASES = {"gloo": "cpu", "nccl": "cuda"}
+_registry: dict[str, Backend | str] = dict(_BUILTIN)
+
+
+def register_backend(name: str, backend: Backend) -> None:
+    """Make ``backend`` available as ``init_process_group(backend=name)``.
+
+    ``name`` may also appear in the per-device form: ``"cpu:<name>"``.
+
+    Raises:
+        DistUsageError: ``name`` is empty, contains ``:`` or ``,``, or is taken.
+    """
+    if not isinstance(name, str) or not name or ":" in name or "," in name:
+        raise DistUsageError(f"a backend name must be a non-empty word, got {name!r}")
+    key = name.lower()
+    if key in _registry or key in _ALIASES:
+        raise DistUsageError(f"backend {name!r} is registered already")
+    _registry[key] = backend
+
+
+def load(name: str) -> Backend:
+    """Return the backend registered as ``name``, importing a built-in one on first use.
+
+    Raises:
+        DistUsageError: no such backend, or it cannot be used on this machine (the message
+            says what to install).
+    """
+    entry = _registry.get(name)
+    if entry is None:
+        raise DistUsageError(f"unknown backend {name!r}")
+    if isinstance(entry, Backend):
+        return entry
+    try:
+        backend: Backend = importlib.import_module(entry).BACKEND
+    except ImportError as exc:
+        hint = " (pip install 'aiodist[cuda13]' or 'aiodist[cuda12]')" if name == "cuda" else ""
+        raise DistUsageError(f"the {name!r} backend cannot be loaded: {exc}{hint}") from exc
+    _registry[name] = backend
+    return backend
+
+
+def is_backend_available(name: str) -> bool:
+    """Return whether backend ``name`` (or alias) can run here, without importing it."""
+    key = _ALIASES.get(name, name)
+    entry = _registry.get(key)
+    if entry is None:
+        return False
+    if key == "cuda" and not isinstance(entry, Backend):
+        return importlib.util.find_spec("cupy") is not None
+    return True
+
+
+def parse_backend(spec: str | None) -> tuple[str, dict[str, str]]:
+    """Return the canonical name of ``spec`` and the backend serving each device kind.
+
+    ``None`` means every built-in backend available here (the CUDA one only with cupy
+    installed); ``"cpu"``/``"gloo"``, ``"cuda"``/``"nccl"``, a registered name, or torch's
+    per-device form ``"cpu:gloo,cuda:nccl"``.
+
+    Raises:
+        DistUsageError: an unknown backend, or a backend named for the wrong device.
+    """
+    if spec is None:
+        devices = {"cpu": "cpu"}
+        if is_backend_available("cuda"):
+            devices["cuda"] = "cuda"
+        return _name(devices), devices
+    if not isinstance(spec, str):
+        raise DistUsageError(f"backend must be a string or None, got {type(spec).__name__}")
+    text = spec.strip().lower()
+    devices = {}
+    for part in (p.strip() for p in text.split(",")):
+        device, _, impl = part.rpartition(":")
+        name = _ALIASES.get(impl, impl)
+        if name not in _registry:
+            raise DistUsageError(
+                f"unknown backend {spec!r}: expected 'cpu' (alias 'gloo'), 'cuda' (alias "
+                "'nccl'), a registered backend, or a per-device form such as "
+                "'cpu:gloo,cuda:nccl'"
+            )
+        kind = _device_of_backend(name)
+        if device and device != kind:
+            raise DistUsageError(f"backend {spec!r}: {impl!r} cannot serve {device!r} arrays")
+        devices[kind] = name
+    return _name(devices), devices
+
+
+def _device_of_backend(name: str) -> str:
+    if name in _BUILTIN:
+        return name
+    return load(name).device
+
+
+def _name(devices: Mapping[str, str]) -> str:
+    if len(devices) == 1:
+        return next(iter(devices.values()))
+    return ",".join(f"{d}:{n}" for d, n in devices.items())
+
+
+def device_of(op: str, args: Sequence[Any]) -> str | None:
+    """Return where the arrays among ``args`` live (``"cpu"`` or ``"cuda"``); ``None`` if none.
+
+    numpy arrays are host memory; an object with ``__cuda_array_interface__`` (cupy, numba)
+    is CUDA memory; an object with ``__dlpack__`` says where it lives through
+    ``__dlpack_device__`` (torch tensors, JAX arrays). Lists of arrays are looked into.
+
+    Raises:
+        DistUsageError: arrays on different devices.
+    """
+    found: str | None = None
+    for arg in args:
+        kind = _kind(arg)
+        if kind is None and isinstance(arg, list | tuple):
+            for item in arg:
+                item_kind = _kind(item)
+                if item_kind is not None:
+                    if kind is not None and item_kind != kind:
+                        raise _mixed(op, kind, item_kind)
+                    kind = item_kind
+        if kind is not None:
+            if found is not None and kind != found:
+                raise _mixed(op, found, kind)
+            found = kind
+    return found
+
+
+def _kind(x: object) -> str | None:
+    if isinstance(x, np.ndarray):
+        return "cpu"
+    if hasattr(x, "__cuda_array_interface__"):
+        return "cuda"
+    device = getattr(x, "__dlpack_device__", None)
+    if device is None:
+        return None
+    try:
+        device_type = int(device()[0])
+    except Exception:
+        return "cpu"  # let the backend's intake report what is wrong with it
+    if device_type in _DL_HOST:
+        return "cpu"
+    return "cuda" if device_type == _DL_CUDA else f"dlpack-device-{device_type}"
+
+
+def _mixed(op: str, first: str, second: str) -> DistUsageError:
+    return DistUsageError(
+        f"{op}: the arrays live on different devices ({first} and {second}); every array "
+        "of one call must be on the same device"
+    )
+
+
+def plan(group: ProcessGroup, op: str, args: tuple[Any, ...]) -> Plan:
+    """Check a call of ``op`` with the backend that serves its arrays; return its plan.
+
+    The device is that of the array arguments; calls without arrays (barrier, object
+    collectives) go to the CPU backend when the group has one.
+
+    Raises:
+        DistUsageError: the arrays' device has no backend in this group, the backend does
+            not implement ``op``, or the backend's checks failed.
+    """
+    device = device_of(op, args)
+    if device is None:
+        device = "cpu" if "cpu" in group.backends else next(iter(group.backends))
+    name = group.backends.get(device)
+    if name is None:
+        raise DistUsageError(
+            f"{op}: the arrays live on {device}, but the group's backend {group.backend!r} "
+            f"serves {' and '.join(group.backends)} arrays"
+            + (
+                "; the CUDA backend needs cupy: pip install 'aiodist[cuda13]' (or cuda12)"
+                if device == "cuda" and not is_backend_available("cuda")
+                else ""
+            )
+        )
+    validate = load(name).ops.get(op)
+    if validate is None:
+        raise DistUsageError(f"{op}: the {name!r} backend does not implement it")
+    return validate(group, *args)

@@ -63,6 +63,7 @@ async def run_world(
         BaseException: the first exception a rank raised; the other ranks are cancelled.
     """
     from .. import _api, group
+    from ..backends import parse_backend
     from ..store import HashStore
     from ..transport.local import LocalTransport
 
@@ -76,9 +77,12 @@ async def run_world(
 
     async def one(rank: int) -> T:
         try:
-            group.set_current_world(None)  # this task's context gets a world of its own
+            group.isolate_context()  # this task's context gets a world of its own
             if local is not None:
-                group.start_world(local[rank], store, backend=backend, timeout=seconds)
+                name, devices = parse_backend(backend)
+                group.start_world(
+                    local[rank], store, backend=name, backends=devices, timeout=seconds
+                )
             else:
                 await _api.init_process_group(
                     backend, store=store, rank=rank, world_size=world_size, timeout=seconds

@@ -18,16 +18,37 @@ import asyncio
 import logging
 import struct
 from collections import deque
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from .._fingerprint import NO_FINGERPRINT, mismatch_error
 from ..errors import DistNetworkError, DistUsageError
-from .base import Tag
 
-__all__ = ["Inbound", "Mailbox", "as_bytes", "check_tag", "fail_future", "lost_peer_error"]
+__all__ = [
+    "Inbound",
+    "Mailbox",
+    "MailboxListener",
+    "Tag",
+    "as_bytes",
+    "check_tag",
+    "fail_future",
+    "lost_peer_error",
+]
 
 logger = logging.getLogger(__name__)
+
+#: ``(group id, sequence number, step)``: the identity of one message of one operation.
+Tag = tuple[int, int, int]
+
+
+class MailboxListener(Protocol):
+    """What a mailbox tells the layer above it (the process groups of the rank)."""
+
+    def on_mismatch(self, group: int, seq: int, exc: DistUsageError) -> None:
+        """A peer's message of ``(group, seq)`` belongs to another call than this rank's."""
+
+    def on_reject(self, peer: int, group: int, seq: int, reason: str) -> None:
+        """``peer`` rejected its operation ``(group, seq)`` before sending any data of it."""
+
 
 # Tags travel as three unsigned 64-bit integers on every transport, so every transport
 # accepts exactly the same tags.
@@ -69,16 +90,18 @@ def as_bytes(view: memoryview, *, writable: bool) -> memoryview:
     return view.cast("B")
 
 
-def fail_future(fut: asyncio.Future[Any], exc: BaseException) -> None:
-    """Fail ``fut`` with ``exc`` unless it is done already.
+def fail_future(fut: asyncio.Future[Any], exc: BaseException) -> bool:
+    """Fail ``fut`` with ``exc`` unless it is done already; return whether it was failed.
 
     The exception is marked as retrieved: one lost peer fails many futures at once and the
     caller stops awaiting after the first error, so the rest must not be reported by the
     loop as "never retrieved".
     """
-    if not fut.done():
-        fut.set_exception(exc)
-        fut.exception()
+    if fut.done():
+        return False
+    fut.set_exception(exc)
+    fut.exception()
+    return True
 
 
 def _mismatch(peer: int, tag: Tag, expected: int, received: int) -> DistUsageError:
@@ -106,16 +129,24 @@ class _Recv:
 class _Staged:
     """A message that arrived before its receive: complete, or still arriving."""
 
-    __slots__ = ("buf", "claim", "complete", "fp", "order", "peer", "queue")
+    __slots__ = ("buf", "claim", "complete", "error", "fp", "order", "peer", "queue")
 
     def __init__(
-        self, nbytes: int, peer: int, order: int, queue: deque[_Staged], fp: bytes
+        self,
+        nbytes: int,
+        peer: int,
+        order: int,
+        queue: deque[_Staged],
+        fp: bytes,
+        error: DistUsageError | None = None,
     ) -> None:
         self.buf = bytearray(nbytes)
         self.fp = fp
         self.peer = peer
         self.order = order
-        self.complete = False
+        #: Set for the place of a message its sender rejected: the receive fails with it.
+        self.error = error
+        self.complete = error is not None
         # The receive that took this message while its bytes were still arriving.
         self.claim: _Recv | None = None
         # The staging queue this message sits in, until a receive takes it.
@@ -134,18 +165,20 @@ class Inbound:
         peer: the sender's global rank.
     """
 
-    __slots__ = ("_mailbox", "_recv", "_staged", "buffer", "peer")
+    __slots__ = ("_mailbox", "_recv", "_staged", "buffer", "peer", "tag")
 
     def __init__(
         self,
         mailbox: Mailbox,
         peer: int,
+        tag: Tag,
         buffer: memoryview,
         recv: _Recv | None = None,
         staged: _Staged | None = None,
     ) -> None:
         self._mailbox = mailbox
         self.peer = peer
+        self.tag = tag
         self.buffer = buffer
         self._recv = recv
         self._staged = staged
@@ -185,6 +218,16 @@ class Inbound:
             if staged.claim is not None:
                 fail_future(staged.claim.fut, exc)
 
+    def discard(self, exc: BaseException) -> None:
+        """Send the rest of this message's bytes nowhere, and fail whoever waited for it.
+
+        The transport keeps filling :attr:`buffer`, which is now scratch memory: the bytes
+        of a message of a rejected operation never reach the caller's array.
+        """
+        self.fail(exc)
+        self._recv = self._staged = None
+        self.buffer = memoryview(bytearray(len(self.buffer)))
+
 
 class Mailbox:
     """Matches incoming messages with posted receives for one rank.
@@ -215,10 +258,12 @@ class Mailbox:
         # The fingerprint of each collective this rank has issued and not finished, by
         # (group, seq): what its peers' messages of that operation must carry.
         self._ops: dict[tuple[int, int], bytes] = {}
-        #: Called (soon, from the loop) with ``(group, seq, error)`` when a peer's message
-        #: carries another fingerprint than the operation this rank issued under that
-        #: ``(group, seq)``. Without a handler the mailbox aborts itself with the error.
-        self.on_mismatch: Callable[[int, int, DistUsageError], None] | None = None
+        # Operations that were rejected (here or by a peer), by (group, seq): their
+        # messages are dropped on arrival and their receives fail with the reason.
+        self._dead: dict[tuple[int, int], DistUsageError] = {}
+        #: Told (soon, from the loop) about mismatched calls and about peers' rejections.
+        #: Without one, a mismatch aborts the mailbox and a rejection kills the operation.
+        self.listener: MailboxListener | None = None
 
     def __repr__(self) -> str:
         return (
@@ -281,14 +326,74 @@ class Mailbox:
 
     def _report(self, group: int, seq: int, mine: bytes, peer: int, theirs: bytes) -> None:
         exc = mismatch_error(self.rank, mine, peer, theirs, group, seq)
-        handler = self.on_mismatch
         # Soon rather than now: the caller is parsing a stream or issuing an operation,
-        # and the handler aborts everything.
+        # and the listener aborts everything.
         loop = asyncio.get_running_loop()
-        if handler is None:
+        if self.listener is None:
             loop.call_soon(self.abort, exc)
         else:
-            loop.call_soon(handler, group, seq, exc)
+            loop.call_soon(self.listener.on_mismatch, group, seq, exc)
+
+    # -- rejected operations -------------------------------------------------------------
+
+    def reject(self, peer: int, group: int, seq: int, reason: str) -> None:
+        """Record that ``peer`` rejected its operation ``(group, seq)``, giving ``reason``.
+
+        Transports call this when a peer's rejection arrives. The listener decides what it
+        means (:meth:`kill` for a collective, :meth:`poison` for a point-to-point send);
+        without a listener the operation is killed.
+        """
+        if self.listener is not None:
+            self.listener.on_reject(peer, group, seq, reason)
+        else:
+            self.kill(group, seq, DistUsageError(f"rank {peer} rejected {group}/{seq}: {reason}"))
+
+    def is_dead(self, group: int, seq: int) -> DistUsageError | None:
+        """Return the error of operation ``(group, seq)`` if it was rejected."""
+        return self._dead.get((group, seq)) if self._dead else None
+
+    def kill(self, group: int, seq: int, exc: DistUsageError) -> None:
+        """Drop every message of operation ``(group, seq)``, now and when more arrive.
+
+        Receives of it that are posted, or posted later, fail with ``exc``; messages staged
+        for it are freed; one still arriving goes to scratch memory.
+        """
+        key = (group, seq)
+        self._dead[key] = exc
+        for inbound in [i for i in self._inflight if i.tag[0] == group and i.tag[1] == seq]:
+            inbound.discard(exc)
+        for tag in [t for t in self._staged if t[0] == group and t[1] == seq]:
+            del self._staged[tag]
+        for k in [k for k in self._posted if k[1][0] == group and k[1][1] == seq]:
+            for recv in self._posted.pop(k):
+                fail_future(recv.fut, exc)
+        for tag in [t for t in self._posted_any if t[0] == group and t[1] == seq]:
+            for recv in self._posted_any.pop(tag):
+                fail_future(recv.fut, exc)
+
+    def poison(self, peer: int, group: int, seq: int | None, exc: DistUsageError) -> None:
+        """Put ``exc`` in the place of the next message from ``peer`` tagged ``(group, seq)``.
+
+        This is how a rejected point-to-point send reaches its receiver: the receive that
+        would have taken the message (posted now or later) fails with ``exc`` instead, and
+        the messages after it keep their order. ``seq=None`` (the sender could not name a
+        tag) fails the receives from ``peer`` in ``group`` that are posted now; nothing is
+        kept for later ones, which could not be told apart from receives of other messages.
+        """
+        if self._exc is not None:
+            return
+        if seq is None:
+            for key in [k for k in self._posted if k[0] == peer and k[1][0] == group]:
+                for posted in self._posted.pop(key):
+                    fail_future(posted.fut, exc)
+            return
+        tag = (group, seq, 0)
+        recv = self._take_posted(peer, tag)
+        if recv is not None:
+            fail_future(recv.fut, exc)
+            return
+        queue = self._staged.setdefault(tag, {}).setdefault(peer, deque())
+        queue.append(_Staged(0, peer, self._next_order(), queue, NO_FINGERPRINT, exc))
 
     def _next_order(self) -> int:
         self._order += 1
@@ -304,8 +409,16 @@ class Mailbox:
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
         fut: asyncio.Future[int] = loop.create_future()
+        if self._dead:
+            dead = self._dead.get((tag[0], tag[1]))
+            if dead is not None:
+                fail_future(fut, dead)
+                return fut
         staged = self._take_staged(peer, tag)
         if staged is not None:
+            if staged.error is not None:
+                fail_future(fut, staged.error)
+                return fut
             if staged.fp != NO_FINGERPRINT:
                 mine = self._ops.get((tag[0], tag[1]))
                 if mine is not None and mine != staged.fp:
@@ -394,15 +507,16 @@ class Mailbox:
         matched now, so messages from one peer must be announced in the order it sent them.
         A message whose fingerprint ``fp`` differs from that of the operation this rank
         issued under the same ``(group, seq)`` is discarded (its bytes never reach a
-        receive's memory) and reported to :attr:`on_mismatch`.
+        receive's memory) and reported to the :attr:`listener`.
         """
-        if self._exc is not None:
-            return Inbound(self, peer, memoryview(bytearray(nbytes)))
+        if self._exc is not None or (self._dead and (tag[0], tag[1]) in self._dead):
+            # Aborted, or a message of a rejected operation: read and dropped.
+            return Inbound(self, peer, tag, memoryview(bytearray(nbytes)))
         if fp != NO_FINGERPRINT:
             mine = self._ops.get((tag[0], tag[1]))
             if mine is not None and mine != fp:
                 self._report(tag[0], tag[1], mine, peer, fp)
-                inbound = Inbound(self, peer, memoryview(bytearray(nbytes)))
+                inbound = Inbound(self, peer, tag, memoryview(bytearray(nbytes)))
                 if nbytes == 0:
                     inbound.done()
                 else:
@@ -416,12 +530,12 @@ class Mailbox:
                 queue = by_peer[peer] = deque()
             staged = _Staged(nbytes, peer, self._next_order(), queue, fp)
             queue.append(staged)
-            inbound = Inbound(self, peer, memoryview(staged.buf), staged=staged)
+            inbound = Inbound(self, peer, tag, memoryview(staged.buf), staged=staged)
         elif len(recv.out) != nbytes:
             fail_future(recv.fut, _mismatch(peer, tag, len(recv.out), nbytes))
-            inbound = Inbound(self, peer, memoryview(bytearray(nbytes)))
+            inbound = Inbound(self, peer, tag, memoryview(bytearray(nbytes)))
         else:
-            inbound = Inbound(self, peer, recv.out, recv=recv)
+            inbound = Inbound(self, peer, tag, recv.out, recv=recv)
         if nbytes == 0:
             inbound.done()
         else:

@@ -2,30 +2,75 @@
 
 A :class:`Transport` connects one rank to the other ranks of a world (global ranks). Every
 message carries a :data:`Tag`; a receive matches the first message from its peer with the
-same tag, in the order they were sent, so many collectives can be in flight on one
-connection and never mix. :class:`OpComm` is the narrow view one collective algorithm gets:
-group ranks, and steps instead of whole tags.
+same tag, in the order they were sent, so many operations can be in flight on one
+connection and never mix. Matching is the job of the transport's
+:class:`~aiodist.transport._mailbox.Mailbox`, which several transports of one rank may
+share (one per kind of peer, behind a router). :class:`OpComm` is the narrow view one
+algorithm gets: group ranks, and steps instead of whole tags.
+
+Besides data, a transport carries two control messages: a *rejection* (an operation this
+rank refused before sending any of its data, so the peers stop waiting for it) and, when a
+rank aborts, the *reason* it gives its connected peers before it drops the connections.
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-from ..errors import DistUsageError
+from ..store import Store
+from ._mailbox import Mailbox, Tag
 
-__all__ = ["OpComm", "Tag", "Transport"]
+__all__ = ["OpComm", "PeerDirectory", "Tag", "Transport"]
 
-#: ``(group id, sequence number, step)``: the identity of one message of one operation.
-Tag = tuple[int, int, int]
+
+class PeerDirectory:
+    """Where each rank of a world listens, kept in the world's store.
+
+    A transport publishes its own address once and looks a peer's up the first time it
+    connects to it; the directory is all it knows of the store.
+
+    Args:
+        store: the world's store (already namespaced for this world).
+        kind: the transport kind, so that two transports of a rank do not collide.
+    """
+
+    def __init__(self, store: Store, kind: str = "tcp") -> None:
+        self._store = store
+        self._prefix = f"transport/{kind}/"
+
+    def __repr__(self) -> str:
+        return f"<PeerDirectory {self._prefix}* in {self._store!r}>"
+
+    async def publish(self, rank: int, address: str) -> None:
+        """Record that ``rank`` listens at ``address``."""
+        await self._store.set(f"{self._prefix}{rank}", address)
+
+    async def lookup(self, rank: int) -> str:
+        """Return the address of ``rank``, waiting (the store's timeout) until it is known.
+
+        Raises:
+            DistTimeoutError: the rank did not publish an address in time.
+            DistNetworkError: the store cannot be reached.
+        """
+        return (await self._store.get(f"{self._prefix}{rank}")).decode()
 
 
 class Transport(abc.ABC):
-    """Moves byte buffers between this rank and its peers, without copying where it can."""
+    """Moves byte buffers between this rank and its peers, without copying where it can.
 
-    rank: int
-    world_size: int
+    Attributes:
+        rank: this rank (global).
+        world_size: the number of ranks.
+        mailbox: where incoming messages meet posted receives; shared with the other
+            transports of this rank, if any.
+    """
+
+    def __init__(self, rank: int, world_size: int, mailbox: Mailbox | None = None) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.mailbox = mailbox if mailbox is not None else Mailbox(rank, world_size)
 
     @abc.abstractmethod
     def send(self, peer: int, tag: Tag, data: memoryview) -> asyncio.Future[None]:
@@ -57,44 +102,22 @@ class Transport(abc.ABC):
         """
 
     @abc.abstractmethod
+    def send_reject(self, peer: int, group: int, seq: int, reason: str) -> None:
+        """Tell ``peer`` that this rank rejected operation ``(group, seq)``, and why.
+
+        Fire and forget: the rejection travels after every message sent to ``peer``
+        before it, and reaches the peer's mailbox (see :meth:`Mailbox.reject`). A peer
+        that is gone is not told.
+        """
+
+    @abc.abstractmethod
     def abort(self, exc: BaseException) -> None:
         """Fail every pending send and receive with ``exc`` and drop all connections.
 
-        Peers see this rank as lost. Later calls fail with ``exc``; aborting twice is
-        harmless.
+        Connected peers are told ``str(exc)`` as the reason before their connection drops,
+        where the transport can; they see this rank as lost. Later calls fail with
+        ``exc``; aborting twice is harmless.
         """
-
-    def waiting_for(self, group: int, seq: int) -> list[int]:
-        """Return the peers whose messages of operation ``(group, seq)`` are still awaited.
-
-        Used to name the ranks an operation that timed out was waiting for. Transports
-        without a mailbox return an empty list.
-        """
-        mailbox = getattr(self, "_mailbox", None)
-        return [] if mailbox is None else mailbox.waiting_for(group, seq)
-
-    def begin_op(self, group: int, seq: int, fingerprint: bytes) -> None:
-        """Record that collective ``(group, seq)`` was issued here with ``fingerprint``.
-
-        Its messages then carry the fingerprint, and a peer's message of the same
-        ``(group, seq)`` with another one is reported to the mismatch handler instead of
-        being delivered. Transports without a mailbox check nothing.
-        """
-        mailbox = getattr(self, "_mailbox", None)
-        if mailbox is not None:
-            mailbox.begin(group, seq, fingerprint)
-
-    def end_op(self, group: int, seq: int) -> None:
-        """Forget the fingerprint of collective ``(group, seq)``, which has finished."""
-        mailbox = getattr(self, "_mailbox", None)
-        if mailbox is not None:
-            mailbox.end(group, seq)
-
-    def set_mismatch_handler(self, handler: Callable[[int, int, DistUsageError], None]) -> None:
-        """Call ``handler(group, seq, error)`` when a peer's call differs from ours."""
-        mailbox = getattr(self, "_mailbox", None)
-        if mailbox is not None:
-            mailbox.on_mismatch = handler
 
     @abc.abstractmethod
     async def aclose(self) -> None:
@@ -104,13 +127,17 @@ class Transport(abc.ABC):
         receives from this rank fail, their any-source receives keep waiting for others.
         """
 
+    def waiting_for(self, group: int, seq: int) -> list[int]:
+        """Return the peers whose messages of operation ``(group, seq)`` are still awaited."""
+        return self.mailbox.waiting_for(group, seq)
+
 
 class OpComm:
     """One operation's view of a transport: group ranks and numbered steps.
 
-    A collective algorithm sees only ``rank``, ``size``, :meth:`send` and :meth:`recv_into`;
-    the group id and sequence number of the operation are bound in, and group ranks are
-    translated to the transport's global ranks.
+    An algorithm sees only ``rank``, ``size``, :meth:`send` and :meth:`recv_into`; the
+    group id and sequence number of the operation (the tag, for point-to-point messages)
+    are bound in, and group ranks are translated to the transport's global ranks.
     """
 
     __slots__ = ("_group_id", "_ranks", "_seq", "_transport", "rank", "size")
@@ -132,6 +159,11 @@ class OpComm:
         """Send ``data`` to group rank ``peer`` as step ``step`` of this operation."""
         return self._transport.send(self._ranks[peer], (self._group_id, self._seq, step), data)
 
-    def recv_into(self, peer: int, step: int, out: memoryview) -> asyncio.Future[int]:
-        """Receive step ``step`` of this operation from group rank ``peer`` into ``out``."""
-        return self._transport.recv_into(self._ranks[peer], (self._group_id, self._seq, step), out)
+    def recv_into(self, peer: int | None, step: int, out: memoryview) -> asyncio.Future[int]:
+        """Receive step ``step`` of this operation from group rank ``peer`` into ``out``.
+
+        ``peer=None`` takes the message from whichever group member sends it first (the
+        future's result is the sender's *global* rank).
+        """
+        source = None if peer is None else self._ranks[peer]
+        return self._transport.recv_into(source, (self._group_id, self._seq, step), out)

@@ -6,7 +6,7 @@ import asyncio
 import logging
 
 from ..errors import DistNetworkError, DistUsageError
-from ._mailbox import Mailbox, as_bytes, check_tag, fail_future, lost_peer_error
+from ._mailbox import as_bytes, check_tag, fail_future, lost_peer_error
 from .base import Tag, Transport
 
 __all__ = ["LocalTransport"]
@@ -29,10 +29,8 @@ class LocalTransport(Transport):
     """
 
     def __init__(self, rank: int, world_size: int, world: list[LocalTransport]) -> None:
-        self.rank = rank
-        self.world_size = world_size
+        super().__init__(rank, world_size)
         self._world = world
-        self._mailbox = Mailbox(rank, world_size)
         self._closed: BaseException | None = None
 
     @classmethod
@@ -50,7 +48,7 @@ class LocalTransport(Transport):
 
     def __repr__(self) -> str:
         state = "closed" if self._closed is not None else "open"
-        return f"<LocalTransport rank={self.rank}/{self.world_size} {state} {self._mailbox!r}>"
+        return f"<LocalTransport rank={self.rank}/{self.world_size} {state} {self.mailbox!r}>"
 
     def _check_peer(self, peer: int) -> None:
         if not isinstance(peer, int) or not 0 <= peer < self.world_size:
@@ -68,12 +66,12 @@ class LocalTransport(Transport):
         data = as_bytes(data, writable=False)
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         # Closing a rank records it as lost in every other rank's mailbox.
-        exc = self._closed or self._mailbox.lost(peer)
+        exc = self._closed or self.mailbox.lost(peer)
         if exc is not None:
             fail_future(fut, exc)
             return fut
-        fp = self._mailbox.fingerprint_of(tag[0], tag[1])
-        self._world[peer]._mailbox.deliver(self.rank, tag, data, fp)
+        fp = self.mailbox.fingerprint_of(tag[0], tag[1])
+        self._world[peer].mailbox.deliver(self.rank, tag, data, fp)
         fut.set_result(None)
         return fut
 
@@ -87,14 +85,21 @@ class LocalTransport(Transport):
         if peer is not None:
             self._check_peer(peer)
         check_tag(tag)
-        return self._mailbox.post(peer, tag, as_bytes(out, writable=True))
+        return self.mailbox.post(peer, tag, as_bytes(out, writable=True))
+
+    def send_reject(self, peer: int, group: int, seq: int, reason: str) -> None:
+        """Tell ``peer`` that this rank rejected operation ``(group, seq)``, and why."""
+        self._check_peer(peer)
+        if self._closed is None and self.mailbox.lost(peer) is None:
+            self._world[peer].mailbox.reject(self.rank, group, seq, reason)
 
     def abort(self, exc: BaseException) -> None:
         """Fail this rank's pending receives with ``exc``; other ranks see it as lost.
 
-        The other ranks' receives from this rank fail, and so do their any-source receives.
+        The other ranks' receives from this rank fail, naming ``exc`` as the cause, and so
+        do their any-source receives.
         """
-        self._close(exc, "its transport was aborted", graceful=False)
+        self._close(exc, f"rank {self.rank} aborted: {type(exc).__name__}: {exc}", graceful=False)
 
     async def aclose(self) -> None:
         """Close this rank; its pending receives fail with ``DistNetworkError``.
@@ -109,9 +114,9 @@ class LocalTransport(Transport):
         if self._closed is not None:
             return
         self._closed = exc
-        self._mailbox.abort(exc)
-        lost = lost_peer_error(self.rank, reason)
+        self.mailbox.abort(exc)
+        lost = DistNetworkError(reason) if not graceful else lost_peer_error(self.rank, reason)
         for other in self._world:
             if other is not self:
-                other._mailbox.fail_peer(self.rank, lost, graceful=graceful)
+                other.mailbox.fail_peer(self.rank, lost, graceful=graceful)
         logger.debug("local transport rank %d closed: %s", self.rank, exc)

@@ -9,9 +9,15 @@ proof of its own, which the accepting rank checks before it reads a single frame
 without the token, or with another one, is refused and never gets to send a frame. Then
 both directions carry frames::
 
-    frame := group:u64 seq:u64 step:u64 nbytes:u64 (little endian) | nbytes of payload
+    frame := group:u64 seq:u64 step:u64 nbytes:u64 fingerprint:32s | nbytes of payload
 
-A header whose length is ``2**64 - 1`` says goodbye: the sender closes in order.
+Three lengths that no payload can have mark control frames, whose ``step`` is the length of
+the UTF-8 text that follows: ``2**64 - 1`` says goodbye (the sender closes in order),
+``2**64 - 2`` rejects operation ``(group, seq)`` with the text as the reason, ``2**64 - 3``
+says the sender is aborting, with the text as the cause. An aborting rank writes that last
+frame only at a frame boundary, then shuts down its sending side and keeps reading until
+the peer closes: closing a socket with unread bytes would send a reset, and a reset makes
+the peer's kernel drop the frame before the peer reads it.
 
 Receiving. ``get_buffer`` hands the loop a slice of the posted receive's own memory while a
 payload of 16 KiB or more is arriving (no copy at all), otherwise a 64 KiB read buffer that
@@ -41,17 +47,22 @@ from typing import Any, cast
 from .._auth import AUTH_MAC_SIZE, NONCE_SIZE, auth_mac, resolve_token, verify_mac
 from .._fingerprint import FINGERPRINT_SIZE, NO_FINGERPRINT
 from .._timeouts import Timeout, to_seconds
-from ..errors import DistNetworkError, DistProtocolError, DistTimeoutError, DistUsageError
-from ..store import Store
+from ..errors import (
+    DistNetworkError,
+    DistProtocolError,
+    DistTimeoutError,
+    DistUsageError,
+    map_exceptions,
+)
 from ._mailbox import Inbound, Mailbox, as_bytes, fail_future, lost_peer_error
-from .base import Tag, Transport
+from .base import PeerDirectory, Tag, Transport
 
 __all__ = ["TCPTransport"]
 
 logger = logging.getLogger(__name__)
 
 _MAGIC = b"AIOD"
-_VERSION = 3
+_VERSION = 4
 # REFUSED: the two sides disagree on authentication (one has a token, the other not).
 _HELLO, _ACCEPT, _REJECT, _REFUSED = 0, 1, 2, 3
 _FLAG_AUTH = 0x01
@@ -66,9 +77,16 @@ _HEADER = struct.Struct(f"<QQQQ{FINGERPRINT_SIZE}s")
 _HEADER_SIZE = _HEADER.size
 # A length this large is garbage, not a message: refuse to allocate a staging buffer for it.
 _MAX_MESSAGE = 1 << 48
-# A header with this length says goodbye: the sender closes in order, no more frames follow.
+# Control frames (see the module docstring), told apart by their length field.
 _BYE = (1 << 64) - 1
+_REJECT = (1 << 64) - 2
+_ABORT = (1 << 64) - 3
 _BYE_FRAME = _HEADER.pack(0, 0, 0, _BYE, NO_FINGERPRINT)
+# The longest reason a control frame carries; longer ones are cut.
+_MAX_REASON = 16 << 10
+#: Seconds an aborting rank keeps a connection it said goodbye on, waiting for the peer to
+#: close it first (see the module docstring).
+ABORT_LINGER_SECONDS = 2.0
 
 #: Bytes handed to a connection's asyncio transport per loop turn. On loopback the sender's
 #: syscall also does the receiver's TCP work; one 32 MiB write stalls the loop 6-12 ms.
@@ -96,8 +114,18 @@ KEEPALIVE_IDLE, KEEPALIVE_INTERVAL, KEEPALIVE_PROBES = 30, 5, 6
 _HANDSHAKING, _OPEN, _DONE = 0, 1, 2
 
 
-def _address_key(rank: int) -> str:
-    return f"transport/addr/{rank}"
+def _format_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _parse_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def _control_frame(kind: int, group: int, seq: int, text: str) -> bytes:
+    data = text.encode(errors="replace")[:_MAX_REASON]
+    return _HEADER.pack(group, seq, len(data), kind, NO_FINGERPRINT) + data
 
 
 def _enable_keepalive(sock: socket.socket) -> None:
@@ -131,7 +159,7 @@ class _Conn(asyncio.BufferedProtocol):
     def __init__(self, owner: TCPTransport, peer: int | None) -> None:
         self.owner = owner
         self.loop = owner._loop
-        self.mailbox = owner._mailbox
+        self.mailbox = owner.mailbox
         # Known when we connect; learned from the hello when we accept.
         self.peer = peer
         self.state = _HANDSHAKING
@@ -160,8 +188,8 @@ class _Conn(asyncio.BufferedProtocol):
         self._rxv = memoryview(self._rx)
         self._rstart = 0
         self._rend = 0
-        self._inbound: Inbound | None = None
-        self._dest = self._rxv[:0]
+        # The message whose payload is arriving: a data message, or a control frame's text.
+        self._inbound: Inbound | _Control | None = None
         self._doff = 0
         self._drem = 0
         self._direct = False
@@ -185,6 +213,9 @@ class _Conn(asyncio.BufferedProtocol):
         sock = transport.get_extra_info("socket")
         if sock is not None:
             self.fd = sock.fileno()
+            # The standard loop sets TCP_NODELAY only on sockets it creates with protocol
+            # IPPROTO_TCP; accepted ones inherit protocol 0 and would keep Nagle's delay.
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             _enable_keepalive(sock)
         self.owner._live.add(self)
         if self.owner._closed is not None:
@@ -482,17 +513,35 @@ class _Conn(asyncio.BufferedProtocol):
                 fail_future(queued, exc)
         self._queue.clear()
 
-    def say_goodbye(self) -> None:
-        """Tell the peer this rank closes in order, then close after the last byte."""
-        if self.state == _OPEN and self.transport is not None:
-            if not self._queue:
-                self.transport.write(_BYE_FRAME)
-            self.state = _DONE
-            self.transport.close()
+    def close_after(self, frame: bytes | None) -> None:
+        """Write ``frame`` after the frames already queued, then close without losing it.
+
+        The frame is written only at a frame boundary (nothing of ours still queued). Then
+        the sending side is shut down and the connection read, and dropped, until the peer
+        closes its end (at most :data:`ABORT_LINGER_SECONDS`): closing with unread bytes
+        would reset the connection and make the peer's kernel drop our last frame.
+        """
+        transport, state = self.transport, self.state
+        if transport is None or state == _DONE:
+            return  # whoever moved the connection to _DONE closed its transport
+        self.state = _DONE
+        if state != _OPEN or not transport.can_write_eof():
+            transport.abort()
+            return
+        if frame is not None and not self._queue:
+            transport.write(frame)
+        transport.write_eof()
+        if self._read_paused:
+            transport.resume_reading()
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self.loop.call_later(ABORT_LINGER_SECONDS, transport.abort)
 
     # -- receiving -------------------------------------------------------------------------
 
     def get_buffer(self, sizehint: int) -> memoryview:
+        if self.state == _DONE:
+            return self._rxv  # closing: whatever still arrives is read and dropped
         if self.state == _HANDSHAKING:
             # Read no further than the handshake: frames after it are read as frames.
             return memoryview(self._hs)[self._hs_got :]
@@ -501,7 +550,8 @@ class _Conn(asyncio.BufferedProtocol):
             # reading more), so the payload's bytes go straight to their final place.
             self._direct = True
             doff = self._doff
-            return self._dest[doff : doff + min(self._drem, READ_BUDGET)]
+            assert self._inbound is not None
+            return self._inbound.buffer[doff : doff + min(self._drem, READ_BUDGET)]
         self._direct = False
         if self._rstart == self._rend:
             self._rstart = self._rend = 0
@@ -584,6 +634,13 @@ class _Conn(asyncio.BufferedProtocol):
                 if nbytes == _BYE:
                     self.bye = True
                     continue
+                if nbytes in (_REJECT, _ABORT) and step <= _MAX_REASON:
+                    self._inbound = _Control(self, nbytes, group, seq, step)
+                    self._doff = 0
+                    self._drem = step
+                    if not step:
+                        self._finish_inbound()
+                    continue
                 if nbytes >= _MAX_MESSAGE:
                     self.owner._lose(
                         self.peer,
@@ -610,7 +667,6 @@ class _Conn(asyncio.BufferedProtocol):
                     return
                 if nbytes:
                     self._inbound = inbound
-                    self._dest = inbound.buffer
                     self._doff = 0
                     self._drem = nbytes
             else:
@@ -618,12 +674,34 @@ class _Conn(asyncio.BufferedProtocol):
                     return
                 take = min(avail, self._drem)
                 doff, rstart = self._doff, self._rstart
-                self._dest[doff : doff + take] = self._rxv[rstart : rstart + take]
+                self._inbound.buffer[doff : doff + take] = self._rxv[rstart : rstart + take]
                 self._doff = doff + take
                 self._rstart = rstart + take
                 self._drem -= take
                 if not self._drem:
                     self._finish_inbound()
+
+
+class _Control:
+    """The text of a control frame, arriving: a peer's rejection or its abort."""
+
+    __slots__ = ("buffer", "conn", "group", "kind", "seq")
+
+    def __init__(self, conn: _Conn, kind: int, group: int, seq: int, nbytes: int) -> None:
+        self.conn = conn
+        self.kind = kind
+        self.group = group
+        self.seq = seq
+        self.buffer = memoryview(bytearray(nbytes))
+
+    def done(self) -> None:
+        text = bytes(self.buffer).decode(errors="replace")
+        conn = self.conn
+        assert conn.peer is not None
+        if self.kind == _REJECT:
+            conn.mailbox.reject(conn.peer, self.group, self.seq, text)
+        else:
+            conn.owner._lose(conn.peer, "", DistNetworkError(f"rank {conn.peer} aborted: {text}"))
 
 
 class _Peer:
@@ -646,8 +724,8 @@ class _Peer:
 class TCPTransport(Transport):
     """A transport over TCP, one connection per pair of ranks that talk.
 
-    Every rank listens on an ephemeral port and publishes ``host:port`` in the store under
-    ``transport/addr/<rank>``. A rank connects to a peer the first time it sends to it or
+    Every rank listens on an ephemeral port and publishes ``host:port`` in the world's
+    :class:`~aiodist.transport.base.PeerDirectory`. A rank connects to a peer the first time it sends to it or
     posts a receive from it, so a rank of a ring holds two connections, not ``n - 1``.
     When two ranks connect to each other at once, the connection opened by the lower rank
     is kept and the other is refused during the handshake.
@@ -671,7 +749,7 @@ class TCPTransport(Transport):
 
     def __init__(
         self,
-        store: Store,
+        directory: PeerDirectory,
         rank: int,
         world_size: int,
         address: tuple[str, int],
@@ -679,11 +757,11 @@ class TCPTransport(Transport):
         spin: float,
         auto_spin: bool,
         token: bytes | None,
+        mailbox: Mailbox | None,
     ) -> None:
-        self.rank = rank
-        self.world_size = world_size
+        super().__init__(rank, world_size, mailbox)
         self.address = address
-        self._store = store
+        self._directory = directory
         self._loop = asyncio.get_running_loop()
         self._server: asyncio.Server | None = None
         self._timeout = timeout
@@ -693,7 +771,6 @@ class TCPTransport(Transport):
         # Polls that ran out of time in a row, and receives left to skip polling for.
         self._poll_misses = 0
         self._poll_skip = 0
-        self._mailbox = Mailbox(rank, world_size)
         self._peers = [_Peer(r) for r in range(world_size)]
         self._conns: list[_Conn] = []
         # Connections whose transport exists and has not reported connection_lost yet.
@@ -706,26 +783,28 @@ class TCPTransport(Transport):
     @classmethod
     async def create(
         cls,
-        store: Store,
+        directory: PeerDirectory,
         rank: int,
         world_size: int,
         *,
         host: str = "127.0.0.1",
+        mailbox: Mailbox | None = None,
         timeout: Timeout = None,
         local_world_size: int | None = None,
         spin: float | None = None,
         auth_token: str | bytes | None = None,
     ) -> TCPTransport:
-        """Listen on ``host`` (ephemeral port) and publish the address in ``store``.
+        """Listen on ``host`` (ephemeral port) and publish the address in ``directory``.
 
         Args:
-            store: the job's store (already namespaced for this world); only used to
-                publish and look up listening addresses.
+            directory: where the world's ranks publish and look up listening addresses.
             rank: this rank, in ``[0, world_size)``.
             world_size: the number of ranks.
             host: the address to listen on and to publish; a wildcard (``""``,
                 ``"0.0.0.0"``, ``"::"``) listens on every interface and publishes this
                 machine's host name.
+            mailbox: the mailbox to deliver into, when this transport shares it with
+                another one of this rank; by default a mailbox of its own.
             timeout: seconds (or ``timedelta``) allowed for looking up a peer's address and
                 connecting to it; ``None`` means 300 s.
             local_world_size: how many ranks run on this machine; by default the
@@ -777,12 +856,14 @@ class TCPTransport(Transport):
         except BaseException:
             listener.close()
             raise
-        self = cls(store, rank, world_size, address, seconds, float(spin), auto_spin, token)
+        self = cls(
+            directory, rank, world_size, address, seconds, float(spin), auto_spin, token, mailbox
+        )
         try:
             self._server = await loop.create_server(
                 lambda: _Conn(self, None), sock=listener, backlog=min(max(world_size, 128), 4096)
             )
-            await store.set(_address_key(rank), f"{public}:{address[1]}")
+            await directory.publish(rank, _format_address(public, address[1]))
         except BaseException:
             listener.close()
             await self.aclose()
@@ -817,7 +898,7 @@ class TCPTransport(Transport):
         """
         data = as_bytes(data, writable=False)
         try:
-            fp = self._mailbox.fingerprint_of(tag[0], tag[1])
+            fp = self.mailbox.fingerprint_of(tag[0], tag[1])
             header = _HEADER.pack(tag[0], tag[1], tag[2], len(data), fp)
         except (struct.error, TypeError, IndexError):
             raise DistUsageError(
@@ -826,7 +907,16 @@ class TCPTransport(Transport):
         if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < self.world_size:
             raise DistUsageError(f"peer must be a rank in [0, {self.world_size}), got {peer!r}")
         fut: asyncio.Future[None] = self._loop.create_future()
-        p = self._peers[peer]
+        if peer == self.rank and self._closed is None:
+            self.mailbox.deliver(peer, (tag[0], tag[1], tag[2]), data, fp)
+            fut.set_result(None)
+        else:
+            self._send_frame(self._peers[peer], header, data, fut)
+        return fut
+
+    def _send_frame(
+        self, p: _Peer, header: bytes, data: memoryview, fut: asyncio.Future[None]
+    ) -> None:
         conn = p.conn
         if conn is not None:
             conn.send(header, data, fut)
@@ -834,13 +924,20 @@ class TCPTransport(Transport):
             fail_future(fut, self._closed)
         elif p.error is not None:
             fail_future(fut, p.error)
-        elif peer == self.rank:
-            self._mailbox.deliver(peer, (tag[0], tag[1], tag[2]), data, fp)
-            fut.set_result(None)
         else:
             p.pending.append((header, data, fut))
             self._connect_soon(p)
-        return fut
+
+    def send_reject(self, peer: int, group: int, seq: int, reason: str) -> None:
+        """Tell ``peer`` that this rank rejected operation ``(group, seq)``, and why."""
+        if peer == self.rank:
+            self.mailbox.reject(peer, group, seq, reason)
+            return
+        fut: asyncio.Future[None] = self._loop.create_future()
+        # Nobody waits for it: a peer that is gone needs no rejection.
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+        frame = _control_frame(_REJECT, group, seq, reason)
+        self._send_frame(self._peers[peer], frame, memoryview(b""), fut)
 
     def recv_into(self, peer: int | None, tag: Tag, out: memoryview) -> asyncio.Future[int]:
         """Receive the next ``tag`` message from ``peer`` (``None``: any rank) into ``out``.
@@ -863,7 +960,7 @@ class TCPTransport(Transport):
             raise DistUsageError(
                 f"a tag must be three integers in [0, 2**64) (group id, seq, step), got {tag!r}"
             ) from None
-        fut = self._mailbox.post(peer, tag, as_bytes(out, writable=True))
+        fut = self.mailbox.post(peer, tag, as_bytes(out, writable=True))
         if not fut.done():
             if peer is not None and peer != self.rank:
                 p = self._peers[peer]
@@ -895,15 +992,13 @@ class TCPTransport(Transport):
             if p.waiter is not None:
                 fail_future(p.waiter, exc)
             p.conn = None
+        # Connected peers learn why before their connection drops.
+        frame = _control_frame(_ABORT, 0, 0, f"{type(exc).__name__}: {exc}")
         for conn in list(self._live):
+            conn.close_after(frame)
             conn._fail_sends(exc)
-            # Whoever moves a connection to _DONE closes its transport.
-            if conn.state != _DONE:
-                conn.state = _DONE
-                if conn.transport is not None:
-                    conn.transport.abort()
         self._conns.clear()
-        self._mailbox.abort(exc)
+        self.mailbox.abort(exc)
         logger.debug("rank %d transport aborted: %s", self.rank, exc)
 
     async def aclose(self) -> None:
@@ -921,7 +1016,7 @@ class TCPTransport(Transport):
                 await asyncio.wait(queued, timeout=CLOSE_DRAIN_SECONDS)
             if self._closed is None:
                 for conn in self._conns:
-                    conn.say_goodbye()
+                    conn.close_after(_BYE_FRAME)
                 self.abort(DistNetworkError(f"the transport of rank {self.rank} was closed"))
         while self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -980,7 +1075,7 @@ class TCPTransport(Transport):
     def _connect_soon(self, p: _Peer) -> None:
         if p.connecting is None and p.waiter is None:
             p.waiter = self._loop.create_future()
-            p.connecting = self._spawn(self._connect(p))
+            p.connecting = self._spawn(self._connect(p, p.waiter))
 
     def _accepts(self, peer: int) -> bool:
         # One connection per pair: if both ranks are connecting, the lower rank's wins;
@@ -990,22 +1085,23 @@ class TCPTransport(Transport):
             return False
         return p.connecting is None or peer < self.rank
 
-    async def _connect(self, p: _Peer) -> None:
+    async def _connect(self, p: _Peer, waiter: asyncio.Future[None]) -> None:
         peer = p.rank
-        waiter = p.waiter
-        assert waiter is not None
+        if p.conn is not None or waiter.done():
+            # The peer's own connection was accepted before this task first ran.
+            p.connecting = None
+            return
         conn = _Conn(self, peer)
         try:
             async with asyncio.timeout(self._timeout):
-                address = (await self._store.get(_address_key(peer))).decode()
-                host, _, port = address.rpartition(":")
+                address = await self._directory.lookup(peer)
+                host, port = _parse_address(address)
                 try:
-                    await self._loop.create_connection(lambda: conn, host, int(port))
-                except OSError as exc:
-                    conn.orphaned()
-                    raise DistNetworkError(
-                        f"lost connection to rank {peer}: cannot connect to {address}: {exc}"
-                    ) from exc
+                    with map_exceptions(
+                        {OSError: DistNetworkError},
+                        f"lost connection to rank {peer}: cannot connect to {address}",
+                    ):
+                        await self._loop.create_connection(lambda: conn, host, port)
                 except BaseException:
                     conn.orphaned()
                     raise
@@ -1079,6 +1175,6 @@ class TCPTransport(Transport):
             p.waiter = None
         if p.connecting is not None and p.connecting is not asyncio.current_task():
             p.connecting.cancel()
-        self._mailbox.fail_peer(p.rank, exc, graceful=graceful)
+        self.mailbox.fail_peer(p.rank, exc, graceful=graceful)
         level = logging.DEBUG if graceful else logging.WARNING
         logger.log(level, "rank %d: %s", self.rank, exc)
