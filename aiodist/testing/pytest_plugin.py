@@ -37,7 +37,8 @@ pytest loads it for every project that installs aiodist (the ``pytest11`` entry 
   once per loop, with ids ``[uvloop]`` and ``[asyncio]``). It works through
   pytest-asyncio's ``pytest_asyncio_loop_factories`` hook (pytest-asyncio 1.4 or later),
   in strict and auto mode, and takes precedence over that hook in ``conftest.py`` files.
-  Processes of ``aiodist_world(..., processes=True)`` tests use the same loop.
+  With the option given, the processes of ``aiodist_world(..., processes=True)`` tests
+  run on the loop kind of their test.
 
 A project that writes its own ``pytest_asyncio_loop_factories`` hook can return
 :func:`loop_factories` from it.
