@@ -45,6 +45,8 @@ autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
 autodoc_preserve_defaults = True
 autodoc_default_options = {"show-inheritance": True}
+# Long signatures (init_process_group, TCPStore) list one parameter per line.
+python_maximum_signature_line_length = 100
 
 myst_enable_extensions = ["colon_fence", "deflist", "attrs_inline", "attrs_block"]
 myst_heading_anchors = 3
