@@ -15,11 +15,14 @@ fails fails the build.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib
 import os
+import re
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 from docutils import nodes
@@ -66,6 +69,9 @@ class ProgramOutput(SphinxDirective):
         return [container]
 
 
+_OPTION = re.compile(r"(?<![\w-])(--?[a-z][\w-]*)")
+
+
 def _cell(content: nodes.Node | str) -> nodes.entry:
     entry = nodes.entry()
     if isinstance(content, str):
@@ -84,6 +90,17 @@ def _literals(texts: list[str]) -> nodes.paragraph:
     return para
 
 
+def _help(text: str) -> nodes.paragraph:
+    """Help text with the options it names as literals, and no smart dashes or quotes."""
+    para = nodes.paragraph(support_smartquotes=False)
+    for i, part in enumerate(_OPTION.split(text)):
+        if i % 2:
+            para += nodes.literal(part, part)
+        elif part:
+            para += nodes.Text(part)
+    return para
+
+
 class ArgparseOptions(SphinxDirective):
     """``.. argparse-options:: aiodist.launcher:get_args_parser`` renders the options table."""
 
@@ -98,44 +115,47 @@ class ArgparseOptions(SphinxDirective):
             )()
         finally:
             os.environ.update(saved)
-        rows: list[tuple[Any, ...]] = []
-        for action in parser._actions:  # argparse offers no public iterator over its options
-            if isinstance(action, argparse._HelpAction):
-                continue
-            if action.option_strings:
-                names = [
-                    s if action.nargs == 0 else f"{s} {action.metavar or action.dest.upper()}"
-                    for s in action.option_strings
-                ]
-                env = f"PET_{action.dest.upper()}"
-            else:
-                names = [action.metavar or action.dest]
-                env = ""
-            rows.append((names, env, action.help or ""))
-
         table = nodes.table(classes=["argparse-options"])
-        group = nodes.tgroup(cols=3)
+        group = nodes.tgroup(cols=2)
         table += group
-        for width in (30, 22, 48):
+        for width in (40, 60):
             group += nodes.colspec(colwidth=width)
         head = nodes.thead()
         group += head
         header = nodes.row()
-        for title in ("option", "environment default", "meaning"):
+        for title in ("option, and the variable for its default", "meaning"):
             header += _cell(title)
         head += header
         body = nodes.tbody()
         group += body
-        for names, env, help_text in rows:
+        for action in parser._actions:  # argparse offers no public iterator over its options
+            if isinstance(action, argparse._HelpAction):
+                continue
+            names = nodes.entry()
+            if action.option_strings:
+                first, *others = action.option_strings
+                if action.nargs != 0:
+                    first = f"{first} {action.metavar or action.dest.upper()}"
+                names += _literals([first])
+                if others:
+                    also = nodes.paragraph(text="also ")
+                    also += _literals(others).children
+                    names += also
+                names += _literals([f"PET_{action.dest.upper()}"])
+            else:
+                names += _literals([action.metavar or action.dest])
             row = nodes.row()
-            row += _cell(_literals(names))
-            row += _cell(_literals([env]) if env else "")
-            row += _cell(help_text)
+            row += names
+            row += _cell(_help(action.help or ""))
             body += row
         return [table]
 
 
 def setup(app: Sphinx) -> dict[str, Any]:
+    # Sphinx rebuilds everything when a config value changes, not when an extension does;
+    # this one's value is the extension's own source, so editing it rebuilds the pages.
+    source = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+    app.add_config_value("aiodist_docs_source", source, "env")
     app.add_directive("program-output", ProgramOutput)
     app.add_directive("argparse-options", ArgparseOptions)
     return {"parallel_read_safe": True, "parallel_write_safe": True, "version": "1"}
