@@ -176,14 +176,22 @@ def _is_async(fn: Callable[..., Any]) -> bool:
 
 
 def _format_failure(exc: BaseException) -> str:
-    """``exc``'s traceback from the first frame outside this package (the rank's own code)."""
-    here = os.path.dirname(__file__)
+    """``exc``'s traceback, from the rank's own code on when it passed through that code.
+
+    The frames before it (this runner, the event loop) are left out; a failure that never
+    reached the rank's code (in ``init_process_group``, say) keeps every frame.
+    """
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    event_loop = os.path.dirname(os.path.abspath(asyncio.__file__)) + os.sep
+
+    def plumbing(path: str) -> bool:
+        # Not an absolute path: compiled frames such as uvloop's "uvloop/loop.pyx".
+        return path.startswith((package, event_loop)) or not os.path.isabs(path)
+
     tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        if os.path.dirname(tb.tb_frame.f_code.co_filename) != here:
-            break
+    while tb is not None and plumbing(tb.tb_frame.f_code.co_filename):
         tb = tb.tb_next
-    return "".join(traceback.format_exception(type(exc), exc, tb))
+    return "".join(traceback.format_exception(type(exc), exc, tb or exc.__traceback__))
 
 
 def _child(
