@@ -993,7 +993,12 @@ class TCPTransport(Transport):
     async def _connect(self, p: _Peer) -> None:
         peer = p.rank
         waiter = p.waiter
-        assert waiter is not None
+        if waiter is None:
+            # The peer's own connection was accepted (or the peer failed) between spawning
+            # this task and its first step, e.g. by a receive's poll: nothing left to do.
+            if p.connecting is asyncio.current_task():
+                p.connecting = None
+            return
         conn = _Conn(self, peer)
         try:
             async with asyncio.timeout(self._timeout):
