@@ -263,10 +263,10 @@ def _given(what: str, value: int) -> Sourced[int]:
 
 
 def _int(name: str, text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise DistUsageError(f"{name} must be an integer, got {text!r}") from None
+    # Stricter than int(), which takes "1_000" and non-ASCII digits for numbers.
+    if not re.fullmatch(r"\s*[-+]?[0-9]+\s*", text):
+        raise DistUsageError(f"{name} must be an integer, got {text!r}")
+    return int(text)
 
 
 def _find_int(env: Mapping[str, str], names: tuple[str, ...]) -> Sourced[int] | None:
@@ -482,7 +482,7 @@ def _master_port(
 
 
 # -- Slurm host lists ---------------------------------------------------------------------------
-_TOKEN = re.compile(r"\[(?P<ranges>[^\[\]]*)\]|(?P<text>[^\[\],]+)|(?P<comma>,)")
+_TOKEN = re.compile(r"\[(?P<ranges>[^\[\]]*)\]|(?P<text>[^\[\],\s]+)|(?P<comma>,)")
 _RANGE = re.compile(r"(?P<lo>\d+)(?:-(?P<hi>\d+))?")
 _HostPart: TypeAlias = str | tuple[tuple[str, int], ...]  # text, or ranges (first, last)
 
@@ -498,15 +498,12 @@ def _parse_hostlist(text: str, name: str) -> list[list[_HostPart]]:
     while pos < len(text):
         m = _TOKEN.match(text, pos)
         if m is None:
-            raise bad(f"unbalanced bracket at position {pos}")
+            what = {"[": "unbalanced or nested '['", "]": "']' without '['"}
+            raise bad(f"{what.get(text[pos], 'white space')} at position {pos}")
         pos = m.end()
         if m["comma"]:
             items.append([])
         elif m["text"] is not None:
-            if any(c.isspace() for c in m["text"]):
-                raise bad(f"white space in {m['text']!r}")
-            if items[-1] and isinstance(items[-1][-1], str):
-                raise bad("two host names without a comma between them")
             items[-1].append(m["text"])
         else:
             ranges = []
