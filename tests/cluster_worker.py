@@ -14,7 +14,7 @@ import sys
 import numpy as np
 
 import aiodist.sync as dist
-from aiodist._cluster import read_cluster_env
+from aiodist._cluster import VARIABLES, read_cluster_env
 
 N = 1000
 
@@ -24,8 +24,9 @@ def contribution(rank: int) -> np.ndarray:
 
 
 def main() -> None:
-    job = read_cluster_env()  # what env:// reads, kept for the report
+    launched_with = dict(os.environ)  # env:// exports a derived master; report what it found
     dist.init_process_group(backend="gloo", init_method="env://", timeout=60)
+    job = read_cluster_env(launched_with)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     x = contribution(rank)
     dist.all_reduce(x)
@@ -43,6 +44,7 @@ def main() -> None:
         "master_port_source": job.master_port.source,
         "exported_master": f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
         "sum": float(x.sum()),
+        "env": {name: launched_with[name] for name in VARIABLES if name in launched_with},
     }
     dist.destroy_process_group()
     sys.stdout.write(json.dumps(report) + "\n")

@@ -9,16 +9,21 @@ all_reduce against numpy. SLURM and MPI run for real in ``test_slurm.py`` and
 
 from __future__ import annotations
 
-import json
 import os
-import socket
 import subprocess
 import sys
 import zlib
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
+from cluster_helpers import (
+    HOSTLISTS,
+    LAUNCHER_PREFIXES,
+    WORKER,
+    check,
+    free_port,
+    run_reports,
+)
 
 import aiodist
 from aiodist._cluster import (
@@ -31,47 +36,17 @@ from aiodist._cluster import (
 from aiodist.launcher import parse_args
 from aiodist.rendezvous import get_node_local_rank, rendezvous
 
-HERE = Path(__file__).parent
-WORKER = str(HERE / "cluster_worker.py")
-_PREFIXES = ("PET_", "TORCHELASTIC_", "SLURM_", "OMPI_", "PMI", "MPI_", "AIODIST_")
-
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """No launcher variable from outside; whatever a test (or env://) sets is undone after."""
-    for name in {*VARIABLES, *(k for k in os.environ if k.startswith(_PREFIXES))}:
+    for name in {*VARIABLES, *(k for k in os.environ if k.startswith(LAUNCHER_PREFIXES))}:
         monkeypatch.setenv(name, "")  # recorded, so that teardown restores the original
         monkeypatch.delenv(name)
     yield
 
 
-def expected_sum(world_size: int) -> float:
-    from cluster_worker import contribution
-
-    return float(sum(contribution(r) for r in range(world_size)).sum())
-
-
 # -- Slurm host lists ----------------------------------------------------------------------------
-# What `scontrol show hostnames` of Slurm 22.05 prints for each (test_slurm.py re-checks the
-# valid ones against the real scontrol).
-HOSTLISTS = {
-    "node[01-04,07]": ["node01", "node02", "node03", "node04", "node07"],
-    "a[1-2]b[3-4]": ["a1b3", "a1b4", "a2b3", "a2b4"],
-    "my-node-[8-10],gpu-a100-[001-003],login": [
-        "my-node-8", "my-node-9", "my-node-10", "gpu-a100-001", "gpu-a100-002",
-        "gpu-a100-003", "login",
-    ],
-    "n1,,n2": ["n1", "n2"],
-    "x[01-2]": ["x01", "x02"],
-    "x[1-02]": ["x1", "x2"],
-    "n[009-011]": ["n009", "n010", "n011"],
-    "[1-2]": ["1", "2"],
-    "a[1-2][3-4]": ["a13", "a14", "a23", "a24"],
-    "n[2,1]": ["n2", "n1"],
-    "localhost": ["localhost"],
-}  # fmt: skip
-
-
 @pytest.mark.parametrize(("hostlist", "hosts"), HOSTLISTS.items())
 def test_hostlist_expansion(hostlist: str, hosts: list[str]) -> None:
     assert expand_hostlist(hostlist) == hosts
@@ -508,53 +483,11 @@ def test_launcher_node_rank_from_the_pod_name(
 
 
 # -- real ranks with a pod's environment ---------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    env = {
-        k: v for k, v in os.environ.items() if k not in VARIABLES and not k.startswith(_PREFIXES)
-    }
-    return {**env, **extra}
-
-
-def run_pods(commands: list[list[str]], envs: list[dict[str, str]]) -> list[dict[str, object]]:
-    procs = [
-        subprocess.Popen(
-            cmd, env=clean_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        for cmd, env in zip(commands, envs, strict=True)
-    ]
-    reports = []
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=90)
-            assert proc.returncode == 0, f"exit {proc.returncode}\n{out}\n{err}"
-            # aiodist-run prefixes each line with "[rankN]: ".
-            reports.extend(json.loads(line.split("]: ", 1)[-1]) for line in out.splitlines())
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return sorted(reports, key=lambda r: int(str(r["rank"])))
-
-
-def check(reports: list[dict[str, object]], world_size: int) -> None:
-    assert [r["rank"] for r in reports] == list(range(world_size))
-    assert {r["world_size"] for r in reports} == {world_size}
-    assert {r["sum"] for r in reports} == {expected_sum(world_size)}
-
-
 @pytest.mark.multiprocess
 def test_pytorchjob_pods_run_the_script_directly() -> None:
     port = free_port()
     envs = [pytorchjob_pod(i, 3, port) for i in range(3)]  # master-0, worker-0, worker-1
-    reports = run_pods([[sys.executable, WORKER]] * 3, envs)
+    reports = run_reports([[sys.executable, WORKER]] * 3, envs)
     check(reports, 3)
     assert [r["rank_source"] for r in reports] == ["RANK=0", "RANK=1", "RANK=2"]
 
@@ -576,7 +509,7 @@ def test_aiodist_run_in_pods(controller: str) -> None:
             "--master-addr=127.0.0.1",
             f"--master-port={port}",
         ]
-    reports = run_pods([cmd, cmd], envs)
+    reports = run_reports([cmd, cmd], envs)
     check(reports, 4)
     assert [r["local_rank"] for r in reports] == [0, 1, 0, 1]
     assert {r["master_port"] for r in reports} == {port}
