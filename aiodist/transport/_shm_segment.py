@@ -77,15 +77,18 @@ class ProcessId(NamedTuple):
 
 
 def _start_time(pid: int) -> int | None:
-    """The start time of process ``pid`` from ``/proc/<pid>/stat``, or ``None`` if gone."""
+    """The start time of process ``pid`` from ``/proc/<pid>/stat``; ``None`` if it is gone
+    (a zombie, killed but not yet reaped by its parent, counts as gone)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except (FileNotFoundError, ProcessLookupError):
         return None
-    # Field 22; the command name (field 2) may hold spaces and parentheses, so count from
-    # the last ")".
+    # Fields 3 (state) and 22 (start time); the command name (field 2) may hold spaces and
+    # parentheses, so count from the last ")".
     fields = stat[stat.rindex(b")") + 2 :].split()
+    if fields[0] in (b"Z", b"X"):
+        return None
     return int(fields[19])
 
 
