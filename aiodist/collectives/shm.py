@@ -228,7 +228,7 @@ class NodeWorkspace:
         self._maps: dict[tuple[int, int], Bytes] = {}
         self._freed_seen = [0] * size
         self._freed_lock = threading.Lock()
-        self._views: dict[tuple[int, str, int], list[Array]] = {}
+        self._views: dict[tuple[int, np.dtype[Any], int | tuple[int, ...]], list[Array]] = {}
         self._ctrl = ctrl = _ctrl_bytes(size)
         self._rec = _record_bytes(size)
         if seg is None:
@@ -240,6 +240,10 @@ class NodeWorkspace:
         self._sleep_w = [(j * ctrl + _C_SLEEP) // 8 for j in range(size)]
         self._state_w = [(j * ctrl + _C_STATE) // 8 for j in range(size)]
         self._peer_count_w = [self._count_w[j] for j in self._peers]
+        # Where each rank's call record of each parity is: [parity][rank] -> byte offset.
+        self._records = [
+            [j * ctrl + _C_RECORDS + p * self._rec for j in range(size)] for p in range(2)
+        ]
         base = size * ctrl
         self._slots = [
             [self._mem[base + (2 * j + p) * block_bytes :][:block_bytes] for p in range(2)]
@@ -559,6 +563,16 @@ class NodeWorkspace:
 
     # -- an operation's life: turn, call record, check -------------------------------------
 
+    def _enter_now(self) -> bool:
+        """Take the operation's turn if nobody has it or waits for it."""
+        if self._busy or self._queue or self._error is not None:
+            return False
+        self._busy = True
+        self._ops += 1
+        self._consistent = None
+        self._last_yield = time.perf_counter()
+        return True
+
     async def _enter(self) -> None:
         if self._error is not None:
             raise self._error
@@ -623,8 +637,9 @@ class NodeWorkspace:
         Returns:
             The round's buffer, and whether peers read ``pieces`` in place.
         """
-        p = self._next_round()
-        at = self.rank * self._ctrl + _C_RECORDS + p * self._rec
+        p = self._round & 1
+        self._round += 1
+        at = self._records[p][self.rank]
         flags = 0
         if (
             pieces is not None
@@ -643,12 +658,11 @@ class NodeWorkspace:
                 _SIZES.pack_into(self._buf, at + j * _SIZES.size, sent, expected)
         return p, bool(flags)
 
-    def _check(self, p: int, *, sizes: bool = False) -> _Call:
-        """After the first barrier: check that every rank called the same operation, and
-        read what they published (once: a fast peer's next call record overwrites it)."""
-        buf, n = self._buf, self.size
-        base = [j * self._ctrl + _C_RECORDS + p * self._rec for j in range(n)]
-        descs = [_DESC.unpack_from(buf, at) for at in base]
+    def _check_calls(self, p: int) -> list[tuple[bytes, int, int]]:
+        """After the first barrier: check that every rank called the same operation (the
+        same fingerprint and size), and return every rank's ``(fingerprint, size, flags)``."""
+        unpack, buf = _DESC.unpack_from, self._buf
+        descs = [unpack(buf, at) for at in self._records[p]]
         fp0, n0, _ = descs[0]
         for j, (fp, nb, _) in enumerate(descs):
             if fp != fp0:
@@ -662,6 +676,14 @@ class NodeWorkspace:
                         f"{self._names[j]} {nb} bytes to operation #{self._ops}"
                     )
                 )
+        return descs
+
+    def _check(self, p: int, *, sizes: bool = False) -> _Call:
+        """:meth:`_check_calls`, then read what every rank published (once: a fast peer's
+        next call record overwrites it)."""
+        buf, n = self._buf, self.size
+        base = self._records[p]
+        descs = self._check_calls(p)
         shared = [bool(flags & _FLAG_SHARED) for _, _, flags in descs]
         entries: list[list[_shared_array.Location]] = [[] for _ in range(n)]
         for j, (_, _, flags) in enumerate(descs):
@@ -799,13 +821,18 @@ class NodeWorkspace:
 
     # -- views for the algorithms ----------------------------------------------------------
 
-    def typed_slots(self, p: int, dtype: np.dtype[Any], count: int) -> list[Array]:
-        """Every rank's slot buffer ``p`` viewed as ``count`` elements of ``dtype``."""
-        key = (p, dtype.str, count)
+    def typed_slots(
+        self, p: int, dtype: np.dtype[Any], shape: int | tuple[int, ...]
+    ) -> list[Array]:
+        """Every rank's slot buffer ``p`` viewed as an array of ``dtype`` and ``shape``."""
+        key = (p, dtype, shape)
         views = self._views.get(key)
         if views is None:
+            count = shape if isinstance(shape, int) else int(np.prod(shape))
             nbytes = count * dtype.itemsize
-            views = [self._slots[j][p][:nbytes].view(dtype) for j in range(self.size)]
+            views = [
+                self._slots[j][p][:nbytes].view(dtype).reshape(shape) for j in range(self.size)
+            ]
             if len(self._views) > 256:
                 self._views.clear()
             self._views[key] = views
@@ -888,22 +915,32 @@ async def all_reduce(
         finish_into(op, x, 1)
         return
     fp = _fp("all_reduce", x, fingerprint, op=op)
-    async with _Turn(ws):
-        if x.nbytes <= SMALL_BYTES:
-            await _all_reduce_small(ws, x, op, fp)
-        else:
+    if x.nbytes > SMALL_BYTES:
+        async with _Turn(ws):
             await _reduce_blocks(ws, x, op, fp, None)
-
-
-async def _all_reduce_small(ws: NodeWorkspace, x: Array, op: ReduceOp, fp: bytes) -> None:
-    p, _ = ws._begin(fp, x.nbytes)
-    flat = x.reshape(-1)
-    if flat.size:
-        ws._slot_views[ws.rank][p][: x.nbytes] = flat.view(np.uint8).data
-    await ws._sync()
-    ws._check(p)
-    if flat.size:
-        _fold(op, flat, ws.typed_slots(p, x.dtype, flat.size), ws.size)
+        return
+    # The small case, kept lean: it is latency only (bench/shm.py has the breakdown).
+    if not ws._enter_now():
+        await ws._enter()
+    try:
+        p, _ = ws._begin(fp, x.nbytes)
+        if x.size:
+            slots = ws.typed_slots(p, x.dtype, x.shape)
+            slots[ws.rank][...] = x
+        await ws._sync()
+        ws._check_calls(p)
+        if x.size:
+            # Every rank folds every slot in rank order: bitwise the same result everywhere.
+            ufunc = _UFUNCS[op]
+            ufunc(slots[0], slots[1], out=x)
+            for src in slots[2:]:
+                ufunc(x, src, out=x)
+            if op is ReduceOp.AVG:
+                finish_into(op, x, ws.size)
+    except BaseException as exc:
+        ws._leave(exc)
+        raise
+    ws._leave(None)
 
 
 async def reduce(
