@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from ._cluster import launcher_default
 from ._loop import loop_factory
 from ._workers import Std, WorkerFailure, WorkerGroup, WorkerSpec, describe_exit
 from .errors import DistError, DistNetworkError, DistTimeoutError, DistUsageError
@@ -53,10 +54,14 @@ _TRUE = ("1", "true", "yes", "on")
 
 # -- command line -------------------------------------------------------------------------
 class _EnvDefault(argparse.Action):
-    """An option whose default may come from ``PET_<DEST>``, as in torchrun."""
+    """An option whose default may come from ``PET_<DEST>`` as in torchrun, or the cluster.
+
+    The node rank also comes from a Kubernetes Indexed Job's ``JOB_COMPLETION_INDEX``, or
+    an elastic PyTorchJob's pod name (:func:`aiodist._cluster.launcher_default`).
+    """
 
     def __init__(self, option_strings: list[str], dest: str, default: Any = None, **kw: Any):
-        env = os.environ.get(f"PET_{dest.upper()}")
+        env = launcher_default(dest)
         super().__init__(option_strings, dest, default=env if env is not None else default, **kw)
 
     def __call__(
@@ -122,7 +127,8 @@ def get_args_parser() -> argparse.ArgumentParser:
         action=_EnvDefault,
         type=int,
         default=0,
-        help="rank of this node, 0 <= K < nnodes; node 0 hosts the store (default 0)",
+        help="rank of this node, 0 <= K < nnodes; node 0 hosts the store (default "
+        "PET_NODE_RANK, else a Kubernetes Indexed Job's JOB_COMPLETION_INDEX, else 0)",
     )
     add(
         *_flag("--master-addr"),

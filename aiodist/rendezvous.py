@@ -3,9 +3,12 @@
 Schemes, with torch's rules:
 
 * ``env://[?rank=R&world_size=W]``: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``
-  from the environment (query parameters override the first two). Without ``RANK`` /
-  ``WORLD_SIZE``, Open MPI's ``OMPI_COMM_WORLD_RANK`` / ``OMPI_COMM_WORLD_SIZE`` and then
-  SLURM's ``SLURM_PROCID`` / ``SLURM_NTASKS`` are used.
+  from the environment (query parameters override the first two). Without them, the
+  variables of the launcher that started the process: Open MPI's ``mpirun``, MPICH's and
+  Intel MPI's hydra, SLURM's ``srun``, Kubeflow's ``PET_*`` and Kubernetes Indexed Jobs;
+  under SLURM and single-node MPI the master is derived too (the first host of the node
+  list, a port from the job id). ``aiodist._cluster`` holds the rules; a derived master is
+  exported as ``MASTER_ADDR``/``MASTER_PORT`` for the rest of the process to see.
 * ``tcp://host:port?rank=R&world_size=W``.
 * ``file:///abs/path?rank=R&world_size=W``: a :class:`~aiodist.FileStore` on that path.
 
@@ -26,6 +29,7 @@ from typing import Protocol
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 from ._auth import resolve_token
+from ._cluster import LOCAL_RANK_VARS, read_cluster_env, read_rank_and_world_size
 from ._timeouts import Timeout, to_seconds
 from .errors import DistUsageError
 from .store import FileStore, Store
@@ -42,11 +46,6 @@ logger = logging.getLogger(__name__)
 
 #: The entry-point group third-party packages use to provide rendezvous schemes.
 ENTRY_POINT_GROUP = "aiodist.rendezvous"
-
-#: Where ``env://`` looks for each value, in order: torchrun's names, then Open MPI's, then SLURM's.
-_RANK_VARS = ("RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
-_WORLD_SIZE_VARS = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS")
-_LOCAL_RANK_VARS = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
 
 
 class RendezvousHandler(Protocol):
@@ -188,31 +187,23 @@ def _check_rank(scheme: str, rank: int, world_size: int) -> None:
         raise _error(scheme, f"rank {rank} is out of range for world size {world_size}")
 
 
-def _from_env(scheme: str, names: tuple[str, ...]) -> str:
-    for name in names:
-        value = os.environ.get(name)
-        if value:
-            return value
-    message = f"environment variable {names[0]} expected, but not set"
-    if len(names) > 1:
-        message += f" (nor {' or '.join(names[1:])})"
-    raise _error(scheme, message)
+def _query_int(scheme: str, query: dict[str, str], name: str, label: str) -> int | None:
+    return _parse_int(scheme, label, query[name]) if name in query else None
 
 
 def _rank_and_size(scheme: str, query: dict[str, str], use_env: bool) -> tuple[int, int]:
-    values = []
-    for name, label, env_names in (
-        ("rank", "rank", _RANK_VARS),
-        ("world_size", "world size", _WORLD_SIZE_VARS),
-    ):
-        if name in query:
-            text = query[name]
-        elif use_env:
-            text = _from_env(scheme, env_names)
-        else:
-            raise _error(scheme, f"{label} parameter missing")
-        values.append(_parse_int(scheme, label, text))
-    rank, world_size = values
+    rank = _query_int(scheme, query, "rank", "rank")
+    world_size = _query_int(scheme, query, "world_size", "world size")
+    if use_env:
+        try:
+            r, w = read_rank_and_world_size(rank=rank, world_size=world_size)
+        except DistUsageError as exc:
+            raise _error(scheme, str(exc)) from None
+        return r.value, w.value
+    if rank is None:
+        raise _error(scheme, "rank parameter missing")
+    if world_size is None:
+        raise _error(scheme, "world size parameter missing")
     _check_rank(scheme, rank, world_size)
     return rank, world_size
 
@@ -252,11 +243,23 @@ async def _env_handler(
     url: str, *, timeout: float | None, auth_token: bytes | None = None
 ) -> tuple[Store, int, int]:
     query = dict(parse_qsl(urlsplit(url).query, keep_blank_values=True))
-    rank, world_size = _rank_and_size("env", query, use_env=True)
-    host = _from_env("env", ("MASTER_ADDR",))
-    port = _parse_int("env", "MASTER_PORT", _from_env("env", ("MASTER_PORT",)))
-    store = await _tcp_store("env", host, port, rank, world_size, timeout, auth_token)
-    return store, rank, world_size
+    rank = _query_int("env", query, "rank", "rank")
+    world_size = _query_int("env", query, "world_size", "world size")
+    try:
+        job = read_cluster_env(rank=rank, world_size=world_size)
+    except DistUsageError as exc:
+        raise _error("env", str(exc)) from None
+    for var, value in (("MASTER_ADDR", job.master_addr), ("MASTER_PORT", job.master_port)):
+        if value.var != var:
+            # Derived (or PET_*): export it, so that the transport's choice of interface,
+            # the user's code and any torch code in this process see the same master.
+            logger.info("env:// rendezvous: %s=%s from %s", var, value.value, value.source)
+            os.environ[var] = str(value.value)
+    host, port = job.master_addr.value, job.master_port.value
+    store = await _tcp_store(
+        "env", host, port, job.rank.value, job.world_size.value, timeout, auth_token
+    )
+    return store, job.rank.value, job.world_size.value
 
 
 async def _tcp_handler(
@@ -302,7 +305,8 @@ def get_node_local_rank(fallback_rank: int | None = None) -> int:
     """Return this process's rank on its node, from the launcher's environment.
 
     Looks at ``LOCAL_RANK`` (torchrun, ``aiodist-run``), ``OMPI_COMM_WORLD_LOCAL_RANK``
-    (Open MPI) and ``SLURM_LOCALID`` (SLURM), in that order.
+    (Open MPI), ``MPI_LOCALRANKID`` (MPICH, Intel MPI) and ``SLURM_LOCALID`` (SLURM), in that
+    order.
 
     Args:
         fallback_rank: returned when none of them is set.
@@ -310,7 +314,7 @@ def get_node_local_rank(fallback_rank: int | None = None) -> int:
     Raises:
         DistUsageError: none is set and there is no fallback, or the value is not an integer.
     """
-    for name in _LOCAL_RANK_VARS:
+    for name in LOCAL_RANK_VARS:
         value = os.environ.get(name)
         if value:
             try:
@@ -320,6 +324,6 @@ def get_node_local_rank(fallback_rank: int | None = None) -> int:
     if fallback_rank is not None:
         return fallback_rank
     raise DistUsageError(
-        f"the local rank is unknown: none of {', '.join(_LOCAL_RANK_VARS)} is set "
+        f"the local rank is unknown: none of {', '.join(LOCAL_RANK_VARS)} is set "
         "and no fallback_rank was given"
     )

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Set up a virtualenv, install aiodist with its test tools (and torch's CPU build, for the
-# interoperability tests), run the linters and the type checker, then the whole test suite.
+# Set up a virtualenv, install aiodist with its test and documentation tools (and torch's CPU
+# build, for the interoperability tests), run the linters, the type checker and the
+# documentation build, then the whole test suite.
 # Extra arguments go to pytest. The suite runs in a private network namespace with only
 # loopback where the machine allows it, so nothing (torch's reverse DNS lookups included)
 # leaves the machine.
@@ -9,7 +10,7 @@ cd "$(dirname "$0")/.."
 
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e '.[test]' 'torch==2.13.0'
+.venv/bin/python -m pip install -q -e '.[test,docs]' 'torch==2.13.0'
 if ! command -v ip >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   (apt-get update -qq && apt-get install -y -qq iproute2) >/dev/null
 fi
@@ -17,6 +18,8 @@ fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy aiodist
+# The documentation site, every Sphinx warning an error (tests/test_docs.py reuses the build).
+.venv/bin/python -m sphinx -W --keep-going -q -b html docs docs/_build/html
 
 # The whole suite takes a few minutes; the outer limit turns a hang that no per-test timeout
 # could interrupt into a failure instead of a stalled run.

@@ -12,18 +12,13 @@ import pytest
 
 import aiodist
 from aiodist import rendezvous as rdzv
+from aiodist._cluster import VARIABLES
 from aiodist.rendezvous import get_node_local_rank, register_rendezvous_handler, rendezvous
-
-_LAUNCHER_VARS = (
-    "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK",
-    "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-    "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "TORCHELASTIC_USE_AGENT_STORE",
-)  # fmt: skip
 
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in _LAUNCHER_VARS:
+    for name in (*VARIABLES, "TORCHELASTIC_USE_AGENT_STORE"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -120,10 +115,10 @@ async def test_entry_point_provides_a_scheme(
         ("file:///tmp/x?world_size=1", "file:// rendezvous: rank parameter missing"),
         ("file:///tmp/x?rank=0", "file:// rendezvous: world size parameter missing"),
         ("file://tmp/x?rank=0&world_size=1", "expected file:///absolute/path, got host 'tmp'"),
-        ("env://", "environment variable RANK expected, but not set "
-                   r"\(nor OMPI_COMM_WORLD_RANK or SLURM_PROCID\)"),
+        ("env://", r"environment variable RANK expected, but not set \(nor OMPI_COMM_WORLD_RANK, "
+                   r"PMI_RANK, SLURM_PROCID, PET_NODE_RANK or JOB_COMPLETION_INDEX\)"),
         ("env://?rank=0", "environment variable WORLD_SIZE expected, but not set "
-                          r"\(nor OMPI_COMM_WORLD_SIZE or SLURM_NTASKS\)"),
+                          r"\(nor OMPI_COMM_WORLD_SIZE, PMI_SIZE, SLURM_NTASKS or PET_NNODES\)"),
         ("env://?rank=0&world_size=1",
          "env:// rendezvous: environment variable MASTER_ADDR expected, but not set$"),
     ],
@@ -164,6 +159,7 @@ def test_rank_and_size_sources(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setenv("SLURM_PROCID", "3")
     monkeypatch.setenv("SLURM_NTASKS", "8")
+    monkeypatch.setenv("SLURM_STEP_ID", "0")  # a task that srun started
     assert resolve() == (3, 8)
     monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "1")
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
@@ -283,6 +279,7 @@ async def test_env_rendezvous_with_an_agent_store(monkeypatch: pytest.MonkeyPatc
         monkeypatch.setenv("MASTER_PORT", str(agent.port))
         monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
         monkeypatch.setenv("SLURM_NTASKS", "4")
+        monkeypatch.setenv("SLURM_STEP_ID", "0")
         await _four_ranks([f"env://?rank={r}" for r in range(4)])
         assert await agent.get("r2") == b"2"
     finally:

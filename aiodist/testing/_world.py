@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -25,6 +26,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 RankFn = Callable[[int, int], Awaitable[T]]
+BlockingRankFn = Callable[[int, int], T]
 
 #: Seconds to wait, after a rank failed, for the others to report how they failed.
 _FAILURE_GRACE = 2.0
@@ -60,7 +62,9 @@ async def run_world(
     Raises:
         DistUsageError: ``world_size`` is not a positive integer or ``transport`` is unknown.
         DistTimeoutError: some rank did not finish within ``timeout`` (they are named).
-        BaseException: the first exception a rank raised; the other ranks are cancelled.
+        BaseException: the first exception a rank raised, with notes naming its rank and
+            every other rank that failed too (their exceptions are retrieved, so the loop
+            reports none of them as never retrieved); the other ranks are cancelled.
     """
     from .. import _api, group
     from ..backends import parse_backend
@@ -116,15 +120,31 @@ async def run_world(
     pending = {t for t in tasks if not t.done()}
     if pending:
         await _cancel(tasks)
-    failed = [r for r, t in enumerate(tasks) if r in failed_at and t.done() and not t.cancelled()]
-    if failed:
-        exc = tasks[min(failed, key=failed_at.__getitem__)].exception()
-        assert exc is not None
-        raise exc
+    # Every failed task's exception is retrieved here, so none is left for the loop to
+    # report as "never retrieved"; the earliest is raised, the later ones become notes.
+    failures = {
+        r: exc
+        for r, t in enumerate(tasks)
+        if t.done() and not t.cancelled() and (exc := t.exception()) is not None
+    }
+    if failures:
+        first = min(failures, key=lambda r: failed_at.get(r, float("inf")))
+        raise _with_notes(failures, first, world_size)
     if pending:
         missing = [r for r, t in enumerate(tasks) if t in pending]
         raise DistTimeoutError(f"run_world: ranks {missing} did not finish within {seconds:g} s")
     return [t.result() for t in tasks]
+
+
+def _with_notes(failures: dict[int, BaseException], first: int, world_size: int) -> BaseException:
+    """The exception of rank ``first``, with notes naming its rank and the later failures."""
+    exc = failures[first]
+    exc.add_note(f"run_world: raised on rank {first} of {world_size}")
+    for rank in sorted(failures):
+        other = failures[rank]
+        if rank != first and other is not exc and not isinstance(other, asyncio.CancelledError):
+            exc.add_note(f"run_world: rank {rank} failed too: {type(other).__name__}: {other}")
+    return exc
 
 
 async def _cancel(tasks: Sequence[asyncio.Task[Any]]) -> None:
@@ -152,8 +172,34 @@ def _free_port() -> int:
         return port
 
 
+def _is_async(fn: Callable[..., Any]) -> bool:
+    """Whether calling ``fn`` gives a coroutine: an async function, a partial of one, or an
+    object whose ``__call__`` is one."""
+    call = type(fn).__call__
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(call)
+
+
+def _format_failure(exc: BaseException) -> str:
+    """``exc``'s traceback, from the rank's own code on when it passed through that code.
+
+    The frames before it (this runner, the event loop) are left out; a failure that never
+    reached the rank's code (in ``init_process_group``, say) keeps every frame.
+    """
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    event_loop = os.path.dirname(os.path.abspath(asyncio.__file__)) + os.sep
+
+    def plumbing(path: str) -> bool:
+        # Not an absolute path: compiled frames such as uvloop's "uvloop/loop.pyx".
+        return path.startswith((package, event_loop)) or not os.path.isabs(path)
+
+    tb = exc.__traceback__
+    while tb is not None and plumbing(tb.tb_frame.f_code.co_filename):
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb or exc.__traceback__))
+
+
 def _child(
-    fn: RankFn[Any],
+    fn: RankFn[Any] | BlockingRankFn[Any],
     rank: int,
     world_size: int,
     env: dict[str, str],
@@ -165,53 +211,80 @@ def _child(
     # When the failure happened, before tearing down (which makes the peers fail too).
     failed_at: list[float] = []
 
-    async def main() -> Any:
+    def note_failure() -> None:
+        if not failed_at:
+            failed_at.append(time.time())
+
+    async def run_async() -> Any:
         from .. import _api
 
+        await _api.init_process_group(backend, timeout=timeout)
         try:
-            await _api.init_process_group(backend, timeout=timeout)
-            try:
-                return await fn(rank, world_size)
-            except BaseException:
-                failed_at.append(time.time())
-                raise
-            finally:
-                await _api.destroy_process_group()
+            return await fn(rank, world_size)
         except BaseException:
-            if not failed_at:
-                failed_at.append(time.time())
+            note_failure()
             raise
+        finally:
+            await _api.destroy_process_group()
+
+    def run_blocking() -> Any:
+        # The blocking facade runs its own loop in a thread of this process; the function
+        # runs here, in the main thread, as a script would.
+        from .. import sync
+
+        sync.init_process_group(backend, timeout=timeout)
+        try:
+            return fn(rank, world_size)
+        except BaseException:
+            note_failure()
+            raise
+        finally:
+            sync.destroy_process_group()
 
     try:
-        with asyncio.Runner(loop_factory=loop_factory("auto")) as runner:
-            result = runner.run(main())
+        if _is_async(fn):
+            loop = loop_factory(os.environ.get("AIODIST_LOOP", "auto"))
+            with asyncio.Runner(loop_factory=loop) as runner:
+                result = runner.run(run_async())
+        else:
+            result = run_blocking()
         conn.send(("ok", result))
-    except BaseException:
-        conn.send(("error", (failed_at[0] if failed_at else time.time(), traceback.format_exc())))
+    except BaseException as exc:
+        note_failure()
+        conn.send(("error", (failed_at[0], _format_failure(exc))))
         raise SystemExit(1) from None
     finally:
         conn.close()
 
 
 def run_world_processes(
-    fn: RankFn[T],
+    fn: RankFn[T] | BlockingRankFn[T],
     world_size: int,
     backend: str | None = "cpu",
     *,
     timeout: float = 120.0,
     env: dict[str, str] | None = None,
 ) -> list[T]:
-    """Run ``await fn(rank, world_size)`` in ``world_size`` new processes on loopback.
+    """Run ``fn(rank, world_size)`` in ``world_size`` new processes on loopback.
 
     Blocks until every rank has finished. Each child gets ``RANK``, ``WORLD_SIZE``,
     ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1`` and a free
-    ``MASTER_PORT``, runs ``init_process_group(init_method="env://")`` (rank 0 hosts the
-    TCPStore) on a fresh event loop, awaits ``fn`` and sends its result back (so it must be
-    picklable). Processes are started with ``spawn``, so ``fn`` must be a module-level
-    function of an importable module.
+    ``MASTER_PORT`` and joins the default process group through ``env://`` (rank 0 hosts
+    the TCPStore):
+
+    * an async ``fn`` (or a ``functools.partial`` of one) is awaited on a fresh event loop
+      (``$AIODIST_LOOP``: ``auto``, ``uvloop`` or ``asyncio``) after
+      ``await aiodist.init_process_group()``;
+    * a plain ``fn`` is called in the child's main thread after
+      ``aiodist.sync.init_process_group()``, so it uses the blocking API
+      (``import aiodist.sync as dist``) as a script would.
+
+    The result of ``fn`` is sent back, so it must be picklable. Processes are started with
+    ``spawn``, so ``fn`` must be a module-level function of an importable module (or a
+    partial of one, with picklable arguments).
 
     Args:
-        fn: an async function of ``(rank, world_size)``.
+        fn: a function of ``(rank, world_size)``, async or blocking.
         world_size: the number of processes.
         backend: passed to ``init_process_group``.
         timeout: seconds for the whole run, also the groups' operation timeout.
@@ -221,6 +294,7 @@ def run_world_processes(
         The results of ``fn``, indexed by rank.
 
     Raises:
+        DistUsageError: ``world_size`` is not a positive integer.
         WorldProcessError: a rank raised (its traceback is in the message) or died; the
             other ranks are terminated.
         DistTimeoutError: ranks still running after ``timeout`` (they are named and killed).

@@ -1088,8 +1088,10 @@ class TCPTransport(Transport):
     async def _connect(self, p: _Peer, waiter: asyncio.Future[None]) -> None:
         peer = p.rank
         if p.conn is not None or waiter.done():
-            # The peer's own connection was accepted before this task first ran.
-            p.connecting = None
+            # The peer's own connection was accepted (or the peer failed) between spawning
+            # this task and its first step: nothing left to do.
+            if p.connecting is asyncio.current_task():
+                p.connecting = None
             return
         conn = _Conn(self, peer)
         try:

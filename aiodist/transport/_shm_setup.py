@@ -1,0 +1,105 @@
+"""Collective setup of shared memory among the ranks of one host, through the store.
+
+Every wait here is bounded by the caller's deadline and watches the peers whose process
+is already known: a peer that exits during setup fails it within ``_POLL_SECONDS``, a
+peer that never comes fails it at the deadline, naming the ranks missing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ..errors import DistNetworkError, DistProtocolError, DistTimeoutError
+from ..store import Store
+from ._shm_segment import ProcessId, is_alive
+
+__all__ = ["barrier", "exchange"]
+
+logger = logging.getLogger(__name__)
+
+# How often a wait on the store stops to check that the peers it knows are still alive.
+_POLL_SECONDS = 0.25
+
+
+async def _wait_keys(
+    store: Store,
+    keys: Mapping[int, str],
+    deadline: float | None,
+    procs: Mapping[int, ProcessId],
+    what: str,
+) -> None:
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    while True:
+        left = None if deadline is None else deadline - loop.time()
+        if left is not None and left <= 0:
+            missing = [r for r, k in keys.items() if not await store.check([k])]
+            if not missing:
+                return
+            raise DistTimeoutError(
+                f"{what}: ranks {missing} did not arrive within {loop.time() - started:.3g} s"
+            )
+        try:
+            step = _POLL_SECONDS if left is None else min(_POLL_SECONDS, left)
+            await store.wait(list(keys.values()), timeout=step)
+            return
+        except DistTimeoutError:
+            pass
+        for r, proc in procs.items():
+            if not is_alive(proc):
+                raise DistNetworkError(f"{what}: rank {r} (pid {proc.pid}) exited")
+
+
+async def exchange(
+    store: Store,
+    key: str,
+    rank: int,
+    ranks: Sequence[int],
+    record: Mapping[str, Any],
+    deadline: float | None,
+    what: str,
+) -> dict[int, dict[str, Any]]:
+    """Publish this rank's ``record`` under ``key/<rank>`` and return every peer's.
+
+    Raises:
+        DistTimeoutError: a peer did not publish before ``deadline`` (loop time).
+        DistProtocolError: a peer's record is not what this version writes.
+    """
+    await store.set(f"{key}/{rank}", json.dumps(record))
+    keys = {r: f"{key}/{r}" for r in ranks if r != rank}
+    await _wait_keys(store, keys, deadline, {}, what)
+    values = await store.multi_get(list(keys.values()))
+    records = {}
+    for r, value in zip(keys, values, strict=True):
+        try:
+            rec = json.loads(value)
+        except ValueError:
+            rec = None
+        if not isinstance(rec, dict):
+            raise DistProtocolError(f"{what}: rank {r} published {value[:80]!r}, not a record")
+        records[r] = rec
+    return records
+
+
+async def barrier(
+    store: Store,
+    key: str,
+    rank: int,
+    ranks: Sequence[int],
+    deadline: float | None,
+    procs: Mapping[int, ProcessId],
+    what: str,
+) -> None:
+    """Return once every rank of ``ranks`` has reached the barrier ``key``.
+
+    Raises:
+        DistTimeoutError: a peer did not arrive before ``deadline`` (loop time).
+        DistNetworkError: a peer's process (``procs``) exited meanwhile.
+    """
+    await store.set(f"{key}/{rank}", b"1")
+    keys = {r: f"{key}/{r}" for r in ranks if r != rank}
+    await _wait_keys(store, keys, deadline, procs, what)

@@ -1,0 +1,901 @@
+"""The shared-memory transport: ranks on one host exchange messages through ring buffers.
+
+Layout. Every rank creates one segment in ``/dev/shm`` holding a control page and one
+single-producer single-consumer ring per local peer *sending to it*; every peer maps it.
+The control page holds the owner's state (open, closed in order, aborted) and its sleeping
+flag; a ring's header holds ``head`` (bytes written, stored only by the sender), ``tail``
+(bytes consumed, stored only by the receiver) and ``want`` (the sender waits for space),
+each on a cache line of its own. Both counters only grow; ``pos & (size - 1)`` is the
+offset in the ring. A message is the TCP transport's 64-byte header (group, seq, step,
+length, the operation's fingerprint) followed by the payload, padded to 64 bytes, so a
+header never wraps around the end of the ring.
+
+Data path. ``send`` copies the header and payload into the ring at once when there is
+room (a small send's future is resolved before ``send`` returns); a large payload is
+streamed in ``CHUNK_BYTES`` pieces, ``head`` published after each, so the receiver copies
+out while the sender copies in. The receiver asks the mailbox where a message goes when
+its header arrives (``Mailbox.incoming``): the posted receive's own memory, or a staging
+buffer, and copies straight there. At most ``TURN_BYTES`` are moved per loop turn, so a
+64 MiB message never stalls the loop.
+
+Waiting. See ``_shm_signal`` for the doorbell, the sleeping flag and why they cannot lose a
+wake-up. A rank whose receive is not satisfied polls its rings for up to ``SPIN_SECONDS``
+after the posting task has yielded (only when the host's ranks fit on the usable CPUs and
+no peer shares this process), then sleeps on its doorbell; while it polls, peers do not
+ring. Peer processes are watched through pidfds, so a peer that dies fails everything that
+depends on it at once; messages it wrote completely before are still delivered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import struct
+import time
+from collections import deque
+from collections.abc import Collection
+from typing import Any
+
+from .._fingerprint import FINGERPRINT_SIZE, NO_FINGERPRINT
+from .._timeouts import Timeout, to_seconds
+from ..errors import DistNetworkError, DistProtocolError, DistUsageError
+from ..store import Store
+from . import _shm_setup
+from ._mailbox import Inbound, Mailbox, as_bytes, fail_future, lost_peer_error
+from ._shm_segment import (
+    ProcessId,
+    Segment,
+    SharedMemoryError,
+    host_key,
+    remove_leftovers,
+    segment_path,
+    this_process,
+    unavailable_reason,
+)
+from ._shm_signal import SPIN_SECONDS, Bell, Doorbell, PeerWatch, fence, may_spin
+from .base import Tag, Transport
+
+__all__ = ["DEFAULT_RING_BYTES", "ShmTransport", "default_job_key", "find_local_ranks"]
+
+logger = logging.getLogger(__name__)
+
+_VERSION = 1
+_MAGIC = int.from_bytes(b"AIODSHM1", "little")
+# group id, sequence number, step, payload length, the operation's fingerprint
+_HEADER = struct.Struct(f"<QQQQ{FINGERPRINT_SIZE}s")
+_HDR = _HEADER.size
+_ALIGN_MASK = 63
+_CTRL_BYTES = 4096
+# Word indices in the control page (each on a cache line of its own).
+_W_MAGIC, _W_STATE, _W_SLEEP = 0, 8, 16
+_RING_HDR_BYTES = 256
+# Word indices in a ring's header, relative to its first word.
+_R_HEAD, _R_TAIL, _R_WANT = 0, 8, 16
+# Owner states; 0 while setting up.
+_OPEN, _CLOSED, _ABORTED = 1, 2, 3
+# A length this large is garbage, not a message.
+_MAX_MESSAGE = 1 << 48
+_EMPTY = memoryview(b"")
+
+#: Bytes of ring per ordered pair of ranks (a power of two). With many local ranks the
+#: rings shrink so that a rank's segment stays within 64 MiB (down to 256 KiB per ring).
+DEFAULT_RING_BYTES = 4 << 20
+_MIN_RING_BYTES = 4096
+#: Bytes moved (both directions together) per loop turn.
+TURN_BYTES = 1 << 20
+#: A large payload is published to the receiver in pieces of this size.
+CHUNK_BYTES = 256 << 10
+#: How long ``aclose`` lets queued sends drain before closing.
+CLOSE_DRAIN_SECONDS = 5.0
+DEFAULT_SETUP_TIMEOUT = 300.0
+#: A sleeping rank with work pending re-checks its rings after this long, doubling up to
+#: ``_RECHECK_MAX`` (the safety net under the doorbell protocol).
+_RECHECK_FIRST, _RECHECK_MAX = 1e-3, 50e-3
+#: After this many polls in a row that ran out of time, receives skip polling for a while
+#: (2, 4, 8, ... at most ``_POLL_MAX_SKIP``), as the TCP transport does.
+_POLL_MISSES_BEFORE_BACKOFF = 3
+_POLL_MAX_SKIP = 64
+
+
+def default_job_key() -> str:
+    """The job identity segment names are derived from when none is given: the launcher's
+    run id (``AIODIST_RUN_ID``, ``TORCHELASTIC_RUN_ID``), else ``"default"``."""
+    return os.environ.get("AIODIST_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or "default"
+
+
+async def find_local_ranks(
+    store: Store, rank: int, world_size: int, *, timeout: Timeout = None
+) -> list[int]:
+    """Return the ranks of the world that can share memory with this one (itself included).
+
+    Collective over the whole world: each rank publishes its :func:`host_key` under
+    ``shm/host/<rank>`` and reads everyone's.
+
+    Raises:
+        DistTimeoutError: a rank did not publish within ``timeout`` (default: the store's).
+    """
+    mine = host_key()
+    await store.set(f"shm/host/{rank}", mine)
+    keys = [f"shm/host/{r}" for r in range(world_size)]
+    await store.wait(keys, timeout)
+    values = await store.multi_get(keys)
+    return [r for r, value in enumerate(values) if value.decode() == mine]
+
+
+def _default_ring_bytes(peers: int) -> int:
+    size = DEFAULT_RING_BYTES
+    while size > (256 << 10) and peers * size > (64 << 20):
+        size >>= 1
+    return size
+
+
+class _Send:
+    """A queued send: its header, payload, future and how far it has been written."""
+
+    __slots__ = ("data", "fut", "header", "off")
+
+    def __init__(self, header: bytes, data: memoryview, fut: asyncio.Future[None]) -> None:
+        self.header = header
+        self.data = data
+        self.fut = fut
+        self.off = -1  # -1: the header is not written yet
+
+
+class _Link:
+    """Everything between this rank and one local peer: both rings, its doorbell, its pid."""
+
+    def __init__(
+        self,
+        owner: ShmTransport,
+        peer: int,
+        proc: ProcessId,
+        peer_seg: Segment,
+        out_ring: int,
+        in_ring: int,
+        cap: int,
+        bell: Bell,
+    ) -> None:
+        self.owner = owner
+        self.peer = peer
+        self.proc = proc
+        self.peer_seg = peer_seg
+        self.cap = cap
+        self.mask = cap - 1
+        self.bell = bell
+        self.watch: PeerWatch | None = None
+        self.error: BaseException | None = None
+        # Sending: our ring in the peer's segment; the peer's control words are there too.
+        self.tx_buf = peer_seg.buf
+        self.tx_words = peer_seg.words
+        self.tx_data = out_ring + _RING_HDR_BYTES
+        w = out_ring // 8
+        self.tx_head_w, self.tx_tail_w, self.tx_want_w = w + _R_HEAD, w + _R_TAIL, w + _R_WANT
+        self.head = 0
+        self.want = False
+        self.queue: deque[_Send] = deque()
+        # Receiving: the peer's ring in our own segment.
+        seg = owner._seg
+        assert seg is not None
+        self.rx_buf = seg.buf
+        self.rx_words = seg.words
+        self.rx_data = in_ring + _RING_HDR_BYTES
+        w = in_ring // 8
+        self.rx_head_w, self.rx_tail_w, self.rx_want_w = w + _R_HEAD, w + _R_TAIL, w + _R_WANT
+        self.tail = 0
+        self.inbound: Inbound | None = None
+        self.dest = _EMPTY
+        self.doff = 0
+        self.drem = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"<_Link rank {self.owner.rank} <-> {self.peer} queued={len(self.queue)} "
+            f"receiving={self.inbound is not None} error={self.error!r}>"
+        )
+
+    def peer_state(self) -> int:
+        return self.tx_words[_W_STATE]
+
+    # -- sending ---------------------------------------------------------------------------
+
+    def tx(self, budget: int) -> int:
+        """Copy queued sends into the ring; return the bytes moved (at most ``budget``)."""
+        queue = self.queue
+        words = self.tx_words
+        buf = self.tx_buf
+        cap, mask, base = self.cap, self.mask, self.tx_data
+        head = self.head
+        tail = words[self.tx_tail_w]
+        moved = 0
+        blocked = False
+        while queue and budget > 0:
+            s = queue[0]
+            free = cap - (head - tail)
+            if s.off < 0:
+                if free < _HDR:
+                    blocked = True
+                    break
+                pos = base + (head & mask)
+                buf[pos : pos + _HDR] = s.header
+                head += _HDR
+                free -= _HDR
+                moved += _HDR
+                budget -= _HDR
+                s.off = 0
+            data = s.data
+            off = s.off
+            left = len(data) - off
+            if left:
+                take = min(left, free, budget, CHUNK_BYTES)
+                if take <= 0:
+                    blocked = free <= 0
+                    break
+                start = head & mask
+                first = min(take, cap - start)
+                buf[base + start : base + start + first] = data[off : off + first]
+                if first < take:
+                    buf[base : base + take - first] = data[off + first : off + take]
+                head += take
+                moved += take
+                budget -= take
+                s.off = off = off + take
+                if off < len(data):
+                    # Publish this piece, so the receiver copies it out while we go on.
+                    words[self.tx_head_w] = head
+                    self._ring_if_sleeping()
+                    tail = words[self.tx_tail_w]
+                    continue
+            head = (head + _ALIGN_MASK) & ~_ALIGN_MASK
+            queue.popleft()
+            if not s.fut.done():
+                s.fut.set_result(None)
+            self.owner._completions += 1
+        if moved:
+            self.head = head
+            words[self.tx_head_w] = head
+            self._ring_if_sleeping()
+        if blocked != self.want:
+            self.want = blocked
+            words[self.tx_want_w] = int(blocked)
+        return moved
+
+    def _ring_if_sleeping(self) -> None:
+        # Our store of head, a barrier, then the load of the peer's flag (see _shm_signal).
+        fence()
+        if self.tx_words[_W_SLEEP] and not self.bell.ring():
+            self.owner._loop.call_soon(self.owner._peer_exited, self)
+
+    # -- receiving -------------------------------------------------------------------------
+
+    def rx(self, budget: int) -> int:
+        """Copy arrived bytes to where the mailbox says; return the bytes moved."""
+        words = self.rx_words
+        head = words[self.rx_head_w]
+        tail = self.tail
+        if head == tail:
+            return 0
+        buf = self.rx_buf
+        cap, mask, base = self.cap, self.mask, self.rx_data
+        mailbox = self.owner._mailbox
+        moved = 0
+        done: list[Inbound] = []
+        while tail != head and budget > 0:
+            if self.inbound is None:
+                group, seq, step, nbytes, fp = _HEADER.unpack_from(buf, base + (tail & mask))
+                tail += _HDR
+                moved += _HDR
+                budget -= _HDR
+                if nbytes >= _MAX_MESSAGE:
+                    self._publish_tail(tail)
+                    self.owner._lose(
+                        self,
+                        DistProtocolError(
+                            f"rank {self.peer} wrote a message header announcing {nbytes} "
+                            "bytes into shared memory: a corrupted ring"
+                        ),
+                    )
+                    return moved
+                try:
+                    inbound = mailbox.incoming(self.peer, (group, seq, step), nbytes, fp)
+                except MemoryError:
+                    self._publish_tail(tail)
+                    self.owner._lose(
+                        self,
+                        DistProtocolError(
+                            f"rank {self.peer} sent a message of {nbytes} bytes, more than "
+                            "this rank can allocate to hold it"
+                        ),
+                    )
+                    return moved
+                if nbytes:
+                    self.inbound = inbound
+                    self.dest = inbound.buffer
+                    self.doff = 0
+                    self.drem = nbytes
+                continue
+            take = min(head - tail, self.drem, budget)
+            start = tail & mask
+            first = min(take, cap - start)
+            dest, doff = self.dest, self.doff
+            dest[doff : doff + first] = buf[base + start : base + start + first]
+            if first < take:
+                dest[doff + first : doff + take] = buf[base : base + take - first]
+            tail += take
+            moved += take
+            budget -= take
+            self.doff = doff + take
+            self.drem -= take
+            if not self.drem:
+                tail = (tail + _ALIGN_MASK) & ~_ALIGN_MASK
+                done.append(self.inbound)
+                self.inbound = None
+                self.dest = _EMPTY
+        self._publish_tail(tail)
+        if done:
+            self.owner._completions += len(done)
+            for inbound in done:
+                inbound.done()
+        return moved
+
+    def _publish_tail(self, tail: int) -> None:
+        self.tail = tail
+        words = self.rx_words
+        words[self.rx_tail_w] = tail
+        # Our store of tail, a barrier, then the loads of the sender's flags.
+        fence()
+        if words[self.rx_want_w] and self.tx_words[_W_SLEEP] and not self.bell.ring():
+            self.owner._loop.call_soon(self.owner._peer_exited, self)
+
+    def drain(self) -> None:
+        """Take everything the peer wrote (it is gone): complete messages are delivered."""
+        while self.rx(1 << 62):
+            pass
+
+
+class ShmTransport(Transport):
+    """A transport between ranks on one host, through ring buffers in shared memory.
+
+    It serves the ranks in ``local_ranks`` (sends to others are a usage error) and delivers
+    into a :class:`~aiodist.transport._mailbox.Mailbox`, its own or one it shares with
+    another transport (a per-peer router: TCP for remote ranks, this for local ones; give
+    both the same mailbox). Message matching, fingerprints (``begin_op``/``end_op``),
+    any-source receives, orderly close versus lost peers: all as the TCP transport. Sends
+    to this rank itself go straight into the mailbox.
+
+    Create instances with :meth:`create`, which is collective among ``local_ranks``.
+
+    Attributes:
+        rank: this transport's global rank.
+        world_size: the number of ranks in the world.
+        local_ranks: the global ranks on this host that this transport serves (with
+            ``rank``).
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        local_ranks: tuple[int, ...],
+        mailbox: Mailbox,
+        seg: Segment | None,
+        doorbell: Doorbell | None,
+        spin: float,
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.local_ranks = local_ranks
+        self._mailbox = mailbox
+        self._loop = asyncio.get_running_loop()
+        self._seg = seg
+        self._doorbell = doorbell
+        self._spin = spin
+        self._links: list[_Link] = []
+        self._by_peer: dict[int, _Link] = {}
+        self._closed: BaseException | None = None
+        self._scheduled = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._recheck = _RECHECK_FIRST
+        # Receives posted through this transport that were not satisfied at once.
+        self._awaited: list[asyncio.Future[int]] = []
+        # Messages received and sends finished so far: a poll stops when this moves.
+        self._completions = 0
+        self._poll_misses = 0
+        self._poll_skip = 0
+
+    # -- setup -----------------------------------------------------------------------------
+
+    @classmethod
+    async def create(
+        cls,
+        store: Store,
+        rank: int,
+        world_size: int,
+        local_ranks: Collection[int] | None = None,
+        *,
+        mailbox: Mailbox | None = None,
+        timeout: Timeout = None,
+        ring_bytes: int | None = None,
+        spin: float | None = None,
+        job_key: str | None = None,
+    ) -> ShmTransport:
+        """Set up the rings between ``rank`` and the other ranks of ``local_ranks``.
+
+        Collective: every rank of ``local_ranks`` must call it with the same
+        ``local_ranks`` and ``ring_bytes``. Each rank creates its segment and doorbell in
+        ``/dev/shm``, publishes their names under ``shm/t/<rank>`` in ``store``, maps its
+        peers', and once every peer has said it mapped them (``shm/t/mapped/<rank>``)
+        unlinks both names: nothing remains in ``/dev/shm`` whatever happens to the
+        processes afterwards. On any failure this rank unlinks what it created (and the
+        names left by peers that died) before raising.
+
+        Args:
+            store: the job's store, already namespaced for this job and generation; only
+                keys under ``shm/`` are used.
+            rank: this rank, in ``[0, world_size)``.
+            world_size: the number of ranks in the world.
+            local_ranks: the ranks on this host to talk to, ``rank`` included (use
+                :func:`find_local_ranks` to learn them); ``None``: every rank.
+            mailbox: where messages are delivered; ``None`` creates one. Share one with
+                another transport to route per peer.
+            timeout: seconds (or ``timedelta``) allowed for the local ranks to meet;
+                ``None`` means 300 s.
+            ring_bytes: bytes per ring (a power of two, at least 4096); ``None`` chooses
+                4 MiB, less with many local ranks.
+            spin: seconds to poll before sleeping; ``None`` polls 50 µs when the local
+                ranks fit on this process's CPUs and none shares this process, ``0``
+                never polls.
+            job_key: the job's identity, from which segment names derive (so that a
+                restart removes its predecessor's leftovers); ``None`` uses
+                :func:`default_job_key`.
+
+        Returns:
+            The open transport.
+
+        Raises:
+            SharedMemoryError: shared memory cannot be used here (disabled with
+                ``AIODIST_SHM=0``, not x86-64, ``/dev/shm`` full: the message names the
+                size needed); the caller may fall back to TCP.
+            DistUsageError: a bad argument, or a peer that is not on this host (its host
+                key differs) or disagrees on ``local_ranks`` or ``ring_bytes``.
+            DistTimeoutError: a local rank did not arrive in time (the ranks are named).
+            DistNetworkError: a local rank exited during setup.
+        """
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise DistUsageError(f"world_size must be a positive integer, got {world_size!r}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise DistUsageError(f"rank must be in [0, {world_size}), got {rank!r}")
+        local = tuple(sorted(set(range(world_size) if local_ranks is None else local_ranks)))
+        if any(
+            isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world_size for r in local
+        ):
+            raise DistUsageError(f"local_ranks must be ranks in [0, {world_size}), got {local}")
+        if rank not in local:
+            raise DistUsageError(f"local_ranks {list(local)} must include this rank ({rank})")
+        peers = [r for r in local if r != rank]
+        if ring_bytes is None:
+            ring_bytes = _default_ring_bytes(len(peers))
+        elif (
+            isinstance(ring_bytes, bool)
+            or not isinstance(ring_bytes, int)
+            or ring_bytes < _MIN_RING_BYTES
+            or ring_bytes & (ring_bytes - 1)
+        ):
+            raise DistUsageError(
+                f"ring_bytes must be a power of two of at least {_MIN_RING_BYTES}, "
+                f"got {ring_bytes!r}"
+            )
+        if spin is None:
+            spin_s = -1.0  # decided once the peers' processes are known
+        elif isinstance(spin, bool) or not isinstance(spin, int | float) or spin < 0:
+            raise DistUsageError(f"spin must be a non-negative number of seconds, got {spin!r}")
+        else:
+            spin_s = float(spin)
+        seconds = to_seconds(timeout, DEFAULT_SETUP_TIMEOUT)
+        reason = unavailable_reason()
+        if reason is not None:
+            raise SharedMemoryError(reason)
+        if mailbox is None:
+            mailbox = Mailbox(rank, world_size)
+        elif mailbox.rank != rank or mailbox.world_size != world_size:
+            raise DistUsageError(
+                f"the mailbox belongs to rank {mailbox.rank} of {world_size}, not to rank "
+                f"{rank} of {world_size}"
+            )
+        if not peers:
+            return cls(rank, world_size, local, mailbox, None, None, 0.0)
+        job = default_job_key() if job_key is None else job_key
+        remove_leftovers(job)
+        loop = asyncio.get_running_loop()
+        deadline = None if seconds is None else loop.time() + seconds
+        return await cls._setup(
+            store, rank, world_size, local, peers, mailbox, ring_bytes, spin_s, job, deadline
+        )
+
+    @classmethod
+    async def _setup(
+        cls,
+        store: Store,
+        rank: int,
+        world_size: int,
+        local: tuple[int, ...],
+        peers: list[int],
+        mailbox: Mailbox,
+        cap: int,
+        spin: float,
+        job: str,
+        deadline: float | None,
+    ) -> ShmTransport:
+        me = this_process()
+        size = _CTRL_BYTES + len(peers) * (_RING_HDR_BYTES + cap)
+        what = f"setting up shared memory for rank {rank}"
+        seg: Segment | None = None
+        doorbell: Doorbell | None = None
+        attached: list[Segment] = []
+        bells: list[Bell] = []
+        records: dict[int, dict[str, Any]] = {}
+        self: ShmTransport | None = None
+        try:
+            seg = Segment.create(
+                segment_path(job, "t", rank),
+                size,
+                f"the rings of rank {rank} ({len(peers)} x {cap} bytes)",
+            )
+            seg.words[_W_MAGIC] = _MAGIC
+            seg.words[_W_SLEEP] = 1  # a rank that is not polling wants its doorbell rung
+            doorbell = Doorbell(segment_path(job, "tb", rank))
+            record = {
+                "v": _VERSION,
+                "host": host_key(),
+                "pid": me.pid,
+                "start": me.start,
+                "seg": seg.path,
+                "size": size,
+                "bell": doorbell.path,
+                "ring": cap,
+                "ranks": list(local),
+            }
+            records = await _shm_setup.exchange(store, "shm/t", rank, local, record, deadline, what)
+            for r, rec in records.items():
+                if rec.get("v") != _VERSION or rec.get("host") != record["host"]:
+                    raise DistUsageError(
+                        f"rank {r} cannot share memory with rank {rank}: it is on another "
+                        f"host (its host key {rec.get('host')!r}, ours {record['host']!r}) "
+                        "or runs another aiodist version"
+                    )
+                if rec.get("ranks") != list(local) or rec.get("ring") != cap:
+                    raise DistUsageError(
+                        f"rank {r} set up shared memory with local ranks {rec.get('ranks')} "
+                        f"and {rec.get('ring')}-byte rings, rank {rank} with {list(local)} "
+                        f"and {cap}-byte rings; every local rank must pass the same"
+                    )
+            procs = {r: ProcessId(int(rec["pid"]), int(rec["start"])) for r, rec in records.items()}
+            for r in peers:
+                peer_seg = Segment.attach(str(records[r]["seg"]), int(records[r]["size"]))
+                attached.append(peer_seg)
+                if peer_seg.words[_W_MAGIC] != _MAGIC:
+                    raise DistProtocolError(
+                        f"rank {r}'s shared-memory segment {peer_seg.path} is not an aiodist one"
+                    )
+                bells.append(Bell(str(records[r]["bell"])))
+            await _shm_setup.barrier(store, "shm/t/mapped", rank, local, deadline, procs, what)
+            # Every peer holds our segment and doorbell open: the names can go.
+            seg.unlink()
+            doorbell.unlink()
+            if spin < 0:
+                same_process = any(p.pid == me.pid for p in procs.values())
+                spin = SPIN_SECONDS if may_spin(len(local)) and not same_process else 0.0
+            self = cls(rank, world_size, local, mailbox, seg, doorbell, spin)
+            for i, r in enumerate(peers):
+                senders_of_r = [s for s in local if s != r]
+                out_ring = _CTRL_BYTES + senders_of_r.index(rank) * (_RING_HDR_BYTES + cap)
+                in_ring = _CTRL_BYTES + i * (_RING_HDR_BYTES + cap)
+                link = _Link(self, r, procs[r], attached[i], out_ring, in_ring, cap, bells[i])
+                self._links.append(link)
+                self._by_peer[r] = link
+            doorbell.listen(self._loop, self._on_bell)
+            for link in self._links:
+                link.watch = PeerWatch(
+                    self._loop, link.proc, functools.partial(self._peer_exited, link)
+                )
+            seg.words[_W_STATE] = _OPEN
+        except BaseException:
+            if self is not None:
+                self._release()
+            else:
+                for b in bells:
+                    b.close()
+                for s in attached:
+                    s.close()
+                if doorbell is not None:
+                    doorbell.close()
+                if seg is not None:
+                    seg.close()
+            # Names published by peers that died before unlinking them.
+            remove_leftovers(job)
+            raise
+        logger.debug("rank %d: shared memory with ranks %s, %d-byte rings", rank, peers, cap)
+        return self
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed is not None else "open"
+        return (
+            f"<ShmTransport rank={self.rank}/{self.world_size} local={list(self.local_ranks)} "
+            f"{state} {self._mailbox!r}>"
+        )
+
+    # -- the Transport interface -----------------------------------------------------------
+
+    def send(self, peer: int, tag: Tag, data: memoryview) -> asyncio.Future[None]:
+        """Send ``data`` to the local rank ``peer``.
+
+        The future resolves once the payload is in shared memory (the caller may then
+        reuse ``data``); for a small message on a ring with room, before this returns.
+        It fails with ``DistNetworkError`` if the peer is lost or has closed first.
+
+        Raises:
+            DistUsageError: ``peer`` is out of range or not served here, the tag is
+                malformed, or ``data`` is not contiguous.
+        """
+        data = as_bytes(data, writable=False)
+        try:
+            fp = self._mailbox.fingerprint_of(tag[0], tag[1])
+            header = _HEADER.pack(tag[0], tag[1], tag[2], len(data), fp)
+        except (struct.error, TypeError, IndexError):
+            raise DistUsageError(
+                f"a tag must be three integers in [0, 2**64) (group id, seq, step), got {tag!r}"
+            ) from None
+        link = self._link_for(peer)
+        fut: asyncio.Future[None] = self._loop.create_future()
+        if self._closed is not None:
+            fail_future(fut, self._closed)
+        elif link is None:
+            self._mailbox.deliver(peer, (tag[0], tag[1], tag[2]), data, fp)
+            fut.set_result(None)
+        elif link.error is not None:
+            fail_future(fut, link.error)
+        else:
+            link.queue.append(_Send(header, data, fut))
+            if len(link.queue) == 1:
+                link.tx(TURN_BYTES)
+            if link.queue:
+                self._schedule()
+        return fut
+
+    def recv_into(self, peer: int | None, tag: Tag, out: memoryview) -> asyncio.Future[int]:
+        """Receive the next ``tag`` message from ``peer`` (``None``: any rank) into ``out``.
+
+        The future resolves to the sender's rank; it fails with ``DistUsageError`` if the
+        message has another length than ``out``, with ``DistNetworkError`` if the peer is
+        lost first.
+
+        Raises:
+            DistUsageError: ``peer`` is out of range or not served here, the tag is
+                malformed, or ``out`` is read-only or not contiguous.
+        """
+        link = None if peer is None else self._link_for(peer)
+        try:
+            _HEADER.pack(tag[0], tag[1], tag[2], 0, NO_FINGERPRINT)
+        except (struct.error, TypeError, IndexError):
+            raise DistUsageError(
+                f"a tag must be three integers in [0, 2**64) (group id, seq, step), got {tag!r}"
+            ) from None
+        fut = self._mailbox.post(peer, tag, as_bytes(out, writable=True))
+        if not fut.done() and self._closed is None:
+            # The message may already wait in the ring.
+            if link is not None:
+                if link.error is None:
+                    link.rx(TURN_BYTES)
+            elif peer is None:
+                for lk in self._links:
+                    if lk.error is None:
+                        lk.rx(TURN_BYTES)
+            if not fut.done() and (link is not None or (peer is None and self._links)):
+                self._awaited.append(fut)
+                self._schedule()
+        return fut
+
+    def _link_for(self, peer: int) -> _Link | None:
+        """The link to ``peer``; ``None`` for this rank itself."""
+        if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < self.world_size:
+            raise DistUsageError(f"peer must be a rank in [0, {self.world_size}), got {peer!r}")
+        if peer == self.rank:
+            return None
+        link = self._by_peer.get(peer)
+        if link is None:
+            raise DistUsageError(
+                f"rank {peer} is not served by this shared-memory transport (local ranks "
+                f"{list(self.local_ranks)})"
+            )
+        return link
+
+    def abort(self, exc: BaseException) -> None:
+        """Fail every pending send and receive with ``exc``; peers see this rank as lost."""
+        if self._closed is None:
+            self._shutdown(exc, _ABORTED)
+
+    async def aclose(self) -> None:
+        """Let queued sends drain (up to 5 s), tell the peers this rank closes, and close.
+
+        Pending receives fail with ``DistNetworkError``; peers see an orderly close (their
+        receives from this rank fail once they took every message it sent, their
+        any-source receives keep waiting for others). Closing twice is harmless.
+        """
+        if self._closed is None:
+            queued = [s.fut for link in self._links for s in link.queue]
+            if queued:
+                await asyncio.wait(queued, timeout=CLOSE_DRAIN_SECONDS)
+            if self._closed is None:
+                exc = DistNetworkError(f"the transport of rank {self.rank} was closed")
+                self._shutdown(exc, _CLOSED)
+
+    def _shutdown(self, exc: BaseException, state: int) -> None:
+        self._closed = exc
+        if self._seg is not None:
+            self._seg.words[_W_STATE] = state
+            fence()
+        for link in self._links:
+            if link.error is None:
+                link.bell.ring()  # whatever its flag says: it must learn our state
+            for s in link.queue:
+                fail_future(s.fut, exc)
+            link.queue.clear()
+        self._mailbox.abort(exc)
+        self._release()
+        logger.debug("rank %d shared-memory transport closed: %s", self.rank, exc)
+
+    def _release(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        for link in self._links:
+            if link.watch is not None:
+                link.watch.close()
+            link.bell.close()
+            link.tx_buf = link.rx_buf = _EMPTY
+            link.peer_seg.close()
+        if self._doorbell is not None:
+            self._doorbell.close()
+        if self._seg is not None:
+            self._seg.close()
+
+    # -- moving bytes ----------------------------------------------------------------------
+
+    def _schedule(self) -> None:
+        if not self._scheduled and self._closed is None:
+            self._scheduled = True
+            self._loop.call_soon(self._service)
+
+    def _pump(self, budget: int) -> int:
+        moved = 0
+        for link in self._links:
+            if link.error is None:
+                moved += link.rx(budget - moved)
+                if link.queue and link.error is None:
+                    moved += link.tx(budget - moved)
+        return moved
+
+    def _has_work(self) -> bool:
+        if self._awaited:
+            self._awaited = [f for f in self._awaited if not f.done()]
+            if self._awaited:
+                return True
+        return any(link.queue or link.inbound is not None for link in self._links)
+
+    def _service(self) -> None:
+        # Move bytes until nothing moves or this turn's budget is spent; then poll for a
+        # while, or sleep on the doorbell, if something is still awaited.
+        self._scheduled = False
+        if self._closed is not None:
+            return
+        budget = TURN_BYTES
+        while budget > 0:
+            moved = self._pump(budget)
+            if not moved:
+                break
+            budget -= moved
+            self._recheck = _RECHECK_FIRST
+        if budget <= 0:
+            self._schedule()
+        elif self._has_work():
+            if self._spin and not self._poll_skip:
+                self._poll()
+            else:
+                if self._poll_skip:
+                    self._poll_skip -= 1
+                self._sleep()
+
+    def _poll(self) -> None:
+        words = self._seg.words  # type: ignore[union-attr]
+        words[_W_SLEEP] = 0  # peers need not ring while we look ourselves
+        completions = self._completions
+        moved_total = 0
+        now = time.perf_counter
+        deadline = now() + self._spin
+        try:
+            while self._closed is None:
+                moved = self._pump(TURN_BYTES)
+                if self._completions != completions:
+                    self._poll_misses = 0
+                    break
+                if moved:
+                    moved_total += moved
+                    if moved_total >= TURN_BYTES:
+                        self._schedule()
+                        return
+                    deadline = now() + self._spin  # data flows: keep up with it
+                elif now() >= deadline:
+                    # Nothing came in time: the peer is slow, or busy CPUs make polling
+                    # cost the peer its CPU. Back off exponentially.
+                    self._poll_misses += 1
+                    if self._poll_misses >= _POLL_MISSES_BEFORE_BACKOFF:
+                        self._poll_skip = min(1 << self._poll_misses, _POLL_MAX_SKIP)
+                    break
+                else:
+                    os.sched_yield()
+        finally:
+            if self._closed is None:
+                words[_W_SLEEP] = 1
+        if self._closed is None and self._has_work():
+            self._sleep()
+
+    def _sleep(self) -> None:
+        # The sleeping flag (and any ring's want flag) is stored; after a barrier, look
+        # once more before relying on the doorbell (see _shm_signal).
+        fence()
+        if self._pump(TURN_BYTES):
+            self._recheck = _RECHECK_FIRST
+            self._schedule()
+        elif self._timer is None and self._has_work():
+            self._timer = self._loop.call_later(self._recheck, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._recheck = min(self._recheck * 2, _RECHECK_MAX)
+        self._check_peers()
+        self._service()
+
+    def _on_bell(self) -> None:
+        if self._doorbell is None or self._closed is not None:
+            return
+        self._doorbell.drain()
+        self._check_peers()
+        self._service()
+
+    # -- peers that go away ----------------------------------------------------------------
+
+    def _check_peers(self) -> None:
+        for link in self._links:
+            if link.error is None and link.peer_state() in (_CLOSED, _ABORTED):
+                self._peer_exited(link)
+
+    def _peer_exited(self, link: _Link) -> None:
+        """The peer closed, aborted or its process ended: deliver what it wrote, then fail
+        what depends on it."""
+        if link.error is not None or self._closed is not None:
+            return
+        state = link.peer_state()
+        if state == _CLOSED:
+            reason = "it closed its transport"
+        elif state == _ABORTED:
+            reason = "its transport was aborted"
+        else:
+            reason = f"its process (pid {link.proc.pid}) exited"
+        link.drain()
+        self._lose(link, lost_peer_error(link.peer, reason), graceful=state == _CLOSED)
+
+    def _lose(self, link: _Link, exc: BaseException, *, graceful: bool = False) -> None:
+        if link.error is not None or self._closed is not None:
+            return
+        link.error = exc
+        if link.watch is not None:
+            link.watch.close()
+        for s in link.queue:
+            fail_future(s.fut, exc)
+        link.queue.clear()
+        link.inbound = None  # the mailbox fails it with the peer
+        link.dest = _EMPTY
+        self._mailbox.fail_peer(link.peer, exc, graceful=graceful)
+        level = logging.DEBUG if graceful else logging.WARNING
+        logger.log(level, "rank %d: %s", self.rank, exc)

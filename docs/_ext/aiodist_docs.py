@@ -1,0 +1,161 @@
+"""Directives that put aiodist's command lines into the docs at build time.
+
+``program-output``
+    Runs ``python -m MODULE ARGS...`` with this interpreter and shows its standard output
+    as a literal block (what ``sphinxcontrib-programoutput`` does, for the one case we need).
+``argparse-options``
+    Imports ``module:function`` returning an :class:`argparse.ArgumentParser` and renders its
+    options as a table: every spelling, the ``PET_<DEST>`` environment variable that
+    supplies its default, and the help text.
+
+Both read the code being documented, so the pages cannot drift from it; a command that
+fails fails the build.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from docutils import nodes
+from docutils.parsers.rst import directives
+from sphinx.application import Sphinx
+from sphinx.util.docutils import SphinxDirective
+
+
+def _clean_env() -> dict[str, str]:
+    """The build's environment without the variables that change a command's defaults."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PET_")}
+    env["COLUMNS"] = "88"  # argparse wraps at the terminal width; fix it for stable pages
+    return env
+
+
+class ProgramOutput(SphinxDirective):
+    """``.. program-output:: aiodist.run --help`` shows ``python -m aiodist.run --help``."""
+
+    required_arguments = 1
+    final_argument_whitespace = True
+    option_spec = {"caption": directives.unchanged}  # noqa: RUF012  (docutils' API)
+
+    def run(self) -> list[nodes.Node]:
+        argv = shlex.split(self.arguments[0])
+        proc = subprocess.run(
+            [sys.executable, "-m", *argv],
+            capture_output=True,
+            text=True,
+            env=_clean_env(),
+            timeout=60,
+            check=False,
+        )
+        if proc.returncode != 0:
+            raise self.error(
+                f"python -m {self.arguments[0]} exited with {proc.returncode}: {proc.stderr}"
+            )
+        block = nodes.literal_block(proc.stdout, proc.stdout, language="text")
+        caption = self.options.get("caption")
+        if caption is None:
+            return [block]
+        container = nodes.container("", literal_block=True, classes=["literal-block-wrapper"])
+        container += nodes.caption(caption, caption)
+        container += block
+        return [container]
+
+
+_OPTION = re.compile(r"(?<![\w-])(--?[a-z][\w-]*)")
+
+
+def _cell(content: nodes.Node | str) -> nodes.entry:
+    entry = nodes.entry()
+    if isinstance(content, str):
+        entry += nodes.paragraph(text=content)
+    else:
+        entry += content
+    return entry
+
+
+def _literals(texts: list[str]) -> nodes.paragraph:
+    para = nodes.paragraph()
+    for i, text in enumerate(texts):
+        if i:
+            para += nodes.Text(", ")
+        para += nodes.literal(text, text)
+    return para
+
+
+def _help(text: str) -> nodes.paragraph:
+    """Help text with the options it names as literals, and no smart dashes or quotes."""
+    para = nodes.paragraph(support_smartquotes=False)
+    for i, part in enumerate(_OPTION.split(text)):
+        if i % 2:
+            para += nodes.literal(part, part)
+        elif part:
+            para += nodes.Text(part)
+    return para
+
+
+class ArgparseOptions(SphinxDirective):
+    """``.. argparse-options:: aiodist.launcher:get_args_parser`` renders the options table."""
+
+    required_arguments = 1
+
+    def run(self) -> list[nodes.Node]:
+        module_name, _, func_name = self.arguments[0].partition(":")
+        saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("PET_")}
+        try:
+            parser: argparse.ArgumentParser = getattr(
+                importlib.import_module(module_name), func_name
+            )()
+        finally:
+            os.environ.update(saved)
+        table = nodes.table(classes=["argparse-options"])
+        group = nodes.tgroup(cols=2)
+        table += group
+        for width in (40, 60):
+            group += nodes.colspec(colwidth=width)
+        head = nodes.thead()
+        group += head
+        header = nodes.row()
+        for title in ("option, and the variable for its default", "meaning"):
+            header += _cell(title)
+        head += header
+        body = nodes.tbody()
+        group += body
+        for action in parser._actions:  # argparse offers no public iterator over its options
+            if isinstance(action, argparse._HelpAction):
+                continue
+            names = nodes.entry()
+            if action.option_strings:
+                first, *others = action.option_strings
+                if action.nargs != 0:
+                    first = f"{first} {action.metavar or action.dest.upper()}"
+                names += _literals([first])
+                if others:
+                    also = nodes.paragraph(text="also ")
+                    also += _literals(others).children
+                    names += also
+                names += _literals([f"PET_{action.dest.upper()}"])
+            else:
+                names += _literals([action.metavar or action.dest])
+            row = nodes.row()
+            row += names
+            row += _cell(_help(action.help or ""))
+            body += row
+        return [table]
+
+
+def setup(app: Sphinx) -> dict[str, Any]:
+    # Sphinx rebuilds everything when a config value changes, not when an extension does;
+    # this one's value is the extension's own source, so editing it rebuilds the pages.
+    source = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+    app.add_config_value("aiodist_docs_source", source, "env")
+    app.add_directive("program-output", ProgramOutput)
+    app.add_directive("argparse-options", ArgparseOptions)
+    return {"parallel_read_safe": True, "parallel_write_safe": True, "version": "1"}

@@ -1,0 +1,178 @@
+"""Nothing of a job stays in /dev/shm, whichever way its processes end, and a full
+/dev/shm is a clear error."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import numpy as np
+import pytest
+from shm_helpers import ProcessWorld, leftovers, new_job, run_processes, shm_world
+
+import aiodist
+from aiodist import _shared_array
+from aiodist._ops import ReduceOp
+from aiodist.collectives import shm
+from aiodist.collectives.shm import NodeWorkspace
+from aiodist.store import FileStore, HashStore, Store
+from aiodist.transport.shm import ShmTransport
+
+pytestmark = pytest.mark.multiprocess
+
+
+async def _use_everything(store: Store, rank: int, n: int, job: str, close: bool) -> list[str]:
+    t = await ShmTransport.create(store, rank, n, timeout=30, job_key=job)
+    ws = await NodeWorkspace.create(store, rank, n, timeout=30, job_key=job)
+    x = _shared_array.empty(1 << 17, np.float32, ws)
+    x[:] = rank
+    await shm.all_reduce(ws, x, ReduceOp.SUM)
+    assert (x == sum(range(n))).all()
+    seen = leftovers(job)  # every rank is past setup: every name is gone already
+    await t.send((rank + 1) % n, (0, 0, 0), memoryview(b"hi"))
+    box = bytearray(2)
+    await t.recv_into((rank - 1) % n, (0, 0, 0), memoryview(box))
+    await shm.barrier(ws)  # nobody exits while a peer still reads its ring
+    if close:
+        await ws.aclose()
+        await t.aclose()
+    return seen
+
+
+@pytest.mark.parametrize("close", [True, False], ids=["aclose", "exit"])
+def test_nothing_remains_after_aclose_or_a_plain_exit(close: bool, tmp_path: Any) -> None:
+    job = new_job()
+    seen = run_processes(_use_everything, 3, str(tmp_path / "store"), job, close)
+    assert seen == [[], [], []]
+    assert leftovers(job) == []
+
+
+async def _set_up_and_wait(store: Store, rank: int, n: int, job: str) -> str:
+    try:
+        await ShmTransport.create(store, rank, n, timeout=2, job_key=job)
+    except aiodist.DistTimeoutError as exc:
+        return str(exc)
+    return "set up"
+
+
+async def test_a_rank_killed_during_setup_leaves_nothing_behind(tmp_path: Any) -> None:
+    job = new_job()
+    path = str(tmp_path / "store")
+    # Ranks 0 and 1 of three set up; rank 2 never comes. Rank 0 is killed while its
+    # segment and doorbell still have names (they are unlinked once all have mapped them).
+    world = ProcessWorld(_set_up_and_wait, 3, path, job)
+    world.procs = world.procs[:2]
+    world.conns = world.conns[:2]
+    world.start()
+    try:
+        store = FileStore(path)
+        await store.wait(["shm/t/0", "shm/t/1"], timeout=30)
+        assert len(leftovers(job)) == 4  # two segments and two doorbells
+        world.procs[0].kill()
+        # Rank 1 gives up at its deadline and removes its own names and rank 0's.
+        [msg] = await asyncio.to_thread(world.results, 30, [1])
+    finally:
+        world.kill()
+    assert msg.endswith(f"ranks [2] did not arrive within {msg.split('within ')[1]}")
+    assert leftovers(job) == []
+
+
+async def test_a_restart_removes_what_its_killed_predecessor_left(tmp_path: Any) -> None:
+    job = new_job()
+    path = str(tmp_path / "store")
+    world = ProcessWorld(_set_up_and_wait, 2, path, job)
+    world.procs = world.procs[:1]
+    world.conns = world.conns[:1]
+    world.start()
+    try:
+        await FileStore(path).wait(["shm/t/0"], timeout=30)
+        world.procs[0].kill()
+        world.procs[0].join(10)
+    finally:
+        world.kill()
+    left = leftovers(job)
+    assert len(left) == 2  # nobody survived to clean up
+    # The job starts again under the same key: its setup removes them first.
+    transports = await shm_world(2, job)
+    assert leftovers(job) == []
+    for t in transports:
+        await t.aclose()
+
+
+async def test_a_failed_setup_unlinks_what_it_created() -> None:
+    job = new_job()
+    with pytest.raises(aiodist.DistTimeoutError):
+        await ShmTransport.create(HashStore(), 0, 2, timeout=0.2, job_key=job)
+    with pytest.raises(aiodist.DistTimeoutError):
+        await NodeWorkspace.create(HashStore(), 0, 2, timeout=0.2, job_key=job)
+    assert leftovers(job) == []
+
+
+_FULL_SHM = textwrap.dedent(
+    """
+    import asyncio, json, os
+    import numpy as np
+    from aiodist import _shared_array
+    from aiodist.collectives.shm import NodeWorkspace
+    from aiodist.store import HashStore
+    from aiodist.transport._shm_segment import SharedMemoryError
+    from aiodist.transport.shm import ShmTransport
+
+    async def main():
+        # Rank 0 of two alone: each rank creates its own segment (the workspace's is rank
+        # 0's) before it waits for anybody, so the error comes at once.
+        errors = {}
+        try:
+            await ShmTransport.create(HashStore(), 0, 2, ring_bytes=4 << 20, timeout=5)
+        except SharedMemoryError as exc:
+            errors["transport"] = str(exc)
+        try:
+            await NodeWorkspace.create(HashStore(), 0, 2, timeout=5)
+        except SharedMemoryError as exc:
+            errors["workspace"] = str(exc)
+        alone = await NodeWorkspace.create(HashStore(), 0, 1)
+        try:
+            _shared_array.empty(1 << 20, np.float32, alone)
+        except SharedMemoryError as exc:
+            errors["array"] = str(exc)
+        errors["left"] = os.listdir("/dev/shm")
+        print(json.dumps(errors))
+
+    asyncio.run(main())
+    """
+)
+
+
+def test_a_full_dev_shm_is_a_clear_error_not_a_sigbus() -> None:
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare to mount a small /dev/shm privately")
+    # A private mount namespace with a 1 MiB /dev/shm: nothing of it is seen outside.
+    script = (
+        "mount -t tmpfs -o size=1m tmpfs /dev/shm && "
+        f'exec {sys.executable} -c "$AIODIST_TEST_SCRIPT"'
+    )
+    proc = subprocess.run(
+        ["unshare", "-m", "sh", "-c", script],
+        env={**os.environ, "AIODIST_TEST_SCRIPT": _FULL_SHM},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    errors = json.loads(proc.stdout)
+    transport = errors["transport"]
+    assert transport.startswith("cannot reserve 4198656 bytes of shared memory in /dev/shm for ")
+    assert "it is full" in transport and "bytes are free" in transport
+    assert "fall back to TCP (AIODIST_SHM=0)" in transport
+    assert errors["workspace"].startswith("cannot reserve 4202496 bytes of shared memory")
+    assert errors["array"].startswith(
+        "cannot reserve 4194304 bytes of shared memory in /dev/shm for a shared array of "
+        "4194304 bytes: it is full"
+    )
+    assert errors["left"] == []
