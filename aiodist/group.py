@@ -408,7 +408,7 @@ class World:
                 f"recv from rank {peer} ({'any tag' if tag is None else f'tag {tag}'}): "
                 f"rank {peer} rejected its send: {reason}"
             )
-            mailbox.poison(peer, group_id & ~P2P_GROUP_BIT, tag, exc)
+            mailbox.poison(peer, group_id, tag, exc)
             return
         mailbox.kill(group_id, seq, DistUsageError(f"rejected by rank {peer}: {reason}"))
         group = self.groups.get(group_id)
@@ -770,7 +770,12 @@ class ProcessGroup:
             op.settle(DistUsageError(f"{op.name} was cancelled"))
             raise
         except Exception as exc:
-            if op not in self._expiring:
+            if op.kind is OpKind.P2P and isinstance(exc, DistUsageError):
+                # A receive whose sender rejected its send, or whose message had another
+                # size: point-to-point messages keep no order across the group, so only
+                # this operation fails.
+                op.settle(exc)
+            elif op not in self._expiring:
                 # (An operation that timed out here already fails with the timeout, not
                 # with the abort of a rank that timed out a moment earlier.)
                 self._fail(op, exc)

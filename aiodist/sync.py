@@ -552,6 +552,7 @@ class Work(Generic[T]):
     """
 
     def __init__(self, work: _group.Work[T]) -> None:
+        # Made on the loop thread (the done callback is added there).
         self._work = work
         self._future: concurrent.futures.Future[T] = concurrent.futures.Future()
         self._future.set_running_or_notify_cancel()
@@ -641,7 +642,8 @@ def _twin(fn: Callable[..., _group.Work[Any]], mode: str) -> Callable[..., Any]:
     def twin(*args: Any, **kwargs: Any) -> Any:
         bound = signature.bind(*args, **kwargs)
         async_op = bound.arguments.pop("async_op", False)
-        work = Work(_on_loop(lambda: fn(*bound.args, **bound.kwargs)))
+        # Made on the loop thread, which is where the async work's callbacks may be added.
+        work = _on_loop(lambda: Work(fn(*bound.args, **bound.kwargs)))
         if mode == "work" or async_op:
             return work
         result = _block(name, work)
@@ -986,7 +988,7 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work[Any]]:
         )
         for p in p2p_op_list
     ]
-    return [Work(w) for w in _on_loop(_aio_api.batch_isend_irecv, ops)]
+    return _on_loop(lambda: [Work(w) for w in _aio_api.batch_isend_irecv(ops)])
 
 
 def breakpoint(rank: int = 0, skip: int = 0) -> None:

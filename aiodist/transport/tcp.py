@@ -79,8 +79,8 @@ _HEADER_SIZE = _HEADER.size
 _MAX_MESSAGE = 1 << 48
 # Control frames (see the module docstring), told apart by their length field.
 _BYE = (1 << 64) - 1
-_REJECT = (1 << 64) - 2
-_ABORT = (1 << 64) - 3
+_REJECTION = (1 << 64) - 2
+_ABORTING = (1 << 64) - 3
 _BYE_FRAME = _HEADER.pack(0, 0, 0, _BYE, NO_FINGERPRINT)
 # The longest reason a control frame carries; longer ones are cut.
 _MAX_REASON = 16 << 10
@@ -634,7 +634,7 @@ class _Conn(asyncio.BufferedProtocol):
                 if nbytes == _BYE:
                     self.bye = True
                     continue
-                if nbytes in (_REJECT, _ABORT) and step <= _MAX_REASON:
+                if nbytes in (_REJECTION, _ABORTING) and step <= _MAX_REASON:
                     self._inbound = _Control(self, nbytes, group, seq, step)
                     self._doff = 0
                     self._drem = step
@@ -698,7 +698,7 @@ class _Control:
         text = bytes(self.buffer).decode(errors="replace")
         conn = self.conn
         assert conn.peer is not None
-        if self.kind == _REJECT:
+        if self.kind == _REJECTION:
             conn.mailbox.reject(conn.peer, self.group, self.seq, text)
         else:
             conn.owner._lose(conn.peer, "", DistNetworkError(f"rank {conn.peer} aborted: {text}"))
@@ -936,7 +936,7 @@ class TCPTransport(Transport):
         fut: asyncio.Future[None] = self._loop.create_future()
         # Nobody waits for it: a peer that is gone needs no rejection.
         fut.add_done_callback(lambda f: f.cancelled() or f.exception())
-        frame = _control_frame(_REJECT, group, seq, reason)
+        frame = _control_frame(_REJECTION, group, seq, reason)
         self._send_frame(self._peers[peer], frame, memoryview(b""), fut)
 
     def recv_into(self, peer: int | None, tag: Tag, out: memoryview) -> asyncio.Future[int]:
@@ -993,7 +993,7 @@ class TCPTransport(Transport):
                 fail_future(p.waiter, exc)
             p.conn = None
         # Connected peers learn why before their connection drops.
-        frame = _control_frame(_ABORT, 0, 0, f"{type(exc).__name__}: {exc}")
+        frame = _control_frame(_ABORTING, 0, 0, f"{type(exc).__name__}: {exc}")
         for conn in list(self._live):
             conn.close_after(frame)
             conn._fail_sends(exc)
