@@ -57,6 +57,7 @@ from ._api import (
 )
 from ._ops import PremulSum, ReduceOp, make_premul_sum
 from .backends import Backend, register_backend
+from .device_mesh import DeviceMesh, init_device_mesh
 from .errors import (
     DistBackendError,
     DistError,
@@ -123,12 +124,14 @@ __all__ = [
     "split_group",
     "supports_complex",
     "Backend",
+    "DeviceMesh",
     "OpKind",
     "Plan",
     "PremulSum",
     "ProcessGroup",
     "ReduceOp",
     "Work",
+    "init_device_mesh",
     "make_premul_sum",
     "register_backend",
     "DistBackendError",

@@ -32,6 +32,7 @@ from typing import Any, Concatenate, Generic, ParamSpec, Self, TypeVar, overload
 from . import (
     _api as _aio_api,
     backends as _backends,
+    device_mesh as _device_mesh,
     group as _group,
     rendezvous as _rendezvous,
     store as _aio,
@@ -55,6 +56,7 @@ from .rendezvous import get_node_local_rank
 __all__ = [
     "Backend",
     "DebugLevel",
+    "DeviceMesh",
     "DistBackendError",
     "DistError",
     "DistNetworkError",
@@ -101,6 +103,7 @@ __all__ = [
     "get_rank",
     "get_world_size",
     "group",
+    "init_device_mesh",
     "init_process_group",
     "irecv",
     "is_available",
@@ -892,6 +895,8 @@ new_group = _sync_group_call(_aio_api.new_group)
 new_subgroups = _sync_group_call(_aio_api.new_subgroups)
 new_subgroups_by_enumeration = _sync_group_call(_aio_api.new_subgroups_by_enumeration)
 split_group = _sync_group_call(_aio_api.split_group)
+init_device_mesh = _sync_group_call(_device_mesh.init_device_mesh)
+DeviceMesh = _device_mesh.DeviceMesh
 
 # -- collectives and point to point: torch's signatures -----------------------------------
 all_reduce = _twin(_aio_api.all_reduce, "async_op")

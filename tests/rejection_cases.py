@@ -93,7 +93,10 @@ def bad_send_array(rank: int, size: int, bad: bool) -> tuple[list[Step], str]:
     # Rank 0 sends something that is not an array; the receive of rank 1 takes its place.
     if rank == 0:
         data = [1.0, 2.0] if bad else np.ones(2)
-        return [("isend", (data,), {"dst": 1, "tag": 3}), WAIT], "send: tensor must be a numpy array"
+        return [
+            ("isend", (data,), {"dst": 1, "tag": 3}),
+            WAIT,
+        ], "send: tensor must be a numpy array"
     if rank == 1:
         out = np.zeros(2)
         if bad:
@@ -135,10 +138,8 @@ def _outcome(
     case: str, side: str, rank: int, exc: BaseException | None, took: float, pattern: str
 ) -> str:
     bad = (side == SYMMETRIC or rank == 0) and bool(pattern)
-    if case in ("bad_tag", "bad_send_array"):
-        waits = rank == 1  # the receiver of rank 0's send
-    else:
-        waits = case != "send_to_self"
+    # Who waits for rank 0: the receiver of its send, or every rank of a collective.
+    waits = rank == 1 if case in ("bad_tag", "bad_send_array") else case != "send_to_self"
     if not bad and not waits:
         assert exc is None, f"{case} ({side}): rank {rank} is not involved but raised {exc!r}"
         return "not involved"
@@ -212,4 +213,3 @@ def agree_blocking(rank: int, size: int) -> None:
     x = np.full(3, float(rank + 1))
     dist.all_reduce(x)
     np.testing.assert_array_equal(x, np.full(3, size * (size + 1) / 2))
-

@@ -123,17 +123,16 @@ async def test_p2p_usage_errors() -> None:
         await run_world(one, 2)
 
 
-async def test_recv_size_mismatch_fails_both_sides_fast() -> None:
+async def test_recv_size_mismatch_fails_the_receive_only() -> None:
     async def fn(rank: int, size: int) -> None:
         if rank == 0:
             await aiodist.send(np.zeros(4), dst=1)
-            # Rank 1 aborts on the mismatch; the next operation here fails, not hangs.
-            with pytest.raises(aiodist.DistNetworkError):
-                await aiodist.all_reduce(np.zeros(1))
         else:
             with pytest.raises(aiodist.DistUsageError, match="32"):
                 await aiodist.recv(np.zeros(3), src=0)
-            with pytest.raises(aiodist.DistNetworkError, match="unusable after an earlier failure"):
-                aiodist.barrier()
+        # Point-to-point messages keep no order across the group: it stays usable.
+        x = np.array([float(rank + 1)])
+        await aiodist.all_reduce(x)
+        assert x[0] == 3.0
 
     await run_world(fn, 2, timeout=20)

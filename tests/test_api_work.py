@@ -55,7 +55,7 @@ async def test_wait_timeout_names_op_and_aborts_the_group() -> None:
             with pytest.raises(aiodist.DistTimeoutError):
                 await w  # the outcome stays
             with pytest.raises(
-                aiodist.DistNetworkError,
+                aiodist.DistTimeoutError,
                 match="unusable after an earlier failure: DistTimeoutError",
             ):
                 aiodist.barrier()

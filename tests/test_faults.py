@@ -241,6 +241,7 @@ async def test_connection_cut_through_proxy() -> None:
     looping = [asyncio.Event() for _ in range(3)]
 
     async def rank_main(rank: int) -> BaseException | None:
+        aiodist.group.isolate_context()  # ranks as tasks of one process
         await aiodist.init_process_group("cpu", store=store, rank=rank, world_size=3, timeout=30)
         x = np.ones(1024, np.float32)
         try:
@@ -280,6 +281,7 @@ async def test_straggler_in_process_and_recover() -> None:
     timeout = 1.0
 
     async def rank_main(rank: int) -> tuple[BaseException, float]:
+        aiodist.group.isolate_context()  # ranks as tasks of one process
         await aiodist.init_process_group(
             "cpu", store=store, rank=rank, world_size=3, timeout=timeout
         )
@@ -319,6 +321,7 @@ async def test_wait_timeout_names_awaited_ranks() -> None:
     store = HashStore()
 
     async def rank_main(rank: int) -> BaseException | None:
+        aiodist.group.isolate_context()  # ranks as tasks of one process
         await aiodist.init_process_group("cpu", store=store, rank=rank, world_size=2)
         try:
             if rank == 1:

@@ -179,6 +179,7 @@ async def test_ten_thousand_fuzzed_frames_then_a_correct_all_reduce() -> None:
     ready: list[asyncio.Future[dict[str, Any]]] = [loop.create_future(), loop.create_future()]
 
     async def rank_fn(rank: int) -> list[np.ndarray]:
+        aiodist.group.isolate_context()  # ranks as tasks of one process
         store = await aiodist.TCPStore.create("127.0.0.1", server.port, timeout=10)
         await aiodist.init_process_group(
             "cpu", store=store, rank=rank, world_size=WORLD, timeout=30, auth_token=TOKEN

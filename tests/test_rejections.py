@@ -11,11 +11,7 @@ all_reduce equals numpy on every rank.
 
 from __future__ import annotations
 
-
 import pytest
-
-from aiodist.testing import run_world, run_world_processes
-
 from rejection_cases import (
     CASES,
     ONE_SIDED,
@@ -25,6 +21,8 @@ from rejection_cases import (
     check_async,
     check_blocking,
 )
+
+from aiodist.testing import run_world, run_world_processes
 
 pytestmark = pytest.mark.both_loops
 

@@ -188,6 +188,7 @@ async def test_init_process_group_auth_token_covers_store_and_peers() -> None:
     url = f"tcp://127.0.0.1:{port}"
 
     async def rank_fn(rank: int) -> float:
+        aiodist.group.isolate_context()  # ranks as tasks of one process
         await aiodist.init_process_group(
             "cpu", init_method=url, rank=rank, world_size=2, timeout=20, auth_token="s3cret"
         )
