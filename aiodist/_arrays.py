@@ -8,7 +8,9 @@ never imports the producer's library.
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import weakref
 from typing import Any
 
 import numpy as np
@@ -101,10 +103,96 @@ def _from_dlpack(x: Any, name: str) -> npt.NDArray[Any]:
     try:
         arr: npt.NDArray[Any] = np.from_dlpack(x)
     except (BufferError, TypeError, RuntimeError, ValueError) as exc:
+        bf16 = _bfloat16_from_dlpack(x, name)
+        if bf16 is not None:
+            return bf16
         raise DistUsageError(
             f"{name} ({type(x).__name__}) cannot be viewed as a numpy array through DLPack: {exc}"
         ) from exc
     return arr
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", _DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", _DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    pass
+
+
+_DELETER = ctypes.CFUNCTYPE(None, ctypes.POINTER(_DLManagedTensor))
+_DLManagedTensor._fields_ = [
+    ("dl_tensor", _DLTensor),
+    ("manager_ctx", ctypes.c_void_p),
+    ("deleter", _DELETER),
+]
+_DL_BFLOAT = 4
+_capsule_get = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_get.restype = ctypes.c_void_p
+_capsule_get.argtypes = [ctypes.py_object, ctypes.c_char_p]
+_capsule_rename = ctypes.pythonapi.PyCapsule_SetName
+_capsule_rename.restype = ctypes.c_int
+_capsule_rename.argtypes = [ctypes.py_object, ctypes.c_char_p]
+
+
+def _bfloat16_from_dlpack(x: Any, name: str) -> npt.NDArray[Any] | None:
+    """A bfloat16 view of a host DLPack tensor numpy cannot import itself, or ``None``.
+
+    numpy has no bfloat16, so its ``from_dlpack`` refuses such tensors (torch's included);
+    the capsule is read here and its memory viewed as ml_dtypes' bfloat16, in place. The
+    producer's deleter runs once the last view of the memory is gone.
+    """
+    try:
+        capsule = x.__dlpack__()
+    except Exception:  # the producer refuses to export: numpy's error says why
+        return None
+    managed = ctypes.cast(_capsule_get(capsule, b"dltensor"), ctypes.POINTER(_DLManagedTensor))
+    t = managed.contents.dl_tensor
+    if (t.dtype.code, t.dtype.bits, t.dtype.lanes) != (_DL_BFLOAT, 16, 1):
+        return None  # not ours to read: the capsule frees itself, unconsumed
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise DistUsageError(
+            f"{name} is a bfloat16 tensor: viewing it needs ml_dtypes (pip install ml_dtypes)"
+        ) from None
+    shape = tuple(t.shape[i] for i in range(t.ndim))
+    compact = [1] * t.ndim
+    for i in range(t.ndim - 2, -1, -1):
+        compact[i] = compact[i + 1] * shape[i + 1]
+    if t.strides and [t.strides[i] for i in range(t.ndim)] != compact and 0 not in shape:
+        raise DistUsageError(
+            f"{name} is a non-contiguous bfloat16 tensor; pass tensor.contiguous() (and copy "
+            "the result back if the collective writes into it)"
+        )
+    # The capsule is consumed: its memory is now ours to release, with the producer's deleter.
+    _capsule_rename(capsule, b"used_dltensor")
+    count = int(np.prod(shape, dtype=np.int64))
+    address = (t.data or 0) + t.byte_offset
+    if count == 0 or not address:
+        root = np.zeros(0, np.uint16)
+    else:
+        root = np.ctypeslib.as_array(ctypes.cast(address, ctypes.POINTER(ctypes.c_uint16)), (count,))
+    deleter = managed.contents.deleter
+    if deleter:
+        weakref.finalize(root, deleter, managed)
+    return root.view(ml_dtypes.bfloat16).reshape(shape)
 
 
 def as_array(x: object, *, writable: bool, name: str) -> npt.NDArray[Any]:
@@ -147,7 +235,8 @@ def as_array(x: object, *, writable: bool, name: str) -> npt.NDArray[Any]:
         if not arr.flags.c_contiguous:
             raise DistUsageError(
                 f"{name} is not C-contiguous, but the collective writes its result into it "
-                "in place; pass a contiguous array (np.ascontiguousarray) and copy back"
+                "in place; pass a contiguous array (np.ascontiguousarray(a), or "
+                "tensor.contiguous() for a torch tensor) and copy the result back"
             )
     elif not arr.flags.c_contiguous:
         arr = np.ascontiguousarray(arr)

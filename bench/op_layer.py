@@ -49,7 +49,9 @@ def _rank(rank: int, port: int, iters: int, out: Any) -> None:
     import aiodist
     from aiodist._loop import loop_factory
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
 
     async def main() -> list[float]:
         await aiodist.init_process_group("cpu")

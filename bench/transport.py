@@ -25,6 +25,7 @@ import numpy as np
 
 from aiodist._loop import loop_factory
 from aiodist.store import FileStore
+from aiodist.transport.base import PeerDirectory
 from aiodist.transport.tcp import TCPTransport
 
 
@@ -126,7 +127,7 @@ async def both_ways(t: TCPTransport, size: int, seq: int, count: int) -> float:
 async def rank_main(rank: int, path: str, args: argparse.Namespace) -> None:
     store = FileStore(path, 2, timeout=60)
     spin = None if args.spin == "auto" else float(args.spin)
-    t = await TCPTransport.create(store, rank, 2, local_world_size=2, spin=spin)
+    t = await TCPTransport.create(PeerDirectory(store), rank, 2, local_world_size=2, spin=spin)
     await ping_pong(t, 200)  # connect and warm up
     times = await ping_pong(t, args.iters)
     await exchange(t, 200)

@@ -10,7 +10,7 @@ import numpy as np
 
 from aiodist._ops import ReduceOp
 from aiodist.store import HashStore
-from aiodist.transport.base import OpComm, Transport
+from aiodist.transport.base import OpComm, PeerDirectory, Transport
 from aiodist.transport.local import LocalTransport
 from aiodist.transport.tcp import TCPTransport
 
@@ -31,7 +31,9 @@ async def run_tcp(n: int, fn: RankFn, *, seq: int = 0, group_id: int = 0) -> lis
     """Like :func:`run_local`, over real loopback TCP connections (ranks as tasks)."""
     store = HashStore()
     world: list[TCPTransport] = list(
-        await asyncio.gather(*(TCPTransport.create(store, r, n, timeout=10) for r in range(n)))
+        await asyncio.gather(
+            *(TCPTransport.create(PeerDirectory(store), r, n, timeout=10) for r in range(n))
+        )
     )
     try:
         return await run_on(world, fn, seq=seq, group_id=group_id)
@@ -46,7 +48,9 @@ async def make_world(kind: str, n: int) -> list[Transport]:
         return list(LocalTransport.create_world(n))
     store = HashStore()
     return list(
-        await asyncio.gather(*(TCPTransport.create(store, r, n, timeout=10) for r in range(n)))
+        await asyncio.gather(
+            *(TCPTransport.create(PeerDirectory(store), r, n, timeout=10) for r in range(n))
+        )
     )
 
 

@@ -70,8 +70,8 @@ async def test_object_usage_errors() -> None:
             with pytest.raises(aiodist.DistUsageError, match=r"object_list\[0\] cannot be pickled"):
                 aiodist.broadcast_object_list([lambda: 1], src=0)
         else:
-            # Rank 0's failure aborts the group, so this rank fails instead of waiting.
-            with pytest.raises(aiodist.DistNetworkError):
+            # Rank 0 rejected the call: this rank learns why instead of waiting.
+            with pytest.raises(aiodist.DistUsageError, match="rejected by rank 0: .*pickled"):
                 await aiodist.broadcast_object_list([None], src=0)
 
     await run_world(unpicklable, 2, timeout=20)
@@ -89,7 +89,7 @@ async def test_object_usage_errors() -> None:
             ):
                 aiodist.gather_object(rank, [None, None], dst=0)
         else:
-            with pytest.raises(aiodist.DistNetworkError):
+            with pytest.raises(aiodist.DistUsageError, match="rejected by rank 1"):
                 await aiodist.gather_object(rank, [None, None], dst=0)
 
     await run_world(list_on_non_root, 2, timeout=20)

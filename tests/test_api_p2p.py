@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 
@@ -95,32 +97,32 @@ async def test_batch_isend_irecv_ring() -> None:
 
 async def test_p2p_usage_errors() -> None:
     async def fn(rank: int, size: int) -> None:
-        with pytest.raises(aiodist.DistUsageError, match="a destination is required"):
-            aiodist.isend(np.zeros(1))
-        # The group is poisoned by the first misuse, so check the rest on fresh worlds.
+        # Each call is refused on its own; the group stays usable through all of them.
+        for call, match in [
+            (lambda: aiodist.isend(np.zeros(1)), "send: a destination is required"),
+            (lambda: aiodist.send(np.zeros(1), dst=rank), "cannot send to or from itself"),
+            (lambda: aiodist.send(np.zeros(1), dst=5), "dst 5 is not in the process group"),
+            (
+                lambda: aiodist.recv(np.zeros(1), src=1 - rank, tag=-1),
+                r"recv: tag must be an int in \[0, 2\*\*63\)",
+            ),
+            (lambda: aiodist.recv(np.zeros(4)[::2], src=1 - rank), "not C-contiguous"),
+            (
+                lambda: aiodist.P2POp(print, np.zeros(1), 1),
+                "op must be aiodist.isend or aiodist.irecv",
+            ),
+            (lambda: aiodist.batch_isend_irecv([]), "non-empty list"),
+        ]:
+            with pytest.raises(aiodist.DistUsageError, match=match):
+                call()
+        got = np.zeros(1)
+        await asyncio.gather(
+            aiodist.send(np.array([float(rank)]), dst=1 - rank),
+            aiodist.recv(got, src=1 - rank),
+        )
+        assert got[0] == 1 - rank
 
     await run_world(fn, 2)
-
-    for call, match in [
-        (lambda r: aiodist.send(np.zeros(1), dst=r), "cannot send to or from itself"),
-        (lambda r: aiodist.send(np.zeros(1), dst=5), "dst 5 is not in the process group"),
-        (
-            lambda r: aiodist.recv(np.zeros(1), src=r, tag=-1),
-            r"tag must be an int in \[0, 2\*\*63\)",
-        ),
-        (lambda r: aiodist.recv(np.zeros(4)[::2], src=1 - r), "not C-contiguous"),
-        (
-            lambda r: aiodist.P2POp(print, np.zeros(1), 1),
-            "op must be aiodist.isend or aiodist.irecv",
-        ),
-        (lambda r: aiodist.batch_isend_irecv([]), "non-empty list"),
-    ]:
-
-        async def one(rank: int, size: int, call=call, match=match) -> None:
-            with pytest.raises(aiodist.DistUsageError, match=match):
-                call(rank)
-
-        await run_world(one, 2)
 
 
 async def test_recv_size_mismatch_fails_the_receive_only() -> None:

@@ -226,7 +226,7 @@ class ProxiedStore(HashStore):
         self.proxy, self.proxy_port, self.rank = proxy, proxy_port, rank
 
     async def set(self, key: str, value: str | bytes) -> None:
-        if key.endswith(f"transport/addr/{self.rank}"):
+        if key.endswith(f"transport/tcp/{self.rank}"):
             real = value.decode() if isinstance(value, bytes) else value
             host, _, port = real.rpartition(":")
             self.proxy.target = (host, int(port))

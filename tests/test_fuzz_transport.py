@@ -20,6 +20,7 @@ from hypothesis import given, strategies as st
 from raw_peer import HANDSHAKE, HEADER
 
 import aiodist
+from aiodist.transport.base import PeerDirectory
 from aiodist.transport.tcp import TCPTransport
 
 TOKEN = b"transport fuzz token"
@@ -51,8 +52,8 @@ class Live:
 async def live() -> AsyncIterator[Live]:
     store = aiodist.HashStore(timeout=5)
     # World of 3: rank 2 never starts, so a fuzzed hello may claim to be it.
-    t0 = await TCPTransport.create(store, 0, 3, timeout=5, auth_token=TOKEN)
-    t1 = await TCPTransport.create(store, 1, 3, timeout=5, auth_token=TOKEN)
+    t0 = await TCPTransport.create(PeerDirectory(store), 0, 3, timeout=5, auth_token=TOKEN)
+    t1 = await TCPTransport.create(PeerDirectory(store), 1, 3, timeout=5, auth_token=TOKEN)
     live = Live(t0, t1)
     try:
         await live.check()
@@ -135,7 +136,9 @@ frames = st.one_of(
 async def test_frames_are_delivered_intact_until_the_first_malformed_one(
     frames: list[Frame], cut: int, chunk: int
 ) -> None:
-    t0 = await TCPTransport.create(aiodist.HashStore(timeout=5), 0, 2, timeout=5, auth_token=TOKEN)
+    t0 = await TCPTransport.create(
+        PeerDirectory(aiodist.HashStore(timeout=5)), 0, 2, timeout=5, auth_token=TOKEN
+    )
     try:
         stream = b"".join(f.encode() for f in frames)
         stream = stream[: max(0, len(stream) - cut)]

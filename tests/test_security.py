@@ -23,7 +23,7 @@ import aiodist
 from aiodist import collectives
 from aiodist.group import resolve_group
 from aiodist.testing import run_world
-from aiodist.transport.base import OpComm
+from aiodist.transport.base import OpComm, PeerDirectory
 from aiodist.transport.tcp import TCPTransport
 
 pytestmark = pytest.mark.both_loops
@@ -42,7 +42,7 @@ async def transports(
 ) -> list[TCPTransport]:
     n = len(tokens)
     return [
-        await TCPTransport.create(store, r, n, timeout=5, auth_token=tok, **kw)
+        await TCPTransport.create(PeerDirectory(store), r, n, timeout=5, auth_token=tok, **kw)
         for r, tok in enumerate(tokens)
     ]
 
@@ -209,7 +209,7 @@ async def test_init_process_group_auth_token_covers_store_and_peers() -> None:
 
 # -- listeners bind the given interface ---------------------------------------------------------
 async def test_transport_listener_binds_only_the_given_address() -> None:
-    t = await TCPTransport.create(aiodist.HashStore(), 0, 1, host="127.0.0.2")
+    t = await TCPTransport.create(PeerDirectory(aiodist.HashStore()), 0, 1, host="127.0.0.2")
     try:
         host, port = t.address
         assert host == "127.0.0.2"

@@ -21,7 +21,7 @@ from aiodist._ops import ReduceOp
 from aiodist.store import FileStore, HashStore, Store
 from aiodist.transport._mailbox import Mailbox
 from aiodist.transport._shm_segment import SharedMemoryError, host_key, unavailable_reason
-from aiodist.transport.base import OpComm, Tag, Transport
+from aiodist.transport.base import OpComm, PeerDirectory, Tag, Transport
 from aiodist.transport.shm import ShmTransport, find_local_ranks
 from aiodist.transport.tcp import TCPTransport
 
@@ -373,7 +373,7 @@ async def test_one_mailbox_shared_with_a_tcp_transport_routes_per_peer(job: str)
 
     async def make(rank: int) -> Transport:
         mailbox = Mailbox(rank, n)
-        tcp = await TCPTransport.create(store, rank, n, timeout=10, spin=0)
+        tcp = await TCPTransport.create(PeerDirectory(store), rank, n, timeout=10, spin=0)
         # TCPTransport.create takes no mailbox yet: hand it this one before any connection.
         tcp._mailbox = mailbox
         if rank == 2:

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import aiodist
+from aiodist.transport.base import PeerDirectory
 from aiodist.transport.tcp import TCPTransport
 
 T = (0, 1, 0)
@@ -39,7 +40,7 @@ class World:
 async def make_world(n: int, **kwargs: object) -> World:
     store = aiodist.HashStore(timeout=10)
     transports = await asyncio.gather(
-        *(TCPTransport.create(store, r, n, **kwargs) for r in range(n))  # type: ignore[arg-type]
+        *(TCPTransport.create(PeerDirectory(store), r, n, **kwargs) for r in range(n))  # type: ignore[arg-type]
     )
     return World(store, list(transports))
 
@@ -329,8 +330,8 @@ async def test_peer_closing_in_order_leaves_any_source_receives_waiting() -> Non
 
 async def test_connect_to_a_rank_that_is_gone() -> None:
     store = aiodist.HashStore(timeout=5)
-    t0 = await TCPTransport.create(store, 0, 3, timeout=2)
-    t1 = await TCPTransport.create(store, 1, 3, timeout=2)
+    t0 = await TCPTransport.create(PeerDirectory(store), 0, 3, timeout=2)
+    t1 = await TCPTransport.create(PeerDirectory(store), 1, 3, timeout=2)
     await t1.aclose()  # its address stays in the store, nobody listens there
     try:
         with pytest.raises(
@@ -338,7 +339,9 @@ async def test_connect_to_a_rank_that_is_gone() -> None:
         ):
             await t0.send(1, T, memoryview(b"x"))
         # Rank 2 never publishes an address.
-        t0_timeout = await TCPTransport.create(aiodist.HashStore(timeout=5), 0, 3, timeout=0.2)
+        t0_timeout = await TCPTransport.create(
+            PeerDirectory(aiodist.HashStore(timeout=5)), 0, 3, timeout=0.2
+        )
         with pytest.raises(aiodist.DistTimeoutError, match="connecting to rank 2 took more"):
             await t0_timeout.recv_into(2, T, memoryview(bytearray(1)))
         await t0_timeout.aclose()
@@ -378,7 +381,7 @@ async def test_silent_connection_is_dropped_after_the_timeout() -> None:
 
 async def test_peer_answering_garbage_is_a_protocol_error() -> None:
     store = aiodist.HashStore(timeout=5)
-    t0 = await TCPTransport.create(store, 0, 2, timeout=2)
+    t0 = await TCPTransport.create(PeerDirectory(store), 0, 2, timeout=2)
 
     async def bad_peer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readexactly(82)
@@ -389,11 +392,11 @@ async def test_peer_answering_garbage_is_a_protocol_error() -> None:
 
     server = await asyncio.start_server(bad_peer, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    await store.set("transport/addr/1", f"127.0.0.1:{port}")
+    await store.set("transport/tcp/1", f"127.0.0.1:{port}")
     try:
         with pytest.raises(
             aiodist.DistProtocolError,
-            match=r"speaks transport protocol version 99, this rank 3",
+            match=r"speaks transport protocol version 99, this rank 4",
         ):
             await t0.send(1, T, memoryview(b"x"))
         with pytest.raises(aiodist.DistProtocolError):
@@ -415,7 +418,7 @@ async def test_usage_errors(world2: World) -> None:
     with pytest.raises(aiodist.DistUsageError, match="read-only"):
         t0.recv_into(1, T, memoryview(b"x"))
     with pytest.raises(aiodist.DistUsageError, match="rank must be in"):
-        await TCPTransport.create(aiodist.HashStore(), 2, 2)
+        await TCPTransport.create(PeerDirectory(aiodist.HashStore()), 2, 2)
 
 
 async def test_abort_and_aclose_leave_no_socket_or_task_behind() -> None:
@@ -475,11 +478,12 @@ WORKER = textwrap.dedent(
     import asyncio, sys, time
     import numpy as np
     import aiodist
+    from aiodist.transport.base import PeerDirectory
     from aiodist.transport.tcp import TCPTransport
 
     async def main(path, rank, mode):
         store = aiodist.FileStore(path, 2, timeout=20)
-        t = await TCPTransport.create(store, rank, 2, local_world_size=2, timeout=20)
+        t = await TCPTransport.create(PeerDirectory(store), rank, 2, local_world_size=2, timeout=20)
         peer = 1 - rank
         # Interleaved tags in both directions, checked against the sender's formula.
         outs = [np.zeros(s, np.int64) for s in (1, 1000, 300_000)]
@@ -554,8 +558,8 @@ async def test_killed_process_is_reported_within_a_second(tmp_path: Path) -> Non
     try:
         for proc in procs:
             assert proc.stdout is not None
-            while b"ready" not in await asyncio.wait_for(proc.stdout.readline(), 30):
-                pass
+            while b"ready" not in (line := await asyncio.wait_for(proc.stdout.readline(), 30)):
+                assert line, "the worker ended before it was ready"
         procs[1].kill()
         await procs[1].wait()
         out = await _finish(procs[0])

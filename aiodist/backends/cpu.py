@@ -206,7 +206,14 @@ def all_gather_coalesced(pg: ProcessGroup, output_lists: object, inputs: object)
     xs = [as_array(x, writable=False, name=f"input_tensor_list[{i}]") for i, x in enumerate(inputs)]
     rows = []
     for r, row in enumerate(output_lists):
-        outs = _array_list(row, len(xs), f"output_tensor_lists[{r}]", writable=True)
+        if not isinstance(row, list | tuple) or len(row) != len(xs):
+            raise DistUsageError(
+                f"output_tensor_lists[{r}] must be a list of {len(xs)} arrays, one per input"
+            )
+        outs = [
+            as_array(o, writable=True, name=f"output_tensor_lists[{r}][{i}]")
+            for i, o in enumerate(row)
+        ]
         for i, (o, x) in enumerate(zip(outs, xs, strict=True)):
             _check_like(o, x, f"output_tensor_lists[{r}][{i}]", f"input_tensor_list[{i}]")
         rows.append(outs)

@@ -99,7 +99,7 @@ class LocalTransport(Transport):
         The other ranks' receives from this rank fail, naming ``exc`` as the cause, and so
         do their any-source receives.
         """
-        self._close(exc, f"rank {self.rank} aborted: {type(exc).__name__}: {exc}", graceful=False)
+        self._close(exc, f"it aborted: {type(exc).__name__}: {exc}", graceful=False)
 
     async def aclose(self) -> None:
         """Close this rank; its pending receives fail with ``DistNetworkError``.
@@ -115,7 +115,7 @@ class LocalTransport(Transport):
             return
         self._closed = exc
         self.mailbox.abort(exc)
-        lost = DistNetworkError(reason) if not graceful else lost_peer_error(self.rank, reason)
+        lost = lost_peer_error(self.rank, reason)
         for other in self._world:
             if other is not self:
                 other.mailbox.fail_peer(self.rank, lost, graceful=graceful)

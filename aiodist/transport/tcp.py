@@ -162,6 +162,7 @@ class _Conn(asyncio.BufferedProtocol):
         self.mailbox = owner.mailbox
         # Known when we connect; learned from the hello when we accept.
         self.peer = peer
+        self.accepted = peer is None
         self.state = _HANDSHAKING
         self.transport: asyncio.Transport | None = None
         self.fd = -1
@@ -701,7 +702,7 @@ class _Control:
         if self.kind == _REJECTION:
             conn.mailbox.reject(conn.peer, self.group, self.seq, text)
         else:
-            conn.owner._lose(conn.peer, "", DistNetworkError(f"rank {conn.peer} aborted: {text}"))
+            conn.owner._lose(conn.peer, f"it aborted: {text}")
 
 
 class _Peer:
