@@ -188,11 +188,14 @@ def _bfloat16_from_dlpack(x: Any, name: str) -> npt.NDArray[Any] | None:
     if count == 0 or not address:
         root = np.zeros(0, np.uint16)
     else:
-        root = np.ctypeslib.as_array(ctypes.cast(address, ctypes.POINTER(ctypes.c_uint16)), (count,))
+        root = np.ctypeslib.as_array(
+            ctypes.cast(address, ctypes.POINTER(ctypes.c_uint16)), (count,)
+        )
     deleter = managed.contents.deleter
     if deleter:
         weakref.finalize(root, deleter, managed)
-    return root.view(ml_dtypes.bfloat16).reshape(shape)
+    view: npt.NDArray[Any] = root.view(ml_dtypes.bfloat16).reshape(shape)
+    return view
 
 
 def as_array(x: object, *, writable: bool, name: str) -> npt.NDArray[Any]:

@@ -71,7 +71,7 @@ async def test_object_usage_errors() -> None:
                 aiodist.broadcast_object_list([lambda: 1], src=0)
         else:
             # Rank 0 rejected the call: this rank learns why instead of waiting.
-            with pytest.raises(aiodist.DistUsageError, match="rejected by rank 0: .*pickled"):
+            with pytest.raises(aiodist.DistUsageError, match=r"rejected by rank 0: .*pickled"):
                 await aiodist.broadcast_object_list([None], src=0)
 
     await run_world(unpicklable, 2, timeout=20)

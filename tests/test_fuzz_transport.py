@@ -45,7 +45,7 @@ class Live:
         # Only the connection to rank 1 is left once the fuzzed one is closed.
         await until(lambda: len(t0._live) == 1, "dropping the fuzzed connection")
         assert t0.connected_peers() == [1]
-        assert t0._mailbox.num_staged() == 0
+        assert t0.mailbox.num_staged() == 0
 
 
 @pytest.fixture
@@ -161,13 +161,13 @@ async def test_frames_are_delivered_intact_until_the_first_malformed_one(
             writer.write(stream[i : i + chunk])
             await writer.drain()
         writer.write_eof()
-        await until(lambda: t0._mailbox.lost(1) is not None, "rank 1 counted as gone")
+        await until(lambda: t0.mailbox.lost(1) is not None, "rank 1 counted as gone")
         writer.close()
         for f in expected:
             out = bytearray(len(f.payload))
             assert await t0.recv_into(1, f.tag, memoryview(out)) == 1
             assert out == f.payload
-        lost = t0._mailbox.lost(1)
+        lost = t0.mailbox.lost(1)
         if killed:
             assert isinstance(lost, aiodist.DistProtocolError), lost
             assert "bytes" in str(lost)

@@ -103,7 +103,7 @@ async def test_rank_without_the_token_is_refused_and_the_others_keep_working() -
         fut = ts[0].recv_into(2, T, memoryview(out))
         await ts[2].send(0, T, memoryview(b"y"))
         assert await fut == 2 and out == b"y"
-        assert ts[0]._mailbox.num_staged() == 0
+        assert ts[0].mailbox.num_staged() == 0
     finally:
         await close_all(ts)
 
@@ -154,7 +154,7 @@ async def test_unauthenticated_bytes_never_reach_a_receive() -> None:
         assert await eof_or_reset(reader) == b""
         writer.close()
         await asyncio.sleep(0.1)
-        assert not fut.done() and t0._mailbox.num_staged() == 0
+        assert not fut.done() and t0.mailbox.num_staged() == 0
         assert t0.connected_peers() == []
         # The real rank 1 still gets in.
         await ts[1].send(0, T, memoryview(evil))

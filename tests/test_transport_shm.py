@@ -153,11 +153,19 @@ async def test_messages_larger_than_the_ring_stream_and_the_loop_keeps_ticking(j
 async def test_a_fingerprint_mismatch_reaches_the_handler_and_no_byte_lands(job: str) -> None:
     t0, t1 = await shm_world(2, job)
     seen: list[tuple[int, int, str]] = []
-    t1.set_mismatch_handler(lambda g, s, exc: seen.append((g, s, str(exc))))
+
+    class Listener:
+        def on_mismatch(self, group: int, seq: int, exc: Exception) -> None:
+            seen.append((group, seq, str(exc)))
+
+        def on_reject(self, peer: int, group: int, seq: int, reason: str) -> None:
+            raise AssertionError("no rejection here")
+
+    t1.mailbox.listener = Listener()
     fp_sum = fingerprint("all_reduce", dtype=np.float32, shape=(4,), reduce_op=ReduceOp.SUM)
     fp_max = fingerprint("all_reduce", dtype=np.float32, shape=(4,), reduce_op=ReduceOp.MAX)
-    t0.begin_op(0, 7, fp_sum)
-    t1.begin_op(0, 7, fp_max)
+    t0.mailbox.begin(0, 7, fp_sum)
+    t1.mailbox.begin(0, 7, fp_max)
     out = np.zeros(4, np.float32)
     fut = t1.recv_into(0, (0, 7, 0), mv(out))
     await t0.send(1, (0, 7, 0), mv(np.ones(4, np.float32)))
@@ -240,7 +248,7 @@ async def test_closing_in_order_versus_aborting(job: str) -> None:
     assert not any_source.done()
     t2.abort(aiodist.DistNetworkError("boom"))
     with pytest.raises(
-        aiodist.DistNetworkError, match="lost connection to rank 2: its transport was aborted"
+        aiodist.DistNetworkError, match="lost connection to rank 2: it aborted: DistNetworkError: boom"
     ):
         await any_source
     with pytest.raises(aiodist.DistNetworkError, match="boom"):
@@ -343,8 +351,7 @@ class _Router(Transport):
     """Per-peer routing over one mailbox: shared memory to local ranks, TCP to the others."""
 
     def __init__(self, mailbox: Mailbox, shm: ShmTransport, tcp: TCPTransport) -> None:
-        self.rank, self.world_size = shm.rank, shm.world_size
-        self._mailbox = mailbox
+        super().__init__(shm.rank, shm.world_size, mailbox)
         self.shm, self.tcp = shm, tcp
 
     def _for(self, peer: int | None) -> Transport:
@@ -355,6 +362,9 @@ class _Router(Transport):
 
     def recv_into(self, peer: int | None, tag: Tag, out: memoryview) -> asyncio.Future[int]:
         return self._for(peer).recv_into(peer, tag, out)
+
+    def send_reject(self, peer: int, group: int, seq: int, reason: str) -> None:
+        self._for(peer).send_reject(peer, group, seq, reason)
 
     def abort(self, exc: BaseException) -> None:
         self.shm.abort(exc)
@@ -373,9 +383,9 @@ async def test_one_mailbox_shared_with_a_tcp_transport_routes_per_peer(job: str)
 
     async def make(rank: int) -> Transport:
         mailbox = Mailbox(rank, n)
-        tcp = await TCPTransport.create(PeerDirectory(store), rank, n, timeout=10, spin=0)
-        # TCPTransport.create takes no mailbox yet: hand it this one before any connection.
-        tcp._mailbox = mailbox
+        tcp = await TCPTransport.create(
+            PeerDirectory(store), rank, n, timeout=10, spin=0, mailbox=mailbox
+        )
         if rank == 2:
             return tcp
         shm = await ShmTransport.create(store, rank, n, [0, 1], mailbox=mailbox, job_key=job)

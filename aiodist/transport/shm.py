@@ -38,11 +38,20 @@ from collections import deque
 from collections.abc import Collection
 from typing import Any
 
-from .._fingerprint import FINGERPRINT_SIZE, NO_FINGERPRINT
+from .._fingerprint import NO_FINGERPRINT
 from .._timeouts import Timeout, to_seconds
 from ..errors import DistNetworkError, DistProtocolError, DistUsageError
 from ..store import Store
 from . import _shm_setup
+from ._frames import (
+    ABORTING,
+    HEADER,
+    MAX_MESSAGE,
+    REJECTION,
+    ControlText,
+    control_frame,
+    is_control,
+)
 from ._mailbox import Inbound, Mailbox, as_bytes, fail_future, lost_peer_error
 from ._shm_segment import (
     ProcessId,
@@ -63,8 +72,7 @@ logger = logging.getLogger(__name__)
 
 _VERSION = 1
 _MAGIC = int.from_bytes(b"AIODSHM1", "little")
-# group id, sequence number, step, payload length, the operation's fingerprint
-_HEADER = struct.Struct(f"<QQQQ{FINGERPRINT_SIZE}s")
+_HEADER = HEADER
 _HDR = _HEADER.size
 _ALIGN_MASK = 63
 _CTRL_BYTES = 4096
@@ -75,8 +83,6 @@ _RING_HDR_BYTES = 256
 _R_HEAD, _R_TAIL, _R_WANT = 0, 8, 16
 # Owner states; 0 while setting up.
 _OPEN, _CLOSED, _ABORTED = 1, 2, 3
-# A length this large is garbage, not a message.
-_MAX_MESSAGE = 1 << 48
 _EMPTY = memoryview(b"")
 
 #: Bytes of ring per ordered pair of ranks (a power of two). With many local ranks the
@@ -143,6 +149,11 @@ class _Send:
         self.off = -1  # -1: the header is not written yet
 
 
+def _control_send(frame: bytes, fut: asyncio.Future[None]) -> _Send:
+    """A control message as a send: its header, then its text as the payload."""
+    return _Send(frame[:_HDR], memoryview(frame)[_HDR:], fut)
+
+
 class _Link:
     """Everything between this rank and one local peer: both rings, its doorbell, its pid."""
 
@@ -184,8 +195,8 @@ class _Link:
         w = in_ring // 8
         self.rx_head_w, self.rx_tail_w, self.rx_want_w = w + _R_HEAD, w + _R_TAIL, w + _R_WANT
         self.tail = 0
-        self.inbound: Inbound | None = None
-        self.dest = _EMPTY
+        # The message whose payload is arriving: a data message, or a control text.
+        self.inbound: Inbound | ControlText | None = None
         self.doff = 0
         self.drem = 0
 
@@ -278,16 +289,26 @@ class _Link:
             return 0
         buf = self.rx_buf
         cap, mask, base = self.cap, self.mask, self.rx_data
-        mailbox = self.owner._mailbox
+        mailbox = self.owner.mailbox
         moved = 0
-        done: list[Inbound] = []
+        done: list[Inbound | ControlText] = []
         while tail != head and budget > 0:
             if self.inbound is None:
                 group, seq, step, nbytes, fp = _HEADER.unpack_from(buf, base + (tail & mask))
                 tail += _HDR
                 moved += _HDR
                 budget -= _HDR
-                if nbytes >= _MAX_MESSAGE:
+                if is_control(nbytes, step):
+                    self.inbound = ControlText(
+                        nbytes, group, seq, step, self.peer, mailbox, self._aborted
+                    )
+                    self.doff = 0
+                    self.drem = step
+                    if not step:
+                        done.append(self.inbound)
+                        self.inbound = None
+                    continue
+                if nbytes >= MAX_MESSAGE:
                     self._publish_tail(tail)
                     self.owner._lose(
                         self,
@@ -311,14 +332,16 @@ class _Link:
                     return moved
                 if nbytes:
                     self.inbound = inbound
-                    self.dest = inbound.buffer
                     self.doff = 0
                     self.drem = nbytes
                 continue
             take = min(head - tail, self.drem, budget)
             start = tail & mask
             first = min(take, cap - start)
-            dest, doff = self.dest, self.doff
+            # Read the destination each time: a rejected operation's message is switched
+            # to scratch memory while it arrives.
+            assert self.inbound is not None
+            dest, doff = self.inbound.buffer, self.doff
             dest[doff : doff + first] = buf[base + start : base + start + first]
             if first < take:
                 dest[doff + first : doff + take] = buf[base : base + take - first]
@@ -331,12 +354,11 @@ class _Link:
                 tail = (tail + _ALIGN_MASK) & ~_ALIGN_MASK
                 done.append(self.inbound)
                 self.inbound = None
-                self.dest = _EMPTY
         self._publish_tail(tail)
         if done:
             self.owner._completions += len(done)
-            for inbound in done:
-                inbound.done()
+            for arrived in done:
+                arrived.done()
         return moved
 
     def _publish_tail(self, tail: int) -> None:
@@ -347,6 +369,9 @@ class _Link:
         fence()
         if words[self.rx_want_w] and self.tx_words[_W_SLEEP] and not self.bell.ring():
             self.owner._loop.call_soon(self.owner._peer_exited, self)
+
+    def _aborted(self, cause: str) -> None:
+        self.owner._lose(self, lost_peer_error(self.peer, f"it aborted: {cause}"))
 
     def drain(self) -> None:
         """Take everything the peer wrote (it is gone): complete messages are delivered."""
@@ -383,10 +408,8 @@ class ShmTransport(Transport):
         doorbell: Doorbell | None,
         spin: float,
     ) -> None:
-        self.rank = rank
-        self.world_size = world_size
+        super().__init__(rank, world_size, mailbox)
         self.local_ranks = local_ranks
-        self._mailbox = mailbox
         self._loop = asyncio.get_running_loop()
         self._seg = seg
         self._doorbell = doorbell
@@ -622,7 +645,7 @@ class ShmTransport(Transport):
         state = "closed" if self._closed is not None else "open"
         return (
             f"<ShmTransport rank={self.rank}/{self.world_size} local={list(self.local_ranks)} "
-            f"{state} {self._mailbox!r}>"
+            f"{state} {self.mailbox!r}>"
         )
 
     # -- the Transport interface -----------------------------------------------------------
@@ -640,7 +663,7 @@ class ShmTransport(Transport):
         """
         data = as_bytes(data, writable=False)
         try:
-            fp = self._mailbox.fingerprint_of(tag[0], tag[1])
+            fp = self.mailbox.fingerprint_of(tag[0], tag[1])
             header = _HEADER.pack(tag[0], tag[1], tag[2], len(data), fp)
         except (struct.error, TypeError, IndexError):
             raise DistUsageError(
@@ -651,7 +674,7 @@ class ShmTransport(Transport):
         if self._closed is not None:
             fail_future(fut, self._closed)
         elif link is None:
-            self._mailbox.deliver(peer, (tag[0], tag[1], tag[2]), data, fp)
+            self.mailbox.deliver(peer, (tag[0], tag[1], tag[2]), data, fp)
             fut.set_result(None)
         elif link.error is not None:
             fail_future(fut, link.error)
@@ -681,7 +704,7 @@ class ShmTransport(Transport):
             raise DistUsageError(
                 f"a tag must be three integers in [0, 2**64) (group id, seq, step), got {tag!r}"
             ) from None
-        fut = self._mailbox.post(peer, tag, as_bytes(out, writable=True))
+        fut = self.mailbox.post(peer, tag, as_bytes(out, writable=True))
         if not fut.done() and self._closed is None:
             # The message may already wait in the ring.
             if link is not None:
@@ -695,6 +718,22 @@ class ShmTransport(Transport):
                 self._awaited.append(fut)
                 self._schedule()
         return fut
+
+    def send_reject(self, peer: int, group: int, seq: int, reason: str) -> None:
+        """Tell ``peer`` that this rank rejected operation ``(group, seq)``, and why."""
+        link = self._link_for(peer)
+        if link is None:
+            self.mailbox.reject(peer, group, seq, reason)
+            return
+        if self._closed is not None or link.error is not None:
+            return  # a peer that is gone needs no rejection
+        fut: asyncio.Future[None] = self._loop.create_future()
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+        link.queue.append(_control_send(control_frame(REJECTION, group, seq, reason), fut))
+        if len(link.queue) == 1:
+            link.tx(TURN_BYTES)
+        if link.queue:
+            self._schedule()
 
     def _link_for(self, peer: int) -> _Link | None:
         """The link to ``peer``; ``None`` for this rank itself."""
@@ -732,6 +771,13 @@ class ShmTransport(Transport):
 
     def _shutdown(self, exc: BaseException, state: int) -> None:
         self._closed = exc
+        if state == _ABORTED:
+            # The peers read this before they see our state change: the cause reaches them.
+            frame = control_frame(ABORTING, 0, 0, f"{type(exc).__name__}: {exc}")
+            for link in self._links:
+                if link.error is None and not link.queue:
+                    link.queue.append(_control_send(frame, self._loop.create_future()))
+                    link.tx(len(frame))
         if self._seg is not None:
             self._seg.words[_W_STATE] = state
             fence()
@@ -741,7 +787,7 @@ class ShmTransport(Transport):
             for s in link.queue:
                 fail_future(s.fut, exc)
             link.queue.clear()
-        self._mailbox.abort(exc)
+        self.mailbox.abort(exc)
         self._release()
         logger.debug("rank %d shared-memory transport closed: %s", self.rank, exc)
 
@@ -895,7 +941,6 @@ class ShmTransport(Transport):
             fail_future(s.fut, exc)
         link.queue.clear()
         link.inbound = None  # the mailbox fails it with the peer
-        link.dest = _EMPTY
-        self._mailbox.fail_peer(link.peer, exc, graceful=graceful)
+        self.mailbox.fail_peer(link.peer, exc, graceful=graceful)
         level = logging.DEBUG if graceful else logging.WARNING
         logger.log(level, "rank %d: %s", self.rank, exc)

@@ -35,6 +35,7 @@ caller's memory any more.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import socket
@@ -45,7 +46,7 @@ from collections.abc import Coroutine
 from typing import Any, cast
 
 from .._auth import AUTH_MAC_SIZE, NONCE_SIZE, auth_mac, resolve_token, verify_mac
-from .._fingerprint import FINGERPRINT_SIZE, NO_FINGERPRINT
+from .._fingerprint import NO_FINGERPRINT
 from .._timeouts import Timeout, to_seconds
 from ..errors import (
     DistNetworkError,
@@ -53,6 +54,16 @@ from ..errors import (
     DistTimeoutError,
     DistUsageError,
     map_exceptions,
+)
+from ._frames import (
+    ABORTING,
+    BYE,
+    HEADER,
+    MAX_MESSAGE,
+    REJECTION,
+    ControlText,
+    control_frame,
+    is_control,
 )
 from ._mailbox import Inbound, Mailbox, as_bytes, fail_future, lost_peer_error
 from .base import PeerDirectory, Tag, Transport
@@ -72,18 +83,9 @@ _NO_PROOF = bytes(AUTH_MAC_SIZE)
 # Roles of the two proofs, so neither can be reflected back as the other.
 _ROLE_ACCEPT, _ROLE_CONNECT = b"peer/accept", b"peer/connect"
 _IDS = struct.Struct("<III")
-# group id, sequence number, step, payload length, the operation's fingerprint
-_HEADER = struct.Struct(f"<QQQQ{FINGERPRINT_SIZE}s")
+_HEADER = HEADER
 _HEADER_SIZE = _HEADER.size
-# A length this large is garbage, not a message: refuse to allocate a staging buffer for it.
-_MAX_MESSAGE = 1 << 48
-# Control frames (see the module docstring), told apart by their length field.
-_BYE = (1 << 64) - 1
-_REJECTION = (1 << 64) - 2
-_ABORTING = (1 << 64) - 3
-_BYE_FRAME = _HEADER.pack(0, 0, 0, _BYE, NO_FINGERPRINT)
-# The longest reason a control frame carries; longer ones are cut.
-_MAX_REASON = 16 << 10
+_BYE_FRAME = control_frame(BYE, 0, 0)
 #: Seconds an aborting rank keeps a connection it said goodbye on, waiting for the peer to
 #: close it first (see the module docstring).
 ABORT_LINGER_SECONDS = 2.0
@@ -121,11 +123,6 @@ def _format_address(host: str, port: int) -> str:
 def _parse_address(address: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
     return host.strip("[]"), int(port)
-
-
-def _control_frame(kind: int, group: int, seq: int, text: str) -> bytes:
-    data = text.encode(errors="replace")[:_MAX_REASON]
-    return _HEADER.pack(group, seq, len(data), kind, NO_FINGERPRINT) + data
 
 
 def _enable_keepalive(sock: socket.socket) -> None:
@@ -190,7 +187,7 @@ class _Conn(asyncio.BufferedProtocol):
         self._rstart = 0
         self._rend = 0
         # The message whose payload is arriving: a data message, or a control frame's text.
-        self._inbound: Inbound | _Control | None = None
+        self._inbound: Inbound | ControlText | None = None
         self._doff = 0
         self._drem = 0
         self._direct = False
@@ -632,17 +629,25 @@ class _Conn(asyncio.BufferedProtocol):
                     return
                 group, seq, step, nbytes, fp = _HEADER.unpack_from(rx, self._rstart)
                 self._rstart += _HEADER_SIZE
-                if nbytes == _BYE:
+                if nbytes == BYE:
                     self.bye = True
                     continue
-                if nbytes in (_REJECTION, _ABORTING) and step <= _MAX_REASON:
-                    self._inbound = _Control(self, nbytes, group, seq, step)
+                if is_control(nbytes, step):
+                    self._inbound = ControlText(
+                        nbytes,
+                        group,
+                        seq,
+                        step,
+                        self.peer,
+                        self.mailbox,
+                        functools.partial(self.owner._peer_aborted, self.peer),
+                    )
                     self._doff = 0
                     self._drem = step
                     if not step:
                         self._finish_inbound()
                     continue
-                if nbytes >= _MAX_MESSAGE:
+                if nbytes >= MAX_MESSAGE:
                     self.owner._lose(
                         self.peer,
                         "",
@@ -681,28 +686,6 @@ class _Conn(asyncio.BufferedProtocol):
                 self._drem -= take
                 if not self._drem:
                     self._finish_inbound()
-
-
-class _Control:
-    """The text of a control frame, arriving: a peer's rejection or its abort."""
-
-    __slots__ = ("buffer", "conn", "group", "kind", "seq")
-
-    def __init__(self, conn: _Conn, kind: int, group: int, seq: int, nbytes: int) -> None:
-        self.conn = conn
-        self.kind = kind
-        self.group = group
-        self.seq = seq
-        self.buffer = memoryview(bytearray(nbytes))
-
-    def done(self) -> None:
-        text = bytes(self.buffer).decode(errors="replace")
-        conn = self.conn
-        assert conn.peer is not None
-        if self.kind == _REJECTION:
-            conn.mailbox.reject(conn.peer, self.group, self.seq, text)
-        else:
-            conn.owner._lose(conn.peer, f"it aborted: {text}")
 
 
 class _Peer:
@@ -937,7 +920,7 @@ class TCPTransport(Transport):
         fut: asyncio.Future[None] = self._loop.create_future()
         # Nobody waits for it: a peer that is gone needs no rejection.
         fut.add_done_callback(lambda f: f.cancelled() or f.exception())
-        frame = _control_frame(_REJECTION, group, seq, reason)
+        frame = control_frame(REJECTION, group, seq, reason)
         self._send_frame(self._peers[peer], frame, memoryview(b""), fut)
 
     def recv_into(self, peer: int | None, tag: Tag, out: memoryview) -> asyncio.Future[int]:
@@ -994,7 +977,7 @@ class TCPTransport(Transport):
                 fail_future(p.waiter, exc)
             p.conn = None
         # Connected peers learn why before their connection drops.
-        frame = _control_frame(_ABORTING, 0, 0, f"{type(exc).__name__}: {exc}")
+        frame = control_frame(ABORTING, 0, 0, f"{type(exc).__name__}: {exc}")
         for conn in list(self._live):
             conn.close_after(frame)
             conn._fail_sends(exc)
@@ -1151,6 +1134,10 @@ class TCPTransport(Transport):
         for header, data, fut in pending:
             conn.send(header, data, fut)
         logger.debug("rank %d connected to rank %d", self.rank, peer)
+
+    def _peer_aborted(self, peer: int, cause: str) -> None:
+        """``peer`` said it is aborting, and why: it is lost, with that cause."""
+        self._lose(peer, f"it aborted: {cause}")
 
     def _lose(
         self, peer: int, reason: str, exc: BaseException | None = None, *, graceful: bool = False
