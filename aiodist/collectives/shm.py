@@ -326,6 +326,7 @@ class NodeWorkspace:
         seconds = to_seconds(timeout, DEFAULT_SETUP_TIMEOUT)
         reason = unavailable_reason()
         if reason is not None:
+            logger.info("no shared-memory workspace: %s", reason)
             raise SharedMemoryError(reason)
         if size == 1:
             return cls(rank, size, block_bytes, None, None, 0.0, names)
@@ -507,7 +508,9 @@ class NodeWorkspace:
                     view.release()
             self._slot_views = []
             self._mem = _NOTHING
-            self._seg.close()
+            with self._freed_lock:  # an array's finalizer may be writing its freed list
+                self._closed = True
+                self._seg.close()
 
     # -- shared arrays ---------------------------------------------------------------------
 

@@ -495,6 +495,7 @@ class ShmTransport(Transport):
         seconds = to_seconds(timeout, DEFAULT_SETUP_TIMEOUT)
         reason = unavailable_reason()
         if reason is not None:
+            logger.info("no shared-memory transport: %s", reason)
             raise SharedMemoryError(reason)
         if mailbox is None:
             mailbox = Mailbox(rank, world_size)
