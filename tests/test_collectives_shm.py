@@ -349,6 +349,21 @@ async def test_closing_aborting_or_cancelling_fails_the_peers_by_name(job: str) 
         await shm.barrier(wss[0])
     await close(wss)
 
+    # Cancelled while waiting for its turn: it would have been the group's next operation.
+    wss = await workspaces(2, job)
+    first = asyncio.create_task(shm.barrier(wss[0]))
+    queued = asyncio.create_task(shm.barrier(wss[0]))
+    await asyncio.sleep(0.05)
+    queued.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await queued
+    with pytest.raises(aiodist.DistNetworkError, match="rank 0 cancelled"):
+        await first
+    await shm.barrier(wss[1])  # pairs with the first, which had arrived
+    with pytest.raises(aiodist.DistNetworkError, match="rank 0 cancelled"):
+        await shm.barrier(wss[1])
+    await close(wss)
+
 
 async def test_bad_workspace_arguments(job: str) -> None:
     store = HashStore()

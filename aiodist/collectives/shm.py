@@ -585,12 +585,15 @@ class NodeWorkspace:
             try:
                 await fut
             except BaseException as exc:
-                # Our turn is part of every rank's sequence: skipping it desynchronises
-                # the group. Fail the workspace (nothing new if it failed already).
-                if fut in self._queue:
-                    self._queue.remove(fut)
-                self._busy = fut.done() and not fut.cancelled() and fut.exception() is None
-                self._leave(exc)
+                if fut.done() and not fut.cancelled() and fut.exception() is None:
+                    self._leave(exc)  # handed the turn just now: pass it on, and fail
+                else:
+                    # Our turn is part of every rank's sequence: skipping it desynchronises
+                    # the group. Fail the workspace (nothing new if it failed already).
+                    if fut in self._queue:
+                        self._queue.remove(fut)
+                    if not self._closed:
+                        self._shutdown(self._given_up(exc), _ABORTED)
                 raise
         self._busy = True
         self._ops += 1
@@ -601,11 +604,7 @@ class NodeWorkspace:
         if exc is not None and exc is not self._consistent and not self._closed:
             # The ranks may now be at different points of the operation: nothing after it
             # can be trusted. Tell the peers, so that they fail instead of waiting.
-            if isinstance(exc, asyncio.CancelledError):
-                exc = DistNetworkError(
-                    f"rank {self._names[self.rank]} cancelled a shared-memory operation"
-                )
-            self._shutdown(exc, _ABORTED)
+            self._shutdown(self._given_up(exc), _ABORTED)
         self._busy = False
         while self._queue:
             fut = self._queue.popleft()
@@ -613,6 +612,13 @@ class NodeWorkspace:
                 self._busy = True
                 fut.set_result(None)
                 break
+
+    def _given_up(self, exc: BaseException) -> BaseException:
+        if isinstance(exc, asyncio.CancelledError):
+            return DistNetworkError(
+                f"rank {self._names[self.rank]} cancelled a shared-memory operation"
+            )
+        return exc
 
     def _fail_consistently(self, exc: DistUsageError) -> None:
         """Raise ``exc``, which every rank raises alike at the same point (it was found in
