@@ -32,9 +32,10 @@ from ..errors import (
     DistUsageError,
     QueueEmptyError,
 )
-from ._base import Store, Value, check_lengths, encode_key, encode_value
-from ._server import TCPStoreServer, enable_keepalive, resolve_token
-from ._state import format_keys, timeout_error
+from ._base import Store, Value, check_lengths, check_world_size, encode_key, encode_value
+from ._server import TCPStoreServer, resolve_token
+from ._sockets import configure_stream, resolve_peer_timeout
+from ._state import I64_MAX, I64_MIN, barrier_timeout_error, format_keys, timeout_error
 from ._wire import (
     AIODIST_MAGIC,
     AUTH_MAC_SIZE,
@@ -80,15 +81,19 @@ _JOIN_KEY = b"init/"
 _MAX_REPLY_VALUE = 2**32
 #: Extra time the client gives a server-timed wait before deciding the server is stuck.
 _SERVER_GRACE = 10.0
-_I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
+_OK = int(Status.OK)
+#: Request ids run 1..2**32-1: id 0 is what CANCEL frames carry.
+_MAX_RID = 0xFFFFFFFF
 
 
 class _TimedOut(Exception):
     """A wait ran out of time; the caller turns it into a message naming its own keys."""
 
-    def __init__(self, missing: list[bytes], waited: float) -> None:
+    def __init__(self, missing: list[bytes], waited: float, count: int | None = None) -> None:
         self.missing = missing
         self.waited = waited
+        # A barrier's timeout also reports the count its counter reached.
+        self.count = count
 
 
 def _lost(where: str, exc: BaseException | None) -> DistNetworkError:
@@ -98,7 +103,8 @@ def _lost(where: str, exc: BaseException | None) -> DistNetworkError:
 
 class _Sink(abc.ABC):
     @abc.abstractmethod
-    def feed(self, buf: bytearray) -> None: ...
+    def feed(self, buf: bytes | bytearray) -> int:
+        """Take the complete replies at the start of ``buf``; return the bytes used."""
 
     @abc.abstractmethod
     def lost(self, conn: _Conn) -> None: ...
@@ -107,8 +113,9 @@ class _Sink(abc.ABC):
 class _Conn(asyncio.Protocol):
     """One TCP connection: plain reads during the handshake, then a sink parses replies."""
 
-    def __init__(self, where: str) -> None:
+    def __init__(self, where: str, peer_timeout: float) -> None:
         self.where = where
+        self.peer_timeout = peer_timeout
         self.transport: asyncio.Transport | None = None
         self.buf = bytearray()
         self.sink: _Sink | None = None
@@ -121,13 +128,24 @@ class _Conn(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses, but have its methods.
         self.transport = cast(asyncio.Transport, transport)
-        enable_keepalive(transport)
+        configure_stream(transport, self.peer_timeout)
 
     def data_received(self, data: bytes) -> None:
+        sink = self.sink
+        if sink is not None:
+            if not self.buf:
+                # The usual read holds whole replies: parse them in place, keep the rest.
+                used = sink.feed(data)
+                if used < len(data):
+                    self.buf += data[used:]
+                return
+            self.buf += data
+            used = sink.feed(self.buf)
+            if used:
+                del self.buf[:used]
+            return
         self.buf += data
-        if self.sink is not None:
-            self.sink.feed(self.buf)
-        elif (
+        if (
             self._need_future is not None
             and len(self.buf) >= self._need
             and not self._need_future.done()
@@ -178,30 +196,56 @@ def _remaining(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
-async def _connect(host: str, port: int, timeout: float | None) -> _Conn:
+def _describe(exc: OSError) -> str:
+    """An OS error as a reader wants it: its text, else its class and errno."""
+    text = str(exc)
+    if text:
+        return text
+    return f"{type(exc).__name__} (errno {exc.errno})" if exc.errno else type(exc).__name__
+
+
+async def _connect(host: str, port: int, timeout: float | None, peer_timeout: float) -> _Conn:
     """Connect, retrying with jittered exponential backoff until ``timeout`` runs out.
 
     Raises:
-        DistNetworkError: naming host:port and the time spent.
+        DistNetworkError: naming host:port, the time spent, the number of attempts and the
+            last error the OS reported (or that the last attempt got no answer).
     """
     loop = asyncio.get_running_loop()
     start = time.monotonic()
     deadline = None if timeout is None else start + timeout
     delay = 0.01
+    attempts = 0
+    last_error: OSError | None = None
+    unanswered = False
     while True:
-        conn = _Conn(f"{host}:{port}")
+        conn = _Conn(f"{host}:{port}", peer_timeout)
+        attempts += 1
         try:
             async with asyncio.timeout(_remaining(deadline)):
                 await loop.create_connection(lambda c=conn: c, host, port)  # type: ignore[misc]
             return conn
-        except (OSError, TimeoutError) as exc:
-            error: BaseException = exc
+        except TimeoutError:
+            # Cut off by our deadline (TimeoutError is an OSError, with no text): the host
+            # neither accepted nor refused in the time that was left.
+            unanswered = True
+        except OSError as exc:
+            last_error, unanswered = exc, False
         left = _remaining(deadline)
         if left is not None and left <= 0:
+            tried = f"{attempts} attempt{'s' if attempts != 1 else ''} to connect to {host}:{port}"
+            if unanswered:
+                cause = "the last one got no answer before the deadline"
+                if last_error is not None:
+                    cause += f"; the error before it was: {_describe(last_error)}"
+            elif last_error is not None:
+                cause = f"the last error was: {_describe(last_error)}"
+            else:
+                cause = "no attempt got an answer"
             raise DistNetworkError(
                 f"could not connect to the store at {host}:{port} within "
-                f"{time.monotonic() - start:.1f} s: {error or 'timed out'}"
-            ) from error
+                f"{time.monotonic() - start:.1f} s ({tried}; {cause})"
+            ) from last_error
         pause = random.uniform(delay / 2, delay)
         delay = min(delay * 2, 1.0)
         await asyncio.sleep(pause if left is None else min(pause, left))
@@ -212,6 +256,11 @@ class _Channel(abc.ABC):
     wire: str
     max_key_size: int
     max_value_size: int
+    _conn: _Conn
+
+    @property
+    def peer_timeout(self) -> float:
+        return self._conn.peer_timeout
 
     @property
     @abc.abstractmethod
@@ -247,6 +296,8 @@ class _Channel(abc.ABC):
     async def queue_pop(self, key: bytes, block: bool, timeout: float | None) -> bytes: ...
     @abc.abstractmethod
     async def queue_len(self, key: bytes) -> int: ...
+    @abc.abstractmethod
+    async def barrier(self, key: bytes, world_size: int, timeout: float | None) -> None: ...
     @abc.abstractmethod
     def close(self) -> None: ...
 
@@ -284,21 +335,22 @@ class _AiodistChannel(_Channel, _Sink):
     def pending(self) -> int:
         return len(self._pending)
 
-    def feed(self, buf: bytearray) -> None:
+    def feed(self, buf: bytes | bytearray) -> int:
         pos = 0
         size = len(buf)
         pending = self._pending
+        unpack = FRAME_HEAD.unpack_from
         while size - pos >= 9:
-            length, rid, status = FRAME_HEAD.unpack_from(buf, pos)
+            length, rid, status = unpack(buf, pos)
             end = pos + 4 + length
             if end > size:
                 break
             future = pending.pop(rid, None)
             if future is not None and not future.done():
-                future.set_result((status, bytes(buf[pos + 9 : end])))
+                payload = buf[pos + 9 : end]
+                future.set_result((status, payload if type(payload) is bytes else bytes(payload)))
             pos = end
-        if pos:
-            del buf[:pos]
+        return pos
 
     def lost(self, conn: _Conn) -> None:
         pending, self._pending = self._pending, {}
@@ -306,11 +358,22 @@ class _AiodistChannel(_Channel, _Sink):
             if not future.done():
                 future.set_exception(conn.lost_error())
 
+    def _new_rid(self) -> int:
+        # Never 0 (CANCEL frames carry it), and never an id still in use: after 2**32
+        # requests the count wraps while a long wait (an abort watch) may hold a low id.
+        rid = self._next_rid
+        pending = self._pending
+        while True:
+            rid = rid + 1 if rid < _MAX_RID else 1
+            if rid not in pending:
+                self._next_rid = rid
+                return rid
+
     async def _call(self, op: Op, *parts: bytes, deadline: float | None = None) -> bytes:
         conn = self._conn
         if conn.is_lost:
             raise conn.lost_error()
-        self._next_rid = rid = (self._next_rid + 1) & 0xFFFFFFFF
+        rid = self._new_rid()
         frame = encode_frame(rid, op, *parts)
         if len(frame) - 4 > self._max_request:
             raise DistUsageError(
@@ -337,7 +400,7 @@ class _AiodistChannel(_Channel, _Sink):
                     f"{(deadline or 0.0) + _SERVER_GRACE:.1f} s"
                 ) from None
             raise
-        if status == Status.OK:
+        if status == _OK:
             return payload
         raise self._error(status, payload)
 
@@ -346,9 +409,10 @@ class _AiodistChannel(_Channel, _Sink):
         if status == Status.TIMEOUT:
             reader = Reader(payload)
             waited = reader.f64()
-            return _TimedOut(
-                [reader.blob32(_MAX_REPLY_VALUE, "key") for _ in range(reader.u32())], waited
-            )
+            missing = [reader.blob32(_MAX_REPLY_VALUE, "key") for _ in range(reader.u32())]
+            # A barrier's timeout ends with the count reached (-1: not an integer).
+            count = reader.i64() if reader.end - reader.pos >= 8 else None
+            return _TimedOut(missing, waited, None if count is None or count < 0 else count)
         message = payload.decode(errors="replace")
         if status == Status.STORE_ERROR:
             return DistStoreError(message)
@@ -417,6 +481,11 @@ class _AiodistChannel(_Channel, _Sink):
     async def queue_len(self, key: bytes) -> int:
         value: int = I64.unpack(await self._call(Op.QUEUE_LEN, blob32(key)))[0]
         return value
+
+    async def barrier(self, key: bytes, world_size: int, timeout: float | None) -> None:
+        await self._call(
+            Op.BARRIER, _timeout_arg(timeout), I64.pack(world_size), blob32(key), deadline=timeout
+        )
 
     def close(self) -> None:
         self._conn.close()
@@ -492,7 +561,7 @@ class _TorchChannel(_Channel, _Sink):
     def pending(self) -> int:
         return len(self._fifo) + len(self._waiting)
 
-    def feed(self, buf: bytearray) -> None:
+    def feed(self, buf: bytes | bytearray) -> int:
         pos = 0
         fifo = self._fifo
         while fifo and pos < len(buf):
@@ -510,8 +579,7 @@ class _TorchChannel(_Channel, _Sink):
             pos = reader.pos
             if not future.done():
                 future.set_result(value)
-        if pos:
-            del buf[:pos]
+        return pos
 
     def lost(self, conn: _Conn) -> None:
         fifo, self._fifo = self._fifo, deque()
@@ -536,7 +604,7 @@ class _TorchChannel(_Channel, _Sink):
             if not self._reopen:
                 raise conn.lost_error()
             self._reopen = False
-            conn = await _connect(self._host, self._port, _SERVER_GRACE)
+            conn = await _connect(self._host, self._port, _SERVER_GRACE, conn.peer_timeout)
             if await _torch_validate(conn, os.getpid(), _SERVER_GRACE) != os.getpid():
                 conn.close()
                 raise DistProtocolError(f"torch store {conn.where} failed the PING check")
@@ -582,23 +650,46 @@ class _TorchChannel(_Channel, _Sink):
         if await self.check(keys):
             return
         start = time.monotonic()
+        if await self._wait_on_spare(torch_request(TorchOp.WAIT, keys), timeout, start):
+            return
+        missing = [k for k in keys if not await self.check([k])]
+        if missing:
+            raise _TimedOut(missing, time.monotonic() - start)
+        # The keys arrived while the cancel was on its way.
+
+    async def barrier(self, key: bytes, world_size: int, timeout: float | None) -> None:
+        start = time.monotonic()
+        request = torch_request(TorchOp.BARRIER, key, world_size)
+        if await self._wait_on_spare(request, timeout, start):
+            return
+        try:
+            count: int | None = int(await self._call(torch_request(TorchOp.GET, key), _p_bytes))
+        except ValueError:
+            count = None
+        if count is None or count < world_size:
+            raise _TimedOut([key], time.monotonic() - start, count)
+
+    async def _wait_on_spare(self, request: bytes, timeout: float | None, start: float) -> bool:
+        """Send a waiting request on a spare connection; return whether it was answered.
+
+        On timeout the wait is cancelled (CANCEL_WAIT) and False returned; the connection
+        goes back to the spares when it is left in a known state.
+        """
         conn = await self._spare_conn(timeout)
         self._waiting.add(conn)
         reusable = False
         try:
-            conn.write(torch_request(TorchOp.WAIT, keys))
+            conn.write(request)
             try:
                 reply = await conn.read_exactly(1, _remaining_from(start, timeout))
             except TimeoutError:
                 await self._cancel_wait(conn)
                 reusable = True
-                missing = [k for k in keys if not await self.check([k])]
-                if not missing:
-                    return  # the keys arrived while the cancel was on its way
-                raise _TimedOut(missing, time.monotonic() - start) from None
+                return False
             if reply[0] != TORCH_STOP_WAITING:
-                raise DistProtocolError(f"torch store answered WAIT with {reply!r}")
+                raise DistProtocolError(f"torch store answered a wait with {reply!r}")
             reusable = True
+            return True
         finally:
             self._waiting.discard(conn)
             if reusable and not conn.is_lost:
@@ -621,7 +712,7 @@ class _TorchChannel(_Channel, _Sink):
             conn = self._spare.pop()
             if not conn.is_lost:
                 return conn
-        conn = await _connect(self._host, self._port, timeout)
+        conn = await _connect(self._host, self._port, timeout, self._conn.peer_timeout)
         try:
             if await _torch_validate(conn, os.getpid(), timeout) != os.getpid():
                 raise DistProtocolError(f"torch store {conn.where} failed the PING check")
@@ -734,9 +825,10 @@ async def _open_channel(
     timeout: float | None,
     max_key_size: int,
     max_value_size: int,
+    peer_timeout: float,
 ) -> _Channel:
     start = time.monotonic()
-    conn = await _connect(host, port, timeout)
+    conn = await _connect(host, port, timeout, peer_timeout)
     left = _remaining_from(start, timeout)
     try:
         if wire == "auto":
@@ -841,6 +933,7 @@ class TCPStore(Store):
         max_key_size: int = DEFAULT_MAX_KEY_SIZE,
         max_value_size: int = DEFAULT_MAX_VALUE_SIZE,
         allow_unauthenticated_torch: bool = False,
+        peer_timeout: float | None = None,
     ) -> TCPStore:
         """Connect to (and, as master, first start) the store at ``host_name:port``.
 
@@ -860,9 +953,15 @@ class TCPStore(Store):
             max_key_size: the largest key in bytes (the server's limit, for the master).
             max_value_size: the largest value in bytes (the server's limit, for the master).
             allow_unauthenticated_torch: with a token, still let torch clients in.
+            peer_timeout: seconds after which a connection whose peer's host went silent
+                (no FIN, no RST) is dropped: pending requests then fail with
+                ``DistNetworkError``, and the master's server releases that client's waits.
+                ``None`` reads ``$AIODIST_PEER_TIMEOUT``, else 10 s. A busy or stopped
+                process is not affected (its kernel keeps answering).
 
         Raises:
-            DistUsageError: bad arguments (world_size 0, unknown wire, bad limits).
+            DistUsageError: bad arguments (world_size 0, unknown wire, bad limits), or the
+                master's open-file limit is too low for ``world_size`` clients.
             DistNetworkError: the port is in use (master), or the server cannot be reached
                 within the timeout (the message names host:port and the time).
             DistTimeoutError: the master's workers did not all join in time ("k/n joined").
@@ -877,6 +976,7 @@ class TCPStore(Store):
             raise DistUsageError(f"TCPStore world_size must be a positive int, got {world_size!r}")
         seconds = to_seconds(timeout, DEFAULT_STORE_TIMEOUT)
         token = resolve_token(auth_token)
+        peer = resolve_peer_timeout(peer_timeout)
         server = None
         connect_host = host_name
         if is_master:
@@ -885,6 +985,8 @@ class TCPStore(Store):
                 allow_unauthenticated_torch=allow_unauthenticated_torch,
                 max_key_size=max_key_size,
                 max_value_size=max_value_size,
+                peer_timeout=peer,
+                expected_clients=world_size,
             )
             await server.start(host_name, port)
             port = server.port
@@ -893,7 +995,7 @@ class TCPStore(Store):
         channel: _Channel | None = None
         try:
             channel = await _open_channel(
-                connect_host, port, wire, token, seconds, max_key_size, max_value_size
+                connect_host, port, wire, token, seconds, max_key_size, max_value_size, peer
             )
             store = cls(channel, host_name, port, seconds, server=server, token=token)
             if world_size is not None:
@@ -973,7 +1075,7 @@ class TCPStore(Store):
         self._check_open()
         if isinstance(amount, bool) or not isinstance(amount, int):
             raise DistUsageError(f"add amount must be an int, got {type(amount).__name__}")
-        if not _I64_MIN <= amount <= _I64_MAX:
+        if not I64_MIN <= amount <= I64_MAX:
             raise DistUsageError(f"add amount {amount} does not fit in 64 bits")
         return await self._channel.add(self._key(key), amount)
 
@@ -1117,6 +1219,29 @@ class TCPStore(Store):
         self._check_open()
         return await self._channel.queue_len(self._key(key))
 
+    async def barrier(self, key: str, world_size: int, timeout: Timeout = None) -> None:
+        """Count in at ``key`` and wait until ``world_size`` callers have (torch's barrier).
+
+        One request: the server counts and answers every caller when the last one arrives.
+        The counter is the one :meth:`add` uses on ``key``, shared with torch clients'
+        ``barrier``.
+
+        Raises:
+            DistUsageError: ``world_size`` is not a positive int, or the store is closed.
+            DistStoreError: ``key`` holds something that is not an integer.
+            DistTimeoutError: fewer than ``world_size`` arrived in time (the message names
+                the key and the count reached); this caller stays counted in.
+            DistNetworkError: the server went away.
+        """
+        self._check_open()
+        world = check_world_size(world_size)
+        seconds = to_seconds(timeout, self.timeout)
+        raw = self._key(key)
+        try:
+            await self._channel.barrier(raw, world, seconds)
+        except _TimedOut as exc:
+            raise barrier_timeout_error(raw[1:], exc.count, world, exc.waited) from None
+
     async def clone(self) -> TCPStore:
         """Open a new connection to the same server, with this store's settings.
 
@@ -1136,6 +1261,7 @@ class TCPStore(Store):
             self.timeout,
             channel.max_key_size,
             channel.max_value_size,
+            channel.peer_timeout,
         )
         return TCPStore(new, self.host, self.port, self.timeout, token=self._token)
 
