@@ -18,8 +18,10 @@ length; the slowest rank counts and the table shows the median over the repetiti
 Point to point (two ranks): ``latency`` is half a ping-pong round trip of one message;
 ``bandwidth`` streams a window of messages one way and waits for one reply. all_reduce
 columns follow nccl-tests: ``algbw = size / time``, ``busbw = algbw * 2(n-1)/n``.
-``stall`` is the longest the event loop went without running another task during one
-direct all_reduce (a task yielding in a loop measures it, in a separate pass). The
+``stall`` is the longest the event loop went without running another task during a
+direct all_reduce (a task yielding in a loop measures it, in a separate pass), in wall
+time / in CPU time of the loop's thread: with more ranks than CPUs the wall time also
+counts the time the process waited for a CPU. The
 machine's limits are measured in the same run: numpy copy (bytes copied per second) and
 ``a += b`` (bytes of ``a`` per second), single process.
 
@@ -85,23 +87,26 @@ async def stream(
         await asyncio.gather(*(t.send(1, tag, data) for _ in range(window)))
         await t.recv_into(1, tag, memoryview(bytearray()))
     else:
-        for _ in range(window):
-            await t.recv_into(0, tag, box)
+        # Every receive posted up front (into the same memory: only the bytes moved count),
+        # so no message waits in a staging buffer for its receive.
+        await asyncio.gather(*(t.recv_into(0, tag, box) for _ in range(window)))
         await t.send(0, tag, memoryview(b""))
 
 
-async def max_stall(op: Callable[[], Awaitable[Any]], times: int) -> float:
-    """The longest gap between two turns of a task that yields in a loop, during ``op``."""
-    gaps = [0.0]
+async def max_stall(op: Callable[[], Awaitable[Any]], times: int) -> tuple[float, float]:
+    """The longest gap between two turns of a task that yields in a loop, during ``op``:
+    in wall-clock time, and in CPU time of this thread (which leaves out the time the
+    process was not running at all, as when more ranks than CPUs take turns)."""
+    gaps = [(0.0, 0.0)]
     done = False
 
     async def ticker() -> None:
-        last = time.perf_counter()
+        last, last_cpu = time.perf_counter(), time.thread_time()
         while not done:
             await asyncio.sleep(0)
-            now = time.perf_counter()
-            gaps.append(now - last)
-            last = now
+            now, cpu = time.perf_counter(), time.thread_time()
+            gaps.append((now - last, cpu - last_cpu))
+            last, last_cpu = now, cpu
 
     tick = asyncio.create_task(ticker())
     await asyncio.sleep(0)
@@ -109,7 +114,7 @@ async def max_stall(op: Callable[[], Awaitable[Any]], times: int) -> float:
         await op()
     done = True
     await tick
-    return max(gaps)
+    return max(g[0] for g in gaps), max(g[1] for g in gaps)
 
 
 async def rank_main(rank: int, n: int, tmp: str, args: argparse.Namespace) -> dict[Any, Any]:
@@ -246,7 +251,7 @@ def run_world(n: int, args: argparse.Namespace) -> dict[Any, Any]:
             per_rep = [max(results[r][key][i] for r in range(n)) for i in range(len(value))]
             merged[key] = statistics.median(per_rep)
         elif key[0] == "stall":
-            merged[key] = max(results[r][key] for r in range(n))
+            merged[key] = tuple(max(results[r][key][i] for r in range(n)) for i in range(2))
         else:
             merged[key] = value
     return merged
@@ -300,7 +305,7 @@ def all_reduce_table(n: int, rows: dict[Any, Any]) -> list[str]:
             cells.append(f"{size / t * factor / 1e9:.2f} GB/s")
         for mode in ("direct", "shared"):
             stall = rows.get(("stall", size, mode))
-            cells.append("" if stall is None else f"{stall * 1e3:.2f} ms")
+            cells.append("" if stall is None else f"{stall[0] * 1e3:.2f} / {stall[1] * 1e3:.2f} ms")
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
