@@ -2,3 +2,5 @@
 
 * :mod:`aiodist.contrib.ray`: process groups among Ray actors.
 """
+
+__all__: list[str] = []
