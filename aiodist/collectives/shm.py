@@ -263,6 +263,7 @@ class NodeWorkspace:
         timeout: Timeout = None,
         block_bytes: int | None = None,
         spin: float | None = None,
+        local_world_size: int | None = None,
         job_key: str | None = None,
         ranks: Sequence[int] | None = None,
     ) -> NodeWorkspace:
@@ -283,7 +284,10 @@ class NodeWorkspace:
             block_bytes: bytes per slot buffer (a multiple of 4096, at least 64 per rank);
                 ``None``: 1 MiB.
             spin: seconds a barrier polls before sleeping; ``None``: 50 µs when the
-                ranks fit on this process's CPUs and none shares this process, else 0.
+                host's ranks fit on this process's CPUs and none shares this process,
+                else 0 (never poll).
+            local_world_size: how many ranks run on this host, of every group (for the
+                polling decision); ``None``: ``$LOCAL_WORLD_SIZE``, else ``size``.
             job_key: the job's identity for segment names (see
                 :func:`aiodist.transport.shm.default_job_key`).
             ranks: the group's global ranks, for error messages (default: group ranks).
@@ -320,6 +324,10 @@ class NodeWorkspace:
             isinstance(spin, bool) or not isinstance(spin, int | float) or spin < 0
         ):
             raise DistUsageError(f"spin must be a non-negative number of seconds, got {spin!r}")
+        if local_world_size is None:
+            local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", size))
+        elif isinstance(local_world_size, bool) or not isinstance(local_world_size, int):
+            raise DistUsageError(f"local_world_size must be an int, got {local_world_size!r}")
         names = list(range(size)) if ranks is None else list(ranks)
         if len(names) != size:
             raise DistUsageError(f"ranks must list {size} global ranks, got {names}")
@@ -334,7 +342,8 @@ class NodeWorkspace:
         remove_leftovers(job)
         loop = asyncio.get_running_loop()
         deadline = None if seconds is None else loop.time() + seconds
-        return await cls._setup(store, rank, size, block_bytes, spin, job, deadline, names)
+        local = max(size, local_world_size)
+        return await cls._setup(store, rank, size, block_bytes, spin, local, job, deadline, names)
 
     @classmethod
     async def _setup(
@@ -344,6 +353,7 @@ class NodeWorkspace:
         size: int,
         block: int,
         spin: float | None,
+        local: int,
         job: str,
         deadline: float | None,
         names: list[int],
@@ -415,7 +425,7 @@ class NodeWorkspace:
             doorbell.unlink()
             if spin is None:
                 same_process = any(p.pid == me.pid for p in procs.values())
-                spin = SPIN_SECONDS if may_spin(size) and not same_process else 0.0
+                spin = SPIN_SECONDS if may_spin(local) and not same_process else 0.0
             self = cls(rank, size, block, seg, doorbell, float(spin), names)
             self._bells = bells
             self._procs = procs
