@@ -40,6 +40,11 @@ class Shard(AiodistActor):
         await work
         return x
 
+    async def broadcast_from(self, root: int, x: np.ndarray) -> np.ndarray:
+        x = x.copy()  # Ray hands array arguments over read-only, straight from its object store
+        await aiodist.broadcast(x, src=root)
+        return x
+
     async def gather_places(self) -> list[object]:
         place = (aiodist.get_rank(), aiodist.get_world_size(), os.getpid())
         out: list[object] = [None] * aiodist.get_world_size()
@@ -78,6 +83,11 @@ def test_a_group_of_actors_runs_collectives(local_ray: None) -> None:
         expected = np.sum([contribution(r, 0.5) for r in range(3)], axis=0)
         for result in ray.get([s.reduce_own_part.remote() for s in shards], timeout=60):
             np.testing.assert_array_equal(result, expected)
+        # Arguments travel as Ray passes them; rank 1's array reaches every rank.
+        sent = [np.full(16, float(r), dtype=np.float32) for r in range(3)]
+        got = ray.get([s.broadcast_from.remote(1, x) for s, x in zip(shards, sent, strict=True)])
+        for x in got:
+            np.testing.assert_array_equal(x, sent[1])
         # The group outlives the method that made it: every later call sees it.
         places = ray.get([s.gather_places.remote() for s in shards], timeout=60)
         assert all(p == places[0] for p in places)

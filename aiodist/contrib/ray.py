@@ -12,6 +12,7 @@ down again::
 
     class Shard(AiodistActor):
         async def step(self, grad):
+            grad = grad.copy()  # Ray passes arrays read-only; collectives write in place
             await aiodist.all_reduce(grad)  # every method runs on the actor's event loop
             return grad
 
