@@ -1,6 +1,7 @@
 """Shared memory against loopback TCP, in the same processes and the same run.
 
-Run:  python bench/shm.py [--quick] [--ranks 2,4] [--out bench/results/shm.md] [--profile]
+Run:  python bench/shm.py [--quick] [--ranks 2,4] [--sizes 8,1048576] [--reps 5]
+      [--out bench/results/shm.md] [--profile]
 
 One process per rank on this machine, meeting through a FileStore. Every process holds a
 ``TCPTransport``, a ``ShmTransport`` and a ``NodeWorkspace`` at once, and every size is
@@ -140,7 +141,7 @@ async def rank_main(rank: int, n: int, tmp: str, args: argparse.Namespace) -> di
     def comm(mode: str) -> OpComm:
         return OpComm(transports[mode], ranks, rank, 1, next(seq))
 
-    sizes = QUICK_SIZES if args.quick else SIZES
+    sizes = args.sizes or (QUICK_SIZES if args.quick else SIZES)
     # -- all_reduce ---------------------------------------------------------------------
     for size in sizes:
         count = max(1, size // 4)
@@ -169,7 +170,7 @@ async def rank_main(rank: int, n: int, tmp: str, args: argparse.Namespace) -> di
         del in_shm
     # -- point to point -------------------------------------------------------------------
     if n == 2:
-        for size in P2P_SIZES if not args.quick else [8, 1 << 20, 64 << 20]:
+        for size in args.sizes or (P2P_SIZES if not args.quick else [8, 1 << 20, 64 << 20]):
             data = np.ones(size, np.uint8).data
             box = np.zeros(size, np.uint8).data
             window = max(1, min(16, (64 << 20) // max(size, 1)))
@@ -332,6 +333,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer sizes and iterations")
     parser.add_argument("--ranks", default="2,4", help="world sizes, comma separated")
     parser.add_argument("--reps", type=int, default=5, help="batches per size and mode")
+    parser.add_argument(
+        "--sizes",
+        type=lambda text: [int(v) for v in text.split(",")],
+        help="message sizes in bytes, comma separated (instead of the default list)",
+    )
     parser.add_argument("--out", help="also write the tables to this markdown file")
     parser.add_argument("--profile", action="store_true", help="profile the 8-byte direct path")
     args = parser.parse_args()

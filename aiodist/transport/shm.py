@@ -766,6 +766,11 @@ class ShmTransport(Transport):
     def _schedule(self) -> None:
         if not self._scheduled and self._closed is None:
             self._scheduled = True
+            # The service pass will look at every ring, and it ends in _sleep, which sets
+            # the flag again and looks once more: until then peers need not ring (in a
+            # 2-rank exchange both would, each while the other is about to look anyway).
+            if self._seg is not None:
+                self._seg.words[_W_SLEEP] = 0
             self._loop.call_soon(self._service)
 
     def _pump(self, budget: int) -> int:
@@ -799,13 +804,12 @@ class ShmTransport(Transport):
             self._recheck = _RECHECK_FIRST
         if budget <= 0:
             self._schedule()
-        elif self._has_work():
-            if self._spin and not self._poll_skip:
-                self._poll()
-            else:
-                if self._poll_skip:
-                    self._poll_skip -= 1
-                self._sleep()
+        elif self._spin and not self._poll_skip and self._has_work():
+            self._poll()
+        else:
+            if self._poll_skip and self._has_work():
+                self._poll_skip -= 1
+            self._sleep()
 
     def _poll(self) -> None:
         words = self._seg.words  # type: ignore[union-attr]
@@ -823,7 +827,7 @@ class ShmTransport(Transport):
                 if moved:
                     moved_total += moved
                     if moved_total >= TURN_BYTES:
-                        self._schedule()
+                        self._schedule()  # more next turn; the flag stays clear till then
                         return
                     deadline = now() + self._spin  # data flows: keep up with it
                 elif now() >= deadline:
@@ -835,15 +839,18 @@ class ShmTransport(Transport):
                     break
                 else:
                     os.sched_yield()
-        finally:
+        except BaseException:
             if self._closed is None:
-                words[_W_SLEEP] = 1
-        if self._closed is None and self._has_work():
-            self._sleep()
+                words[_W_SLEEP] = 1  # never leave peers believing we look
+            raise
+        self._sleep()
 
     def _sleep(self) -> None:
-        # The sleeping flag (and any ring's want flag) is stored; after a barrier, look
-        # once more before relying on the doorbell (see _shm_signal).
+        # Store the sleeping flag (and any ring's want flag was stored); after a barrier,
+        # look once more before relying on the doorbell (see _shm_signal).
+        if self._seg is None or self._closed is not None:
+            return
+        self._seg.words[_W_SLEEP] = 1
         fence()
         if self._pump(TURN_BYTES):
             self._recheck = _RECHECK_FIRST
