@@ -156,7 +156,7 @@ async def rank_main(rank: int, n: int, tmp: str, args: argparse.Namespace) -> di
         }
         iters = iters_for(size, args.quick)
         for mode in MODES:  # warm up: connections, mappings, page faults
-            for _ in range(min(iters, 20)):
+            for _ in range(min(iters, 200)):
                 await ops[mode]()
         for _ in range(args.reps):
             for mode in MODES:

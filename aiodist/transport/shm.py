@@ -93,10 +93,13 @@ DEFAULT_SETUP_TIMEOUT = 300.0
 #: A sleeping rank with work pending re-checks its rings after this long, doubling up to
 #: ``_RECHECK_MAX`` (the safety net under the doorbell protocol).
 _RECHECK_FIRST, _RECHECK_MAX = 1e-3, 50e-3
-#: After this many polls in a row that ran out of time, receives skip polling for a while
-#: (2, 4, 8, ... at most ``_POLL_MAX_SKIP``), as the TCP transport does.
+#: After this many polls in a row that ran out of time, the next ``_POLL_SKIP`` receives
+#: sleep at once (the peer is slow, or CPUs are busy and polling takes one from it); then
+#: polling gets another chance. A skip that grew with each miss (as TCP's) never recovers
+#: once both ranks of an exchange skip: each then waits for the other's doorbell, longer
+#: than a poll lasts, so every later poll misses too.
 _POLL_MISSES_BEFORE_BACKOFF = 3
-_POLL_MAX_SKIP = 64
+_POLL_SKIP = 8
 
 
 def default_job_key() -> str:
@@ -832,10 +835,11 @@ class ShmTransport(Transport):
                     deadline = now() + self._spin  # data flows: keep up with it
                 elif now() >= deadline:
                     # Nothing came in time: the peer is slow, or busy CPUs make polling
-                    # cost the peer its CPU. Back off exponentially.
+                    # cost the peer its CPU. Back off for a few receives.
                     self._poll_misses += 1
                     if self._poll_misses >= _POLL_MISSES_BEFORE_BACKOFF:
-                        self._poll_skip = min(1 << self._poll_misses, _POLL_MAX_SKIP)
+                        self._poll_misses = 0
+                        self._poll_skip = _POLL_SKIP
                     break
                 else:
                     os.sched_yield()
