@@ -174,6 +174,29 @@ async def test_a_thousand_concurrent_awaits_on_one_client(store: aiodist.TCPStor
     assert await store.get("n") == b"500"
 
 
+@pytest.mark.both_loops
+async def test_request_ids_wrap_past_zero_and_past_ids_still_waiting(
+    store: aiodist.TCPStore,
+) -> None:
+    # After 2**32 requests the id counter wraps. It used to reach 0 (the id CANCEL frames
+    # carry) and then the id of a wait still pending: that wait's future was replaced (it
+    # never resolved) and the server refused the new request as a reused id.
+    channel = store._channel
+    first = asyncio.ensure_future(store.get("late"))
+    await asyncio.sleep(0.05)
+    assert set(channel._pending) == {1}  # type: ignore[attr-defined]
+    channel._next_rid = 0xFFFFFFFE  # type: ignore[attr-defined]
+    waits = [asyncio.ensure_future(store.get(k)) for k in ("a", "b", "c")]
+    await asyncio.sleep(0.05)
+    assert set(channel._pending) == {1, 0xFFFFFFFF, 2, 3}  # type: ignore[attr-defined]
+    assert store.server is not None
+    assert store.server.state.waiter_count == 4
+    for key in ("a", "b", "c", "late"):
+        await store.set(key, key.encode())
+    assert await asyncio.wait_for(asyncio.gather(first, *waits), 5) == [b"late", b"a", b"b", b"c"]
+    assert store.server.state.waiter_count == 0
+
+
 # -- world size join ------------------------------------------------------------------------
 async def test_master_waits_for_workers_to_join() -> None:
     probe = socket.socket()

@@ -181,7 +181,11 @@ class Store(abc.ABC):
         world = check_world_size(world_size)
         seconds = to_seconds(timeout, self.timeout)
         start = time.monotonic()
-        arrived = await self.add(key, 1)
+        try:
+            arrived = await self.add(key, 1)
+        except DistStoreError as exc:
+            # The counting is an add; the caller called barrier.
+            raise DistStoreError(str(exc).replace("add on key", "barrier on key", 1)) from None
         delay = 0.001
         while arrived < world:
             waited = time.monotonic() - start

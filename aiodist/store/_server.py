@@ -148,6 +148,16 @@ def _blobs(values: Sequence[bytes]) -> list[bytes]:
     return [U32.pack(len(values)), *(blob32(v) for v in values)]
 
 
+_INET = (socket.AF_INET, socket.AF_INET6)
+
+
+def _endpoint(address: tuple[Any, ...]) -> tuple[str, int]:
+    """(host, port) of a socket address, IPv4-mapped IPv6 written as IPv4 (torch's client
+    connects to an IPv4 server from an IPv6 socket)."""
+    host = str(address[0])
+    return (host[7:] if host.startswith("::ffff:") else host), int(address[1])
+
+
 def _own_socket(local: tuple[Any, ...], remote: tuple[Any, ...]) -> int | None:
     """The descriptor, in this process, of the TCP socket bound to ``local`` and connected to
     ``remote``, or ``None`` when no such socket is open here."""
@@ -155,15 +165,19 @@ def _own_socket(local: tuple[Any, ...], remote: tuple[Any, ...]) -> int | None:
         names = os.listdir("/proc/self/fd")
     except OSError:
         return None
+    local, remote = _endpoint(local), _endpoint(remote)
     for name in names:
         fd = int(name)
         try:
             if not stat.S_ISSOCK(os.fstat(fd).st_mode):
                 continue
             with socket.socket(fileno=os.dup(fd)) as sock:
-                if sock.type != socket.SOCK_STREAM:
-                    continue
-                if sock.getsockname()[:2] == local[:2] and sock.getpeername()[:2] == remote[:2]:
+                if sock.type != socket.SOCK_STREAM or sock.family not in _INET:
+                    continue  # Unix sockets (a subprocess's stdio, say) have str addresses
+                if (
+                    _endpoint(sock.getsockname()) == local
+                    and _endpoint(sock.getpeername()) == remote
+                ):
                     return fd
         except OSError:
             continue
@@ -695,11 +709,9 @@ class _Connection(asyncio.Protocol):
             raise DistUsageError(f"barrier world_size must be at least 1, got {world}")
         self._check_parkable(rid)
         try:
-            self._state.add(key, 1)
+            self._state.add(key, 1, "barrier")
         except DistStoreError as exc:
-            raise DistStoreError(
-                f"barrier on key {_display(key)}: {str(exc).split(': ', 1)[-1]}"
-            ) from None
+            raise DistStoreError(str(exc).replace(format_keys([key]), _display(key))) from None
         future = self._state.watch_count(key, world, self._loop)
         if future.done():
             self._reply(rid)
@@ -1015,7 +1027,7 @@ class _Connection(asyncio.Protocol):
         self._out.extend(blob64(k) for k in listed)
 
     def _t_barrier(self, counter: bytes, world: int) -> None:
-        self._state.add(counter, 1)
+        self._state.add(counter, 1, "barrier")
         self._torch_watch(self._state.watch_count(counter, world, self._loop))
 
     def _torch_watch(self, future: asyncio.Future[None]) -> None:

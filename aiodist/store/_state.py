@@ -58,8 +58,8 @@ def barrier_timeout_error(
     )
 
 
-def parse_counter(key: bytes, value: bytes) -> int:
-    """The integer an ASCII counter holds.
+def parse_counter(key: bytes, value: bytes, op: str = "add") -> int:
+    """The integer an ASCII counter holds (``op`` names the operation in the error).
 
     Raises:
         DistStoreError: the value is not an integer.
@@ -68,7 +68,7 @@ def parse_counter(key: bytes, value: bytes) -> int:
         return int(value)
     except ValueError:
         raise DistStoreError(
-            f"add on key {format_keys([key])}: its value {value[:64]!r} is not an integer"
+            f"{op} on key {format_keys([key])}: its value {value[:64]!r} is not an integer"
         ) from None
 
 
@@ -147,18 +147,20 @@ class KeyValueState:
         if key in self._waiters or key in self._thresholds:
             self._wake(key)
 
-    def add(self, key: bytes, amount: int) -> int:
+    def add(self, key: bytes, amount: int, op: str = "add") -> int:
         """Add to the ASCII-decimal counter ``key`` (missing = 0) and return the new value.
+
+        ``op`` names the operation in error messages (a barrier counts with ``add``).
 
         Raises:
             DistStoreError: the current value is not an integer, or the sum does not fit in
                 a signed 64-bit integer; the key is left unchanged.
         """
         old = self._data.get(key)
-        new = amount if old is None else parse_counter(key, old) + amount
+        new = amount if old is None else parse_counter(key, old, op) + amount
         if not I64_MIN <= new <= I64_MAX:
             raise DistStoreError(
-                f"add on key {format_keys([key])}: the result {new} does not fit in a signed "
+                f"{op} on key {format_keys([key])}: the result {new} does not fit in a signed "
                 "64-bit integer"
             )
         self._data[key] = b"%d" % new
@@ -274,7 +276,7 @@ class KeyValueState:
             DistStoreError: the counter holds something that is not an integer.
             DistTimeoutError: naming the count reached after ``timeout`` seconds.
         """
-        self.add(key, 1)
+        self.add(key, 1, "barrier")
         future = self.watch_count(key, world_size)
         if future.done():
             return

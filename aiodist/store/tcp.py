@@ -232,6 +232,13 @@ async def _connect(host: str, port: int, timeout: float | None, peer_timeout: fl
         except OSError as exc:
             last_error, unanswered = exc, False
         left = _remaining(deadline)
+        pause = random.uniform(delay / 2, delay)
+        delay = min(delay * 2, 1.0)
+        if left is not None and pause >= left:
+            # No time for another real attempt: wait out the deadline, then report the
+            # outcome of the last one that had time to run.
+            await asyncio.sleep(left)
+            left = 0.0
         if left is not None and left <= 0:
             tried = f"{attempts} attempt{'s' if attempts != 1 else ''} to connect to {host}:{port}"
             if unanswered:
@@ -246,9 +253,7 @@ async def _connect(host: str, port: int, timeout: float | None, peer_timeout: fl
                 f"could not connect to the store at {host}:{port} within "
                 f"{time.monotonic() - start:.1f} s ({tried}; {cause})"
             ) from last_error
-        pause = random.uniform(delay / 2, delay)
-        delay = min(delay * 2, 1.0)
-        await asyncio.sleep(pause if left is None else min(pause, left))
+        await asyncio.sleep(pause)
 
 
 # -- channels: the raw-key operations of one wire ---------------------------------------------
@@ -591,8 +596,8 @@ class _TorchChannel(_Channel, _Sink):
                 future.set_exception(
                     DistStoreError(
                         f"add on key {format_keys([add_key[1:]])} failed: the torch store "
-                        "server closed the connection, as it does when the value is not an "
-                        "integer"
+                        "server closed the connection, as it does when the add fails (a "
+                        "value that is not an integer, or a sum past 64 bits)"
                     )
                 )
             else:
@@ -660,14 +665,28 @@ class _TorchChannel(_Channel, _Sink):
     async def barrier(self, key: bytes, world_size: int, timeout: float | None) -> None:
         start = time.monotonic()
         request = torch_request(TorchOp.BARRIER, key, world_size)
-        if await self._wait_on_spare(request, timeout, start):
-            return
         try:
-            count: int | None = int(await self._call(torch_request(TorchOp.GET, key), _p_bytes))
-        except ValueError:
-            count = None
+            if await self._wait_on_spare(request, timeout, start):
+                return
+        except DistNetworkError:
+            # A torch server drops the connection when the counter is not an integer.
+            if await self._counter(key) is None and not self._conn.is_lost:
+                value = await self._call(torch_request(TorchOp.GET, key), _p_bytes)
+                raise DistStoreError(
+                    f"barrier on key {format_keys([key[1:]])}: its value {value[:64]!r} is "
+                    "not an integer"
+                ) from None
+            raise
+        count = await self._counter(key)
         if count is None or count < world_size:
             raise _TimedOut([key], time.monotonic() - start, count)
+
+    async def _counter(self, key: bytes) -> int | None:
+        value: bytes = await self._call(torch_request(TorchOp.GET, key), _p_bytes)
+        try:
+            return int(value)
+        except ValueError:
+            return None
 
     async def _wait_on_spare(self, request: bytes, timeout: float | None, start: float) -> bool:
         """Send a waiting request on a spare connection; return whether it was answered.
