@@ -116,6 +116,8 @@ class _Conn(asyncio.Protocol):
     def __init__(self, where: str, peer_timeout: float) -> None:
         self.where = where
         self.peer_timeout = peer_timeout
+        # Looked up once: asyncio.get_running_loop() costs a getpid() call on Python 3.11.
+        self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.buf = bytearray()
         self.sink: _Sink | None = None
@@ -177,7 +179,7 @@ class _Conn(asyncio.Protocol):
                 if self.is_lost:
                     raise self.lost_error()
                 self._need = n
-                self._need_future = asyncio.get_running_loop().create_future()
+                self._need_future = self.loop.create_future()
                 try:
                     await self._need_future
                 finally:
@@ -334,7 +336,7 @@ class _AiodistChannel(_Channel, _Sink):
         self._next_rid = 0
         conn.sink = self
         if conn.buf:
-            self.feed(conn.buf)
+            del conn.buf[: self.feed(conn.buf)]
 
     @property
     def pending(self) -> int:
@@ -386,7 +388,7 @@ class _AiodistChannel(_Channel, _Sink):
                 f"{self._max_request} bytes (max_key_size={self.max_key_size}, "
                 f"max_value_size={self.max_value_size})"
             )
-        future: asyncio.Future[tuple[int, bytes]] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[tuple[int, bytes]] = conn.loop.create_future()
         self._pending[rid] = future
         conn.write(frame)
         try:
@@ -560,7 +562,7 @@ class _TorchChannel(_Channel, _Sink):
         self._waiting: set[_Conn] = set()
         conn.sink = self
         if conn.buf:
-            self.feed(conn.buf)
+            del conn.buf[: self.feed(conn.buf)]
 
     @property
     def pending(self) -> int:
@@ -619,7 +621,7 @@ class _TorchChannel(_Channel, _Sink):
 
     async def _call(self, request: bytes, parser: _Parser, add_key: bytes | None = None) -> Any:
         conn = await self._main()
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[Any] = conn.loop.create_future()
         self._fifo.append((future, parser, add_key))
         conn.write(request)
         # A cancelled caller leaves its entry in the queue: the reply still arrives in order.
