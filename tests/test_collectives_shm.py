@@ -224,6 +224,7 @@ async def test_all_to_all_blocks_of_any_size(n: int, shared: bool, job: str) -> 
     await close(wss)
 
 
+@pytest.mark.both_loops
 async def test_a_barrier_waits_for_the_last_rank(job: str) -> None:
     wss = await workspaces(3, job)
     for late in range(3):  # each rank's counter in turn
