@@ -21,8 +21,8 @@ buffer, and copies straight there. At most ``TURN_BYTES`` are moved per loop tur
 Waiting. See ``_shm_signal`` for the doorbell, the sleeping flag and why they cannot lose a
 wake-up. A rank whose receive is not satisfied polls its rings for up to ``SPIN_SECONDS``
 after the posting task has yielded (only when the host's ranks fit on the usable CPUs and
-no peer shares this process), then sleeps on its doorbell; while it polls, peers do not
-ring. Peer processes are watched through pidfds, so a peer that dies fails everything that
+no peer shares this process), then sleeps on its doorbell; while it polls, or while a
+pass over its rings is already scheduled, its flag tells peers not to ring. Peer processes are watched through pidfds, so a peer that dies fails everything that
 depends on it at once; messages it wrote completely before are still delivered.
 """
 
