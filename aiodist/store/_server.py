@@ -333,10 +333,16 @@ class _Connection(asyncio.Protocol):
                 pos = self._fast_torch(data)
             else:
                 pos = 0
+            if pos == len(data):
+                out = self._out
+                if out:  # _flush(), inlined on the hottest path
+                    self._out = []
+                    self._out_bytes = 0
+                    transport = self._transport
+                    assert transport is not None
+                    transport.write(out[0] if len(out) == 1 else b"".join(out))
+                return
             if pos:
-                if pos == len(data):
-                    self._flush()
-                    return
                 data = data[pos:]
         self._serve(data)
 

@@ -18,9 +18,10 @@ import hmac
 import logging
 import os
 import random
+import struct
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal, cast
 
 from .._timeouts import DEFAULT_STORE_TIMEOUT, Timeout, to_seconds
@@ -55,6 +56,7 @@ from ._wire import (
     TORCH_WAIT_CANCELED,
     U8,
     U32,
+    U64,
     UPGRADE_NONCE,
     UPGRADE_REPLY,
     Incomplete,
@@ -273,38 +275,40 @@ class _Channel(abc.ABC):
     @abc.abstractmethod
     def pending(self) -> int: ...
 
+    # Each returns an awaitable: a coroutine, or (for requests answered at once) the reply's
+    # future itself, which spares two coroutine frames per request.
     @abc.abstractmethod
-    async def set(self, key: bytes, value: bytes) -> None: ...
+    def set(self, key: bytes, value: bytes) -> Awaitable[None]: ...
     @abc.abstractmethod
-    async def get(self, key: bytes, timeout: float | None) -> bytes: ...
+    def get(self, key: bytes, timeout: float | None) -> Awaitable[bytes]: ...
     @abc.abstractmethod
-    async def add(self, key: bytes, amount: int) -> int: ...
+    def add(self, key: bytes, amount: int) -> Awaitable[int]: ...
     @abc.abstractmethod
-    async def compare_set(self, key: bytes, expected: bytes, desired: bytes) -> bytes: ...
+    def compare_set(self, key: bytes, expected: bytes, desired: bytes) -> Awaitable[bytes]: ...
     @abc.abstractmethod
-    async def wait(self, keys: list[bytes], timeout: float | None) -> None: ...
+    def wait(self, keys: list[bytes], timeout: float | None) -> Awaitable[None]: ...
     @abc.abstractmethod
-    async def check(self, keys: list[bytes]) -> bool: ...
+    def check(self, keys: list[bytes]) -> Awaitable[bool]: ...
     @abc.abstractmethod
-    async def delete(self, key: bytes) -> bool: ...
+    def delete(self, key: bytes) -> Awaitable[bool]: ...
     @abc.abstractmethod
-    async def num_keys(self) -> int: ...
+    def num_keys(self) -> Awaitable[int]: ...
     @abc.abstractmethod
-    async def list_keys(self) -> list[bytes]: ...
+    def list_keys(self) -> Awaitable[list[bytes]]: ...
     @abc.abstractmethod
-    async def multi_get(self, keys: list[bytes], timeout: float | None) -> list[bytes]: ...
+    def multi_get(self, keys: list[bytes], timeout: float | None) -> Awaitable[list[bytes]]: ...
     @abc.abstractmethod
-    async def multi_set(self, items: list[tuple[bytes, bytes]]) -> None: ...
+    def multi_set(self, items: list[tuple[bytes, bytes]]) -> Awaitable[None]: ...
     @abc.abstractmethod
-    async def append(self, key: bytes, value: bytes) -> None: ...
+    def append(self, key: bytes, value: bytes) -> Awaitable[None]: ...
     @abc.abstractmethod
-    async def queue_push(self, key: bytes, value: bytes) -> None: ...
+    def queue_push(self, key: bytes, value: bytes) -> Awaitable[None]: ...
     @abc.abstractmethod
-    async def queue_pop(self, key: bytes, block: bool, timeout: float | None) -> bytes: ...
+    def queue_pop(self, key: bytes, block: bool, timeout: float | None) -> Awaitable[bytes]: ...
     @abc.abstractmethod
-    async def queue_len(self, key: bytes) -> int: ...
+    def queue_len(self, key: bytes) -> Awaitable[int]: ...
     @abc.abstractmethod
-    async def barrier(self, key: bytes, world_size: int, timeout: float | None) -> None: ...
+    def barrier(self, key: bytes, world_size: int, timeout: float | None) -> Awaitable[None]: ...
     @abc.abstractmethod
     def close(self) -> None: ...
 
@@ -322,6 +326,30 @@ def _read_blobs(payload: bytes) -> list[bytes]:
     return [reader.blob32(_MAX_REPLY_VALUE, "value") for _ in range(reader.u32())]
 
 
+_Decoder = Callable[[bytes], Any]
+_SET, _ADD, _COMPARE_SET, _CHECK = int(Op.SET), int(Op.ADD), int(Op.COMPARE_SET), int(Op.CHECK)
+_DELETE_KEY, _NUM_KEYS, _LIST_KEYS = int(Op.DELETE_KEY), int(Op.NUM_KEYS), int(Op.LIST_KEYS)
+_MULTI_SET, _APPEND = int(Op.MULTI_SET), int(Op.APPEND)
+_QUEUE_PUSH, _QUEUE_LEN = int(Op.QUEUE_PUSH), int(Op.QUEUE_LEN)
+
+
+def _nothing(payload: bytes) -> None:
+    return None
+
+
+def _i64(payload: bytes) -> int:
+    value: int = I64.unpack(payload)[0]
+    return value
+
+
+def _bytes(payload: bytes) -> bytes:
+    return payload
+
+
+def _flag(payload: bytes) -> bool:
+    return payload == b"\x01"
+
+
 class _AiodistChannel(_Channel, _Sink):
     """aiodist's protocol: request ids, out-of-order replies, server-side waits."""
 
@@ -332,7 +360,9 @@ class _AiodistChannel(_Channel, _Sink):
         self.max_key_size = max_key_size
         self.max_value_size = max_value_size
         self._max_request = max_request_size(max_key_size, max_value_size)
-        self._pending: dict[int, asyncio.Future[tuple[int, bytes]]] = {}
+        # request id -> (future, decoder): a decoder turns an OK reply's payload into the
+        # future's result; None hands (status, payload) to ``_call``.
+        self._pending: dict[int, tuple[asyncio.Future[Any], _Decoder | None]] = {}
         self._next_rid = 0
         conn.sink = self
         if conn.buf:
@@ -352,16 +382,29 @@ class _AiodistChannel(_Channel, _Sink):
             end = pos + 4 + length
             if end > size:
                 break
-            future = pending.pop(rid, None)
-            if future is not None and not future.done():
+            entry = pending.pop(rid, None)
+            if entry is not None and not entry[0].done():
+                future, decode = entry
                 payload = buf[pos + 9 : end]
-                future.set_result((status, payload if type(payload) is bytes else bytes(payload)))
+                if type(payload) is not bytes:
+                    payload = bytes(payload)
+                if decode is None:
+                    future.set_result((status, payload))
+                elif status != _OK:
+                    future.set_exception(self._error(status, payload))
+                else:
+                    try:
+                        future.set_result(decode(payload))
+                    except (struct.error, ValueError, Incomplete) as exc:
+                        future.set_exception(
+                            DistProtocolError(f"malformed reply from {self._conn.where}: {exc}")
+                        )
             pos = end
         return pos
 
     def lost(self, conn: _Conn) -> None:
         pending, self._pending = self._pending, {}
-        for future in pending.values():
+        for future, _decode in pending.values():
             if not future.done():
                 future.set_exception(conn.lost_error())
 
@@ -376,21 +419,34 @@ class _AiodistChannel(_Channel, _Sink):
                 self._next_rid = rid
                 return rid
 
-    async def _call(self, op: Op, *parts: bytes, deadline: float | None = None) -> bytes:
+    def _submit(self, op: int, payload: bytes, decode: _Decoder | None) -> asyncio.Future[Any]:
+        """Send one request; return the future of its reply (decoded by ``decode``).
+
+        Raises:
+            DistNetworkError: the connection is lost.
+            DistUsageError: the request is larger than the server accepts.
+        """
         conn = self._conn
         if conn.is_lost:
             raise conn.lost_error()
-        rid = self._new_rid()
-        frame = encode_frame(rid, op, *parts)
-        if len(frame) - 4 > self._max_request:
+        if len(payload) + 5 > self._max_request:
             raise DistUsageError(
-                f"request of {len(frame) - 4} bytes exceeds the store's limit of "
+                f"request of {len(payload) + 5} bytes exceeds the store's limit of "
                 f"{self._max_request} bytes (max_key_size={self.max_key_size}, "
                 f"max_value_size={self.max_value_size})"
             )
-        future: asyncio.Future[tuple[int, bytes]] = conn.loop.create_future()
-        self._pending[rid] = future
-        conn.write(frame)
+        rid = self._new_rid()
+        future: asyncio.Future[Any] = conn.loop.create_future()
+        self._pending[rid] = (future, decode)
+        conn.write(FRAME_HEAD.pack(len(payload) + 5, rid, op) + payload)
+        return future
+
+    async def _call(self, op: Op, *parts: bytes, deadline: float | None = None) -> bytes:
+        """A request that may wait on the server: on cancellation it is cancelled there too,
+        and a server that stays silent past ``deadline`` plus a grace is reported."""
+        future = self._submit(op, b"".join(parts), None)
+        rid = self._next_rid
+        conn = self._conn
         try:
             if deadline is None:
                 status, payload = await future
@@ -408,7 +464,8 @@ class _AiodistChannel(_Channel, _Sink):
                 ) from None
             raise
         if status == _OK:
-            return payload
+            result: bytes = payload
+            return result
         raise self._error(status, payload)
 
     @staticmethod
@@ -429,34 +486,33 @@ class _AiodistChannel(_Channel, _Sink):
             return QueueEmptyError(message)
         return DistProtocolError(f"store server error (status {status}): {message}")
 
-    async def set(self, key: bytes, value: bytes) -> None:
-        await self._call(Op.SET, blob32(key), blob32(value))
+    def set(self, key: bytes, value: bytes) -> asyncio.Future[None]:
+        return self._submit(_SET, blob32(key) + blob32(value), _nothing)
 
     async def get(self, key: bytes, timeout: float | None) -> bytes:
         return await self._call(Op.GET, _timeout_arg(timeout), blob32(key), deadline=timeout)
 
-    async def add(self, key: bytes, amount: int) -> int:
-        value: int = I64.unpack(await self._call(Op.ADD, blob32(key), I64.pack(amount)))[0]
-        return value
+    def add(self, key: bytes, amount: int) -> asyncio.Future[int]:
+        return self._submit(_ADD, blob32(key) + I64.pack(amount), _i64)
 
-    async def compare_set(self, key: bytes, expected: bytes, desired: bytes) -> bytes:
-        return await self._call(Op.COMPARE_SET, blob32(key), blob32(expected), blob32(desired))
+    def compare_set(self, key: bytes, expected: bytes, desired: bytes) -> asyncio.Future[bytes]:
+        payload = blob32(key) + blob32(expected) + blob32(desired)
+        return self._submit(_COMPARE_SET, payload, _bytes)
 
     async def wait(self, keys: list[bytes], timeout: float | None) -> None:
         await self._call(Op.WAIT, _timeout_arg(timeout), *_keys_arg(keys), deadline=timeout)
 
-    async def check(self, keys: list[bytes]) -> bool:
-        return (await self._call(Op.CHECK, *_keys_arg(keys))) == b"\x01"
+    def check(self, keys: list[bytes]) -> asyncio.Future[bool]:
+        return self._submit(_CHECK, b"".join(_keys_arg(keys)), _flag)
 
-    async def delete(self, key: bytes) -> bool:
-        return (await self._call(Op.DELETE_KEY, blob32(key))) == b"\x01"
+    def delete(self, key: bytes) -> asyncio.Future[bool]:
+        return self._submit(_DELETE_KEY, blob32(key), _flag)
 
-    async def num_keys(self) -> int:
-        value: int = I64.unpack(await self._call(Op.NUM_KEYS))[0]
-        return value
+    def num_keys(self) -> asyncio.Future[int]:
+        return self._submit(_NUM_KEYS, b"", _i64)
 
-    async def list_keys(self) -> list[bytes]:
-        return _read_blobs(await self._call(Op.LIST_KEYS))
+    def list_keys(self) -> asyncio.Future[list[bytes]]:
+        return self._submit(_LIST_KEYS, b"", _read_blobs)
 
     async def multi_get(self, keys: list[bytes], timeout: float | None) -> list[bytes]:
         payload = await self._call(
@@ -464,17 +520,17 @@ class _AiodistChannel(_Channel, _Sink):
         )
         return _read_blobs(payload)
 
-    async def multi_set(self, items: list[tuple[bytes, bytes]]) -> None:
+    def multi_set(self, items: list[tuple[bytes, bytes]]) -> asyncio.Future[None]:
         parts = [U32.pack(len(items))]
         for key, value in items:
             parts += (blob32(key), blob32(value))
-        await self._call(Op.MULTI_SET, *parts)
+        return self._submit(_MULTI_SET, b"".join(parts), _nothing)
 
-    async def append(self, key: bytes, value: bytes) -> None:
-        await self._call(Op.APPEND, blob32(key), blob32(value))
+    def append(self, key: bytes, value: bytes) -> asyncio.Future[None]:
+        return self._submit(_APPEND, blob32(key) + blob32(value), _nothing)
 
-    async def queue_push(self, key: bytes, value: bytes) -> None:
-        await self._call(Op.QUEUE_PUSH, blob32(key), blob32(value))
+    def queue_push(self, key: bytes, value: bytes) -> asyncio.Future[None]:
+        return self._submit(_QUEUE_PUSH, blob32(key) + blob32(value), _nothing)
 
     async def queue_pop(self, key: bytes, block: bool, timeout: float | None) -> bytes:
         return await self._call(
@@ -485,9 +541,8 @@ class _AiodistChannel(_Channel, _Sink):
             deadline=timeout if block else None,
         )
 
-    async def queue_len(self, key: bytes) -> int:
-        value: int = I64.unpack(await self._call(Op.QUEUE_LEN, blob32(key)))[0]
-        return value
+    def queue_len(self, key: bytes) -> asyncio.Future[int]:
+        return self._submit(_QUEUE_LEN, blob32(key), _i64)
 
     async def barrier(self, key: bytes, world_size: int, timeout: float | None) -> None:
         await self._call(
@@ -524,6 +579,19 @@ def _p_list(r: Reader) -> list[bytes]:
 
 def _p_queue_pop(r: Reader) -> bytes | None:
     return _p_bytes(r) if r.i64() > 0 else None
+
+
+def _p_flag(r: Reader) -> bool:
+    return r.i64() != 0
+
+
+def _p_ready(r: Reader) -> bool:
+    return r.u8() == TORCH_READY
+
+
+#: opcode, u64 key length: the head of a torch-wire set or add.
+_T_SET_HEAD = struct.Struct("<BQ")
+_T_SET, _T_ADD = int(TorchOp.SET), int(TorchOp.ADD)
 
 
 def _p_many(n: int) -> _Parser:
@@ -627,30 +695,50 @@ class _TorchChannel(_Channel, _Sink):
         # A cancelled caller leaves its entry in the queue: the reply still arrives in order.
         return await future
 
+    def _request(
+        self, request: bytes, parser: _Parser, add_key: bytes | None = None
+    ) -> Awaitable[Any]:
+        """Send a request that is answered at once; the reply's future, or (to reconnect
+        after the server dropped a failed add) a coroutine."""
+        conn = self._conn
+        if conn.is_lost:
+            return self._call(request, parser, add_key)
+        future: asyncio.Future[Any] = conn.loop.create_future()
+        self._fifo.append((future, parser, add_key))
+        conn.write(request)
+        return future
+
     async def _send(self, request: bytes) -> None:
-        # Requests with no reply (set, append, ...): torch's wire acknowledges nothing.
         (await self._main()).write(request)
 
-    async def set(self, key: bytes, value: bytes) -> None:
-        await self._send(torch_request(TorchOp.SET, key, value))
+    def _post(self, request: bytes) -> Awaitable[None]:
+        # Requests with no reply (set, append, ...): torch's wire acknowledges nothing.
+        conn = self._conn
+        if conn.is_lost:
+            return self._send(request)
+        conn.write(request)
+        done: asyncio.Future[None] = conn.loop.create_future()
+        done.set_result(None)
+        return done
+
+    def set(self, key: bytes, value: bytes) -> Awaitable[None]:
+        return self._post(_T_SET_HEAD.pack(_T_SET, len(key)) + key + U64.pack(len(value)) + value)
 
     async def get(self, key: bytes, timeout: float | None) -> bytes:
         await self.wait([key], timeout)
-        value: bytes = await self._call(torch_request(TorchOp.GET, key), _p_bytes)
+        value: bytes = await self._request(torch_request(TorchOp.GET, key), _p_bytes)
         return value
 
-    async def add(self, key: bytes, amount: int) -> int:
-        value: int = await self._call(torch_request(TorchOp.ADD, key, amount), _p_i64, key)
-        return value
+    def add(self, key: bytes, amount: int) -> Awaitable[int]:
+        request = _T_SET_HEAD.pack(_T_ADD, len(key)) + key + I64.pack(amount)
+        return self._request(request, _p_i64, key)
 
-    async def compare_set(self, key: bytes, expected: bytes, desired: bytes) -> bytes:
+    def compare_set(self, key: bytes, expected: bytes, desired: bytes) -> Awaitable[bytes]:
         request = torch_request(TorchOp.COMPARE_SET, key, expected, desired)
-        value: bytes = await self._call(request, _p_bytes)
-        return value
+        return self._request(request, _p_bytes)
 
-    async def check(self, keys: list[bytes]) -> bool:
-        reply = await self._call(torch_request(TorchOp.CHECK, keys), _p_u8)
-        return bool(reply == TORCH_READY)
+    def check(self, keys: list[bytes]) -> Awaitable[bool]:
+        return self._request(torch_request(TorchOp.CHECK, keys), _p_ready)
 
     async def wait(self, keys: list[bytes], timeout: float | None) -> None:
         # Ask on the main connection first: it is ordered after this client's own writes.
@@ -742,16 +830,14 @@ class _TorchChannel(_Channel, _Sink):
             raise
         return conn
 
-    async def delete(self, key: bytes) -> bool:
-        return bool(await self._call(torch_request(TorchOp.DELETE_KEY, key), _p_i64))
+    def delete(self, key: bytes) -> Awaitable[bool]:
+        return self._request(torch_request(TorchOp.DELETE_KEY, key), _p_flag)
 
-    async def num_keys(self) -> int:
-        value: int = await self._call(torch_request(TorchOp.GETNUMKEYS), _p_i64)
-        return value
+    def num_keys(self) -> Awaitable[int]:
+        return self._request(torch_request(TorchOp.GETNUMKEYS), _p_i64)
 
-    async def list_keys(self) -> list[bytes]:
-        value: list[bytes] = await self._call(torch_request(TorchOp.LIST_KEYS), _p_list)
-        return value
+    def list_keys(self) -> Awaitable[list[bytes]]:
+        return self._request(torch_request(TorchOp.LIST_KEYS), _p_list)
 
     async def multi_get(self, keys: list[bytes], timeout: float | None) -> list[bytes]:
         await self.wait(keys, timeout)
@@ -759,18 +845,18 @@ class _TorchChannel(_Channel, _Sink):
         value: list[bytes] = await self._call(request, _p_many(len(keys)))
         return value
 
-    async def multi_set(self, items: list[tuple[bytes, bytes]]) -> None:
+    def multi_set(self, items: list[tuple[bytes, bytes]]) -> Awaitable[None]:
         flat = [b for item in items for b in item]
         # torch's layout: count of pairs, then key, value, key, value...
         parts = [U8.pack(TorchOp.MULTI_SET), I64.pack(len(items))]
         parts += [I64.pack(len(b)) + b for b in flat]
-        await self._send(b"".join(parts))
+        return self._post(b"".join(parts))
 
-    async def append(self, key: bytes, value: bytes) -> None:
-        await self._send(torch_request(TorchOp.APPEND, key, value))
+    def append(self, key: bytes, value: bytes) -> Awaitable[None]:
+        return self._post(torch_request(TorchOp.APPEND, key, value))
 
-    async def queue_push(self, key: bytes, value: bytes) -> None:
-        await self._send(torch_request(TorchOp.QUEUE_PUSH, key, value))
+    def queue_push(self, key: bytes, value: bytes) -> Awaitable[None]:
+        return self._post(torch_request(TorchOp.QUEUE_PUSH, key, value))
 
     async def queue_pop(self, key: bytes, block: bool, timeout: float | None) -> bytes:
         start = time.monotonic()
@@ -784,9 +870,8 @@ class _TorchChannel(_Channel, _Sink):
             if not block:
                 raise QueueEmptyError(f"queue {format_keys([key[1:]])} is empty")
 
-    async def queue_len(self, key: bytes) -> int:
-        value: int = await self._call(torch_request(TorchOp.QUEUE_LEN, key), _p_i64)
-        return value
+    def queue_len(self, key: bytes) -> Awaitable[int]:
+        return self._request(torch_request(TorchOp.QUEUE_LEN, key), _p_i64)
 
     def close(self) -> None:
         self._conn.close()
