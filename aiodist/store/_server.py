@@ -111,6 +111,8 @@ _T_QUEUE_LEN, _T_LIST_KEYS = int(TorchOp.QUEUE_LEN), int(TorchOp.LIST_KEYS)
 _OK = int(Status.OK)
 #: body length, request id, status, i64 (an ``add`` reply in one pack).
 _OK_I64 = struct.Struct("<IIBq")
+#: body length, request id, opcode, and a first u32 (the key's length, in set and add).
+_HEAD_KEY = struct.Struct("<IIBI")
 _TORCH_READY_BYTE = U8.pack(TORCH_READY)
 _TORCH_NOT_READY_BYTE = U8.pack(TORCH_NOT_READY)
 
@@ -328,8 +330,39 @@ class _Connection(asyncio.Protocol):
             # The usual read holds whole requests of the common kinds: answer them straight
             # from ``data``; anything else goes on to the general parser.
             if mode == _FRAMES:
+                n = len(data)
+                if n >= 21:
+                    # The most common read of all, one add: no loop, no list.
+                    length, rid, op, klen = _HEAD_KEY.unpack_from(data)
+                    if op == _OP_ADD and length + 4 == n == klen + 21 and klen <= self._max_key:
+                        try:
+                            total = self._state.add(
+                                data[13 : n - 8], I64.unpack_from(data, n - 8)[0]
+                            )
+                        except DistStoreError:
+                            pass  # the general parser reports it
+                        else:
+                            transport = self._transport
+                            assert transport is not None
+                            transport.write(_OK_I64.pack(13, rid, _OK, total))
+                            return
                 pos = self._fast_frames(data)
             elif mode == _TORCH_READY:
+                n = len(data)
+                if n >= 17 and data[0] == _T_ADD:
+                    (klen,) = U64.unpack_from(data, 1)
+                    if klen + 17 == n and klen <= self._max_key:
+                        try:
+                            total = self._state.add(
+                                data[9 : n - 8], I64.unpack_from(data, n - 8)[0]
+                            )
+                        except DistStoreError:
+                            pass  # the general parser drops the connection, as torch's does
+                        else:
+                            transport = self._transport
+                            assert transport is not None
+                            transport.write(I64.pack(total))
+                            return
                 pos = self._fast_torch(data)
             else:
                 pos = 0

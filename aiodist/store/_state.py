@@ -157,8 +157,16 @@ class KeyValueState:
                 a signed 64-bit integer; the key is left unchanged.
         """
         old = self._data.get(key)
-        new = amount if old is None else parse_counter(key, old, op) + amount
-        if not I64_MIN <= new <= I64_MAX:
+        if old is None:
+            new = amount
+        else:
+            try:
+                new = int(old) + amount
+            except ValueError:
+                parse_counter(key, old, op)  # raises, naming the key and the value
+                raise
+        # Literal bounds (I64_MIN, I64_MAX): this is the hottest line of a store server.
+        if not -9223372036854775808 <= new <= 9223372036854775807:
             raise DistStoreError(
                 f"{op} on key {format_keys([key])}: the result {new} does not fit in a signed "
                 "64-bit integer"
