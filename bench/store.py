@@ -305,15 +305,18 @@ def main() -> None:
         f"`python bench/store.py --duration {args.duration} --repeat {args.repeat}` on "
         f"{os.cpu_count()} CPUs (median of {args.repeat} interleaved runs per cell), "
         f"loopback, clients in {args.procs} processes, one request at a time per connection. "
-        "torch server = torch's TCPStore (libuv backend). torch-wire `set` = set + check.",
+        "torch server = torch's TCPStore (libuv backend). torch-wire `set` = set + check. "
+        "Server CPU: the server process's CPU time over the operations; client CPU: the "
+        "worker processes' (they share the 2 CPUs with the server).",
         "",
-        "| op | clients | server | wire | ops/s | p50 (us) | p99 (us) | server CPU (us/op) |",
-        "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: |",
+        "| op | clients | server | wire | ops/s | p50 (us) | p99 (us) | server CPU (us/op) "
+        "| client CPU (us/op) |",
+        "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for op, n, server, wire, r in rows:
         lines.append(
             f"| {op} | {n} | {server} | {wire} | {r['ops_s']:.0f} | {r['p50_us']:.0f} "
-            f"| {r['p99_us']:.0f} | {r['cpu_us']:.1f} |"
+            f"| {r['p99_us']:.0f} | {r['cpu_us']:.1f} | {r['client_cpu_us']:.1f} |"
         )
     lines += [
         "",
