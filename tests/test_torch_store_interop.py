@@ -236,7 +236,14 @@ async def test_two_torch_ranks_init_process_group_on_the_aiodist_store() -> None
 _SAME_PROCESS = """
     import logging, sys, threading, time
     from datetime import timedelta
-    logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="LOG %(message)s")
+
+    class Keep(logging.Handler):  # printed at the end: the server thread logs meanwhile
+        records = []
+
+        def emit(self, record):
+            self.records.append(record.getMessage())
+
+    logging.getLogger("aiodist").addHandler(Keep(logging.WARNING))
     import aiodist.sync as ad
     import torch.distributed as dist
 
@@ -261,6 +268,8 @@ _SAME_PROCESS = """
         print("then", str(exc).splitlines()[0], flush=True)
     other = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=9))
     print("still serving", other.get("k"), flush=True)
+    for message in Keep.records:
+        print("LOG", message)
 """
 
 
