@@ -316,7 +316,10 @@ class _Connection(asyncio.Protocol):
     def resume_writing(self) -> None:
         self._paused = False
         deferred, self._deferred = self._deferred, []
-        for rid, parked in deferred:
+        for i, (rid, parked) in enumerate(deferred):
+            if self._paused:  # an answer filled the transport again: the rest waits
+                self._deferred = deferred[i:] + self._deferred
+                return
             if self._parked.get(rid) is parked:
                 self._answer(rid, parked)
         if self._buf and self._mode != _CLOSED and not self._paused:
