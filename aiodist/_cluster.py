@@ -246,7 +246,7 @@ def read_rank_and_world_size(
         else _first_int(env, WORLD_SIZE_VARS)
     )
     _check_source_fits(env, r, w)
-    if env.get(_UNDER_LAUNCHER_VAR) is None and r.var is not None:
+    if not env.get(_UNDER_LAUNCHER_VAR) and r.var is not None:
         _check_agreement(env, r, w)
     if w.value < 1:
         raise DistUsageError(f"world size must be positive, got {w.value} ({w.source})")

@@ -29,7 +29,7 @@ from typing import Protocol
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 from ._auth import resolve_token
-from ._cluster import LOCAL_RANK_VARS, read_cluster_env, read_rank_and_world_size
+from ._cluster import LOCAL_RANK_VARS, read_cluster_env
 from ._timeouts import Timeout, to_seconds
 from .errors import DistUsageError
 from .store import FileStore, Store
@@ -191,15 +191,10 @@ def _query_int(scheme: str, query: dict[str, str], name: str, label: str) -> int
     return _parse_int(scheme, label, query[name]) if name in query else None
 
 
-def _rank_and_size(scheme: str, query: dict[str, str], use_env: bool) -> tuple[int, int]:
+def _rank_and_size(scheme: str, query: dict[str, str]) -> tuple[int, int]:
+    """The query's rank and world size, both required (``tcp://``, ``file://``)."""
     rank = _query_int(scheme, query, "rank", "rank")
     world_size = _query_int(scheme, query, "world_size", "world size")
-    if use_env:
-        try:
-            r, w = read_rank_and_world_size(rank=rank, world_size=world_size)
-        except DistUsageError as exc:
-            raise _error(scheme, str(exc)) from None
-        return r.value, w.value
     if rank is None:
         raise _error(scheme, "rank parameter missing")
     if world_size is None:
@@ -275,7 +270,7 @@ async def _tcp_handler(
     if port is None:
         raise _error("tcp", "port number missing")
     query = dict(parse_qsl(parts.query, keep_blank_values=True))
-    rank, world_size = _rank_and_size("tcp", query, use_env=False)
+    rank, world_size = _rank_and_size("tcp", query)
     store = await _tcp_store("tcp", parts.hostname, port, rank, world_size, timeout, auth_token)
     return store, rank, world_size
 
@@ -292,7 +287,7 @@ async def _file_handler(
     if not path:
         raise _error("file", "path missing")
     query = dict(parse_qsl(parts.query, keep_blank_values=True))
-    rank, world_size = _rank_and_size("file", query, use_env=False)
+    rank, world_size = _rank_and_size("file", query)
     return FileStore(path, world_size, timeout=timeout), rank, world_size
 
 

@@ -358,6 +358,7 @@ class Store:
     queue_push = _Blocking(_aio.Store.queue_push)
     queue_pop = _Blocking(_aio.Store.queue_pop)
     queue_len = _Blocking(_aio.Store.queue_len)
+    barrier = _Blocking(_aio.Store.barrier)
 
     def clone(self) -> Store:
         """Return a new, independent handle to the same store (a new connection, if any)."""

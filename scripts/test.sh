@@ -14,10 +14,34 @@ python3 -m venv .venv
 if ! command -v ip >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   (apt-get update -qq && apt-get install -y -qq iproute2) >/dev/null
 fi
+# The cluster tests run the real launchers: SLURM (with munge), Open MPI's mpirun, MPICH's
+# mpiexec (tests/test_slurm.py, tests/test_mpirun.py).
+missing=()
+for tool in slurmctld:slurm-wlm slurmd:slurm-wlm srun:slurm-wlm munged:munge \
+  mpirun.openmpi:openmpi-bin mpiexec.mpich:mpich; do
+  command -v "${tool%%:*}" >/dev/null || missing+=("${tool#*:}")
+done
+if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+    apt-get install -y -qq --no-install-recommends $(printf '%s\n' "${missing[@]}" | sort -u)) >/dev/null
+fi
 
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy aiodist
+# The package as users get it: a wheel and an sdist that twine accepts, the sdist free of
+# the virtualenv and of caches.
+dist=$(mktemp -d)
+.venv/bin/python -m build --outdir "$dist" . >"$dist/build.log" 2>&1 || {
+  cat "$dist/build.log" >&2
+  exit 1
+}
+.venv/bin/twine check --strict "$dist"/*.whl "$dist"/*.tar.gz
+if tar tzf "$dist"/*.tar.gz | grep -E '/(\.venv|__pycache__|\.[a-z_]*cache|\.hypothesis|_build)/'; then
+  echo "the sdist holds the files above, which it must not" >&2
+  exit 1
+fi
+rm -rf "$dist"
 # The documentation site, every Sphinx warning an error (tests/test_docs.py reuses the build).
 .venv/bin/python -m sphinx -W --keep-going -q -b html docs docs/_build/html
 

@@ -14,8 +14,11 @@ import subprocess
 import sys
 import zlib
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 from cluster_helpers import (
     HOSTLISTS,
     LAUNCHER_PREFIXES,
@@ -513,3 +516,50 @@ def test_aiodist_run_in_pods(controller: str) -> None:
     check(reports, 4)
     assert [r["local_rank"] for r in reports] == [0, 1, 0, 1]
     assert {r["master_port"] for r in reports} == {port}
+
+
+# -- the manifests of examples/kubernetes --------------------------------------------------------
+MANIFESTS = Path(__file__).parent.parent / "examples" / "kubernetes"
+
+
+def containers(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    if doc["kind"] == "PyTorchJob":
+        specs = doc["spec"]["pytorchReplicaSpecs"].values()
+        return [c for s in specs for c in s["template"]["spec"]["containers"]]
+    if doc["kind"] == "TrainJob":
+        return [doc["spec"]["trainer"]]
+    if doc["kind"] == "Job":
+        return list(doc["spec"]["template"]["spec"]["containers"])
+    return []
+
+
+def test_example_manifests_start_aiodist_run() -> None:
+    docs = {
+        d["kind"]: d for p in MANIFESTS.glob("*.yaml") for d in yaml.safe_load_all(p.read_text())
+    }
+    assert set(docs) == {"PyTorchJob", "TrainJob", "Job", "Service"}
+    for kind in ("PyTorchJob", "TrainJob", "Job"):
+        for container in containers(docs[kind]):
+            assert container["command"][0] == "aiodist-run"
+            assert container["command"][-1] == "/app/data_parallel_sgd.py"
+    # The PyTorchJob operator finds the master's port by this container and port name.
+    master = docs["PyTorchJob"]["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    assert master["containers"][0]["name"] == "pytorch"
+    assert master["containers"][0]["ports"][0]["name"] == "pytorchjob-port"
+
+
+def test_indexed_job_manifest_names_pod_0_through_its_service(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    docs = {d["kind"]: d for d in yaml.safe_load_all((MANIFESTS / "indexed-job.yaml").read_text())}
+    job, service = docs["Job"], docs["Service"]
+    name, pod = job["metadata"]["name"], job["spec"]["template"]["spec"]
+    assert service["spec"]["clusterIP"] == "None"
+    assert pod["subdomain"] == service["metadata"]["name"]
+    assert service["spec"]["selector"] == {"job-name": name}  # the label the Job gives its pods
+    assert job["spec"]["completionMode"] == "Indexed"
+    # What pod 1's launcher makes of its command line and JOB_COMPLETION_INDEX=1.
+    monkeypatch.setenv("JOB_COMPLETION_INDEX", "1")
+    cfg = parse_args(pod["containers"][0]["command"][1:])
+    assert (cfg.node_rank, cfg.nnodes, cfg.nproc_per_node) == (1, job["spec"]["completions"], 2)
+    assert (cfg.master_addr, cfg.master_port) == (f"{name}-0.{pod['subdomain']}", 29500)

@@ -224,6 +224,7 @@ async def test_all_to_all_blocks_of_any_size(n: int, shared: bool, job: str) -> 
     await close(wss)
 
 
+@pytest.mark.both_loops
 async def test_a_barrier_waits_for_the_last_rank(job: str) -> None:
     wss = await workspaces(3, job)
     for late in range(3):  # each rank's counter in turn
@@ -347,6 +348,21 @@ async def test_closing_aborting_or_cancelling_fails_the_peers_by_name(job: str) 
         await shm.barrier(wss[1])
     with pytest.raises(aiodist.DistNetworkError, match="cancelled"):
         await shm.barrier(wss[0])
+    await close(wss)
+
+    # Cancelled while waiting for its turn: it would have been the group's next operation.
+    wss = await workspaces(2, job)
+    first = asyncio.create_task(shm.barrier(wss[0]))
+    queued = asyncio.create_task(shm.barrier(wss[0]))
+    await asyncio.sleep(0.05)
+    queued.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await queued
+    with pytest.raises(aiodist.DistNetworkError, match="rank 0 cancelled"):
+        await first
+    await shm.barrier(wss[1])  # pairs with the first, which had arrived
+    with pytest.raises(aiodist.DistNetworkError, match="rank 0 cancelled"):
+        await shm.barrier(wss[1])
     await close(wss)
 
 

@@ -47,6 +47,8 @@ DOCUMENTED_MODULES = (
     "aiodist.testing",
     "aiodist.debug",
     "aiodist.launcher",
+    "aiodist.contrib",
+    "aiodist.contrib.ray",
 )
 #: Top-level modules that are layers below the public API (their public names are
 #: re-exported by ``aiodist``) or entry points documented as commands.

@@ -12,7 +12,7 @@ import pytest
 
 import aiodist
 from aiodist import rendezvous as rdzv
-from aiodist._cluster import VARIABLES
+from aiodist._cluster import VARIABLES, read_rank_and_world_size
 from aiodist.rendezvous import get_node_local_rank, register_rendezvous_handler, rendezvous
 
 
@@ -154,8 +154,9 @@ async def test_env_errors_name_the_variable(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_rank_and_size_sources(monkeypatch: pytest.MonkeyPatch) -> None:
-    def resolve(query: dict[str, str] | None = None) -> tuple[int, int]:
-        return rdzv._rank_and_size("env", query or {}, use_env=True)
+    def resolve(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
+        r, w = read_rank_and_world_size(rank=rank, world_size=world_size)
+        return r.value, w.value
 
     monkeypatch.setenv("SLURM_PROCID", "3")
     monkeypatch.setenv("SLURM_NTASKS", "8")
@@ -167,7 +168,7 @@ def test_rank_and_size_sources(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RANK", "2")
     monkeypatch.setenv("WORLD_SIZE", "6")
     assert resolve() == (2, 6)  # torchrun's names first
-    assert resolve({"rank": "5", "world_size": "7"}) == (5, 7)  # the query overrides them all
+    assert resolve(5, 7) == (5, 7)  # the query's values override them all
 
 
 def test_node_local_rank(monkeypatch: pytest.MonkeyPatch) -> None:

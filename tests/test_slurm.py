@@ -26,7 +26,18 @@ from aiodist._cluster import expand_hostlist
 
 pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess]
 
-TOOLS = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "sinfo", "scontrol", "nsenter", "ip")
+TOOLS = (
+    "munged",
+    "slurmctld",
+    "slurmd",
+    "srun",
+    "salloc",
+    "sbatch",
+    "sinfo",
+    "scontrol",
+    "nsenter",
+    "ip",
+)
 
 
 def _require_tools() -> None:
@@ -182,11 +193,10 @@ def test_srun_ranks_join_through_env(slurm: Slurm) -> None:
 
 
 def test_concurrent_steps_of_one_job_get_their_own_ports(slurm: Slurm) -> None:
-    script = f"srun -n 2 {sys.executable} {WORKER} & srun -n 2 {sys.executable} {WORKER} & wait"
-    result = slurm.run("sbatch", "--wait", "-n", "4", "-o", "steps.out", "--wrap", script)
-    output = (slurm.workdir / "steps.out").read_text()
-    assert result.returncode == 0, result.stdout + result.stderr + output
-    got = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
+    step = f"srun -n 2 {sys.executable} {WORKER}"
+    result = slurm.run("salloc", "-n", "4", "sh", "-c", f"{step} & {step} & wait")
+    assert result.returncode == 0, result.stdout + result.stderr
+    got = [json.loads(line) for line in result.stdout.splitlines()]
     assert len(got) == 4
     ports = {r["env"]["SLURM_STEP_ID"]: r["master_port"] for r in got}  # type: ignore[index]
     assert len(ports) == 2 and len(set(ports.values())) == 2
@@ -194,11 +204,19 @@ def test_concurrent_steps_of_one_job_get_their_own_ports(slurm: Slurm) -> None:
 
 
 def test_a_batch_script_without_srun_is_refused(slurm: Slurm) -> None:
-    result = slurm.run(
-        "sbatch", "--wait", "-n", "2", "-o", "batch.out", "--wrap", f"{sys.executable} {WORKER}"
-    )
+    submit = f"{sys.executable} {WORKER}"
+    result = slurm.run("sbatch", "--parsable", "-n", "2", "-o", "batch.out", "--wrap", submit)
+    assert result.returncode == 0, result.stderr
+    job_id = result.stdout.strip().split(";")[0]
+    # Poll the job ourselves: sbatch --wait checks only every few seconds.
+    state = ""
+    deadline = time.monotonic() + 60
+    while "JobState=FAILED" not in state and "JobState=COMPLETED" not in state:
+        assert time.monotonic() < deadline, state
+        time.sleep(0.1)
+        state = slurm.run("scontrol", "-o", "show", "job", job_id, timeout=20).stdout
+    assert "JobState=FAILED" in state and "ExitCode=1:0" in state, state
     output = (slurm.workdir / "batch.out").read_text()
-    assert result.returncode != 0
     assert (
         "aiodist.errors.DistUsageError: Error initializing aiodist using env:// rendezvous: "
         "SLURM_NTASKS=2 but SLURM_STEP_ID is not set: this process is the batch script, not "

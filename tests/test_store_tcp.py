@@ -174,6 +174,29 @@ async def test_a_thousand_concurrent_awaits_on_one_client(store: aiodist.TCPStor
     assert await store.get("n") == b"500"
 
 
+@pytest.mark.both_loops
+async def test_request_ids_wrap_past_zero_and_past_ids_still_waiting(
+    store: aiodist.TCPStore,
+) -> None:
+    # After 2**32 requests the id counter wraps. It used to reach 0 (the id CANCEL frames
+    # carry) and then the id of a wait still pending: that wait's future was replaced (it
+    # never resolved) and the server refused the new request as a reused id.
+    channel = store._channel
+    first = asyncio.ensure_future(store.get("late"))
+    await asyncio.sleep(0.05)
+    assert set(channel._pending) == {1}  # type: ignore[attr-defined]
+    channel._next_rid = 0xFFFFFFFE  # type: ignore[attr-defined]
+    waits = [asyncio.ensure_future(store.get(k)) for k in ("a", "b", "c")]
+    await asyncio.sleep(0.05)
+    assert set(channel._pending) == {1, 0xFFFFFFFF, 2, 3}  # type: ignore[attr-defined]
+    assert store.server is not None
+    assert store.server.state.waiter_count == 4
+    for key in ("a", "b", "c", "late"):
+        await store.set(key, key.encode())
+    assert await asyncio.wait_for(asyncio.gather(first, *waits), 5) == [b"late", b"a", b"b", b"c"]
+    assert store.server.state.waiter_count == 0
+
+
 # -- world size join ------------------------------------------------------------------------
 async def test_master_waits_for_workers_to_join() -> None:
     probe = socket.socket()
@@ -417,7 +440,7 @@ async def test_server_answers_a_version_mismatch_with_its_version_and_closes() -
                 return hello, sock.recv(10)
 
         hello, rest = await asyncio.to_thread(talk)
-        assert _wire.SERVER_HELLO.unpack(hello)[:2] == (_wire.AIODIST_MAGIC, 1)
+        assert _wire.SERVER_HELLO.unpack(hello)[:2] == (_wire.AIODIST_MAGIC, _wire.PROTOCOL_VERSION)
         assert rest == b""
 
 
@@ -434,7 +457,7 @@ async def test_client_reports_a_server_of_another_protocol_version() -> None:
     try:
         with pytest.raises(
             aiodist.DistProtocolError,
-            match=r"speaks aiodist store protocol version 99, this client speaks version 1",
+            match=r"speaks aiodist store protocol version 99, this client speaks version 2",
         ):
             await aiodist.TCPStore.create("127.0.0.1", port, wire="aiodist", timeout=2)
     finally:
@@ -474,9 +497,40 @@ async def test_sixteen_processes_add_exactly() -> None:
         assert server.state.get(b"/total") == b"16000"
 
 
+def _liveness_options(sock: socket.socket) -> tuple[int, int, int, int, int]:
+    return (
+        sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY),
+        sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE),
+        sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
+        sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL),
+        sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT),
+    )
+
+
 @pytest.mark.both_loops
-async def test_connections_use_tcp_keepalive(store: aiodist.TCPStore) -> None:
-    # A server host that vanishes without FIN or RST is noticed by keepalive probes.
-    sock = store._channel._conn.transport.get_extra_info("socket")  # type: ignore[attr-defined]
-    assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
-    assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 30
+@pytest.mark.parametrize("wire", ["aiodist", "torch"])
+async def test_connections_bound_peer_silence_on_both_ends(
+    wire: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A peer whose host vanishes without FIN or RST is noticed by keepalive probes (2 s idle,
+    # every 1 s) and TCP_USER_TIMEOUT, on the client's sockets and the server's alike.
+    monkeypatch.setenv("AIODIST_PEER_TIMEOUT", "4.5")
+    async with await aiodist.TCPStoreServer(peer_timeout=3).start() as server:
+        store = await aiodist.TCPStore.create("127.0.0.1", server.port, wire=wire, timeout=5)  # type: ignore[arg-type]
+        with pytest.raises(aiodist.DistTimeoutError):
+            await store.wait(["absent"], timeout=0.05)  # on torch's wire: a spare connection
+        assert server.num_clients == (1 if wire == "aiodist" else 2)
+        for conn in server._connections:
+            server_sock = conn._transport.get_extra_info("socket")  # type: ignore[union-attr]
+            assert _liveness_options(server_sock) == (1, 1, 2, 1, 3000)
+        client_sock = store._channel._conn.transport.get_extra_info("socket")  # type: ignore[attr-defined]
+        assert _liveness_options(client_sock) == (1, 1, 2, 1, 4500)
+        await store.aclose()
+
+
+async def test_peer_timeout_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(aiodist.DistUsageError, match=r"peer_timeout must be a finite number"):
+        aiodist.TCPStoreServer(peer_timeout=0.5)
+    monkeypatch.setenv("AIODIST_PEER_TIMEOUT", "soon")
+    with pytest.raises(aiodist.DistUsageError, match=r"AIODIST_PEER_TIMEOUT='soon' is not"):
+        await aiodist.TCPStore.create("127.0.0.1", 1, timeout=1)

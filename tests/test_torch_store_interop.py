@@ -81,6 +81,7 @@ _TORCH_CLIENT = """
     keys = s.list_keys()
     assert "from_aiodist" in keys and "from_torch" in keys and "init/" not in keys, keys
     print("num_keys", s.num_keys())
+    s.barrier("torch_barrier", 2)  # the aiodist side counts in too
     s.set("ready", "1")
     assert s.get("late") == b"from aiodist after ready"  # blocks until aiodist sets it
     print("OK")
@@ -93,8 +94,10 @@ async def test_torch_client_against_aiodist_server() -> None:
         await store.set("from_aiodist", b"hello")
         await store.set("del_me", b"x")
         torch_side = asyncio.ensure_future(_run(_TORCH_CLIENT, str(server.port)))
+        await store.barrier("torch_barrier", 2)
         await store.wait(["ready"])
-        expected_keys = ["from_aiodist", "from_torch", "cnt", "cs", "m1", "m2", "app", "ready"]
+        expected_keys = ["from_aiodist", "from_torch", "cnt", "cs", "m1", "m2", "app"]
+        expected_keys += ["torch_barrier", "ready"]
         assert sorted(await store.list_keys()) == sorted(expected_keys)
         await store.set("late", b"from aiodist after ready")
         out = await torch_side
@@ -167,6 +170,15 @@ async def test_aiodist_client_against_torch_server(wire: str) -> None:
             await store.queue_pop("q", block=False)
         with pytest.raises(aiodist.DistTimeoutError, match=r"still missing: \['absent'\]"):
             await store.wait(["absent"], timeout=0.2)
+        # torch's BARRIER: both clients count in at the same counter.
+        await asyncio.gather(store.barrier("bar", 2), other.barrier("bar", 2))
+        assert await store.get("bar") == b"2"
+        with pytest.raises(
+            aiodist.DistTimeoutError,
+            match=r"store barrier 'lonely' timed out after \d+ ms: 1 of 2 arrived",
+        ):
+            await store.barrier("lonely", 2, timeout=0.2)
+        assert await store.add("counter", 0) == 12  # the main connection is still in step
         # A wait woken by another client, while this client keeps working.
         waiter = asyncio.ensure_future(store.get("woken"))
         await asyncio.sleep(0.05)
@@ -219,3 +231,62 @@ async def test_two_torch_ranks_init_process_group_on_the_aiodist_store() -> None
         assert [o.strip() for o in outs] == ["OK 0", "OK 1"]
         assert server.state.get(b"init/") == b"2"
         assert any(k.startswith(b"/default_pg/") for k in server.state.list_keys())
+
+
+_SAME_PROCESS = """
+    import logging, sys, threading, time
+    from datetime import timedelta
+
+    class Keep(logging.Handler):  # printed at the end: the server thread logs meanwhile
+        records = []
+
+        def emit(self, record):
+            self.records.append(record.getMessage())
+
+    logging.getLogger("aiodist").addHandler(Keep(logging.WARNING))
+    import aiodist.sync as ad
+    import torch.distributed as dist
+
+    server = ad.TCPStore("127.0.0.1", 0, is_master=True, timeout=30)
+    c = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=30))
+    c.set("k", "v")
+    assert c.get("k") == b"v" and c.add("n", 2) == 2 and c.check(["k"]) and c.num_keys() == 2
+    # Waits that outlast the receive timeout are unaffected: torch polls before it reads.
+    threading.Timer(1.5, lambda: server.set("late", b"1")).start()
+    c.wait(["late"], timedelta(seconds=10))
+    threading.Timer(1.5, lambda: server.barrier("b", 2)).start()
+    c.barrier("b", 2, timedelta(seconds=10))
+    print("waits ok", flush=True)
+    start = time.monotonic()
+    try:
+        c.queue_len("q") if sys.argv[1] == "queue_len" else c.list_keys()
+    except dist.DistNetworkError as exc:
+        print("raised", str(exc).splitlines()[0], round(time.monotonic() - start), flush=True)
+    try:
+        c.get("k")
+    except dist.DistNetworkError as exc:
+        print("then", str(exc).splitlines()[0], flush=True)
+    other = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=9))
+    print("still serving", other.get("k"), flush=True)
+    for message in Keep.records:
+        print("LOG", message)
+"""
+
+
+@pytest.mark.parametrize("call", ["queue_len", "list_keys"])
+async def test_torch_client_in_the_server_process_fails_instead_of_hanging(call: str) -> None:
+    """torch's queue_len() and list_keys() hold the GIL while they block for the reply, so a
+    server in the same process can never send it: the process used to hang for good."""
+    out = await _run(_SAME_PROCESS, call, env={"AIODIST_PEER_TIMEOUT": "1"})
+    lines = [line for line in out.splitlines() if not line.startswith("LOG")]
+    assert lines[:2] == ["waits ok", "raised Socket Timeout 1"]
+    # The client is closed: its next call sees EOF, or a reset if it had sent it already.
+    assert lines[2] in (
+        "then Failed to recv, got 0 bytes. Connection was likely closed. Did the remote "
+        "server shutdown or crash?",
+        "then Connection reset by peer",
+    )
+    assert lines[3:] == ["still serving b'v'"]
+    logged = [line for line in out.splitlines() if line.startswith("LOG")]
+    assert "keep the GIL while they wait for the reply" in logged[0]
+    assert f"refusing {call.upper()} from a torch client in this process" in logged[1]

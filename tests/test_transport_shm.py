@@ -414,7 +414,10 @@ async def test_one_mailbox_shared_with_a_tcp_transport_routes_per_peer(job: str)
 
 async def _battery(store: Store, rank: int, n: int, job: str, spin: float | None) -> float:
     """Messages and collectives between processes; returns the largest value checked."""
-    t = await ShmTransport.create(store, rank, n, timeout=30, job_key=job, spin=spin)
+    # 64 KiB rings: the 3 MiB messages below wait for room ~50 times (want flag, doorbell).
+    t = await ShmTransport.create(
+        store, rank, n, timeout=30, job_key=job, spin=spin, ring_bytes=64 << 10
+    )
     world = list(range(n))
     try:
         # A ring of messages of growing size, past the ring's capacity.

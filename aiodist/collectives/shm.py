@@ -263,6 +263,7 @@ class NodeWorkspace:
         timeout: Timeout = None,
         block_bytes: int | None = None,
         spin: float | None = None,
+        local_world_size: int | None = None,
         job_key: str | None = None,
         ranks: Sequence[int] | None = None,
     ) -> NodeWorkspace:
@@ -283,7 +284,10 @@ class NodeWorkspace:
             block_bytes: bytes per slot buffer (a multiple of 4096, at least 64 per rank);
                 ``None``: 1 MiB.
             spin: seconds a barrier polls before sleeping; ``None``: 50 µs when the
-                ranks fit on this process's CPUs and none shares this process, else 0.
+                host's ranks fit on this process's CPUs and none shares this process,
+                else 0 (never poll).
+            local_world_size: how many ranks run on this host, of every group (for the
+                polling decision); ``None``: ``$LOCAL_WORLD_SIZE``, else ``size``.
             job_key: the job's identity for segment names (see
                 :func:`aiodist.transport.shm.default_job_key`).
             ranks: the group's global ranks, for error messages (default: group ranks).
@@ -320,12 +324,17 @@ class NodeWorkspace:
             isinstance(spin, bool) or not isinstance(spin, int | float) or spin < 0
         ):
             raise DistUsageError(f"spin must be a non-negative number of seconds, got {spin!r}")
+        if local_world_size is None:
+            local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", size))
+        elif isinstance(local_world_size, bool) or not isinstance(local_world_size, int):
+            raise DistUsageError(f"local_world_size must be an int, got {local_world_size!r}")
         names = list(range(size)) if ranks is None else list(ranks)
         if len(names) != size:
             raise DistUsageError(f"ranks must list {size} global ranks, got {names}")
         seconds = to_seconds(timeout, DEFAULT_SETUP_TIMEOUT)
         reason = unavailable_reason()
         if reason is not None:
+            logger.info("no shared-memory workspace: %s", reason)
             raise SharedMemoryError(reason)
         if size == 1:
             return cls(rank, size, block_bytes, None, None, 0.0, names)
@@ -333,7 +342,8 @@ class NodeWorkspace:
         remove_leftovers(job)
         loop = asyncio.get_running_loop()
         deadline = None if seconds is None else loop.time() + seconds
-        return await cls._setup(store, rank, size, block_bytes, spin, job, deadline, names)
+        local = max(size, local_world_size)
+        return await cls._setup(store, rank, size, block_bytes, spin, local, job, deadline, names)
 
     @classmethod
     async def _setup(
@@ -343,6 +353,7 @@ class NodeWorkspace:
         size: int,
         block: int,
         spin: float | None,
+        local: int,
         job: str,
         deadline: float | None,
         names: list[int],
@@ -414,7 +425,7 @@ class NodeWorkspace:
             doorbell.unlink()
             if spin is None:
                 same_process = any(p.pid == me.pid for p in procs.values())
-                spin = SPIN_SECONDS if may_spin(size) and not same_process else 0.0
+                spin = SPIN_SECONDS if may_spin(local) and not same_process else 0.0
             self = cls(rank, size, block, seg, doorbell, float(spin), names)
             self._bells = bells
             self._procs = procs
@@ -507,7 +518,9 @@ class NodeWorkspace:
                     view.release()
             self._slot_views = []
             self._mem = _NOTHING
-            self._seg.close()
+            with self._freed_lock:  # an array's finalizer may be writing its freed list
+                self._closed = True
+                self._seg.close()
 
     # -- shared arrays ---------------------------------------------------------------------
 
@@ -582,12 +595,15 @@ class NodeWorkspace:
             try:
                 await fut
             except BaseException as exc:
-                # Our turn is part of every rank's sequence: skipping it desynchronises
-                # the group. Fail the workspace (nothing new if it failed already).
-                if fut in self._queue:
-                    self._queue.remove(fut)
-                self._busy = fut.done() and not fut.cancelled() and fut.exception() is None
-                self._leave(exc)
+                if fut.done() and not fut.cancelled() and fut.exception() is None:
+                    self._leave(exc)  # handed the turn just now: pass it on, and fail
+                else:
+                    # Our turn is part of every rank's sequence: skipping it desynchronises
+                    # the group. Fail the workspace (nothing new if it failed already).
+                    if fut in self._queue:
+                        self._queue.remove(fut)
+                    if not self._closed:
+                        self._shutdown(self._given_up(exc), _ABORTED)
                 raise
         self._busy = True
         self._ops += 1
@@ -598,11 +614,7 @@ class NodeWorkspace:
         if exc is not None and exc is not self._consistent and not self._closed:
             # The ranks may now be at different points of the operation: nothing after it
             # can be trusted. Tell the peers, so that they fail instead of waiting.
-            if isinstance(exc, asyncio.CancelledError):
-                exc = DistNetworkError(
-                    f"rank {self._names[self.rank]} cancelled a shared-memory operation"
-                )
-            self._shutdown(exc, _ABORTED)
+            self._shutdown(self._given_up(exc), _ABORTED)
         self._busy = False
         while self._queue:
             fut = self._queue.popleft()
@@ -610,6 +622,13 @@ class NodeWorkspace:
                 self._busy = True
                 fut.set_result(None)
                 break
+
+    def _given_up(self, exc: BaseException) -> BaseException:
+        if isinstance(exc, asyncio.CancelledError):
+            return DistNetworkError(
+                f"rank {self._names[self.rank]} cancelled a shared-memory operation"
+            )
+        return exc
 
     def _fail_consistently(self, exc: DistUsageError) -> None:
         """Raise ``exc``, which every rank raises alike at the same point (it was found in
@@ -657,6 +676,16 @@ class NodeWorkspace:
             for j, (sent, expected) in enumerate(sizes):
                 _SIZES.pack_into(self._buf, at + j * _SIZES.size, sent, expected)
         return p, bool(flags)
+
+    def _same_calls(self, p: int) -> None:
+        """:meth:`_check_calls` for the hot path: compare the raw records (fingerprint and
+        size) first."""
+        buf = self._buf
+        at = self._records[p]
+        first = buf[at[0] : at[0] + 40]
+        for b in at[1:]:
+            if buf[b : b + 40] != first:
+                self._check_calls(p)
 
     def _check_calls(self, p: int) -> list[tuple[bytes, int, int]]:
         """After the first barrier: check that every rank called the same operation (the
@@ -928,7 +957,7 @@ async def all_reduce(
             slots = ws.typed_slots(p, x.dtype, x.shape)
             slots[ws.rank][...] = x
         await ws._sync()
-        ws._check_calls(p)
+        ws._same_calls(p)
         if x.size:
             # Every rank folds every slot in rank order: bitwise the same result everywhere.
             ufunc = _UFUNCS[op]

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import abc
+import asyncio
+import time
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Self
 
 from .._timeouts import DEFAULT_STORE_TIMEOUT, Timeout, to_seconds
-from ..errors import DistUsageError
+from ..errors import DistStoreError, DistUsageError
+from ._state import barrier_timeout_error, format_keys
 
-__all__ = ["Store", "Value", "encode_key", "encode_value"]
+__all__ = ["Store", "Value", "check_world_size", "encode_key", "encode_value"]
+
+#: The longest pause between two looks at a counter when a store can only poll it.
+_MAX_BARRIER_POLL = 0.05
 
 #: What a store accepts as a value: text is stored as UTF-8.
 Value = bytes | bytearray | memoryview | str
@@ -158,6 +164,44 @@ class Store(abc.ABC):
     async def queue_len(self, key: str) -> int:
         """Return the number of values in queue ``key``."""
 
+    async def barrier(self, key: str, world_size: int, timeout: Timeout = None) -> None:
+        """Count this caller in at ``key`` and wait until ``world_size`` callers are in.
+
+        torch's ``Store.barrier``: the count is the ASCII counter ``key`` (as with
+        :meth:`add`), so the barrier passes once ``world_size`` calls (from any clients)
+        have added to it; use a new key for each barrier. ``timeout`` defaults to the store
+        timeout. Stores with a server or shared memory wait there; this default polls.
+
+        Raises:
+            DistUsageError: ``world_size`` is not a positive integer.
+            DistStoreError: ``key`` holds something that is not an integer.
+            DistTimeoutError: fewer than ``world_size`` arrived in time; the message names
+                the key and the count reached. The caller stays counted in.
+        """
+        world = check_world_size(world_size)
+        seconds = to_seconds(timeout, self.timeout)
+        start = time.monotonic()
+        try:
+            arrived = await self.add(key, 1)
+        except DistStoreError as exc:
+            # The counting is an add; the caller called barrier.
+            raise DistStoreError(str(exc).replace("add on key", "barrier on key", 1)) from None
+        delay = 0.001
+        while arrived < world:
+            waited = time.monotonic() - start
+            if seconds is not None and waited >= seconds:
+                raise barrier_timeout_error(key.encode(), arrived, world, waited)
+            await asyncio.sleep(delay if seconds is None else min(delay, seconds - waited))
+            delay = min(delay * 2, _MAX_BARRIER_POLL)
+            value = await self.get(key)
+            try:
+                arrived = int(value)
+            except ValueError:
+                raise DistStoreError(
+                    f"barrier on key {format_keys([key.encode()])}: its value {value[:64]!r} "
+                    "is not an integer"
+                ) from None
+
     @abc.abstractmethod
     async def clone(self) -> Store:
         """Return a new, independent handle to the same store (a new connection, if any)."""
@@ -176,6 +220,17 @@ class Store(abc.ABC):
         tb: TracebackType | None,
     ) -> None:
         await self.aclose()
+
+
+def check_world_size(world_size: object) -> int:
+    """Return ``world_size`` if it is a positive int.
+
+    Raises:
+        DistUsageError: it is not.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise DistUsageError(f"barrier world_size must be a positive int, got {world_size!r}")
+    return world_size
 
 
 def check_lengths(keys: Sequence[object], values: Sequence[object]) -> None:

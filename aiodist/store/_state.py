@@ -2,6 +2,11 @@
 
 ``HashStore`` wraps it directly and the TCPStore server serves it to its clients, so the rules
 (ASCII counters, compare_set, which writes wake waiters, queues) live in exactly one place.
+
+Waiting costs O(1) per waiter to register and to drop, and a write wakes the waiters of its
+key in O(woken): the waiters of a key sit in an insertion-ordered dict (not a list, whose
+``remove`` made N abandoned waits cost O(N**2)), and a counter's threshold waits (barriers)
+are grouped by threshold, so an ``add`` that does not reach one wakes nobody.
 """
 
 from __future__ import annotations
@@ -13,7 +18,18 @@ from collections.abc import Iterable, Sequence
 
 from ..errors import DistStoreError, DistTimeoutError
 
-__all__ = ["KeyValueState", "format_keys", "timeout_error"]
+__all__ = [
+    "I64_MAX",
+    "I64_MIN",
+    "KeyValueState",
+    "barrier_timeout_error",
+    "format_keys",
+    "parse_counter",
+    "timeout_error",
+]
+
+#: Counters are signed 64-bit integers, as in torch's stores.
+I64_MIN, I64_MAX = -(2**63), 2**63 - 1
 
 
 def format_keys(keys: Iterable[bytes]) -> str:
@@ -31,22 +47,61 @@ def timeout_error(
     )
 
 
-class _Waiter:
-    __slots__ = ("future", "missing")
+def barrier_timeout_error(
+    key: bytes, arrived: int | None, world_size: int, waited: float
+) -> DistTimeoutError:
+    """Build the error for a barrier on ``key`` that gave up after ``waited`` seconds."""
+    count = "?" if arrived is None else str(arrived)
+    return DistTimeoutError(
+        f"store barrier {format_keys([key])} timed out after {waited * 1000:.0f} ms: "
+        f"{count} of {world_size} arrived"
+    )
 
-    def __init__(self, future: asyncio.Future[None], missing: set[bytes]) -> None:
+
+def parse_counter(key: bytes, value: bytes, op: str = "add") -> int:
+    """The integer an ASCII counter holds (``op`` names the operation in the error).
+
+    Raises:
+        DistStoreError: the value is not an integer.
+    """
+    try:
+        return int(value)
+    except ValueError:
+        raise DistStoreError(
+            f"{op} on key {format_keys([key])}: its value {value[:64]!r} is not an integer"
+        ) from None
+
+
+class _Waiter:
+    """A wait for keys; called when its future is done, it unregisters itself."""
+
+    __slots__ = ("future", "missing", "state")
+
+    def __init__(
+        self, state: KeyValueState, future: asyncio.Future[None], missing: set[bytes]
+    ) -> None:
+        self.state = state
         self.future = future
         self.missing = missing
 
+    def __call__(self, _future: asyncio.Future[None]) -> None:
+        self.state._forget(self)
+
 
 class KeyValueState:
-    """Keys, values, queues and the waiters on them, for one event loop."""
+    """Keys, values, queues and the waiters on them, for one event loop.
+
+    Reads and writes need no event loop (``FileStore`` replays its log into one from a
+    thread); only the ``watch`` methods do.
+    """
 
     def __init__(self) -> None:
         self._data: dict[bytes, bytes] = {}
         self._queues: dict[bytes, deque[bytes]] = {}
-        self._waiters: dict[bytes, list[_Waiter]] = {}
-        self._change_waiters: dict[bytes, list[asyncio.Future[None]]] = {}
+        # key -> the waits that still miss it (dicts as ordered sets: O(1) removal).
+        self._waiters: dict[bytes, dict[_Waiter, None]] = {}
+        # counter key -> threshold -> the futures waiting for the counter to reach it.
+        self._thresholds: dict[bytes, dict[int, dict[asyncio.Future[None], None]]] = {}
 
     def __repr__(self) -> str:
         return f"<KeyValueState keys={len(self._data)} queues={len(self._queues)}>"
@@ -74,9 +129,11 @@ class KeyValueState:
 
     @property
     def waiter_count(self) -> int:
-        """The number of pending waits and change watches (a leak check for servers)."""
+        """The number of pending waits and counter watches (a leak check for servers)."""
         waits = {id(w) for ws in self._waiters.values() for w in ws}
-        return len(waits) + sum(len(fs) for fs in self._change_waiters.values())
+        return len(waits) + sum(
+            len(fs) for targets in self._thresholds.values() for fs in targets.values()
+        )
 
     def queue_len(self, key: bytes) -> int:
         """The number of values in queue ``key``."""
@@ -87,23 +144,36 @@ class KeyValueState:
     def set(self, key: bytes, value: bytes) -> None:
         """Set ``key`` and wake its waiters."""
         self._data[key] = value
-        self._wake(key)
+        if key in self._waiters or key in self._thresholds:
+            self._wake(key)
 
-    def add(self, key: bytes, amount: int) -> int:
+    def add(self, key: bytes, amount: int, op: str = "add") -> int:
         """Add to the ASCII-decimal counter ``key`` (missing = 0) and return the new value.
 
+        ``op`` names the operation in error messages (a barrier counts with ``add``).
+
         Raises:
-            DistStoreError: the current value is not an integer; the key is left unchanged.
+            DistStoreError: the current value is not an integer, or the sum does not fit in
+                a signed 64-bit integer; the key is left unchanged.
         """
-        old = self._data.get(key, b"0")
-        try:
-            current = int(old)
-        except ValueError:
+        old = self._data.get(key)
+        if old is None:
+            new = amount
+        else:
+            try:
+                new = int(old) + amount
+            except ValueError:
+                parse_counter(key, old, op)  # raises, naming the key and the value
+                raise
+        # Literal bounds (I64_MIN, I64_MAX): this is the hottest line of a store server.
+        if not -9223372036854775808 <= new <= 9223372036854775807:
             raise DistStoreError(
-                f"add on key {format_keys([key])}: its value {old[:64]!r} is not an integer"
-            ) from None
-        new = current + amount
-        self.set(key, str(new).encode())
+                f"{op} on key {format_keys([key])}: the result {new} does not fit in a signed "
+                "64-bit integer"
+            )
+        self._data[key] = b"%d" % new
+        if key in self._waiters or key in self._thresholds:
+            self._wake(key)
         return new
 
     def compare_set(self, key: bytes, expected: bytes, desired: bytes) -> bytes:
@@ -130,7 +200,8 @@ class KeyValueState:
     def queue_push(self, key: bytes, value: bytes) -> None:
         """Push onto queue ``key`` and wake its waiters."""
         self._queues.setdefault(key, deque()).append(value)
-        self._wake(key)
+        if key in self._waiters:
+            self._wake(key)
 
     def queue_pop(self, key: bytes) -> bytes | None:
         """Pop the oldest value of queue ``key``, or ``None`` if it is empty."""
@@ -143,30 +214,50 @@ class KeyValueState:
         return value
 
     # -- waiting -------------------------------------------------------------------------
-    def watch(self, keys: Sequence[bytes]) -> asyncio.Future[None]:
-        """Return a future that resolves once every key exists.
+    def watch(
+        self, keys: Sequence[bytes], loop: asyncio.AbstractEventLoop | None = None
+    ) -> asyncio.Future[None]:
+        """Return a future (of ``loop``, default: the running one) resolved once every key
+        exists.
 
         Cancelling the future unregisters it, so abandoned waits leave nothing behind.
         """
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        # A server passes its loop: looking it up costs a getpid() system call on 3.11.
+        future: asyncio.Future[None] = (loop or asyncio.get_running_loop()).create_future()
         missing = {k for k in keys if not self.exists(k)}
         if not missing:
             future.set_result(None)
             return future
-        waiter = _Waiter(future, missing)
+        waiter = _Waiter(self, future, missing)
         for key in missing:
-            self._waiters.setdefault(key, []).append(waiter)
-        future.add_done_callback(lambda _: self._forget(waiter))
+            self._waiters.setdefault(key, {})[waiter] = None
+        future.add_done_callback(waiter)
         return future
 
-    def watch_change(self, key: bytes) -> asyncio.Future[None]:
-        """Return a future that resolves at the next write of ``key`` (set, add, append...).
+    def counter(self, key: bytes) -> int:
+        """The value of the ASCII counter ``key`` (missing: 0).
 
-        Counting barriers use it to re-check a counter; cancelling it unregisters it.
+        Raises:
+            DistStoreError: the value is not an integer.
         """
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._change_waiters.setdefault(key, []).append(future)
-        future.add_done_callback(lambda f: self._forget_change(key, f))
+        value = self._data.get(key)
+        return 0 if value is None else parse_counter(key, value)
+
+    def watch_count(
+        self, key: bytes, target: int, loop: asyncio.AbstractEventLoop | None = None
+    ) -> asyncio.Future[None]:
+        """Return a future (of ``loop``, default: the running one) resolved once the counter
+        ``key`` holds ``target`` or more.
+
+        Writes of ``key`` that leave it below every threshold wake nobody; a value that is
+        not an integer counts as below. Cancelling the future unregisters it.
+        """
+        future: asyncio.Future[None] = (loop or asyncio.get_running_loop()).create_future()
+        if self._reached(key, target):
+            future.set_result(None)
+            return future
+        self._thresholds.setdefault(key, {}).setdefault(target, {})[future] = None
+        future.add_done_callback(lambda f: self._forget_threshold(key, target, f))
         return future
 
     async def wait(self, keys: Sequence[bytes], timeout: float | None) -> None:
@@ -186,12 +277,48 @@ class KeyValueState:
             missing = [k for k in keys if not self.exists(k)]
             raise timeout_error(keys, missing, time.monotonic() - start) from None
 
+    async def barrier(self, key: bytes, world_size: int, timeout: float | None) -> None:
+        """Count this caller in at the counter ``key`` and wait until ``world_size`` are.
+
+        Raises:
+            DistStoreError: the counter holds something that is not an integer.
+            DistTimeoutError: naming the count reached after ``timeout`` seconds.
+        """
+        self.add(key, 1, "barrier")
+        future = self.watch_count(key, world_size)
+        if future.done():
+            return
+        start = time.monotonic()
+        try:
+            async with asyncio.timeout(timeout):
+                await future
+        except TimeoutError:
+            raise barrier_timeout_error(
+                key, self.count_or_none(key), world_size, time.monotonic() - start
+            ) from None
+
+    def count_or_none(self, key: bytes) -> int | None:
+        """The value of the counter ``key`` (missing: 0), or ``None`` if not an integer."""
+        try:
+            return self.counter(key)
+        except DistStoreError:
+            return None
+
+    def _reached(self, key: bytes, target: int) -> bool:
+        count = self.count_or_none(key)
+        return count is not None and count >= target
+
     def _wake(self, key: bytes) -> None:
-        changes = self._change_waiters.pop(key, None)
-        if changes:
-            for future in changes:
-                if not future.done():
-                    future.set_result(None)
+        thresholds = self._thresholds.get(key)
+        if thresholds:
+            count = self.count_or_none(key)
+            if count is not None:
+                for target in [t for t in thresholds if t <= count]:
+                    for future in thresholds.pop(target):
+                        if not future.done():
+                            future.set_result(None)
+                if not thresholds:
+                    del self._thresholds[key]
         waiters = self._waiters.pop(key, None)
         if not waiters:
             return
@@ -203,22 +330,17 @@ class KeyValueState:
     def _forget(self, waiter: _Waiter) -> None:
         for key in waiter.missing:
             waiters = self._waiters.get(key)
-            if waiters is None:
-                continue
-            try:
-                waiters.remove(waiter)
-            except ValueError:
-                continue
-            if not waiters:
+            if waiters is not None and waiters.pop(waiter, False) is None and not waiters:
                 del self._waiters[key]
 
-    def _forget_change(self, key: bytes, future: asyncio.Future[None]) -> None:
-        futures = self._change_waiters.get(key)
-        if futures is None:
+    def _forget_threshold(self, key: bytes, target: int, future: asyncio.Future[None]) -> None:
+        thresholds = self._thresholds.get(key)
+        if thresholds is None:
             return
-        try:
-            futures.remove(future)
-        except ValueError:
+        futures = thresholds.get(target)
+        if futures is None or futures.pop(future, False) is not None:
             return
         if not futures:
-            del self._change_waiters[key]
+            del thresholds[target]
+            if not thresholds:
+                del self._thresholds[key]

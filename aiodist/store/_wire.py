@@ -66,7 +66,7 @@ __all__ = [
 #: the first byte.
 AIODIST_MAGIC = b"AIOS"
 #: Bumped whenever the frame layout or an opcode's meaning changes.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 FLAG_AUTH = 0x01
 
 #: Limits a server applies unless told otherwise (torch's libuv server allows 8 KiB keys and
@@ -151,6 +151,9 @@ class Op(enum.IntEnum):
     #: Abandon the request whose id is the payload; it gets no response.
     CANCEL = 16
     PING = 17
+    #: f64 timeout, i64 world size, key: count in at the counter ``key``, answer once it
+    #: reaches the world size (a timeout reply ends with the i64 count reached).
+    BARRIER = 18
 
 
 class Status(enum.IntEnum):

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from .._timeouts import Timeout, to_seconds
 from ..errors import QueueEmptyError
-from ._base import Store, Value, check_lengths, encode_key, encode_value
+from ._base import Store, Value, check_lengths, check_world_size, encode_key, encode_value
 from ._state import KeyValueState
 
 __all__ = ["HashStore"]
@@ -88,6 +88,17 @@ class HashStore(Store):
 
     async def queue_len(self, key: str) -> int:
         return self._state.queue_len(encode_key(key))
+
+    async def barrier(self, key: str, world_size: int, timeout: Timeout = None) -> None:
+        """Count in at ``key`` and wait until ``world_size`` callers have (see ``Store``).
+
+        Raises:
+            DistUsageError: ``world_size`` is not a positive int.
+            DistStoreError: ``key`` holds something that is not an integer.
+            DistTimeoutError: fewer than ``world_size`` arrived in time.
+        """
+        world = check_world_size(world_size)
+        await self._state.barrier(encode_key(key), world, to_seconds(timeout, self.timeout))
 
     async def clone(self) -> HashStore:
         return HashStore(self.timeout, _state=self._state)

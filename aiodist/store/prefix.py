@@ -125,6 +125,16 @@ class PrefixStore(Store):
     async def queue_push(self, key: str, value: Value) -> None:
         await self._store.queue_push(self._key(key), value)
 
+    async def barrier(self, key: str, world_size: int, timeout: Timeout = None) -> None:
+        """The underlying store's barrier on the prefixed key.
+
+        Raises:
+            DistUsageError: ``world_size`` is not a positive int.
+            DistStoreError: ``key`` holds something that is not an integer.
+            DistTimeoutError: fewer than ``world_size`` arrived in time.
+        """
+        await self._store.barrier(self._key(key), world_size, timeout)
+
     async def queue_pop(self, key: str, block: bool = True) -> bytes:
         return await self._store.queue_pop(self._key(key), block)
 

@@ -18,9 +18,10 @@ import hmac
 import logging
 import os
 import random
+import struct
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal, cast
 
 from .._timeouts import DEFAULT_STORE_TIMEOUT, Timeout, to_seconds
@@ -32,9 +33,10 @@ from ..errors import (
     DistUsageError,
     QueueEmptyError,
 )
-from ._base import Store, Value, check_lengths, encode_key, encode_value
-from ._server import TCPStoreServer, enable_keepalive, resolve_token
-from ._state import format_keys, timeout_error
+from ._base import Store, Value, check_lengths, check_world_size, encode_key, encode_value
+from ._server import TCPStoreServer, resolve_token
+from ._sockets import configure_stream, resolve_peer_timeout
+from ._state import I64_MAX, I64_MIN, barrier_timeout_error, format_keys, timeout_error
 from ._wire import (
     AIODIST_MAGIC,
     AUTH_MAC_SIZE,
@@ -54,6 +56,7 @@ from ._wire import (
     TORCH_WAIT_CANCELED,
     U8,
     U32,
+    U64,
     UPGRADE_NONCE,
     UPGRADE_REPLY,
     Incomplete,
@@ -80,15 +83,19 @@ _JOIN_KEY = b"init/"
 _MAX_REPLY_VALUE = 2**32
 #: Extra time the client gives a server-timed wait before deciding the server is stuck.
 _SERVER_GRACE = 10.0
-_I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
+_OK = int(Status.OK)
+#: Request ids run 1..2**32-1: id 0 is what CANCEL frames carry.
+_MAX_RID = 0xFFFFFFFF
 
 
 class _TimedOut(Exception):
     """A wait ran out of time; the caller turns it into a message naming its own keys."""
 
-    def __init__(self, missing: list[bytes], waited: float) -> None:
+    def __init__(self, missing: list[bytes], waited: float, count: int | None = None) -> None:
         self.missing = missing
         self.waited = waited
+        # A barrier's timeout also reports the count its counter reached.
+        self.count = count
 
 
 def _lost(where: str, exc: BaseException | None) -> DistNetworkError:
@@ -98,7 +105,8 @@ def _lost(where: str, exc: BaseException | None) -> DistNetworkError:
 
 class _Sink(abc.ABC):
     @abc.abstractmethod
-    def feed(self, buf: bytearray) -> None: ...
+    def feed(self, buf: bytes | bytearray) -> int:
+        """Take the complete replies at the start of ``buf``; return the bytes used."""
 
     @abc.abstractmethod
     def lost(self, conn: _Conn) -> None: ...
@@ -107,8 +115,11 @@ class _Sink(abc.ABC):
 class _Conn(asyncio.Protocol):
     """One TCP connection: plain reads during the handshake, then a sink parses replies."""
 
-    def __init__(self, where: str) -> None:
+    def __init__(self, where: str, peer_timeout: float) -> None:
         self.where = where
+        self.peer_timeout = peer_timeout
+        # Looked up once: asyncio.get_running_loop() costs a getpid() call on Python 3.11.
+        self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.buf = bytearray()
         self.sink: _Sink | None = None
@@ -121,13 +132,24 @@ class _Conn(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses, but have its methods.
         self.transport = cast(asyncio.Transport, transport)
-        enable_keepalive(transport)
+        configure_stream(transport, self.peer_timeout)
 
     def data_received(self, data: bytes) -> None:
+        sink = self.sink
+        if sink is not None:
+            if not self.buf:
+                # The usual read holds whole replies: parse them in place, keep the rest.
+                used = sink.feed(data)
+                if used < len(data):
+                    self.buf += data[used:]
+                return
+            self.buf += data
+            used = sink.feed(self.buf)
+            if used:
+                del self.buf[:used]
+            return
         self.buf += data
-        if self.sink is not None:
-            self.sink.feed(self.buf)
-        elif (
+        if (
             self._need_future is not None
             and len(self.buf) >= self._need
             and not self._need_future.done()
@@ -159,7 +181,7 @@ class _Conn(asyncio.Protocol):
                 if self.is_lost:
                     raise self.lost_error()
                 self._need = n
-                self._need_future = asyncio.get_running_loop().create_future()
+                self._need_future = self.loop.create_future()
                 try:
                     await self._need_future
                 finally:
@@ -178,33 +200,64 @@ def _remaining(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
-async def _connect(host: str, port: int, timeout: float | None) -> _Conn:
+def _describe(exc: OSError) -> str:
+    """An OS error as a reader wants it: its text, else its class and errno."""
+    text = str(exc)
+    if text:
+        return text
+    return f"{type(exc).__name__} (errno {exc.errno})" if exc.errno else type(exc).__name__
+
+
+async def _connect(host: str, port: int, timeout: float | None, peer_timeout: float) -> _Conn:
     """Connect, retrying with jittered exponential backoff until ``timeout`` runs out.
 
     Raises:
-        DistNetworkError: naming host:port and the time spent.
+        DistNetworkError: naming host:port, the time spent, the number of attempts and the
+            last error the OS reported (or that the last attempt got no answer).
     """
     loop = asyncio.get_running_loop()
     start = time.monotonic()
     deadline = None if timeout is None else start + timeout
     delay = 0.01
+    attempts = 0
+    last_error: OSError | None = None
+    unanswered = False
     while True:
-        conn = _Conn(f"{host}:{port}")
+        conn = _Conn(f"{host}:{port}", peer_timeout)
+        attempts += 1
         try:
             async with asyncio.timeout(_remaining(deadline)):
                 await loop.create_connection(lambda c=conn: c, host, port)  # type: ignore[misc]
             return conn
-        except (OSError, TimeoutError) as exc:
-            error: BaseException = exc
+        except TimeoutError:
+            # Cut off by our deadline (TimeoutError is an OSError, with no text): the host
+            # neither accepted nor refused in the time that was left.
+            unanswered = True
+        except OSError as exc:
+            last_error, unanswered = exc, False
         left = _remaining(deadline)
-        if left is not None and left <= 0:
-            raise DistNetworkError(
-                f"could not connect to the store at {host}:{port} within "
-                f"{time.monotonic() - start:.1f} s: {error or 'timed out'}"
-            ) from error
         pause = random.uniform(delay / 2, delay)
         delay = min(delay * 2, 1.0)
-        await asyncio.sleep(pause if left is None else min(pause, left))
+        if left is not None and pause >= left:
+            # No time for another real attempt: wait out the deadline, then report the
+            # outcome of the last one that had time to run.
+            await asyncio.sleep(left)
+            left = 0.0
+        if left is not None and left <= 0:
+            tried = f"{attempts} attempt{'s' if attempts != 1 else ''} to connect to {host}:{port}"
+            if unanswered:
+                cause = "the last one got no answer before the deadline"
+                if last_error is not None:
+                    cause += f"; the error before it was: {_describe(last_error)}"
+            elif last_error is not None:
+                cause = f"the last error was: {_describe(last_error)}"
+            else:
+                cause = "no attempt got an answer"
+            raise DistNetworkError(
+                f"could not connect to the store at {host}:{port} within "
+                f"{time.monotonic() - start:.1f} s ({tried}; {cause})"
+            ) from last_error
+        await asyncio.sleep(pause)
 
 
 # -- channels: the raw-key operations of one wire ---------------------------------------------
@@ -212,41 +265,50 @@ class _Channel(abc.ABC):
     wire: str
     max_key_size: int
     max_value_size: int
+    _conn: _Conn
+
+    @property
+    def peer_timeout(self) -> float:
+        return self._conn.peer_timeout
 
     @property
     @abc.abstractmethod
     def pending(self) -> int: ...
 
+    # Each returns an awaitable: a coroutine, or (for requests answered at once) the reply's
+    # future itself, which spares two coroutine frames per request.
     @abc.abstractmethod
-    async def set(self, key: bytes, value: bytes) -> None: ...
+    def set(self, key: bytes, value: bytes) -> Awaitable[None]: ...
     @abc.abstractmethod
-    async def get(self, key: bytes, timeout: float | None) -> bytes: ...
+    def get(self, key: bytes, timeout: float | None) -> Awaitable[bytes]: ...
     @abc.abstractmethod
-    async def add(self, key: bytes, amount: int) -> int: ...
+    def add(self, key: bytes, amount: int) -> Awaitable[int]: ...
     @abc.abstractmethod
-    async def compare_set(self, key: bytes, expected: bytes, desired: bytes) -> bytes: ...
+    def compare_set(self, key: bytes, expected: bytes, desired: bytes) -> Awaitable[bytes]: ...
     @abc.abstractmethod
-    async def wait(self, keys: list[bytes], timeout: float | None) -> None: ...
+    def wait(self, keys: list[bytes], timeout: float | None) -> Awaitable[None]: ...
     @abc.abstractmethod
-    async def check(self, keys: list[bytes]) -> bool: ...
+    def check(self, keys: list[bytes]) -> Awaitable[bool]: ...
     @abc.abstractmethod
-    async def delete(self, key: bytes) -> bool: ...
+    def delete(self, key: bytes) -> Awaitable[bool]: ...
     @abc.abstractmethod
-    async def num_keys(self) -> int: ...
+    def num_keys(self) -> Awaitable[int]: ...
     @abc.abstractmethod
-    async def list_keys(self) -> list[bytes]: ...
+    def list_keys(self) -> Awaitable[list[bytes]]: ...
     @abc.abstractmethod
-    async def multi_get(self, keys: list[bytes], timeout: float | None) -> list[bytes]: ...
+    def multi_get(self, keys: list[bytes], timeout: float | None) -> Awaitable[list[bytes]]: ...
     @abc.abstractmethod
-    async def multi_set(self, items: list[tuple[bytes, bytes]]) -> None: ...
+    def multi_set(self, items: list[tuple[bytes, bytes]]) -> Awaitable[None]: ...
     @abc.abstractmethod
-    async def append(self, key: bytes, value: bytes) -> None: ...
+    def append(self, key: bytes, value: bytes) -> Awaitable[None]: ...
     @abc.abstractmethod
-    async def queue_push(self, key: bytes, value: bytes) -> None: ...
+    def queue_push(self, key: bytes, value: bytes) -> Awaitable[None]: ...
     @abc.abstractmethod
-    async def queue_pop(self, key: bytes, block: bool, timeout: float | None) -> bytes: ...
+    def queue_pop(self, key: bytes, block: bool, timeout: float | None) -> Awaitable[bytes]: ...
     @abc.abstractmethod
-    async def queue_len(self, key: bytes) -> int: ...
+    def queue_len(self, key: bytes) -> Awaitable[int]: ...
+    @abc.abstractmethod
+    def barrier(self, key: bytes, world_size: int, timeout: float | None) -> Awaitable[None]: ...
     @abc.abstractmethod
     def close(self) -> None: ...
 
@@ -264,6 +326,32 @@ def _read_blobs(payload: bytes) -> list[bytes]:
     return [reader.blob32(_MAX_REPLY_VALUE, "value") for _ in range(reader.u32())]
 
 
+_Decoder = Callable[[bytes], Any]
+#: body length, request id, opcode, key length: the head of an add request.
+_ADD_HEAD = struct.Struct("<IIBI")
+_SET, _ADD, _COMPARE_SET, _CHECK = int(Op.SET), int(Op.ADD), int(Op.COMPARE_SET), int(Op.CHECK)
+_DELETE_KEY, _NUM_KEYS, _LIST_KEYS = int(Op.DELETE_KEY), int(Op.NUM_KEYS), int(Op.LIST_KEYS)
+_MULTI_SET, _APPEND = int(Op.MULTI_SET), int(Op.APPEND)
+_QUEUE_PUSH, _QUEUE_LEN = int(Op.QUEUE_PUSH), int(Op.QUEUE_LEN)
+
+
+def _nothing(payload: bytes) -> None:
+    return None
+
+
+def _i64(payload: bytes) -> int:
+    value: int = I64.unpack(payload)[0]
+    return value
+
+
+def _bytes(payload: bytes) -> bytes:
+    return payload
+
+
+def _flag(payload: bytes) -> bool:
+    return payload == b"\x01"
+
+
 class _AiodistChannel(_Channel, _Sink):
     """aiodist's protocol: request ids, out-of-order replies, server-side waits."""
 
@@ -274,53 +362,102 @@ class _AiodistChannel(_Channel, _Sink):
         self.max_key_size = max_key_size
         self.max_value_size = max_value_size
         self._max_request = max_request_size(max_key_size, max_value_size)
-        self._pending: dict[int, asyncio.Future[tuple[int, bytes]]] = {}
+        # request id -> (future, decoder): a decoder turns an OK reply's payload into the
+        # future's result; None hands (status, payload) to ``_call``.
+        self._pending: dict[int, tuple[asyncio.Future[Any], _Decoder | None]] = {}
         self._next_rid = 0
         conn.sink = self
         if conn.buf:
-            self.feed(conn.buf)
+            del conn.buf[: self.feed(conn.buf)]
 
     @property
     def pending(self) -> int:
         return len(self._pending)
 
-    def feed(self, buf: bytearray) -> None:
+    def feed(self, buf: bytes | bytearray) -> int:
         pos = 0
         size = len(buf)
         pending = self._pending
+        unpack = FRAME_HEAD.unpack_from
         while size - pos >= 9:
-            length, rid, status = FRAME_HEAD.unpack_from(buf, pos)
+            length, rid, status = unpack(buf, pos)
             end = pos + 4 + length
             if end > size:
                 break
-            future = pending.pop(rid, None)
-            if future is not None and not future.done():
-                future.set_result((status, bytes(buf[pos + 9 : end])))
+            entry = pending.pop(rid, None)
+            if entry is not None and not entry[0].done():
+                future, decode = entry
+                if decode is _i64 and status == _OK and length == 13:
+                    # An add's reply: the most frequent, decoded in place.
+                    future.set_result(I64.unpack_from(buf, pos + 9)[0])
+                    pos = end
+                    continue
+                payload = buf[pos + 9 : end]
+                if type(payload) is not bytes:
+                    payload = bytes(payload)
+                if decode is None:
+                    future.set_result((status, payload))
+                elif status != _OK:
+                    future.set_exception(self._error(status, payload))
+                else:
+                    try:
+                        future.set_result(decode(payload))
+                    except (struct.error, ValueError, Incomplete) as exc:
+                        future.set_exception(
+                            DistProtocolError(f"malformed reply from {self._conn.where}: {exc}")
+                        )
             pos = end
-        if pos:
-            del buf[:pos]
+        return pos
 
     def lost(self, conn: _Conn) -> None:
         pending, self._pending = self._pending, {}
-        for future in pending.values():
+        for future, _decode in pending.values():
             if not future.done():
                 future.set_exception(conn.lost_error())
 
-    async def _call(self, op: Op, *parts: bytes, deadline: float | None = None) -> bytes:
+    def _new_rid(self) -> int:
+        rid = self._next_rid + 1
+        if rid > _MAX_RID or rid in self._pending:
+            rid = self._free_rid(rid)
+        self._next_rid = rid
+        return rid
+
+    def _free_rid(self, rid: int) -> int:
+        # Never 0 (CANCEL frames carry it), and never an id still in use: after 2**32
+        # requests the count wraps while a long wait (an abort watch) may hold a low id.
+        pending = self._pending
+        while rid > _MAX_RID or rid in pending:
+            rid = rid + 1 if rid < _MAX_RID else 1
+        return rid
+
+    def _submit(self, op: int, payload: bytes, decode: _Decoder | None) -> asyncio.Future[Any]:
+        """Send one request; return the future of its reply (decoded by ``decode``).
+
+        Raises:
+            DistNetworkError: the connection is lost.
+            DistUsageError: the request is larger than the server accepts.
+        """
         conn = self._conn
         if conn.is_lost:
             raise conn.lost_error()
-        self._next_rid = rid = (self._next_rid + 1) & 0xFFFFFFFF
-        frame = encode_frame(rid, op, *parts)
-        if len(frame) - 4 > self._max_request:
+        if len(payload) + 5 > self._max_request:
             raise DistUsageError(
-                f"request of {len(frame) - 4} bytes exceeds the store's limit of "
+                f"request of {len(payload) + 5} bytes exceeds the store's limit of "
                 f"{self._max_request} bytes (max_key_size={self.max_key_size}, "
                 f"max_value_size={self.max_value_size})"
             )
-        future: asyncio.Future[tuple[int, bytes]] = asyncio.get_running_loop().create_future()
-        self._pending[rid] = future
-        conn.write(frame)
+        rid = self._new_rid()
+        future: asyncio.Future[Any] = conn.loop.create_future()
+        self._pending[rid] = (future, decode)
+        conn.write(FRAME_HEAD.pack(len(payload) + 5, rid, op) + payload)
+        return future
+
+    async def _call(self, op: Op, *parts: bytes, deadline: float | None = None) -> bytes:
+        """A request that may wait on the server: on cancellation it is cancelled there too,
+        and a server that stays silent past ``deadline`` plus a grace is reported."""
+        future = self._submit(op, b"".join(parts), None)
+        rid = self._next_rid
+        conn = self._conn
         try:
             if deadline is None:
                 status, payload = await future
@@ -337,8 +474,9 @@ class _AiodistChannel(_Channel, _Sink):
                     f"{(deadline or 0.0) + _SERVER_GRACE:.1f} s"
                 ) from None
             raise
-        if status == Status.OK:
-            return payload
+        if status == _OK:
+            result: bytes = payload
+            return result
         raise self._error(status, payload)
 
     @staticmethod
@@ -346,9 +484,10 @@ class _AiodistChannel(_Channel, _Sink):
         if status == Status.TIMEOUT:
             reader = Reader(payload)
             waited = reader.f64()
-            return _TimedOut(
-                [reader.blob32(_MAX_REPLY_VALUE, "key") for _ in range(reader.u32())], waited
-            )
+            missing = [reader.blob32(_MAX_REPLY_VALUE, "key") for _ in range(reader.u32())]
+            # A barrier's timeout ends with the count reached (-1: not an integer).
+            count = reader.i64() if reader.end - reader.pos >= 8 else None
+            return _TimedOut(missing, waited, None if count is None or count < 0 else count)
         message = payload.decode(errors="replace")
         if status == Status.STORE_ERROR:
             return DistStoreError(message)
@@ -358,34 +497,45 @@ class _AiodistChannel(_Channel, _Sink):
             return QueueEmptyError(message)
         return DistProtocolError(f"store server error (status {status}): {message}")
 
-    async def set(self, key: bytes, value: bytes) -> None:
-        await self._call(Op.SET, blob32(key), blob32(value))
+    def set(self, key: bytes, value: bytes) -> asyncio.Future[None]:
+        return self._submit(_SET, blob32(key) + blob32(value), _nothing)
 
     async def get(self, key: bytes, timeout: float | None) -> bytes:
         return await self._call(Op.GET, _timeout_arg(timeout), blob32(key), deadline=timeout)
 
-    async def add(self, key: bytes, amount: int) -> int:
-        value: int = I64.unpack(await self._call(Op.ADD, blob32(key), I64.pack(amount)))[0]
-        return value
+    def add(self, key: bytes, amount: int) -> asyncio.Future[int]:
+        # ``_submit`` spelled out: the most frequent request (a key is within the limits).
+        conn = self._conn
+        transport = conn.transport
+        if transport is None:
+            raise conn.lost_error()
+        rid = self._next_rid + 1
+        if rid > _MAX_RID or rid in self._pending:
+            rid = self._free_rid(rid)
+        self._next_rid = rid
+        future: asyncio.Future[int] = conn.loop.create_future()
+        self._pending[rid] = (future, _i64)
+        transport.write(_ADD_HEAD.pack(len(key) + 17, rid, _ADD, len(key)) + key + I64.pack(amount))
+        return future
 
-    async def compare_set(self, key: bytes, expected: bytes, desired: bytes) -> bytes:
-        return await self._call(Op.COMPARE_SET, blob32(key), blob32(expected), blob32(desired))
+    def compare_set(self, key: bytes, expected: bytes, desired: bytes) -> asyncio.Future[bytes]:
+        payload = blob32(key) + blob32(expected) + blob32(desired)
+        return self._submit(_COMPARE_SET, payload, _bytes)
 
     async def wait(self, keys: list[bytes], timeout: float | None) -> None:
         await self._call(Op.WAIT, _timeout_arg(timeout), *_keys_arg(keys), deadline=timeout)
 
-    async def check(self, keys: list[bytes]) -> bool:
-        return (await self._call(Op.CHECK, *_keys_arg(keys))) == b"\x01"
+    def check(self, keys: list[bytes]) -> asyncio.Future[bool]:
+        return self._submit(_CHECK, b"".join(_keys_arg(keys)), _flag)
 
-    async def delete(self, key: bytes) -> bool:
-        return (await self._call(Op.DELETE_KEY, blob32(key))) == b"\x01"
+    def delete(self, key: bytes) -> asyncio.Future[bool]:
+        return self._submit(_DELETE_KEY, blob32(key), _flag)
 
-    async def num_keys(self) -> int:
-        value: int = I64.unpack(await self._call(Op.NUM_KEYS))[0]
-        return value
+    def num_keys(self) -> asyncio.Future[int]:
+        return self._submit(_NUM_KEYS, b"", _i64)
 
-    async def list_keys(self) -> list[bytes]:
-        return _read_blobs(await self._call(Op.LIST_KEYS))
+    def list_keys(self) -> asyncio.Future[list[bytes]]:
+        return self._submit(_LIST_KEYS, b"", _read_blobs)
 
     async def multi_get(self, keys: list[bytes], timeout: float | None) -> list[bytes]:
         payload = await self._call(
@@ -393,17 +543,17 @@ class _AiodistChannel(_Channel, _Sink):
         )
         return _read_blobs(payload)
 
-    async def multi_set(self, items: list[tuple[bytes, bytes]]) -> None:
+    def multi_set(self, items: list[tuple[bytes, bytes]]) -> asyncio.Future[None]:
         parts = [U32.pack(len(items))]
         for key, value in items:
             parts += (blob32(key), blob32(value))
-        await self._call(Op.MULTI_SET, *parts)
+        return self._submit(_MULTI_SET, b"".join(parts), _nothing)
 
-    async def append(self, key: bytes, value: bytes) -> None:
-        await self._call(Op.APPEND, blob32(key), blob32(value))
+    def append(self, key: bytes, value: bytes) -> asyncio.Future[None]:
+        return self._submit(_APPEND, blob32(key) + blob32(value), _nothing)
 
-    async def queue_push(self, key: bytes, value: bytes) -> None:
-        await self._call(Op.QUEUE_PUSH, blob32(key), blob32(value))
+    def queue_push(self, key: bytes, value: bytes) -> asyncio.Future[None]:
+        return self._submit(_QUEUE_PUSH, blob32(key) + blob32(value), _nothing)
 
     async def queue_pop(self, key: bytes, block: bool, timeout: float | None) -> bytes:
         return await self._call(
@@ -414,9 +564,13 @@ class _AiodistChannel(_Channel, _Sink):
             deadline=timeout if block else None,
         )
 
-    async def queue_len(self, key: bytes) -> int:
-        value: int = I64.unpack(await self._call(Op.QUEUE_LEN, blob32(key)))[0]
-        return value
+    def queue_len(self, key: bytes) -> asyncio.Future[int]:
+        return self._submit(_QUEUE_LEN, blob32(key), _i64)
+
+    async def barrier(self, key: bytes, world_size: int, timeout: float | None) -> None:
+        await self._call(
+            Op.BARRIER, _timeout_arg(timeout), I64.pack(world_size), blob32(key), deadline=timeout
+        )
 
     def close(self) -> None:
         self._conn.close()
@@ -448,6 +602,19 @@ def _p_list(r: Reader) -> list[bytes]:
 
 def _p_queue_pop(r: Reader) -> bytes | None:
     return _p_bytes(r) if r.i64() > 0 else None
+
+
+def _p_flag(r: Reader) -> bool:
+    return r.i64() != 0
+
+
+def _p_ready(r: Reader) -> bool:
+    return r.u8() == TORCH_READY
+
+
+#: opcode, u64 key length: the head of a torch-wire set or add.
+_T_SET_HEAD = struct.Struct("<BQ")
+_T_SET, _T_ADD = int(TorchOp.SET), int(TorchOp.ADD)
 
 
 def _p_many(n: int) -> _Parser:
@@ -486,13 +653,13 @@ class _TorchChannel(_Channel, _Sink):
         self._waiting: set[_Conn] = set()
         conn.sink = self
         if conn.buf:
-            self.feed(conn.buf)
+            del conn.buf[: self.feed(conn.buf)]
 
     @property
     def pending(self) -> int:
         return len(self._fifo) + len(self._waiting)
 
-    def feed(self, buf: bytearray) -> None:
+    def feed(self, buf: bytes | bytearray) -> int:
         pos = 0
         fifo = self._fifo
         while fifo and pos < len(buf):
@@ -510,8 +677,7 @@ class _TorchChannel(_Channel, _Sink):
             pos = reader.pos
             if not future.done():
                 future.set_result(value)
-        if pos:
-            del buf[:pos]
+        return pos
 
     def lost(self, conn: _Conn) -> None:
         fifo, self._fifo = self._fifo, deque()
@@ -523,8 +689,8 @@ class _TorchChannel(_Channel, _Sink):
                 future.set_exception(
                     DistStoreError(
                         f"add on key {format_keys([add_key[1:]])} failed: the torch store "
-                        "server closed the connection, as it does when the value is not an "
-                        "integer"
+                        "server closed the connection, as it does when the add fails (a "
+                        "value that is not an integer, or a sum past 64 bits)"
                     )
                 )
             else:
@@ -536,7 +702,7 @@ class _TorchChannel(_Channel, _Sink):
             if not self._reopen:
                 raise conn.lost_error()
             self._reopen = False
-            conn = await _connect(self._host, self._port, _SERVER_GRACE)
+            conn = await _connect(self._host, self._port, _SERVER_GRACE, conn.peer_timeout)
             if await _torch_validate(conn, os.getpid(), _SERVER_GRACE) != os.getpid():
                 conn.close()
                 raise DistProtocolError(f"torch store {conn.where} failed the PING check")
@@ -546,59 +712,116 @@ class _TorchChannel(_Channel, _Sink):
 
     async def _call(self, request: bytes, parser: _Parser, add_key: bytes | None = None) -> Any:
         conn = await self._main()
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[Any] = conn.loop.create_future()
         self._fifo.append((future, parser, add_key))
         conn.write(request)
         # A cancelled caller leaves its entry in the queue: the reply still arrives in order.
         return await future
 
+    def _request(
+        self, request: bytes, parser: _Parser, add_key: bytes | None = None
+    ) -> Awaitable[Any]:
+        """Send a request that is answered at once; the reply's future, or (to reconnect
+        after the server dropped a failed add) a coroutine."""
+        conn = self._conn
+        if conn.is_lost:
+            return self._call(request, parser, add_key)
+        future: asyncio.Future[Any] = conn.loop.create_future()
+        self._fifo.append((future, parser, add_key))
+        conn.write(request)
+        return future
+
     async def _send(self, request: bytes) -> None:
-        # Requests with no reply (set, append, ...): torch's wire acknowledges nothing.
         (await self._main()).write(request)
 
-    async def set(self, key: bytes, value: bytes) -> None:
-        await self._send(torch_request(TorchOp.SET, key, value))
+    def _post(self, request: bytes) -> Awaitable[None]:
+        # Requests with no reply (set, append, ...): torch's wire acknowledges nothing.
+        conn = self._conn
+        if conn.is_lost:
+            return self._send(request)
+        conn.write(request)
+        done: asyncio.Future[None] = conn.loop.create_future()
+        done.set_result(None)
+        return done
+
+    def set(self, key: bytes, value: bytes) -> Awaitable[None]:
+        return self._post(_T_SET_HEAD.pack(_T_SET, len(key)) + key + U64.pack(len(value)) + value)
 
     async def get(self, key: bytes, timeout: float | None) -> bytes:
         await self.wait([key], timeout)
-        value: bytes = await self._call(torch_request(TorchOp.GET, key), _p_bytes)
+        value: bytes = await self._request(torch_request(TorchOp.GET, key), _p_bytes)
         return value
 
-    async def add(self, key: bytes, amount: int) -> int:
-        value: int = await self._call(torch_request(TorchOp.ADD, key, amount), _p_i64, key)
-        return value
+    def add(self, key: bytes, amount: int) -> Awaitable[int]:
+        request = _T_SET_HEAD.pack(_T_ADD, len(key)) + key + I64.pack(amount)
+        return self._request(request, _p_i64, key)
 
-    async def compare_set(self, key: bytes, expected: bytes, desired: bytes) -> bytes:
+    def compare_set(self, key: bytes, expected: bytes, desired: bytes) -> Awaitable[bytes]:
         request = torch_request(TorchOp.COMPARE_SET, key, expected, desired)
-        value: bytes = await self._call(request, _p_bytes)
-        return value
+        return self._request(request, _p_bytes)
 
-    async def check(self, keys: list[bytes]) -> bool:
-        reply = await self._call(torch_request(TorchOp.CHECK, keys), _p_u8)
-        return bool(reply == TORCH_READY)
+    def check(self, keys: list[bytes]) -> Awaitable[bool]:
+        return self._request(torch_request(TorchOp.CHECK, keys), _p_ready)
 
     async def wait(self, keys: list[bytes], timeout: float | None) -> None:
         # Ask on the main connection first: it is ordered after this client's own writes.
         if await self.check(keys):
             return
         start = time.monotonic()
+        if await self._wait_on_spare(torch_request(TorchOp.WAIT, keys), timeout, start):
+            return
+        missing = [k for k in keys if not await self.check([k])]
+        if missing:
+            raise _TimedOut(missing, time.monotonic() - start)
+        # The keys arrived while the cancel was on its way.
+
+    async def barrier(self, key: bytes, world_size: int, timeout: float | None) -> None:
+        start = time.monotonic()
+        request = torch_request(TorchOp.BARRIER, key, world_size)
+        try:
+            if await self._wait_on_spare(request, timeout, start):
+                return
+        except DistNetworkError:
+            # A torch server drops the connection when the counter is not an integer.
+            if await self._counter(key) is None and not self._conn.is_lost:
+                value = await self._call(torch_request(TorchOp.GET, key), _p_bytes)
+                raise DistStoreError(
+                    f"barrier on key {format_keys([key[1:]])}: its value {value[:64]!r} is "
+                    "not an integer"
+                ) from None
+            raise
+        count = await self._counter(key)
+        if count is None or count < world_size:
+            raise _TimedOut([key], time.monotonic() - start, count)
+
+    async def _counter(self, key: bytes) -> int | None:
+        value: bytes = await self._call(torch_request(TorchOp.GET, key), _p_bytes)
+        try:
+            return int(value)
+        except ValueError:
+            return None
+
+    async def _wait_on_spare(self, request: bytes, timeout: float | None, start: float) -> bool:
+        """Send a waiting request on a spare connection; return whether it was answered.
+
+        On timeout the wait is cancelled (CANCEL_WAIT) and False returned; the connection
+        goes back to the spares when it is left in a known state.
+        """
         conn = await self._spare_conn(timeout)
         self._waiting.add(conn)
         reusable = False
         try:
-            conn.write(torch_request(TorchOp.WAIT, keys))
+            conn.write(request)
             try:
                 reply = await conn.read_exactly(1, _remaining_from(start, timeout))
             except TimeoutError:
                 await self._cancel_wait(conn)
                 reusable = True
-                missing = [k for k in keys if not await self.check([k])]
-                if not missing:
-                    return  # the keys arrived while the cancel was on its way
-                raise _TimedOut(missing, time.monotonic() - start) from None
+                return False
             if reply[0] != TORCH_STOP_WAITING:
-                raise DistProtocolError(f"torch store answered WAIT with {reply!r}")
+                raise DistProtocolError(f"torch store answered a wait with {reply!r}")
             reusable = True
+            return True
         finally:
             self._waiting.discard(conn)
             if reusable and not conn.is_lost:
@@ -621,7 +844,7 @@ class _TorchChannel(_Channel, _Sink):
             conn = self._spare.pop()
             if not conn.is_lost:
                 return conn
-        conn = await _connect(self._host, self._port, timeout)
+        conn = await _connect(self._host, self._port, timeout, self._conn.peer_timeout)
         try:
             if await _torch_validate(conn, os.getpid(), timeout) != os.getpid():
                 raise DistProtocolError(f"torch store {conn.where} failed the PING check")
@@ -630,16 +853,14 @@ class _TorchChannel(_Channel, _Sink):
             raise
         return conn
 
-    async def delete(self, key: bytes) -> bool:
-        return bool(await self._call(torch_request(TorchOp.DELETE_KEY, key), _p_i64))
+    def delete(self, key: bytes) -> Awaitable[bool]:
+        return self._request(torch_request(TorchOp.DELETE_KEY, key), _p_flag)
 
-    async def num_keys(self) -> int:
-        value: int = await self._call(torch_request(TorchOp.GETNUMKEYS), _p_i64)
-        return value
+    def num_keys(self) -> Awaitable[int]:
+        return self._request(torch_request(TorchOp.GETNUMKEYS), _p_i64)
 
-    async def list_keys(self) -> list[bytes]:
-        value: list[bytes] = await self._call(torch_request(TorchOp.LIST_KEYS), _p_list)
-        return value
+    def list_keys(self) -> Awaitable[list[bytes]]:
+        return self._request(torch_request(TorchOp.LIST_KEYS), _p_list)
 
     async def multi_get(self, keys: list[bytes], timeout: float | None) -> list[bytes]:
         await self.wait(keys, timeout)
@@ -647,18 +868,18 @@ class _TorchChannel(_Channel, _Sink):
         value: list[bytes] = await self._call(request, _p_many(len(keys)))
         return value
 
-    async def multi_set(self, items: list[tuple[bytes, bytes]]) -> None:
+    def multi_set(self, items: list[tuple[bytes, bytes]]) -> Awaitable[None]:
         flat = [b for item in items for b in item]
         # torch's layout: count of pairs, then key, value, key, value...
         parts = [U8.pack(TorchOp.MULTI_SET), I64.pack(len(items))]
         parts += [I64.pack(len(b)) + b for b in flat]
-        await self._send(b"".join(parts))
+        return self._post(b"".join(parts))
 
-    async def append(self, key: bytes, value: bytes) -> None:
-        await self._send(torch_request(TorchOp.APPEND, key, value))
+    def append(self, key: bytes, value: bytes) -> Awaitable[None]:
+        return self._post(torch_request(TorchOp.APPEND, key, value))
 
-    async def queue_push(self, key: bytes, value: bytes) -> None:
-        await self._send(torch_request(TorchOp.QUEUE_PUSH, key, value))
+    def queue_push(self, key: bytes, value: bytes) -> Awaitable[None]:
+        return self._post(torch_request(TorchOp.QUEUE_PUSH, key, value))
 
     async def queue_pop(self, key: bytes, block: bool, timeout: float | None) -> bytes:
         start = time.monotonic()
@@ -672,9 +893,8 @@ class _TorchChannel(_Channel, _Sink):
             if not block:
                 raise QueueEmptyError(f"queue {format_keys([key[1:]])} is empty")
 
-    async def queue_len(self, key: bytes) -> int:
-        value: int = await self._call(torch_request(TorchOp.QUEUE_LEN, key), _p_i64)
-        return value
+    def queue_len(self, key: bytes) -> Awaitable[int]:
+        return self._request(torch_request(TorchOp.QUEUE_LEN, key), _p_i64)
 
     def close(self) -> None:
         self._conn.close()
@@ -734,9 +954,10 @@ async def _open_channel(
     timeout: float | None,
     max_key_size: int,
     max_value_size: int,
+    peer_timeout: float,
 ) -> _Channel:
     start = time.monotonic()
-    conn = await _connect(host, port, timeout)
+    conn = await _connect(host, port, timeout, peer_timeout)
     left = _remaining_from(start, timeout)
     try:
         if wire == "auto":
@@ -841,6 +1062,7 @@ class TCPStore(Store):
         max_key_size: int = DEFAULT_MAX_KEY_SIZE,
         max_value_size: int = DEFAULT_MAX_VALUE_SIZE,
         allow_unauthenticated_torch: bool = False,
+        peer_timeout: float | None = None,
     ) -> TCPStore:
         """Connect to (and, as master, first start) the store at ``host_name:port``.
 
@@ -860,9 +1082,15 @@ class TCPStore(Store):
             max_key_size: the largest key in bytes (the server's limit, for the master).
             max_value_size: the largest value in bytes (the server's limit, for the master).
             allow_unauthenticated_torch: with a token, still let torch clients in.
+            peer_timeout: seconds after which a connection whose peer's host went silent
+                (no FIN, no RST) is dropped: pending requests then fail with
+                ``DistNetworkError``, and the master's server releases that client's waits.
+                ``None`` reads ``$AIODIST_PEER_TIMEOUT``, else 10 s. A busy or stopped
+                process is not affected (its kernel keeps answering).
 
         Raises:
-            DistUsageError: bad arguments (world_size 0, unknown wire, bad limits).
+            DistUsageError: bad arguments (world_size 0, unknown wire, bad limits), or the
+                master's open-file limit is too low for ``world_size`` clients.
             DistNetworkError: the port is in use (master), or the server cannot be reached
                 within the timeout (the message names host:port and the time).
             DistTimeoutError: the master's workers did not all join in time ("k/n joined").
@@ -877,6 +1105,7 @@ class TCPStore(Store):
             raise DistUsageError(f"TCPStore world_size must be a positive int, got {world_size!r}")
         seconds = to_seconds(timeout, DEFAULT_STORE_TIMEOUT)
         token = resolve_token(auth_token)
+        peer = resolve_peer_timeout(peer_timeout)
         server = None
         connect_host = host_name
         if is_master:
@@ -885,6 +1114,8 @@ class TCPStore(Store):
                 allow_unauthenticated_torch=allow_unauthenticated_torch,
                 max_key_size=max_key_size,
                 max_value_size=max_value_size,
+                peer_timeout=peer,
+                expected_clients=world_size,
             )
             await server.start(host_name, port)
             port = server.port
@@ -893,7 +1124,7 @@ class TCPStore(Store):
         channel: _Channel | None = None
         try:
             channel = await _open_channel(
-                connect_host, port, wire, token, seconds, max_key_size, max_value_size
+                connect_host, port, wire, token, seconds, max_key_size, max_value_size, peer
             )
             store = cls(channel, host_name, port, seconds, server=server, token=token)
             if world_size is not None:
@@ -910,7 +1141,7 @@ class TCPStore(Store):
 
     # -- helpers -------------------------------------------------------------------------
     def _key(self, key: str) -> bytes:
-        raw = b"/" + encode_key(key)
+        raw = b"/" + (key.encode() if type(key) is str else encode_key(key))
         if len(raw) > self._channel.max_key_size:
             raise DistUsageError(
                 f"key of {len(raw)} bytes exceeds the store's max_key_size of "
@@ -970,10 +1201,13 @@ class TCPStore(Store):
             DistUsageError: ``amount`` is not a 64-bit integer.
             DistNetworkError: the server went away.
         """
-        self._check_open()
-        if isinstance(amount, bool) or not isinstance(amount, int):
-            raise DistUsageError(f"add amount must be an int, got {type(amount).__name__}")
-        if not _I64_MIN <= amount <= _I64_MAX:
+        if self._closed:
+            self._check_open()
+        if type(amount) is not int:
+            if isinstance(amount, bool) or not isinstance(amount, int):
+                raise DistUsageError(f"add amount must be an int, got {type(amount).__name__}")
+            amount = int(amount)
+        if not I64_MIN <= amount <= I64_MAX:
             raise DistUsageError(f"add amount {amount} does not fit in 64 bits")
         return await self._channel.add(self._key(key), amount)
 
@@ -1117,6 +1351,29 @@ class TCPStore(Store):
         self._check_open()
         return await self._channel.queue_len(self._key(key))
 
+    async def barrier(self, key: str, world_size: int, timeout: Timeout = None) -> None:
+        """Count in at ``key`` and wait until ``world_size`` callers have (torch's barrier).
+
+        One request: the server counts and answers every caller when the last one arrives.
+        The counter is the one :meth:`add` uses on ``key``, shared with torch clients'
+        ``barrier``.
+
+        Raises:
+            DistUsageError: ``world_size`` is not a positive int, or the store is closed.
+            DistStoreError: ``key`` holds something that is not an integer.
+            DistTimeoutError: fewer than ``world_size`` arrived in time (the message names
+                the key and the count reached); this caller stays counted in.
+            DistNetworkError: the server went away.
+        """
+        self._check_open()
+        world = check_world_size(world_size)
+        seconds = to_seconds(timeout, self.timeout)
+        raw = self._key(key)
+        try:
+            await self._channel.barrier(raw, world, seconds)
+        except _TimedOut as exc:
+            raise barrier_timeout_error(raw[1:], exc.count, world, exc.waited) from None
+
     async def clone(self) -> TCPStore:
         """Open a new connection to the same server, with this store's settings.
 
@@ -1136,6 +1393,7 @@ class TCPStore(Store):
             self.timeout,
             channel.max_key_size,
             channel.max_value_size,
+            channel.peer_timeout,
         )
         return TCPStore(new, self.host, self.port, self.timeout, token=self._token)
 

@@ -50,6 +50,7 @@ class SyncStoreLike(Protocol):
     def queue_push(self, key: str, value: Value) -> None: ...
     def queue_pop(self, key: str, block: bool = True) -> bytes: ...
     def queue_len(self, key: str) -> int: ...
+    def barrier(self, key: str, world_size: int, timeout: Timeout = None) -> None: ...
     def clone(self) -> SyncStoreLike: ...
     def close(self) -> None: ...
 
@@ -171,6 +172,11 @@ async def _check_add(store: Store) -> None:
     _eq(c, "add to a value set as text", await store.add("m", 2), 42)
     big = 2**62
     _eq(c, "large add", await store.add("big", big), big)
+    # Counters are signed 64-bit integers, as in torch.
+    async with _raises(c, "add past 2**63 - 1", DistStoreError, r"big"):
+        await store.add("big", big)
+    _eq(c, "value unchanged after the overflowing add", await store.get("big"), b"%d" % big)
+    _eq(c, "store usable after the overflowing add", await store.add("after", 1), 1)
 
 
 async def _check_add_non_number(store: Store) -> None:
@@ -344,6 +350,47 @@ async def _check_concurrency(store: Store) -> None:
     _eq(c, "store usable after a cancelled get", await store.add("counter", 1), 51)
 
 
+async def _check_barrier(store: Store) -> None:
+    c = "barrier"
+    await _done(c, "a barrier of one", store.barrier("b1", 1))
+    _eq(c, "the barrier's counter", await store.get("b1"), b"1")
+    others = [await store.clone(), await store.clone()]
+    try:
+        first = asyncio.ensure_future(store.barrier("b3", 3))
+        await _still_pending(c, "a barrier of three with one arrived", first)
+        second = asyncio.ensure_future(others[0].barrier("b3", 3, timeout=LONG))
+        await _still_pending(c, "a barrier of three with two arrived", second)
+        await _done(c, "the third arrival", others[1].barrier("b3", 3))
+        await _done(c, "the first two arrivals", asyncio.gather(first, second))
+        _eq(c, "the counter after three arrivals", await store.get("b3"), b"3")
+    finally:
+        for other in others:
+            await other.aclose()
+    async with _raises(
+        c,
+        "a barrier that times out",
+        DistTimeoutError,
+        r"store barrier '([^']*/)?lonely' timed out after \d+ ms: 1 of 2 arrived",
+    ):
+        await store.barrier("lonely", 2, timeout=SHORT)
+    old = store.timeout
+    store.set_timeout(SHORT)
+    try:
+        async with _raises(c, "the store timeout applies", DistTimeoutError, r"2 of 3 arrived"):
+            await store.barrier("lonely", 3)
+    finally:
+        store.set_timeout(old)
+    for bad in (0, -1, True, 2.0):
+        async with _raises(c, f"world_size={bad!r}", DistUsageError, r"world_size"):
+            await store.barrier("bad", bad)  # type: ignore[arg-type]
+    await store.set("text", b"abc")
+    async with _raises(
+        c, "a barrier on a non-number", DistStoreError, r"^barrier on key .*text': .*not an integer"
+    ):
+        await store.barrier("text", 2)
+    _eq(c, "store usable after the failed barrier", await store.add("after", 1), 1)
+
+
 async def _check_clone_and_close(store: Store) -> None:
     c = "clone/close"
     other = await store.clone()
@@ -377,6 +424,7 @@ _CHECKS: tuple[Callable[[Store], Awaitable[None]], ...] = (
     _check_queues,
     _check_set_timeout,
     _check_concurrency,
+    _check_barrier,
     _check_clone_and_close,
 )
 
@@ -386,9 +434,10 @@ async def check_store(factory: Callable[[], Awaitable[Store]]) -> None:
 
     Each check gets a fresh store from ``factory``, and a second client of the same data from
     ``await store.clone()`` where it needs one, and closes both afterwards. The checks cover
-    every method of :class:`~aiodist.store.Store`: values and counters, waits woken by other
-    clients, timeouts that name the missing keys and leave the store usable, compare_set's
-    four cases, queues, clones, concurrent awaits on one object, and closing.
+    every method of :class:`~aiodist.store.Store`: values and 64-bit counters, waits woken by
+    other clients, timeouts that name the missing keys and leave the store usable,
+    compare_set's four cases, queues, barriers, clones, concurrent awaits on one object, and
+    closing.
 
     Args:
         factory: an async callable returning a new, empty store each time.
@@ -476,6 +525,9 @@ class _ThreadedStore(Store):
     async def queue_len(self, key: str) -> int:
         result: int = await self._call(self._sync.queue_len, key)
         return result
+
+    async def barrier(self, key: str, world_size: int, timeout: Timeout = None) -> None:
+        await self._call(self._sync.barrier, key, world_size, timeout)
 
     async def clone(self) -> Store:
         return _ThreadedStore(await self._call(self._sync.clone))

@@ -21,8 +21,8 @@ buffer, and copies straight there. At most ``TURN_BYTES`` are moved per loop tur
 Waiting. See ``_shm_signal`` for the doorbell, the sleeping flag and why they cannot lose a
 wake-up. A rank whose receive is not satisfied polls its rings for up to ``SPIN_SECONDS``
 after the posting task has yielded (only when the host's ranks fit on the usable CPUs and
-no peer shares this process), then sleeps on its doorbell; while it polls, peers do not
-ring. Peer processes are watched through pidfds, so a peer that dies fails everything that
+no peer shares this process), then sleeps on its doorbell; while it polls, or while a
+pass over its rings is already scheduled, its flag tells peers not to ring. Peer processes are watched through pidfds, so a peer that dies fails everything that
 depends on it at once; messages it wrote completely before are still delivered.
 """
 
@@ -99,10 +99,13 @@ DEFAULT_SETUP_TIMEOUT = 300.0
 #: A sleeping rank with work pending re-checks its rings after this long, doubling up to
 #: ``_RECHECK_MAX`` (the safety net under the doorbell protocol).
 _RECHECK_FIRST, _RECHECK_MAX = 1e-3, 50e-3
-#: After this many polls in a row that ran out of time, receives skip polling for a while
-#: (2, 4, 8, ... at most ``_POLL_MAX_SKIP``), as the TCP transport does.
+#: After this many polls in a row that ran out of time, the next ``_POLL_SKIP`` receives
+#: sleep at once (the peer is slow, or CPUs are busy and polling takes one from it); then
+#: polling gets another chance. A skip that grew with each miss (as TCP's) never recovers
+#: once both ranks of an exchange skip: each then waits for the other's doorbell, longer
+#: than a poll lasts, so every later poll misses too.
 _POLL_MISSES_BEFORE_BACKOFF = 3
-_POLL_MAX_SKIP = 64
+_POLL_SKIP = 8
 
 
 def default_job_key() -> str:
@@ -518,6 +521,7 @@ class ShmTransport(Transport):
         seconds = to_seconds(timeout, DEFAULT_SETUP_TIMEOUT)
         reason = unavailable_reason()
         if reason is not None:
+            logger.info("no shared-memory transport: %s", reason)
             raise SharedMemoryError(reason)
         if mailbox is None:
             mailbox = Mailbox(rank, world_size)
@@ -811,6 +815,11 @@ class ShmTransport(Transport):
     def _schedule(self) -> None:
         if not self._scheduled and self._closed is None:
             self._scheduled = True
+            # The service pass will look at every ring, and it ends in _sleep, which sets
+            # the flag again and looks once more: until then peers need not ring (in a
+            # 2-rank exchange both would, each while the other is about to look anyway).
+            if self._seg is not None:
+                self._seg.words[_W_SLEEP] = 0
             self._loop.call_soon(self._service)
 
     def _pump(self, budget: int) -> int:
@@ -844,13 +853,12 @@ class ShmTransport(Transport):
             self._recheck = _RECHECK_FIRST
         if budget <= 0:
             self._schedule()
-        elif self._has_work():
-            if self._spin and not self._poll_skip:
-                self._poll()
-            else:
-                if self._poll_skip:
-                    self._poll_skip -= 1
-                self._sleep()
+        elif self._spin and not self._poll_skip and self._has_work():
+            self._poll()
+        else:
+            if self._poll_skip and self._has_work():
+                self._poll_skip -= 1
+            self._sleep()
 
     def _poll(self) -> None:
         words = self._seg.words  # type: ignore[union-attr]
@@ -868,27 +876,31 @@ class ShmTransport(Transport):
                 if moved:
                     moved_total += moved
                     if moved_total >= TURN_BYTES:
-                        self._schedule()
+                        self._schedule()  # more next turn; the flag stays clear till then
                         return
                     deadline = now() + self._spin  # data flows: keep up with it
                 elif now() >= deadline:
                     # Nothing came in time: the peer is slow, or busy CPUs make polling
-                    # cost the peer its CPU. Back off exponentially.
+                    # cost the peer its CPU. Back off for a few receives.
                     self._poll_misses += 1
                     if self._poll_misses >= _POLL_MISSES_BEFORE_BACKOFF:
-                        self._poll_skip = min(1 << self._poll_misses, _POLL_MAX_SKIP)
+                        self._poll_misses = 0
+                        self._poll_skip = _POLL_SKIP
                     break
                 else:
                     os.sched_yield()
-        finally:
+        except BaseException:
             if self._closed is None:
-                words[_W_SLEEP] = 1
-        if self._closed is None and self._has_work():
-            self._sleep()
+                words[_W_SLEEP] = 1  # never leave peers believing we look
+            raise
+        self._sleep()
 
     def _sleep(self) -> None:
-        # The sleeping flag (and any ring's want flag) is stored; after a barrier, look
-        # once more before relying on the doorbell (see _shm_signal).
+        # Store the sleeping flag (and any ring's want flag was stored); after a barrier,
+        # look once more before relying on the doorbell (see _shm_signal).
+        if self._seg is None or self._closed is not None:
+            return
+        self._seg.words[_W_SLEEP] = 1
         fence()
         if self._pump(TURN_BYTES):
             self._recheck = _RECHECK_FIRST

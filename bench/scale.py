@@ -1,0 +1,467 @@
+"""Store at scale: N simulated ranks rendezvous through one store, aiodist's and torch's.
+
+Each rank is a real store client with its own TCP connection; the ranks are spread over a few
+worker processes. A run has two timed phases:
+
+1. connect: every rank opens its client (aiodist: ``TCPStore.create``; torch:
+   ``torch.distributed.TCPStore(..., is_master=False)``);
+2. rendezvous: every rank ``add``s 1 to a join counter, ``set``s its address, fetches its two
+   ring neighbours' addresses with ``multi_get`` (which waits for them) and passes a
+   ``barrier`` through the store. The time runs from the start signal to the last rank out.
+
+Configurations (one fresh server process per run):
+
+* ``aiodist``: aiodist's server, aiodist clients (asyncio, one loop per worker, aiodist wire);
+* ``torch``: torch's TCPStore server (libuv backend), torch clients (one thread per rank:
+  torch's client is blocking, and releases the GIL while it waits);
+* ``aiodist-torch``: aiodist's server, the same torch clients: the servers compared alone.
+
+Per run it records the phase times, store calls per second during the rendezvous (4 per
+rank), the server's CPU time and peak RSS (``VmHWM``), descriptors open in the server and per
+rank in the workers. Cost per rank (server CPU, server memory, time) should stay flat as N
+grows. Needs torch for the torch configurations and matplotlib for the plot.
+
+Usage::
+
+    python bench/scale.py [--ranks 256,1024,4096] [--procs 8] [--repeat 3]
+                          [--configs aiodist,torch,aiodist-torch]
+                          [--out bench/results/scale.md] [--plot docs/images/scale.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+HOST = "127.0.0.1"
+STORE_TIMEOUT = 600.0
+
+_AIODIST_SERVER = """
+import asyncio, sys
+import aiodist
+from aiodist._loop import loop_factory
+
+async def main():
+    server = await aiodist.TCPStoreServer(expected_clients=int(sys.argv[1])).start("127.0.0.1", 0)
+    print(server.port, flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    await server.aclose()
+
+with asyncio.Runner(loop_factory=loop_factory("auto")) as runner:
+    runner.run(main())
+"""
+
+_TORCH_SERVER = """
+import sys
+from datetime import timedelta
+import torch.distributed as dist
+
+store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=600),
+                      wait_for_workers=False, use_libuv=True)
+print(store.port, flush=True)
+sys.stdin.read()
+"""
+
+#: config -> (server kind, client kind)
+CONFIGS = {
+    "aiodist": ("aiodist", "aiodist"),
+    "torch": ("torch", "torch"),
+    "aiodist-torch": ("aiodist", "torch"),
+}
+LABELS = {
+    "aiodist": "aiodist server, aiodist clients",
+    "torch": "torch server (libuv), torch clients",
+    "aiodist-torch": "aiodist server, torch clients",
+}
+
+
+def _address(rank: int) -> bytes:
+    return f"10.{(rank >> 16) & 255}.{(rank >> 8) & 255}.{rank & 255}:29500".encode()
+
+
+def _cpu_seconds(pid: int) -> float:
+    """CPU time of a process's live threads so far, in seconds (nanosecond resolution)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            total += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # a thread that just ended
+    return total / 1e9
+
+
+def _status_kib(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+# -- worker process ---------------------------------------------------------------------------
+class _AiodistRanks:
+    """This worker's ranks as aiodist clients, each a coroutine on one event loop."""
+
+    def __init__(self, port: int, ranks: range, world: int) -> None:
+        self.port, self.ranks, self.world = port, ranks, world
+        self.stores: list[Any] = []
+
+    async def connect(self) -> None:
+        import aiodist
+
+        self.stores = await asyncio.gather(
+            *(
+                aiodist.TCPStore.create(HOST, self.port, timeout=STORE_TIMEOUT, wire="aiodist")
+                for _ in self.ranks
+            )
+        )
+
+    async def rendezvous(self) -> list[float]:
+        world = self.world
+
+        async def one(rank: int, store: Any) -> float:
+            await store.add("join", 1)
+            await store.set(f"addr/{rank}", _address(rank))
+            left, right = (rank - 1) % world, (rank + 1) % world
+            got = await store.multi_get([f"addr/{left}", f"addr/{right}"])
+            if got != [_address(left), _address(right)]:
+                raise AssertionError(f"rank {rank} read neighbours {got}")
+            await store.barrier("barrier", world)
+            return time.monotonic()
+
+        return list(
+            await asyncio.gather(*(one(r, s) for r, s in zip(self.ranks, self.stores, strict=True)))
+        )
+
+    async def close(self) -> None:
+        await asyncio.gather(*(s.aclose() for s in self.stores))
+        self.stores = []
+
+
+class _TorchRanks:
+    """This worker's ranks as torch clients, one thread each (torch's client blocks)."""
+
+    def __init__(self, port: int, ranks: range, world: int) -> None:
+        import torch.distributed  # noqa: F401  (seconds to import: not inside a phase)
+
+        self.port, self.ranks, self.world = port, ranks, world
+        self.stores: dict[int, Any] = {}
+        self.ends: dict[int, float] = {}
+        self.errors: list[str] = []
+        self._go = [threading.Event(), threading.Event(), threading.Event()]
+        self._done = [threading.Semaphore(0) for _ in range(3)]
+        self.threads = [threading.Thread(target=self._run, args=(r,)) for r in ranks]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, rank: int) -> None:
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        world = self.world
+        connected = False
+        try:
+            self._go[0].wait()
+            store = dist.TCPStore(
+                HOST, self.port, None, False, timedelta(seconds=STORE_TIMEOUT), False
+            )
+            self.stores[rank] = store
+            connected = True
+            self._done[0].release()
+            self._go[1].wait()
+            store.add("join", 1)
+            store.set(f"addr/{rank}", _address(rank))
+            left, right = (rank - 1) % world, (rank + 1) % world
+            got = store.multi_get([f"addr/{left}", f"addr/{right}"])
+            if got != [_address(left), _address(right)]:
+                raise AssertionError(f"rank {rank} read neighbours {got}")
+            store.barrier("barrier", world)
+            self.ends[rank] = time.monotonic()
+        except BaseException as exc:
+            self.errors.append(f"rank {rank}: {exc!r}")
+            if not connected:
+                self._done[0].release()
+        self._done[1].release()
+        self._go[2].wait()
+        self.stores.pop(rank, None)  # closes the connection
+
+    def _phase(self, i: int) -> None:
+        self._go[i].set()
+        for _ in self.ranks:
+            self._done[i].acquire()
+        if self.errors:
+            raise RuntimeError("; ".join(self.errors[:3]))
+
+    async def connect(self) -> None:
+        await asyncio.to_thread(self._phase, 0)
+
+    async def rendezvous(self) -> list[float]:
+        await asyncio.to_thread(self._phase, 1)
+        return list(self.ends.values())
+
+    async def close(self) -> None:
+        self._go[2].set()
+        for t in self.threads:
+            await asyncio.to_thread(t.join)
+
+
+async def _worker_job(job: dict[str, Any]) -> dict[str, Any]:
+    loop = asyncio.get_running_loop()
+
+    async def expect(word: str) -> None:
+        line = await loop.run_in_executor(None, sys.stdin.readline)
+        if line.strip() != word:
+            raise RuntimeError(f"worker expected {word!r}, got {line!r}")
+
+    ranks = range(job["lo"], job["hi"])
+    cls = _AiodistRanks if job["client"] == "aiodist" else _TorchRanks
+    group = cls(job["port"], ranks, job["world"])
+    fds_before = _fds(os.getpid())
+    print("ready", flush=True)
+    await expect("connect")
+    await group.connect()
+    print(f"connected {time.monotonic()!r} {_fds(os.getpid()) - fds_before}", flush=True)
+    await expect("go")
+    ends = await group.rendezvous()
+    print(f"done {max(ends)!r}", flush=True)
+    await expect("close")
+    await group.close()
+    return {}
+
+
+def _worker_main() -> None:
+    from aiodist._loop import loop_factory
+
+    for line in sys.stdin:
+        job = json.loads(line)
+        with asyncio.Runner(loop_factory=loop_factory("auto")) as runner:
+            runner.run(_worker_job(job))
+        print("closed", flush=True)
+
+
+# -- orchestration ------------------------------------------------------------------------------
+class _Workers:
+    def __init__(self, n: int) -> None:
+        self.procs = [
+            subprocess.Popen(
+                [sys.executable, __file__, "--worker"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for _ in range(n)
+        ]
+
+    def send(self, line: str) -> None:
+        for p in self.procs:
+            assert p.stdin is not None
+            p.stdin.write(line + "\n")
+            p.stdin.flush()
+
+    def expect(self, word: str) -> list[list[str]]:
+        out = []
+        for p in self.procs:
+            assert p.stdout is not None
+            line = p.stdout.readline()
+            if not line.startswith(word):
+                raise RuntimeError(f"worker {p.pid} said {line!r}, expected {word!r}")
+            out.append(line.split()[1:])
+        return out
+
+    def close(self) -> None:
+        for p in self.procs:
+            assert p.stdin is not None
+            p.stdin.close()
+        for p in self.procs:
+            p.wait(timeout=60)
+
+
+def _start_server(kind: str, world: int) -> tuple[subprocess.Popen[str], int]:
+    script = _AIODIST_SERVER if kind == "aiodist" else _TORCH_SERVER
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(script), str(world)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    return proc, int(proc.stdout.readline())
+
+
+def run_once(workers: _Workers, config: str, world: int) -> dict[str, float]:
+    """One rendezvous of ``world`` ranks in ``config``; returns its measurements."""
+    server_kind, client_kind = CONFIGS[config]
+    server, port = _start_server(server_kind, world)
+    try:
+        n = len(workers.procs)
+        bounds = [world * i // n for i in range(n + 1)]
+        for i, p in enumerate(workers.procs):
+            job = {"port": port, "lo": bounds[i], "hi": bounds[i + 1], "world": world,
+                   "client": client_kind}  # fmt: skip
+            assert p.stdin is not None
+            p.stdin.write(json.dumps(job) + "\n")
+            p.stdin.flush()
+        workers.expect("ready")
+        rss_idle = _status_kib(server.pid, "VmRSS")
+        fds_idle = _fds(server.pid)
+        cpu0 = _cpu_seconds(server.pid)
+        t0 = time.monotonic()
+        workers.send("connect")
+        connected = workers.expect("connected")
+        t_connected = max(float(c[0]) for c in connected)
+        client_fds = sum(int(c[1]) for c in connected)
+        cpu1 = _cpu_seconds(server.pid)
+        server_fds = _fds(server.pid) - fds_idle
+        t1 = time.monotonic()
+        workers.send("go")
+        t_done = max(float(d[0]) for d in workers.expect("done"))
+        cpu2 = _cpu_seconds(server.pid)
+        peak = _status_kib(server.pid, "VmHWM")
+        workers.send("close")
+        workers.expect("closed")
+    finally:
+        assert server.stdin is not None
+        server.stdin.close()
+        server.wait(timeout=60)
+    rendezvous = t_done - t1
+    return {
+        "connect_ms": (t_connected - t0) * 1e3,
+        "rendezvous_ms": rendezvous * 1e3,
+        "calls_s": 4 * world / rendezvous,
+        "cpu_connect_us_rank": (cpu1 - cpu0) / world * 1e6,
+        "cpu_rdv_us_rank": (cpu2 - cpu1) / world * 1e6,
+        "peak_rss_mib": peak / 1024,
+        "rss_kib_rank": (peak - rss_idle) / world,
+        "server_fds": server_fds,
+        "client_fds_rank": client_fds / world,
+    }
+
+
+def _raise_open_files() -> None:
+    # Children inherit the limit: the servers and the workers all need thousands.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def _plot(rows: list[tuple[str, int, dict[str, float]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    styles = {"aiodist": "o-", "torch": "s-", "aiodist-torch": "^--"}
+    for config in CONFIGS:
+        points = [(n, r) for c, n, r in rows if c == config]
+        if not points:
+            continue
+        xs = [n for n, _ in points]
+        ax.plot(xs, [r["rendezvous_ms"] for _, r in points], styles[config], label=LABELS[config])
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("ranks (one TCP connection each)")
+    ax.set_ylabel("rendezvous time (ms, median)")
+    ax.set_title("Rendezvous through one store: add, set, 2 gets, barrier per rank")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--ranks", default="256,1024,4096")
+    parser.add_argument("--procs", type=int, default=8, help="worker processes")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per cell (median kept)")
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "scale.md"))
+    parser.add_argument(
+        "--plot", default=str(Path(__file__).parent.parent / "docs" / "images" / "scale.png")
+    )
+    args = parser.parse_args()
+    if args.worker:
+        _worker_main()
+        return
+    _raise_open_files()
+    configs = args.configs.split(",")
+    worlds = [int(x) for x in args.ranks.split(",")]
+    workers = _Workers(args.procs)
+    rows: list[tuple[str, int, dict[str, float]]] = []
+    try:
+        for world in worlds:
+            runs: dict[str, list[dict[str, float]]] = {c: [] for c in configs}
+            for _ in range(args.repeat):
+                # Interleaved, so that load from elsewhere on the machine hits all alike.
+                for config in configs:
+                    runs[config].append(run_once(workers, config, world))
+            for config in configs:
+                by_time = sorted(runs[config], key=lambda r: r["rendezvous_ms"])
+                median = dict(by_time[len(by_time) // 2])
+                median["connect_ms"] = statistics.median(r["connect_ms"] for r in runs[config])
+                rows.append((config, world, median))
+                print(
+                    f"{world:5} ranks  {config:13}  connect {median['connect_ms']:8.1f} ms  "
+                    f"rendezvous {median['rendezvous_ms']:8.1f} ms  "
+                    f"{median['calls_s']:8.0f} calls/s  server cpu "
+                    f"{median['cpu_connect_us_rank']:6.1f} + {median['cpu_rdv_us_rank']:6.1f} "
+                    f"us/rank  peak rss {median['peak_rss_mib']:6.1f} MiB "
+                    f"({median['rss_kib_rank']:5.2f} KiB/rank)  fds {median['server_fds']:.0f} "
+                    f"server, {median['client_fds_rank']:.2f}/rank",
+                    flush=True,
+                )
+    finally:
+        workers.close()
+    lines = [
+        "# Store at scale",
+        "",
+        f"`python bench/scale.py --ranks {args.ranks} --procs {args.procs} --repeat "
+        f"{args.repeat}` on {os.cpu_count()} CPUs, loopback; ranks spread over "
+        f"{args.procs} worker processes, each rank a client with its own TCP connection; "
+        "a fresh server process per run; median of the runs (by rendezvous time). "
+        "Rendezvous per rank: add (join), set (address), multi_get (both ring neighbours), "
+        "barrier; calls/s = 4 calls per rank over the rendezvous time. Server CPU and memory "
+        "per rank cover the connect and rendezvous phases; peak RSS is the server's VmHWM.",
+        "",
+        "| ranks | configuration | connect (ms) | rendezvous (ms) | calls/s "
+        "| server CPU connect (us/rank) | server CPU rendezvous (us/rank) "
+        "| server peak RSS (MiB) | server RSS growth (KiB/rank) | server fds "
+        "| client fds/rank |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for config, world, r in rows:
+        lines.append(
+            f"| {world} | {LABELS[config]} | {r['connect_ms']:.1f} | {r['rendezvous_ms']:.1f} "
+            f"| {r['calls_s']:.0f} | {r['cpu_connect_us_rank']:.1f} "
+            f"| {r['cpu_rdv_us_rank']:.1f} | {r['peak_rss_mib']:.1f} "
+            f"| {r['rss_kib_rank']:.2f} | {r['server_fds']:.0f} | {r['client_fds_rank']:.2f} |"
+        )
+    table = "\n".join(lines) + "\n"
+    print()
+    print(table)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(table)
+    if args.plot:
+        _plot(rows, Path(args.plot))
+        print(f"plot written to {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
