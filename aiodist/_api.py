@@ -10,6 +10,15 @@ Each function only names its operation and hands its arguments to the group: the
 reserves the operation's number, and :func:`aiodist.backends.plan` sends the call to the
 backend that serves the device its arrays live on, whose checks either pass (the operation
 starts) or reject it (see :mod:`aiodist.group`).
+
+Deadlines. Every collective and point-to-point function takes a keyword-only ``timeout``
+(seconds or ``timedelta``): the operation's own deadline, instead of the group's timeout.
+When it passes, the operation fails with ``DistTimeoutError`` naming the ranks that did not
+arrive, and the world is aborted (its peers are part-way through it), so every rank learns
+at once; a server then rebuilds the group. That differs from stopping to wait:
+``asyncio.timeout`` (or ``wait_for``) around ``await work`` ends only the caller's wait,
+and the operation keeps its place and completes or fails on its own. ``Work.wait(timeout)``
+is torch's: a deadline counted from the wait, failing the operation and aborting the group.
 """
 
 from __future__ import annotations
@@ -92,8 +101,10 @@ Group = ProcessGroup | NonGroupMember | None
 Op = ReduceOp | int | PremulSum
 
 
-def _collective(name: str, group: Group, *args: Any, nseq: int = 1) -> Work[Any]:
-    return resolve_group(group, name).issue(name, _backends.plan, args, nseq)
+def _collective(
+    name: str, group: Group, *args: Any, nseq: int = 1, timeout: Timeout = None
+) -> Work[Any]:
+    return resolve_group(group, name).issue(name, _backends.plan, args, nseq, timeout=timeout)
 
 
 # -- set-up and tear-down -------------------------------------------------------------------
@@ -147,9 +158,7 @@ async def init_process_group(
     """
     if _group.peek_world() is not None:
         raise DistUsageError("trying to initialize the default process group twice")
-    name, devices = _backends.parse_backend(backend)
-    for backend_name in devices.values():
-        _backends.load(backend_name)  # an unavailable backend fails here, not at first use
+    name, devices = _backends.available(backend)
     seconds = to_seconds(timeout, DEFAULT_PG_TIMEOUT)
     token = resolve_token(auth_token)
     if not isinstance(group_name, str):
@@ -505,7 +514,9 @@ async def split_group(
 
 
 # -- collectives -----------------------------------------------------------------------------
-def all_reduce(tensor: Any, op: Op = ReduceOp.SUM, group: Group = None) -> Work[Any]:
+def all_reduce(
+    tensor: Any, op: Op = ReduceOp.SUM, group: Group = None, *, timeout: Timeout = None
+) -> Work[Any]:
     """Reduce ``tensor`` across the group, in place on every rank.
 
     Args:
@@ -513,6 +524,8 @@ def all_reduce(tensor: Any, op: Op = ReduceOp.SUM, group: Group = None) -> Work[
             with the CUDA backend), same shape and dtype on every rank.
         op: the reduction.
         group: the group (default: the world).
+        timeout: this operation's deadline (see the module docstring); default the
+            group's timeout.
 
     Returns:
         A :class:`Work` whose result is ``tensor``.
@@ -522,11 +535,15 @@ def all_reduce(tensor: Any, op: Op = ReduceOp.SUM, group: Group = None) -> Work[
             rejected: the peers' works fail with the reason and the group stays usable.
         DistError: the group was aborted earlier (the error has the class of the cause).
     """
-    return _collective("all_reduce", group, tensor, op)
+    return _collective("all_reduce", group, tensor, op, timeout=timeout)
 
 
 def all_reduce_coalesced(
-    tensors: list[Any], op: Op = ReduceOp.SUM, group: Group = None
+    tensors: list[Any],
+    op: Op = ReduceOp.SUM,
+    group: Group = None,
+    *,
+    timeout: Timeout = None,
 ) -> Work[Any]:
     """Reduce every array of ``tensors`` in place, as one operation.
 
@@ -536,11 +553,16 @@ def all_reduce_coalesced(
     Raises:
         DistUsageError: an empty list, mixed dtypes, or an op the dtype cannot take.
     """
-    return _collective("all_reduce_coalesced", group, tensors, op)
+    return _collective("all_reduce_coalesced", group, tensors, op, timeout=timeout)
 
 
 def broadcast(
-    tensor: Any, src: int | None = None, group: Group = None, group_src: int | None = None
+    tensor: Any,
+    src: int | None = None,
+    group: Group = None,
+    group_src: int | None = None,
+    *,
+    timeout: Timeout = None,
 ) -> Work[Any]:
     """Copy ``tensor`` of rank ``src`` into ``tensor`` of every other rank.
 
@@ -556,7 +578,7 @@ def broadcast(
     Raises:
         DistUsageError: bad array, or a source outside the group.
     """
-    return _collective("broadcast", group, tensor, src, group_src)
+    return _collective("broadcast", group, tensor, src, group_src, timeout=timeout)
 
 
 def reduce(
@@ -565,6 +587,8 @@ def reduce(
     op: Op = ReduceOp.SUM,
     group: Group = None,
     group_dst: int | None = None,
+    *,
+    timeout: Timeout = None,
 ) -> Work[Any]:
     """Reduce ``tensor`` of every rank into ``tensor`` of rank ``dst``.
 
@@ -576,10 +600,12 @@ def reduce(
     Raises:
         DistUsageError: bad array, op or destination.
     """
-    return _collective("reduce", group, tensor, dst, op, group_dst)
+    return _collective("reduce", group, tensor, dst, op, group_dst, timeout=timeout)
 
 
-def all_gather(tensor_list: list[Any], tensor: Any, group: Group = None) -> Work[Any]:
+def all_gather(
+    tensor_list: list[Any], tensor: Any, group: Group = None, *, timeout: Timeout = None
+) -> Work[Any]:
     """Gather ``tensor`` of every rank into ``tensor_list[rank]`` on every rank.
 
     Returns:
@@ -589,11 +615,15 @@ def all_gather(tensor_list: list[Any], tensor: Any, group: Group = None) -> Work
         DistUsageError: the list is not one array per rank, or an entry differs from
             ``tensor`` in shape or dtype.
     """
-    return _collective("all_gather", group, tensor_list, tensor)
+    return _collective("all_gather", group, tensor_list, tensor, timeout=timeout)
 
 
 def all_gather_coalesced(
-    output_tensor_lists: list[list[Any]], input_tensor_list: list[Any], group: Group = None
+    output_tensor_lists: list[list[Any]],
+    input_tensor_list: list[Any],
+    group: Group = None,
+    *,
+    timeout: Timeout = None,
 ) -> Work[Any]:
     """Gather each array of ``input_tensor_list`` from every rank, as one operation.
 
@@ -605,10 +635,14 @@ def all_gather_coalesced(
     Raises:
         DistUsageError: lists of the wrong length, or entries that do not match.
     """
-    return _collective("all_gather_coalesced", group, output_tensor_lists, input_tensor_list)
+    return _collective(
+        "all_gather_coalesced", group, output_tensor_lists, input_tensor_list, timeout=timeout
+    )
 
 
-def all_gather_into_tensor(output_tensor: Any, input_tensor: Any, group: Group = None) -> Work[Any]:
+def all_gather_into_tensor(
+    output_tensor: Any, input_tensor: Any, group: Group = None, *, timeout: Timeout = None
+) -> Work[Any]:
     """Gather ``input_tensor`` of every rank, concatenated in rank order, into ``output_tensor``.
 
     ``output_tensor`` holds ``group size`` times the elements of ``input_tensor`` (any
@@ -620,7 +654,9 @@ def all_gather_into_tensor(output_tensor: Any, input_tensor: Any, group: Group =
     Raises:
         DistUsageError: sizes or dtypes do not fit.
     """
-    return _collective("all_gather_into_tensor", group, output_tensor, input_tensor)
+    return _collective(
+        "all_gather_into_tensor", group, output_tensor, input_tensor, timeout=timeout
+    )
 
 
 def gather(
@@ -629,6 +665,8 @@ def gather(
     dst: int | None = None,
     group: Group = None,
     group_dst: int | None = None,
+    *,
+    timeout: Timeout = None,
 ) -> Work[Any]:
     """Gather ``tensor`` of every rank into ``gather_list`` on rank ``dst``.
 
@@ -640,7 +678,7 @@ def gather(
     Raises:
         DistUsageError: a bad list, or a list given on another rank.
     """
-    return _collective("gather", group, tensor, gather_list, dst, group_dst)
+    return _collective("gather", group, tensor, gather_list, dst, group_dst, timeout=timeout)
 
 
 def scatter(
@@ -649,6 +687,8 @@ def scatter(
     src: int | None = None,
     group: Group = None,
     group_src: int | None = None,
+    *,
+    timeout: Timeout = None,
 ) -> Work[Any]:
     """Copy ``scatter_list[i]`` of rank ``src`` into ``tensor`` of group rank ``i``.
 
@@ -658,11 +698,16 @@ def scatter(
     Raises:
         DistUsageError: a bad list, or a list given on another rank.
     """
-    return _collective("scatter", group, tensor, scatter_list, src, group_src)
+    return _collective("scatter", group, tensor, scatter_list, src, group_src, timeout=timeout)
 
 
 def reduce_scatter(
-    output: Any, input_list: list[Any], op: Op = ReduceOp.SUM, group: Group = None
+    output: Any,
+    input_list: list[Any],
+    op: Op = ReduceOp.SUM,
+    group: Group = None,
+    *,
+    timeout: Timeout = None,
 ) -> Work[Any]:
     """Reduce ``input_list[i]`` of every rank into ``output`` of group rank ``i``.
 
@@ -672,11 +717,16 @@ def reduce_scatter(
     Raises:
         DistUsageError: the list is not one array per rank shaped like ``output``.
     """
-    return _collective("reduce_scatter", group, output, input_list, op)
+    return _collective("reduce_scatter", group, output, input_list, op, timeout=timeout)
 
 
 def reduce_scatter_tensor(
-    output: Any, input: Any, op: Op = ReduceOp.SUM, group: Group = None
+    output: Any,
+    input: Any,
+    op: Op = ReduceOp.SUM,
+    group: Group = None,
+    *,
+    timeout: Timeout = None,
 ) -> Work[Any]:
     """Reduce-scatter ``input`` (``group size`` blocks of ``output``'s size) into ``output``.
 
@@ -686,11 +736,15 @@ def reduce_scatter_tensor(
     Raises:
         DistUsageError: sizes or dtypes do not fit.
     """
-    return _collective("reduce_scatter_tensor", group, output, input, op)
+    return _collective("reduce_scatter_tensor", group, output, input, op, timeout=timeout)
 
 
 def all_to_all(
-    output_tensor_list: list[Any], input_tensor_list: list[Any], group: Group = None
+    output_tensor_list: list[Any],
+    input_tensor_list: list[Any],
+    group: Group = None,
+    *,
+    timeout: Timeout = None,
 ) -> Work[Any]:
     """Send ``input_tensor_list[i]`` to group rank ``i``; receive into ``output_tensor_list[j]``.
 
@@ -700,7 +754,7 @@ def all_to_all(
     Raises:
         DistUsageError: lists of the wrong length or mixed dtypes.
     """
-    return _collective("all_to_all", group, output_tensor_list, input_tensor_list)
+    return _collective("all_to_all", group, output_tensor_list, input_tensor_list, timeout=timeout)
 
 
 def all_to_all_single(
@@ -709,6 +763,8 @@ def all_to_all_single(
     output_split_sizes: Sequence[int] | None = None,
     input_split_sizes: Sequence[int] | None = None,
     group: Group = None,
+    *,
+    timeout: Timeout = None,
 ) -> Work[Any]:
     """Split ``input`` along dimension 0, send piece ``i`` to rank ``i``, concatenate into ``output``.
 
@@ -722,10 +778,12 @@ def all_to_all_single(
             dimensions.
     """
     args = (output, input, output_split_sizes, input_split_sizes)
-    return _collective("all_to_all_single", group, *args)
+    return _collective("all_to_all_single", group, *args, timeout=timeout)
 
 
-def barrier(group: Group = None, device_ids: Sequence[int] | None = None) -> Work[None]:
+def barrier(
+    group: Group = None, device_ids: Sequence[int] | None = None, *, timeout: Timeout = None
+) -> Work[None]:
     """Wait until every rank of ``group`` has entered the barrier.
 
     ``device_ids`` is accepted for torch compatibility and ignored.
@@ -733,7 +791,7 @@ def barrier(group: Group = None, device_ids: Sequence[int] | None = None) -> Wor
     Raises:
         DistError: the group was aborted earlier.
     """
-    return _collective("barrier", group)
+    return _collective("barrier", group, timeout=timeout)
 
 
 def monitored_barrier(
@@ -764,6 +822,8 @@ def isend(
     group: Group = None,
     tag: int = 0,
     group_dst: int | None = None,
+    *,
+    timeout: Timeout = None,
 ) -> Work[None]:
     """Send ``tensor`` to rank ``dst`` with ``tag``.
 
@@ -778,7 +838,14 @@ def isend(
     """
     pg = resolve_group(group, "send")
     return pg.issue_p2p(
-        "send", _backends.plan, (tensor,), peer=dst, group_peer=group_dst, tag=tag, sends=True
+        "send",
+        _backends.plan,
+        (tensor,),
+        peer=dst,
+        group_peer=group_dst,
+        tag=tag,
+        sends=True,
+        timeout=timeout,
     )
 
 
@@ -788,6 +855,8 @@ def irecv(
     group: Group = None,
     tag: int = 0,
     group_src: int | None = None,
+    *,
+    timeout: Timeout = None,
 ) -> Work[int]:
     """Receive a message with ``tag`` into ``tensor`` from rank ``src`` (``None``: any rank).
 
@@ -803,7 +872,14 @@ def irecv(
     pg = resolve_group(group, "recv")
     args = (tensor, group_src is not None)
     return pg.issue_p2p(
-        "recv", _backends.plan, args, peer=src, group_peer=group_src, tag=tag, sends=False
+        "recv",
+        _backends.plan,
+        args,
+        peer=src,
+        group_peer=group_src,
+        tag=tag,
+        sends=False,
+        timeout=timeout,
     )
 
 
@@ -818,6 +894,8 @@ def send_object_list(
     group: Group = None,
     device: object = None,
     group_dst: int | None = None,
+    *,
+    timeout: Timeout = None,
 ) -> Work[None]:
     """Send the picklable objects of ``object_list`` to rank ``dst`` (see :func:`recv_object_list`).
 
@@ -836,6 +914,7 @@ def send_object_list(
         group_peer=group_dst,
         tag=0,
         sends=True,
+        timeout=timeout,
     )
 
 
@@ -845,6 +924,8 @@ def recv_object_list(
     group: Group = None,
     device: object = None,
     group_src: int | None = None,
+    *,
+    timeout: Timeout = None,
 ) -> Work[int]:
     """Receive objects sent with :func:`send_object_list` into ``object_list``, in place.
 
@@ -861,7 +942,14 @@ def recv_object_list(
     pg = resolve_group(group, "recv_object_list")
     args = (object_list, group_src is not None)
     return pg.issue_p2p(
-        "recv_object_list", _backends.plan, args, peer=src, group_peer=group_src, tag=0, sends=False
+        "recv_object_list",
+        _backends.plan,
+        args,
+        peer=src,
+        group_peer=group_src,
+        tag=0,
+        sends=False,
+        timeout=timeout,
     )
 
 
@@ -946,6 +1034,8 @@ def broadcast_object_list(
     group: Group = None,
     device: object = None,
     group_src: int | None = None,
+    *,
+    timeout: Timeout = None,
 ) -> Work[list[Any]]:
     """Broadcast the picklable objects of ``object_list`` from ``src``, in place elsewhere.
 
@@ -959,10 +1049,14 @@ def broadcast_object_list(
     Raises:
         DistUsageError: not a non-empty list, or an object that cannot be pickled.
     """
-    return _collective("broadcast_object_list", group, object_list, src, group_src, nseq=2)
+    return _collective(
+        "broadcast_object_list", group, object_list, src, group_src, nseq=2, timeout=timeout
+    )
 
 
-def all_gather_object(object_list: list[Any], obj: Any, group: Group = None) -> Work[list[Any]]:
+def all_gather_object(
+    object_list: list[Any], obj: Any, group: Group = None, *, timeout: Timeout = None
+) -> Work[list[Any]]:
     """Gather the picklable ``obj`` of every rank into ``object_list`` (one slot per rank).
 
     Returns:
@@ -971,7 +1065,7 @@ def all_gather_object(object_list: list[Any], obj: Any, group: Group = None) -> 
     Raises:
         DistUsageError: the list length is not the group size, or ``obj`` cannot be pickled.
     """
-    return _collective("all_gather_object", group, object_list, obj, nseq=2)
+    return _collective("all_gather_object", group, object_list, obj, nseq=2, timeout=timeout)
 
 
 def gather_object(
@@ -980,6 +1074,8 @@ def gather_object(
     dst: int | None = None,
     group: Group = None,
     group_dst: int | None = None,
+    *,
+    timeout: Timeout = None,
 ) -> Work[list[Any] | None]:
     """Gather the picklable ``obj`` of every rank into ``object_gather_list`` on ``dst``.
 
@@ -990,7 +1086,9 @@ def gather_object(
         DistUsageError: a bad list on the destination, a list on another rank, or ``obj``
             cannot be pickled.
     """
-    return _collective("gather_object", group, obj, object_gather_list, dst, group_dst, nseq=2)
+    return _collective(
+        "gather_object", group, obj, object_gather_list, dst, group_dst, nseq=2, timeout=timeout
+    )
 
 
 def scatter_object_list(
@@ -999,6 +1097,8 @@ def scatter_object_list(
     src: int | None = None,
     group: Group = None,
     group_src: int | None = None,
+    *,
+    timeout: Timeout = None,
 ) -> Work[list[Any]]:
     """Send ``scatter_object_input_list[i]`` of ``src`` to rank ``i``'s output list slot 0.
 

@@ -30,7 +30,6 @@ from types import FrameType
 from typing import Any
 
 from ._recorder import (
-    DEFAULT_BUFFER_SIZE,
     DUMP_DIR_ENV,
     FlightRecorder,
     OpRecord,
@@ -39,7 +38,6 @@ from ._recorder import (
 from .errors import DistUsageError
 
 __all__ = [
-    "DEFAULT_BUFFER_SIZE",
     "FlightRecorder",
     "OpRecord",
     "analyze",

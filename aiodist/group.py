@@ -258,7 +258,20 @@ class Operation:
     send; nobody for a receive).
     """
 
-    __slots__ = ("group", "kind", "name", "nseq", "peer", "record", "sends", "seq", "task", "work")
+    __slots__ = (
+        "group",
+        "kind",
+        "name",
+        "nseq",
+        "own_timeout",
+        "peer",
+        "record",
+        "sends",
+        "seq",
+        "task",
+        "timeout",
+        "work",
+    )
 
     def __init__(
         self,
@@ -280,9 +293,22 @@ class Operation:
         self.peer = peer
         #: Point to point: whether this is a send (whose receiver waits for it).
         self.sends = sends
+        #: Seconds it may run (the group's timeout unless the call gave its own).
+        self.timeout = group.timeout
+        self.own_timeout = False
         self.record: OpRecord | None = None
         self.task: asyncio.Task[None] | None = None
         self.work: Work[Any] = Work(self)
+
+    def set_timeout(self, timeout: Timeout) -> None:
+        """Give the operation a deadline of its own instead of the group's.
+
+        Raises:
+            DistUsageError: not a number of seconds or a ``timedelta``.
+        """
+        if timeout is not None:
+            self.timeout = to_seconds(timeout)
+            self.own_timeout = True
 
     def __repr__(self) -> str:
         return f"<Operation {self.name} {self.label} group={self.group.group_id}>"
@@ -578,10 +604,19 @@ class ProcessGroup:
 
     # -- issuing -------------------------------------------------------------------------
 
-    def issue(self, name: str, planner: Planner, args: tuple[Any, ...], nseq: int = 1) -> Work[Any]:
+    def issue(
+        self,
+        name: str,
+        planner: Planner,
+        args: tuple[Any, ...],
+        nseq: int = 1,
+        *,
+        timeout: Timeout = None,
+    ) -> Work[Any]:
         """Issue collective ``name``: reserve its sequence numbers, plan it, start or reject it.
 
         ``planner(self, name, args)`` checks the arguments and returns the :class:`Plan`.
+        ``timeout`` is the operation's own deadline (default: the group's timeout).
 
         Raises:
             DistUsageError: the planner rejected the call (the peers are told), or the group
@@ -592,6 +627,7 @@ class ProcessGroup:
         op = Operation(self, name, OpKind.COLLECTIVE, self._seq, nseq=nseq)
         self._seq += nseq
         try:
+            op.set_timeout(timeout)
             plan = planner(self, name, args)
         except Exception as exc:
             raise self._reject(op, exc)  # noqa: B904 (the error is chained to exc already)
@@ -615,10 +651,12 @@ class ProcessGroup:
         group_peer: int | None,
         tag: object,
         sends: bool,
+        timeout: Timeout = None,
     ) -> Work[Any]:
         """Issue point-to-point ``name`` with ``peer`` (global) or ``group_peer`` and ``tag``.
 
-        ``planner`` gets ``(peer as a group rank or None, *args)``.
+        ``planner`` gets ``(peer as a group rank or None, *args)``; ``timeout`` is the
+        operation's own deadline (default: the group's timeout).
 
         Raises:
             DistUsageError: a bad peer or tag, or the planner rejected the call (a rejected
@@ -626,7 +664,7 @@ class ProcessGroup:
             DistError: the group was aborted earlier.
         """
         self.check_usable(name)
-        op, plan = self._prepare_p2p(name, planner, args, peer, group_peer, tag, sends)
+        op, plan = self._prepare_p2p(name, planner, args, peer, group_peer, tag, sends, timeout)
         return self._start(op, plan)
 
     def issue_batch(
@@ -668,6 +706,7 @@ class ProcessGroup:
         group_peer: int | None,
         tag: object,
         sends: bool,
+        timeout: Timeout = None,
     ) -> tuple[Operation, Plan]:
         try:
             target = self.root(
@@ -690,6 +729,7 @@ class ProcessGroup:
             raise bad_tag
         op = Operation(self, name, OpKind.P2P, tag, peer=target, sends=sends)
         try:
+            op.set_timeout(timeout)
             plan = planner(self, name, (target, *args))
         except Exception as exc:
             raise self._reject(op, exc)  # noqa: B904 (the error is chained to exc already)
@@ -744,13 +784,16 @@ class ProcessGroup:
         else:
             comms = [OpComm(transport, self.ranks, self.rank, gid, op.seq)]
         self._record(op, plan.fingerprint)
-        if self.timeout is None:
+        if op.timeout is None:
             self._inflight[op] = math.inf
         else:
-            # One timer per group, armed for the oldest operation's deadline, instead of a
-            # timer per operation: operations are issued and mostly finish in order.
-            self._inflight[op] = deadline = loop.time() + self.timeout
-            if self._watchdog is None:
+            # One timer per group, armed for the earliest deadline, instead of a timer per
+            # operation.
+            self._inflight[op] = deadline = loop.time() + op.timeout
+            watchdog = self._watchdog
+            if watchdog is None or deadline < watchdog.when():
+                if watchdog is not None:
+                    watchdog.cancel()
                 self._watchdog = loop.call_at(deadline, self._check_deadlines)
         # The coroutine is made inside the task: a task cancelled before its first step
         # (destroy right after issuing) then leaves no never-awaited coroutine behind.
@@ -789,7 +832,8 @@ class ProcessGroup:
             for i in range(op.nseq):
                 mailbox.end(self.group_id, op.seq + i)
                 self._by_seq.pop(op.seq + i, None)
-        op.settle(DistError(f"{op.name} ({op.label}) ended without a result"))
+        if op not in self._expiring:  # (an expiring one is settled with its timeout)
+            op.settle(DistError(f"{op.name} ({op.label}) ended without a result"))
 
     # -- failing ---------------------------------------------------------------------------
 
@@ -801,9 +845,9 @@ class ProcessGroup:
             wrapped = DistError(f"{op.name} ({op.label}) failed: {type(exc).__name__}: {exc}")
             wrapped.__cause__ = exc
             exc = wrapped
-        op.settle(exc)
         if isinstance(exc, DistTimeoutError):
-            self._world.recorder.dump_on_timeout()
+            self._world.recorder.dump_on_timeout()  # the operation as it timed out
+        op.settle(exc)
         self._world.abort(exc)
         self._cancel_task(op)
 
@@ -821,13 +865,16 @@ class ProcessGroup:
         self._watchdog = None
         loop = asyncio.get_running_loop()
         now = loop.time()
+        soonest = math.inf
         for op, deadline in list(self._inflight.items()):
             if op in self._expiring:
                 continue
-            if deadline > now:
-                self._watchdog = loop.call_at(deadline, self._check_deadlines)
-                return
-            self._expiring[op] = loop.create_task(self._expire(op))
+            if deadline <= now:
+                self._expiring[op] = loop.create_task(self._expire(op))
+            else:
+                soonest = min(soonest, deadline)
+        if soonest < math.inf:
+            self._watchdog = loop.call_at(soonest, self._check_deadlines)
 
     async def _expire(self, op: Operation) -> None:
         try:
@@ -836,8 +883,9 @@ class ProcessGroup:
                 missing = await self._world.domain.missing(
                     f"{self.group_id}/{op.seq}", self.rank, list(range(self.size))
                 )
-            assert self.timeout is not None  # only operations with a deadline expire
-            self._fail(op, self._timeout_error(op, "group", self.timeout, missing))
+            assert op.timeout is not None  # only operations with a deadline expire
+            kind = "call's" if op.own_timeout else "group"
+            self._fail(op, self._timeout_error(op, kind, op.timeout, missing))
         finally:
             self._expiring.pop(op, None)
 

@@ -701,7 +701,7 @@ def is_backend_available(backend: str) -> bool:
         _, devices = _backends.parse_backend(backend)
     except DistUsageError:
         return False
-    return all(_backends.is_backend_available(name) for name in devices.values())
+    return any(_backends.is_backend_available(name) for name in devices.values())
 
 
 def is_gloo_available() -> bool:

@@ -56,6 +56,7 @@ INTERNAL_MODULES = frozenset(
     {
         "aiodist.backends",
         "aiodist.collectives",
+        "aiodist.device_mesh",
         "aiodist.group",
         "aiodist.run",
         "aiodist.transport",

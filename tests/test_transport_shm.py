@@ -248,7 +248,8 @@ async def test_closing_in_order_versus_aborting(job: str) -> None:
     assert not any_source.done()
     t2.abort(aiodist.DistNetworkError("boom"))
     with pytest.raises(
-        aiodist.DistNetworkError, match="lost connection to rank 2: it aborted: DistNetworkError: boom"
+        aiodist.DistNetworkError,
+        match="lost connection to rank 2: it aborted: DistNetworkError: boom",
     ):
         await any_source
     with pytest.raises(aiodist.DistNetworkError, match="boom"):

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Backend",
+    "available",
     "device_of",
     "is_backend_available",
     "load",
@@ -158,6 +159,32 @@ def parse_backend(spec: str | None) -> tuple[str, dict[str, str]]:
             raise DistUsageError(f"backend {spec!r}: {impl!r} cannot serve {device!r} arrays")
         devices[kind] = name
     return _name(devices), devices
+
+
+def available(spec: str | None) -> tuple[str, dict[str, str]]:
+    """Like :func:`parse_backend`, keeping only the backends that can run here.
+
+    A backend named alone must load (an error says what to install); in a per-device form
+    such as ``"cpu:gloo,cuda:nccl"`` one that cannot is left out (calls with arrays of its
+    device then say what is missing), as long as one remains.
+
+    Raises:
+        DistUsageError: an unknown backend, or none of those named can run here.
+    """
+    name, devices = parse_backend(spec)
+    if len(devices) == 1:
+        load(next(iter(devices.values())))
+        return name, devices
+    usable = {d: n for d, n in devices.items() if is_backend_available(n)}
+    if not usable:
+        load(next(iter(devices.values())))  # raises, naming what to install
+    for backend in usable.values():
+        load(backend)
+    if len(usable) < len(devices):
+        logger.info(
+            "backend %r: %s cannot run here and is left out", spec, set(devices) - set(usable)
+        )
+    return _name(usable), usable
 
 
 def _device_of_backend(name: str) -> str:
