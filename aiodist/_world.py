@@ -87,6 +87,8 @@ class FailureDomain:
         self._timeout = timeout
         self.broken: BaseException | None = None
         self.closed = False
+        # Set when the world is aborted or closed (a wait must end either way).
+        self._ended = asyncio.Event()
         self._watcher: asyncio.Task[None] | None = None
         self._recording: asyncio.Task[None] | None = None
 
@@ -135,6 +137,7 @@ class FailureDomain:
         if self.broken is not None or self.closed:
             return
         self.broken = cause
+        self._ended.set()
         logger.warning("rank %d: aborting the process group: %s", self.rank, cause)
         failure = DistNetworkError(
             f"rank {self.rank}: process group aborted: {type(cause).__name__}: {cause}"
@@ -174,11 +177,17 @@ class FailureDomain:
             logger.warning("rank %d: could not count the ranks that arrived: %s", self.rank, exc)
             return None
 
+    async def wait_ended(self) -> BaseException | None:
+        """Wait until the world is aborted (return the cause) or closed (return ``None``)."""
+        await self._ended.wait()
+        return self.broken
+
     async def close(self) -> None:
         """Stop watching, finish recording an abort reason, and leave the store."""
         if self.closed:
             return
         self.closed = True
+        self._ended.set()
         if self._watcher is not None:
             self._watcher.cancel()
             await asyncio.gather(self._watcher, return_exceptions=True)

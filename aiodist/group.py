@@ -100,12 +100,15 @@ class Plan:
         args: its checked arguments.
         fingerprint: the call's fingerprint, which every message of it carries.
         output: the Work's result when the algorithm returns ``None`` (the output array).
+        device_sync: for an operation on a device (CUDA), makes a device stream wait for the
+            operation's end without blocking the host (:meth:`Work.wait_stream`).
     """
 
     algorithm: Callable[..., Awaitable[Any]]
     args: tuple[Any, ...] = ()
     fingerprint: bytes = NO_FINGERPRINT
     output: Any = None
+    device_sync: Callable[[Any], None] | None = None
 
 
 #: A backend's entry point for one call: ``planner(group, op_name, args) -> Plan``.
@@ -232,6 +235,22 @@ class Work(Generic[T]):
         """Call ``fn(work)`` on the loop once the operation has finished."""
         self._future.add_done_callback(lambda _: fn(self))
 
+    def wait_stream(self, stream: Any = None) -> None:
+        """Make a device stream wait for this operation, without blocking the host.
+
+        For an operation on CUDA arrays: work queued on ``stream`` (default: the current
+        stream) after this call starts once the operation's device work is done.
+
+        Raises:
+            DistUsageError: the operation runs on the host (await it instead).
+        """
+        sync = self._op.device_sync
+        if sync is None:
+            raise DistUsageError(
+                f"wait_stream: {self!r} runs on the host, not on a device stream; await it"
+            )
+        sync(stream)
+
 
 async def _join(future: asyncio.Future[Any]) -> None:
     """Wait for ``future`` without cancelling it if the waiting task is cancelled."""
@@ -259,6 +278,7 @@ class Operation:
     """
 
     __slots__ = (
+        "device_sync",
         "group",
         "kind",
         "name",
@@ -298,6 +318,7 @@ class Operation:
         self.own_timeout = False
         self.record: OpRecord | None = None
         self.task: asyncio.Task[None] | None = None
+        self.device_sync: Callable[[Any], None] | None = None
         self.work: Work[Any] = Work(self)
 
     def set_timeout(self, timeout: Timeout) -> None:
@@ -423,6 +444,10 @@ class World:
         else:
             self.abort(exc)
 
+    def on_lost(self, peer: int, exc: BaseException) -> None:
+        """``peer`` went away without closing in order: the world fails, even when idle."""
+        self.abort(exc)
+
     def on_reject(self, peer: int, group_id: int, seq: int, reason: str) -> None:
         """``peer`` rejected its operation ``(group, seq)`` before sending any of its data."""
         mailbox = self.transport.mailbox
@@ -501,6 +526,7 @@ class ProcessGroup:
         # Operations past their deadline, while the ranks that entered them are counted.
         self._expiring: dict[Operation, asyncio.Task[None]] = {}
         self._destroyed = False
+        self._order: asyncio.Lock | None = None
         world.groups[group_id] = self
 
     def __repr__(self) -> str:
@@ -530,6 +556,44 @@ class ProcessGroup:
     def is_destroyed(self) -> bool:
         """Whether ``destroy_process_group`` has been called for this group."""
         return self._destroyed
+
+    def is_aborted(self) -> bool:
+        """Whether a failure aborted this group's world (see :meth:`wait_aborted`)."""
+        return self._world.broken is not None
+
+    def abort(self, reason: str | BaseException) -> None:
+        """Abort this group's world on purpose: every rank's operations fail, naming ``reason``.
+
+        The failure domain is the world (every group made from it), as for any real failure;
+        ``destroy_process_group()`` and ``init_process_group()`` rebuild it.
+        """
+        cause = reason if isinstance(reason, BaseException) else DistError(str(reason))
+        self._world.abort(cause)
+
+    async def wait_aborted(self) -> BaseException | None:
+        """Wait until this group's world is aborted; return the cause.
+
+        Returns ``None`` if the world is destroyed first, without a failure. A health check
+        of a server awaits this in a task of its own.
+        """
+        return await self._world.domain.wait_ended()
+
+    def ordered(self) -> asyncio.Lock:
+        """A lock to hold while issuing a sequence of collectives from one task.
+
+        Operations of one group must be issued in the same order on every rank. Tasks that
+        each issue several (a server's request handlers: a broadcast, then a gather) hold
+        it across their sequence, so that no other task's operations come in between::
+
+            async with pg.ordered():
+                await aiodist.broadcast(x, src=0, group=pg)
+                await aiodist.all_gather_into_tensor(out, y, group=pg)
+
+        The tasks then take turns in the order they asked for it (first come, first served).
+        """
+        if self._order is None:
+            self._order = asyncio.Lock()
+        return self._order
 
     def inflight_op(self, seq: int) -> Operation | None:
         """Return the collective in flight that holds sequence number ``seq``, if any."""
@@ -784,6 +848,7 @@ class ProcessGroup:
         else:
             comms = [OpComm(transport, self.ranks, self.rank, gid, op.seq)]
         self._record(op, plan.fingerprint)
+        op.device_sync = plan.device_sync
         if op.timeout is None:
             self._inflight[op] = math.inf
         else:

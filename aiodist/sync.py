@@ -618,6 +618,14 @@ class Work(Generic[T]):
         """Return a :class:`concurrent.futures.Future` resolved with the operation's result."""
         return self._future
 
+    def wait_stream(self, stream: Any = None) -> None:
+        """Make a device stream wait for this operation without blocking (CUDA operations).
+
+        Raises:
+            DistUsageError: the operation runs on the host.
+        """
+        _on_loop(self._work.wait_stream, stream)
+
 
 def _block(op: str, work: Work[T]) -> T:
     try:

@@ -49,6 +49,9 @@ class MailboxListener(Protocol):
     def on_reject(self, peer: int, group: int, seq: int, reason: str) -> None:
         """``peer`` rejected its operation ``(group, seq)`` before sending any data of it."""
 
+    def on_lost(self, peer: int, exc: BaseException) -> None:
+        """``peer`` went away without closing in order (its connections dropped)."""
+
 
 # Tags travel as three unsigned 64-bit integers on every transport, so every transport
 # accepts exactly the same tags.
@@ -569,6 +572,9 @@ class Mailbox:
         self._lost[peer] = exc
         if not graceful and self._broken is None:
             self._broken = exc
+        if not graceful and self.listener is not None:
+            # Soon: the transport is in the middle of dropping the connection.
+            asyncio.get_running_loop().call_soon(self.listener.on_lost, peer, exc)
         for inbound in [i for i in self._inflight if i.peer == peer]:
             inbound.fail(exc)
         for key in [k for k in self._posted if k[0] == peer]:

@@ -1,0 +1,104 @@
+"""Health of a group for servers: is_aborted, abort, wait_aborted, ordered issue, idle deaths."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import aiodist
+from aiodist.testing import run_world, run_world_processes
+
+pytestmark = pytest.mark.both_loops
+
+
+async def test_abort_reaches_every_rank_and_wait_aborted_returns_the_cause() -> None:
+    async def fn(rank: int, size: int) -> tuple[bool, str]:
+        pg = aiodist.group.resolve_group(None, "test")
+        waiter = asyncio.ensure_future(pg.wait_aborted())
+        await aiodist.barrier()
+        assert not pg.is_aborted() and not waiter.done()
+        if rank == 1:
+            pg.abort("the model server is shutting down")
+        cause = await asyncio.wait_for(waiter, 5)
+        assert cause is not None
+        return pg.is_aborted(), str(cause)
+
+    results = await run_world(fn, 3)
+    assert all(aborted for aborted, _ in results)
+    assert all("the model server is shutting down" in cause for _, cause in results), results
+
+
+async def test_wait_aborted_returns_none_when_destroyed() -> None:
+    async def fn(rank: int, size: int) -> object:
+        pg = aiodist.group.resolve_group(None, "test")
+        waiter = asyncio.ensure_future(pg.wait_aborted())
+        await aiodist.barrier()
+        await aiodist.destroy_process_group()
+        return await asyncio.wait_for(waiter, 5)
+
+    assert await run_world(fn, 2) == [None, None]
+
+
+async def test_ordered_keeps_concurrent_sequences_apart() -> None:
+    # Rank 0 serves 8 "requests" at once, each a broadcast then an all_gather; the workers
+    # run them one after another. Without ordered() rank 0's steps would interleave.
+    async def fn(rank: int, size: int) -> list[list[float]]:
+        pg = aiodist.group.resolve_group(None, "test")
+
+        async def request(i: int) -> list[float]:
+            async with pg.ordered():
+                x = np.array([float(i)])
+                await asyncio.sleep(0.001 * (8 - i))  # let the others try to cut in
+                await aiodist.broadcast(x, src=0)
+                outs = [np.zeros(1) for _ in range(size)]
+                await aiodist.all_gather(outs, x + rank)
+            return [float(o[0]) for o in outs]
+
+        if rank == 0:
+            return list(await asyncio.gather(*(request(i) for i in range(8))))
+        got = []
+        for _ in range(8):
+            x = np.zeros(1)
+            await aiodist.broadcast(x, src=0)
+            outs = [np.zeros(1) for _ in range(size)]
+            await aiodist.all_gather(outs, x + rank)
+            got.append([float(o[0]) for o in outs])
+        return got
+
+    results = await run_world(fn, 3)
+    assert results[0] == [[i, i + 1, i + 2] for i in range(8)]
+    assert results[1] == results[2] == results[0]
+
+
+def _idle_then_killed(rank: int, size: int) -> None:
+    import aiodist.sync as dist
+
+    x = np.ones(4)
+    dist.all_reduce(x)  # every rank has talked; then everybody is idle
+    if rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    pg = dist.group.WORLD
+    assert pg is not None
+    killed = time.monotonic()
+    while not pg.is_aborted() and time.monotonic() - killed < 10:
+        time.sleep(0.01)
+    with open(os.path.join(os.environ["HEALTH_DIR"], f"rank{rank}"), "w") as f:
+        f.write(f"{time.monotonic() - killed} {pg.world.broken}")
+    time.sleep(30)  # stays until the dead rank is reported
+
+
+@pytest.mark.multiprocess
+def test_an_idle_peer_dying_is_noticed(tmp_path: Path) -> None:
+    with pytest.raises(aiodist.testing.WorldProcessError, match="rank 2"):
+        run_world_processes(_idle_then_killed, 3, timeout=60, env={"HEALTH_DIR": str(tmp_path)})
+    for rank in (0, 1):
+        # The survivors wrote how long it took them before the dead rank was reported.
+        waited, cause = (tmp_path / f"rank{rank}").read_text().split(" ", 1)
+        assert float(waited) < 2.0, (rank, waited, cause)
+        assert "rank 2" in cause, cause
