@@ -102,7 +102,7 @@ Op = ReduceOp | int | PremulSum
 
 
 def _collective(
-    name: str, group: Group, *args: Any, nseq: int = 1, timeout: Timeout = None
+    name: str, group: Group, args: tuple[Any, ...], nseq: int = 1, timeout: Timeout = None
 ) -> Work[Any]:
     return resolve_group(group, name).issue(name, _backends.plan, args, nseq, timeout=timeout)
 
@@ -535,7 +535,7 @@ def all_reduce(
             rejected: the peers' works fail with the reason and the group stays usable.
         DistError: the group was aborted earlier (the error has the class of the cause).
     """
-    return _collective("all_reduce", group, tensor, op, timeout=timeout)
+    return _collective("all_reduce", group, (tensor, op), timeout=timeout)
 
 
 def all_reduce_coalesced(
@@ -553,7 +553,7 @@ def all_reduce_coalesced(
     Raises:
         DistUsageError: an empty list, mixed dtypes, or an op the dtype cannot take.
     """
-    return _collective("all_reduce_coalesced", group, tensors, op, timeout=timeout)
+    return _collective("all_reduce_coalesced", group, (tensors, op), timeout=timeout)
 
 
 def broadcast(
@@ -578,7 +578,7 @@ def broadcast(
     Raises:
         DistUsageError: bad array, or a source outside the group.
     """
-    return _collective("broadcast", group, tensor, src, group_src, timeout=timeout)
+    return _collective("broadcast", group, (tensor, src, group_src), timeout=timeout)
 
 
 def reduce(
@@ -600,7 +600,7 @@ def reduce(
     Raises:
         DistUsageError: bad array, op or destination.
     """
-    return _collective("reduce", group, tensor, dst, op, group_dst, timeout=timeout)
+    return _collective("reduce", group, (tensor, dst, op, group_dst), timeout=timeout)
 
 
 def all_gather(
@@ -615,7 +615,7 @@ def all_gather(
         DistUsageError: the list is not one array per rank, or an entry differs from
             ``tensor`` in shape or dtype.
     """
-    return _collective("all_gather", group, tensor_list, tensor, timeout=timeout)
+    return _collective("all_gather", group, (tensor_list, tensor), timeout=timeout)
 
 
 def all_gather_coalesced(
@@ -635,9 +635,8 @@ def all_gather_coalesced(
     Raises:
         DistUsageError: lists of the wrong length, or entries that do not match.
     """
-    return _collective(
-        "all_gather_coalesced", group, output_tensor_lists, input_tensor_list, timeout=timeout
-    )
+    args = (output_tensor_lists, input_tensor_list)
+    return _collective("all_gather_coalesced", group, args, timeout=timeout)
 
 
 def all_gather_into_tensor(
@@ -654,9 +653,8 @@ def all_gather_into_tensor(
     Raises:
         DistUsageError: sizes or dtypes do not fit.
     """
-    return _collective(
-        "all_gather_into_tensor", group, output_tensor, input_tensor, timeout=timeout
-    )
+    args = (output_tensor, input_tensor)
+    return _collective("all_gather_into_tensor", group, args, timeout=timeout)
 
 
 def gather(
@@ -678,7 +676,7 @@ def gather(
     Raises:
         DistUsageError: a bad list, or a list given on another rank.
     """
-    return _collective("gather", group, tensor, gather_list, dst, group_dst, timeout=timeout)
+    return _collective("gather", group, (tensor, gather_list, dst, group_dst), timeout=timeout)
 
 
 def scatter(
@@ -698,7 +696,7 @@ def scatter(
     Raises:
         DistUsageError: a bad list, or a list given on another rank.
     """
-    return _collective("scatter", group, tensor, scatter_list, src, group_src, timeout=timeout)
+    return _collective("scatter", group, (tensor, scatter_list, src, group_src), timeout=timeout)
 
 
 def reduce_scatter(
@@ -717,7 +715,7 @@ def reduce_scatter(
     Raises:
         DistUsageError: the list is not one array per rank shaped like ``output``.
     """
-    return _collective("reduce_scatter", group, output, input_list, op, timeout=timeout)
+    return _collective("reduce_scatter", group, (output, input_list, op), timeout=timeout)
 
 
 def reduce_scatter_tensor(
@@ -736,7 +734,7 @@ def reduce_scatter_tensor(
     Raises:
         DistUsageError: sizes or dtypes do not fit.
     """
-    return _collective("reduce_scatter_tensor", group, output, input, op, timeout=timeout)
+    return _collective("reduce_scatter_tensor", group, (output, input, op), timeout=timeout)
 
 
 def all_to_all(
@@ -754,7 +752,9 @@ def all_to_all(
     Raises:
         DistUsageError: lists of the wrong length or mixed dtypes.
     """
-    return _collective("all_to_all", group, output_tensor_list, input_tensor_list, timeout=timeout)
+    return _collective(
+        "all_to_all", group, (output_tensor_list, input_tensor_list), timeout=timeout
+    )
 
 
 def all_to_all_single(
@@ -778,7 +778,7 @@ def all_to_all_single(
             dimensions.
     """
     args = (output, input, output_split_sizes, input_split_sizes)
-    return _collective("all_to_all_single", group, *args, timeout=timeout)
+    return _collective("all_to_all_single", group, args, timeout=timeout)
 
 
 def barrier(
@@ -791,7 +791,7 @@ def barrier(
     Raises:
         DistError: the group was aborted earlier.
     """
-    return _collective("barrier", group, timeout=timeout)
+    return _collective("barrier", group, (), timeout=timeout)
 
 
 def monitored_barrier(
@@ -812,7 +812,7 @@ def monitored_barrier(
     Raises:
         DistTimeoutError: (from the work) ranks missing at the deadline.
     """
-    return _collective("monitored_barrier", group, timeout, wait_all_ranks)
+    return _collective("monitored_barrier", group, (timeout, wait_all_ranks))
 
 
 # -- point to point -------------------------------------------------------------------------
@@ -1049,9 +1049,8 @@ def broadcast_object_list(
     Raises:
         DistUsageError: not a non-empty list, or an object that cannot be pickled.
     """
-    return _collective(
-        "broadcast_object_list", group, object_list, src, group_src, nseq=2, timeout=timeout
-    )
+    args = (object_list, src, group_src)
+    return _collective("broadcast_object_list", group, args, nseq=2, timeout=timeout)
 
 
 def all_gather_object(
@@ -1065,7 +1064,7 @@ def all_gather_object(
     Raises:
         DistUsageError: the list length is not the group size, or ``obj`` cannot be pickled.
     """
-    return _collective("all_gather_object", group, object_list, obj, nseq=2, timeout=timeout)
+    return _collective("all_gather_object", group, (object_list, obj), nseq=2, timeout=timeout)
 
 
 def gather_object(
@@ -1086,9 +1085,8 @@ def gather_object(
         DistUsageError: a bad list on the destination, a list on another rank, or ``obj``
             cannot be pickled.
     """
-    return _collective(
-        "gather_object", group, obj, object_gather_list, dst, group_dst, nseq=2, timeout=timeout
-    )
+    args = (obj, object_gather_list, dst, group_dst)
+    return _collective("gather_object", group, args, nseq=2, timeout=timeout)
 
 
 def scatter_object_list(
@@ -1109,4 +1107,4 @@ def scatter_object_list(
         DistUsageError: bad lists, or an object that cannot be pickled.
     """
     args = (scatter_object_output_list, scatter_object_input_list, src, group_src)
-    return _collective("scatter_object_list", group, *args, nseq=2)
+    return _collective("scatter_object_list", group, args, nseq=2, timeout=timeout)

@@ -93,7 +93,8 @@ def _from_dlpack(x: Any, name: str) -> npt.NDArray[Any]:
         raise DistUsageError(
             f"{name} ({type(x).__name__}) lives on GPU device {device_id} "
             f"(DLPack device type {device_type}); the CPU backend takes host memory only: "
-            "copy it to the CPU first"
+            "copy it to the CPU first, or use the CUDA backend (backend='cuda', with "
+            "pip install 'aiodist[cuda13]')"
         )
     if device_type not in _HOST_DEVICES:
         raise DistUsageError(

@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import contextvars
 import enum
+import functools
 import logging
 import math
 from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping, Sequence
@@ -90,7 +91,7 @@ class OpKind(enum.Enum):
     P2P = "p2p"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Plan:
     """A checked operation, ready to run: ``await algorithm(*comms, *args)``.
 
@@ -523,6 +524,7 @@ class ProcessGroup:
         # Every operation in flight, in issue order, with its deadline (group timeout).
         self._inflight: dict[Operation, float] = {}
         self._watchdog: asyncio.TimerHandle | None = None
+        self._watchdog_at = math.inf
         # Operations past their deadline, while the ranks that entered them are counted.
         self._expiring: dict[Operation, asyncio.Task[None]] = {}
         self._destroyed = False
@@ -691,7 +693,8 @@ class ProcessGroup:
         op = Operation(self, name, OpKind.COLLECTIVE, self._seq, nseq=nseq)
         self._seq += nseq
         try:
-            op.set_timeout(timeout)
+            if timeout is not None:
+                op.set_timeout(timeout)
             plan = planner(self, name, args)
         except Exception as exc:
             raise self._reject(op, exc)  # noqa: B904 (the error is chained to exc already)
@@ -835,19 +838,21 @@ class ProcessGroup:
         )
 
     def _start(self, op: Operation, plan: Plan) -> Work[Any]:
+        # The path every operation takes: kept free of work it does not need.
         loop = asyncio.get_running_loop()
-        transport, gid = self._world.transport, op.wire_group
+        transport, gid, seq, fp = self._world.transport, op.wire_group, op.seq, plan.fingerprint
+        comms = [OpComm(transport, self.ranks, self.rank, gid, seq)]
         if op.kind is OpKind.COLLECTIVE:
-            comms = [
-                OpComm(transport, self.ranks, self.rank, gid, op.seq + i) for i in range(op.nseq)
-            ]
             mailbox = transport.mailbox
-            for i in range(op.nseq):
-                mailbox.begin(gid, op.seq + i, plan.fingerprint)
-                self._by_seq[op.seq + i] = op
-        else:
-            comms = [OpComm(transport, self.ranks, self.rank, gid, op.seq)]
-        self._record(op, plan.fingerprint)
+            mailbox.begin(gid, seq, fp)
+            self._by_seq[seq] = op
+            for i in range(1, op.nseq):
+                comms.append(OpComm(transport, self.ranks, self.rank, gid, seq + i))
+                mailbox.begin(gid, seq + i, fp)
+                self._by_seq[seq + i] = op
+        op.record = self._world.recorder.record(
+            op.name, self.group_id, seq, fp, self.ranks, op.kind is OpKind.P2P
+        )
         op.device_sync = plan.device_sync
         if op.timeout is None:
             self._inflight[op] = math.inf
@@ -855,15 +860,15 @@ class ProcessGroup:
             # One timer per group, armed for the earliest deadline, instead of a timer per
             # operation.
             self._inflight[op] = deadline = loop.time() + op.timeout
-            watchdog = self._watchdog
-            if watchdog is None or deadline < watchdog.when():
-                if watchdog is not None:
-                    watchdog.cancel()
+            if deadline < self._watchdog_at:
+                if self._watchdog is not None:
+                    self._watchdog.cancel()
                 self._watchdog = loop.call_at(deadline, self._check_deadlines)
+                self._watchdog_at = deadline
         # The coroutine is made inside the task: a task cancelled before its first step
         # (destroy right after issuing) then leaves no never-awaited coroutine behind.
         task = loop.create_task(self._run(op, plan, comms))
-        task.add_done_callback(lambda _: self._finished(op))
+        task.add_done_callback(functools.partial(self._finished, op))
         op.task = task
         return op.work
 
@@ -890,14 +895,15 @@ class ProcessGroup:
         else:
             op.settle(None, plan.output if result is None else result)
 
-    def _finished(self, op: Operation) -> None:
+    def _finished(self, op: Operation, _task: object = None) -> None:
         self._inflight.pop(op, None)
         if op.kind is OpKind.COLLECTIVE:
             mailbox = self._world.transport.mailbox
             for i in range(op.nseq):
                 mailbox.end(self.group_id, op.seq + i)
                 self._by_seq.pop(op.seq + i, None)
-        if op not in self._expiring:  # (an expiring one is settled with its timeout)
+        if not op.work._future.done() and op not in self._expiring:
+            # (An expiring operation is settled with its timeout.)
             op.settle(DistError(f"{op.name} ({op.label}) ended without a result"))
 
     # -- failing ---------------------------------------------------------------------------
@@ -927,7 +933,7 @@ class ProcessGroup:
             task.cancel()
 
     def _check_deadlines(self) -> None:
-        self._watchdog = None
+        self._watchdog, self._watchdog_at = None, math.inf
         loop = asyncio.get_running_loop()
         now = loop.time()
         soonest = math.inf
@@ -940,6 +946,7 @@ class ProcessGroup:
                 soonest = min(soonest, deadline)
         if soonest < math.inf:
             self._watchdog = loop.call_at(soonest, self._check_deadlines)
+            self._watchdog_at = soonest
 
     async def _expire(self, op: Operation) -> None:
         try:
@@ -993,7 +1000,7 @@ class ProcessGroup:
         tasks = []
         if self._watchdog is not None:
             self._watchdog.cancel()
-            self._watchdog = None
+            self._watchdog, self._watchdog_at = None, math.inf
         for op, expiring in self._expiring.items():
             op.settle(cause)
             expiring.cancel()
@@ -1023,10 +1030,13 @@ def _check_int(value: object, what: str) -> None:
 
 # -- the default group ------------------------------------------------------------------------
 # The process-wide default world, and a per-context override: a context where
-# isolate_context() ran holds a world of its own (None until it initialises one).
+# isolate_context() ran holds a world of its own (None until it initialises one); any other
+# context holds _PROCESS, meaning "the process-wide one". One context variable lookup.
+_PROCESS: Any = object()
 _process_world: World | None = None
-_context_world: contextvars.ContextVar[Any] = contextvars.ContextVar("aiodist_world", default=None)
-_isolated: contextvars.ContextVar[bool] = contextvars.ContextVar("aiodist_isolated", default=False)
+_context_world: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "aiodist_world", default=_PROCESS
+)
 
 
 def isolate_context() -> None:
@@ -1036,25 +1046,22 @@ def isolate_context() -> None:
     context's default group, and the process-wide one is not seen here. This is how several
     ranks live as tasks of one event loop (``aiodist.testing.run_world``).
     """
-    _isolated.set(True)
     _context_world.set(None)
 
 
 def peek_world() -> World | None:
     """Return the default world seen here (the context's own, else the process's), or ``None``."""
-    if _isolated.get():
-        world: World | None = _context_world.get()
-        return world
-    return _process_world
+    world: World | None = _context_world.get()
+    return _process_world if world is _PROCESS else world
 
 
 def set_current_world(world: World | None) -> None:
     """Make ``world`` the default seen here: this context's if it is isolated, else the process's."""
     global _process_world
-    if _isolated.get():
-        _context_world.set(world)
-    else:
+    if _context_world.get() is _PROCESS:
         _process_world = world
+    else:
+        _context_world.set(world)
 
 
 def current_world(op: str = "this operation") -> World:

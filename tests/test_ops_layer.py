@@ -63,16 +63,28 @@ async def test_arrays_of_a_device_without_a_backend_are_refused() -> None:
 
     async def fn(rank: int, size: int) -> None:
         with pytest.raises(
-            aiodist.DistUsageError, match="all_reduce: the arrays live on cuda, but the group's"
+            aiodist.DistUsageError,
+            match=r"all_reduce: tensor \(CudaArray\) lives on GPU device 0 .* use the CUDA backend",
         ):
             aiodist.all_reduce(CudaArray())
-        with pytest.raises(aiodist.DistUsageError, match="live on different devices"):
+        with pytest.raises(aiodist.DistUsageError, match=r"tensor_list\[1\] .* lives on GPU"):
             aiodist.all_gather([np.zeros(1), CudaArray()], np.zeros(1))
         x = np.ones(1)
         await aiodist.all_reduce(x)  # both calls were rejected on both ranks alike
         assert x[0] == 2.0
 
     await run_world(fn, 2)
+
+
+def test_device_of_tells_devices_apart() -> None:
+    class CudaArray:
+        __cuda_array_interface__ = {"shape": (1,)}
+
+    assert backends.device_of("x", (np.zeros(1), aiodist.ReduceOp.SUM, 3)) == "cpu"
+    assert backends.device_of("x", ([CudaArray(), CudaArray()],)) == "cuda"
+    assert backends.device_of("x", (None, 1.5)) is None
+    with pytest.raises(aiodist.DistUsageError, match="x: the arrays live on different devices"):
+        backends.device_of("x", ([np.zeros(1)], CudaArray()))
 
 
 async def test_batch_is_checked_whole_before_anything_starts() -> None:

@@ -226,7 +226,16 @@ def device_of(op: str, args: Sequence[Any]) -> str | None:
     return found
 
 
+# Argument types that are never arrays (checked first: most arguments are these).
+_SCALARS = frozenset({int, float, bool, str, bytes, type(None)})
+
+
 def _kind(x: object) -> str | None:
+    kind = type(x)
+    if kind is np.ndarray:
+        return "cpu"
+    if kind in _SCALARS or isinstance(x, int):  # ints, and IntEnums such as ReduceOp
+        return None
     if isinstance(x, np.ndarray):
         return "cpu"
     if hasattr(x, "__cuda_array_interface__"):
@@ -254,16 +263,22 @@ def plan(group: ProcessGroup, op: str, args: tuple[Any, ...]) -> Plan:
     """Check a call of ``op`` with the backend that serves its arrays; return its plan.
 
     The device is that of the array arguments; calls without arrays (barrier, object
-    collectives) go to the CPU backend when the group has one.
+    collectives) go to the CPU backend when the group has one. A group served by one
+    backend hands it every call.
 
     Raises:
         DistUsageError: the arrays' device has no backend in this group, the backend does
             not implement ``op``, or the backend's checks failed.
     """
-    device = device_of(op, args)
-    if device is None:
-        device = "cpu" if "cpu" in group.backends else next(iter(group.backends))
-    name = group.backends.get(device)
+    devices = group.backends
+    if len(devices) == 1:
+        # One backend serves the group: its own intake refuses arrays of another device,
+        # naming the argument, so the device need not be worked out here.
+        name: str | None = next(iter(devices.values()))
+        device = next(iter(devices))
+    else:
+        device = device_of(op, args) or ("cpu" if "cpu" in devices else next(iter(devices)))
+        name = devices.get(device)
     if name is None:
         raise DistUsageError(
             f"{op}: the arrays live on {device}, but the group's backend {group.backend!r} "
@@ -274,7 +289,10 @@ def plan(group: ProcessGroup, op: str, args: tuple[Any, ...]) -> Plan:
                 else ""
             )
         )
-    validate = load(name).ops.get(op)
+    backend = _registry.get(name)
+    if not isinstance(backend, Backend):  # not loaded yet (or unknown: load says so)
+        backend = load(name)
+    validate = backend.ops.get(op)
     if validate is None:
         raise DistUsageError(f"{op}: the {name!r} backend does not implement it")
     return validate(group, *args)
