@@ -210,15 +210,11 @@ async def init_process_group(
 async def _connect(
     store: Store, rank: int, world_size: int, timeout: float | None, token: bytes | None
 ) -> Any:
+    from .transport._address import listen_host
     from .transport.base import PeerDirectory
     from .transport.tcp import TCPTransport
 
-    # Listen on loopback unless the job spans hosts: AIODIST_HOST names the address to
-    # listen on and publish; a non-loopback MASTER_ADDR means "all interfaces".
-    host = os.environ.get("AIODIST_HOST")
-    if host is None:
-        master = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        host = "127.0.0.1" if master in ("localhost", "::1") or master.startswith("127.") else ""
+    host = listen_host(store.local_address())
     return await TCPTransport.create(
         PeerDirectory(store), rank, world_size, host=host, timeout=timeout, auth_token=token
     )

@@ -10,6 +10,9 @@ import pytest
 
 from aiodist._loop import loop_factory
 
+#: Fixtures shared by several test files (``hosts``: two network namespaces).
+pytest_plugins = ["netns_helpers"]
+
 
 def pytest_asyncio_loop_factories(
     config: pytest.Config, item: pytest.Item

@@ -78,7 +78,9 @@ async def test_arrays_of_a_device_without_a_backend_are_refused() -> None:
 
 def test_device_of_tells_devices_apart() -> None:
     class CudaArray:
-        __cuda_array_interface__ = {"shape": (1,)}
+        @property
+        def __cuda_array_interface__(self) -> dict[str, Any]:
+            return {"shape": (1,)}
 
     assert backends.device_of("x", (np.zeros(1), aiodist.ReduceOp.SUM, 3)) == "cpu"
     assert backends.device_of("x", ([CudaArray(), CudaArray()],)) == "cuda"

@@ -60,6 +60,14 @@ class Store(abc.ABC):
     def __init__(self, timeout: Timeout = None) -> None:
         self._timeout = to_seconds(timeout, DEFAULT_STORE_TIMEOUT)
 
+    def local_address(self) -> str | None:
+        """The local address this store's connection to its server uses, if it has one.
+
+        In-process and file stores have none (``None``). A process group's ranks listen on
+        this address by default: the interface that reaches the store reaches the peers.
+        """
+        return None
+
     @property
     def timeout(self) -> float | None:
         """Seconds that ``get``, ``wait`` and blocking ``queue_pop`` wait; ``None`` = forever."""

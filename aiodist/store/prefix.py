@@ -55,6 +55,10 @@ class PrefixStore(Store):
         """The string put in front of every key (the prefix given, plus ``"/"``)."""
         return self._prefix
 
+    def local_address(self) -> str | None:
+        """The underlying store's local address (see :meth:`Store.local_address`)."""
+        return self._store.local_address()
+
     @property
     def underlying_store(self) -> Store:
         """The store this one writes into."""

@@ -271,6 +271,11 @@ class _Channel(abc.ABC):
     def peer_timeout(self) -> float:
         return self._conn.peer_timeout
 
+    def local_address(self) -> str | None:
+        transport = self._conn.transport
+        sockname = transport.get_extra_info("sockname") if transport is not None else None
+        return sockname[0] if isinstance(sockname, tuple) else None
+
     @property
     @abc.abstractmethod
     def pending(self) -> int: ...
@@ -1039,6 +1044,10 @@ class TCPStore(Store):
     def wire(self) -> str:
         """The protocol this client speaks with its server: ``"aiodist"`` or ``"torch"``."""
         return self._channel.wire
+
+    def local_address(self) -> str | None:
+        """The local end of this client's connection: the address that reaches the server."""
+        return self._channel.local_address()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"pending={self._channel.pending}"
