@@ -234,3 +234,106 @@ async def test_failure_in_one_chunk_cancels_the_rest() -> None:
         await staged._pipeline(10, run, 2)
     assert started == [0, 1, 2, 3] or started[:3] == [0, 1, 2]
     assert 9 not in started
+
+
+# -- the IPC path's rounds, with host buffers as the slabs ------------------------------------
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+@pytest.mark.parametrize("slab_bytes", [64, 4096])
+async def test_ipc_rounds(size: int, slab_bytes: int) -> None:
+    from aiodist.backends import _cuda_ipc as ipc
+
+    # Ranks are tasks of one process: each rank's slab is visible to all, as IPC maps them.
+    slabs = [np.zeros(slab_bytes, np.uint8) for _ in range(size)]
+    count = 203
+
+    async def fn(rank: int, n: int) -> None:
+        inputs = [data(r, count, np.dtype(np.float32)) for r in range(n)]
+        x = inputs[rank].copy()
+        await issue(
+            "all_reduce",
+            ipc.ipc_all_reduce,
+            MOVER,
+            slabs,
+            u8(x),
+            np.dtype(np.float32),
+            ReduceOp.SUM,
+            None,
+        )
+        np.testing.assert_allclose(x, sum(inputs), rtol=1e-5)
+        y = inputs[rank].copy()
+        await issue(
+            "all_reduce",
+            ipc.ipc_all_reduce,
+            MOVER,
+            slabs,
+            u8(y),
+            np.dtype(np.float32),
+            ReduceOp.AVG,
+            None,
+        )
+        np.testing.assert_allclose(y, sum(inputs) / n, rtol=1e-5)
+        root = n - 1
+        z = inputs[rank].copy()
+        await issue(
+            "reduce",
+            ipc.ipc_reduce,
+            MOVER,
+            slabs,
+            u8(z),
+            np.dtype(np.float32),
+            ReduceOp.MAX,
+            root,
+            None,
+        )
+        np.testing.assert_array_equal(
+            z, np.maximum.reduce(inputs) if rank == root else inputs[rank]
+        )
+        blocks = [np.full(count, rank * 10 + j, np.int32) for j in range(n)]
+        out = np.zeros(count, np.int32)
+        await issue(
+            "reduce_scatter",
+            ipc.ipc_reduce_scatter,
+            MOVER,
+            slabs,
+            u8(out),
+            [u8(b) for b in blocks],
+            np.dtype(np.int32),
+            ReduceOp.SUM,
+            None,
+        )
+        np.testing.assert_array_equal(out, sum(r * 10 + rank for r in range(n)))
+        b = np.arange(count, dtype=np.int64) * (rank + 1)
+        await issue("broadcast", ipc.ipc_broadcast, MOVER, slabs, u8(b), 0)
+        np.testing.assert_array_equal(b, np.arange(count, dtype=np.int64))
+        outs = [np.zeros(count, np.int64) for _ in range(n)]
+        mine = np.arange(count, dtype=np.int64) + rank
+        await issue("all_gather", ipc.ipc_all_gather, MOVER, slabs, [u8(o) for o in outs], u8(mine))
+        for r, o in enumerate(outs):
+            np.testing.assert_array_equal(o, np.arange(count, dtype=np.int64) + r)
+        got = [np.zeros(count, np.int64) for _ in range(n)] if rank == root else None
+        await issue(
+            "gather",
+            ipc.ipc_gather,
+            MOVER,
+            slabs,
+            None if got is None else [u8(g) for g in got],
+            u8(mine),
+            root,
+        )
+        if got is not None:
+            for r, g in enumerate(got):
+                np.testing.assert_array_equal(g, np.arange(count, dtype=np.int64) + r)
+        pieces = [np.full(count, r, np.int64) for r in range(n)] if rank == root else None
+        sc = np.zeros(count, np.int64)
+        await issue(
+            "scatter",
+            ipc.ipc_scatter,
+            MOVER,
+            slabs,
+            u8(sc),
+            None if pieces is None else [u8(p) for p in pieces],
+            root,
+        )
+        np.testing.assert_array_equal(sc, np.full(count, rank, np.int64))
+
+    await aiodist.testing.run_world(fn, size, timeout=60)

@@ -123,6 +123,11 @@ class HostMover:
         for dst, src in pairs:
             np.copyto(dst, src)
 
+    async def copy(self, pairs: Sequence[tuple[Host, Host]]) -> None:
+        """Copy each source into its destination (the IPC path's device-to-device copy)."""
+        for dst, src in pairs:
+            np.copyto(dst, src)
+
     async def reduce(
         self, op: ReduceOp, dtype: np.dtype[Any], out: Host, ins: list[Host], factor: float | None
     ) -> None:
