@@ -102,6 +102,18 @@ class FailureDomain:
             self._watcher = asyncio.get_running_loop().create_task(self._watch())
 
     async def _watch(self) -> None:
+        # If this rank's connection to the store ends without a goodbye (the process died,
+        # or its host can no longer be reached), the server sets the abort key for it: the
+        # other ranks learn within moments, even those that never talked to this one.
+        try:
+            await self.store.lease(
+                _ABORT_KEY,
+                f"rank {self.rank}: DistNetworkError: rank {self.rank} is gone: its connection "
+                "to the store ended without a goodbye (its process exited or was killed, or "
+                "its host cannot be reached)",
+            )
+        except DistError as exc:
+            logger.warning("rank %d: could not take a lease on the store: %s", self.rank, exc)
         delay = _WATCH_RETRY
         while not self.closed:
             try:
@@ -201,6 +213,7 @@ class FailureDomain:
         # every rank has left. An aborted world waits briefly: its ranks leave as soon as
         # they learn of the abort, and the cause stays readable meanwhile.
         try:
+            await self.store.lease(_ABORT_KEY, None)  # a goodbye: nothing to tell the others
             await self.store.set(f"left/{self.rank}", b"1")
             if not self._hosting:
                 return
@@ -209,7 +222,16 @@ class FailureDomain:
                 return
             logger.info("rank %d: keeping the store up until every rank left", self.rank)
             wait = BROKEN_LEAVE_WAIT if self.broken is not None else self._timeout
-            await self.store.wait(keys, wait)
+            # A rank that exits without leaving sets the abort key through its lease: then
+            # there is nobody left to wait for.
+            left = asyncio.ensure_future(self.store.wait(keys, wait))
+            gone = asyncio.ensure_future(self.store.wait([_ABORT_KEY], wait))
+            done, pending = await asyncio.wait([left, gone], return_when=asyncio.FIRST_COMPLETED)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            for task in done:
+                task.result()
         except DistTimeoutError as exc:
             logger.info("rank %d: not every rank left the store: %s", self.rank, exc)
         except DistError as exc:

@@ -102,3 +102,32 @@ def test_an_idle_peer_dying_is_noticed(tmp_path: Path) -> None:
         waited, cause = (tmp_path / f"rank{rank}").read_text().split(" ", 1)
         assert float(waited) < 2.0, (rank, waited, cause)
         assert "rank 2" in cause, cause
+
+
+def _killed_before_talking(rank: int, size: int) -> None:
+    import aiodist.sync as dist
+
+    # No operation has run: no rank holds a connection to any other. Only the store knows.
+    if rank == size - 1:
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    pg = dist.group.WORLD
+    assert pg is not None
+    start = time.monotonic()
+    while not pg.is_aborted() and time.monotonic() - start < 10:
+        time.sleep(0.01)
+    with open(os.path.join(os.environ["HEALTH_DIR"], f"rank{rank}"), "w") as f:
+        f.write(f"{time.monotonic() - start} {pg.world.broken}")
+    time.sleep(30)
+
+
+@pytest.mark.multiprocess
+def test_a_rank_nobody_talked_to_is_noticed_through_its_store_lease(tmp_path: Path) -> None:
+    with pytest.raises(aiodist.testing.WorldProcessError, match="rank 3"):
+        run_world_processes(
+            _killed_before_talking, 4, timeout=60, env={"HEALTH_DIR": str(tmp_path)}
+        )
+    for rank in (0, 1, 2):
+        waited, cause = (tmp_path / f"rank{rank}").read_text().split(" ", 1)
+        assert float(waited) < 2.0, (rank, waited, cause)
+        assert "rank 3 is gone: its connection to the store ended" in cause, cause

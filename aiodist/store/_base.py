@@ -60,6 +60,20 @@ class Store(abc.ABC):
     def __init__(self, timeout: Timeout = None) -> None:
         self._timeout = to_seconds(timeout, DEFAULT_STORE_TIMEOUT)
 
+    async def lease(self, key: str, value: Value | None) -> bool:
+        """Have ``key`` set to ``value`` if this store's connection to its server ends.
+
+        A lease is how the server tells the other users of the store that this one went
+        away without saying goodbye (its process died, or its host became unreachable): the
+        server sets ``key`` (unless it is already set) when the connection ends. ``None``
+        withdraws it. Returns whether the store holds leases: only an aiodist TCPStore
+        client does; in-process and file stores have no connection to lose.
+
+        Raises:
+            DistNetworkError: the server went away.
+        """
+        return False
+
     def local_address(self) -> str | None:
         """The local address this store's connection to its server uses, if it has one.
 

@@ -227,6 +227,7 @@ class _Connection(asyncio.Protocol):
         "_client_nonce",
         "_deferred",
         "_discard",
+        "_leases",
         "_loop",
         "_max_key",
         "_max_value",
@@ -263,6 +264,8 @@ class _Connection(asyncio.Protocol):
         # aiodist protocol: requests waiting on the state, by request id, and those whose
         # wait is over but whose reply waits for the client to read (while paused).
         self._parked: dict[int, _Parked] = {}
+        # Keys to set when this connection ends (leases), with their values.
+        self._leases: dict[bytes, bytes] = {}
         self._deferred: list[tuple[int, _Parked]] = []
         self._discard = 0
         self._nonce = b""
@@ -297,6 +300,11 @@ class _Connection(asyncio.Protocol):
         self._server._connections.discard(self)
         if exc is not None:
             logger.info("store server: lost the connection from %s: %s", self.peer, exc)
+        # A client that goes away without withdrawing its leases (its process died, or its
+        # host can no longer be reached) has them carried out: the first setter wins.
+        for key, value in self._leases.items():
+            self._state.compare_set(key, b"", value)
+        self._leases.clear()
         # Whatever this client was waiting for is abandoned: unregister it from the state.
         for parked in self._parked.values():
             self._drop(parked)
@@ -671,6 +679,15 @@ class _Connection(asyncio.Protocol):
         key = r.blob32(self._max_key, "key")
         expected = r.blob32(self._max_value, "value")
         self._reply(rid, self._state.compare_set(key, expected, r.blob32(self._max_value, "value")))
+
+    def _op_lease(self, rid: int, r: Reader) -> None:
+        key = r.blob32(self._max_key, "key")
+        value = r.blob32(self._max_value, "value")
+        if value:
+            self._leases[key] = value
+        else:
+            self._leases.pop(key, None)
+        self._reply(rid)
 
     def _op_wait(self, rid: int, r: Reader) -> None:
         timeout = _read_timeout(r)
@@ -1126,6 +1143,7 @@ _AIODIST_HANDLERS: dict[int, _AiodistHandler] = {
     Op.CANCEL: _Connection._op_cancel,
     Op.PING: _Connection._op_ping,
     Op.BARRIER: _Connection._op_barrier,
+    Op.LEASE: _Connection._op_lease,
 }
 
 #: torch opcode -> handler, called with the parsed arguments.

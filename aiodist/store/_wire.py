@@ -154,6 +154,9 @@ class Op(enum.IntEnum):
     #: f64 timeout, i64 world size, key: count in at the counter ``key``, answer once it
     #: reaches the world size (a timeout reply ends with the i64 count reached).
     BARRIER = 18
+    #: key, value: when this connection ends, set ``key`` to ``value`` if it is not set
+    #: already (an empty value withdraws the lease).
+    LEASE = 19
 
 
 class Status(enum.IntEnum):

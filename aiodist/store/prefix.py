@@ -55,6 +55,10 @@ class PrefixStore(Store):
         """The string put in front of every key (the prefix given, plus ``"/"``)."""
         return self._prefix
 
+    async def lease(self, key: str, value: Value | None) -> bool:
+        """The underlying store's lease on the prefixed key (see :meth:`Store.lease`)."""
+        return await self._store.lease(self._key(key), value)
+
     def local_address(self) -> str | None:
         """The underlying store's local address (see :meth:`Store.local_address`)."""
         return self._store.local_address()

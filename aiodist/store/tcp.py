@@ -315,6 +315,8 @@ class _Channel(abc.ABC):
     @abc.abstractmethod
     def barrier(self, key: bytes, world_size: int, timeout: float | None) -> Awaitable[None]: ...
     @abc.abstractmethod
+    def lease(self, key: bytes, value: bytes) -> Awaitable[bool]: ...
+    @abc.abstractmethod
     def close(self) -> None: ...
 
 
@@ -577,6 +579,10 @@ class _AiodistChannel(_Channel, _Sink):
             Op.BARRIER, _timeout_arg(timeout), I64.pack(world_size), blob32(key), deadline=timeout
         )
 
+    async def lease(self, key: bytes, value: bytes) -> bool:
+        await self._call(Op.LEASE, blob32(key), blob32(value))
+        return True
+
     def close(self) -> None:
         self._conn.close()
 
@@ -779,6 +785,9 @@ class _TorchChannel(_Channel, _Sink):
         if missing:
             raise _TimedOut(missing, time.monotonic() - start)
         # The keys arrived while the cancel was on its way.
+
+    async def lease(self, key: bytes, value: bytes) -> bool:
+        return False  # torch's server has no leases
 
     async def barrier(self, key: bytes, world_size: int, timeout: float | None) -> None:
         start = time.monotonic()
@@ -1325,6 +1334,19 @@ class TCPStore(Store):
         """
         self._check_open()
         await self._channel.append(self._key(key), self._value(value))
+
+    async def lease(self, key: str, value: Value | None) -> bool:
+        """Have the server set ``key`` to ``value`` when this client's connection ends.
+
+        See :meth:`Store.lease`. On torch's wire (a torch server) there are no leases.
+
+        Raises:
+            DistNetworkError: the server went away.
+        """
+        self._check_open()
+        return await self._channel.lease(
+            self._key(key), b"" if value is None else self._value(value)
+        )
 
     async def queue_push(self, key: str, value: Value) -> None:
         """Push ``value`` onto the FIFO queue ``key``.
