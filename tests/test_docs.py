@@ -47,8 +47,11 @@ DOCUMENTED_MODULES = (
     "aiodist.testing",
     "aiodist.debug",
     "aiodist.launcher",
+    "aiodist.serving",
     "aiodist.contrib",
     "aiodist.contrib.ray",
+    "aiodist.contrib.aiohttp",
+    "aiodist.contrib.fastapi",
 )
 #: Top-level modules that are layers below the public API (their public names are
 #: re-exported by ``aiodist``) or entry points documented as commands.
