@@ -138,7 +138,7 @@ class Unavailable(DistError):
     def __init__(self, state: str, reason: str) -> None:
         self.state = state
         self.reason = reason
-        super().__init__(f"the process group is {state}: {reason}")
+        super().__init__(f"not ready ({state}): {reason}")
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.state, self.reason))
@@ -774,16 +774,25 @@ class Controller:
             f"in_flight={self._in_flight}>"
         )
 
+    def _now(self) -> tuple[str, str]:
+        """The state and reason, counting a failure the background task has not seen yet."""
+        channel = self._channel
+        if self._state == "ready" and channel is not None:
+            cause = channel.group.world.broken
+            if cause is not None:
+                return self._failed_state(cause)
+        return self._state, self._reason
+
     @property
     def state(self) -> str:
         """``"new"``, ``"starting"``, ``"ready"``, ``"rebuilding"``, ``"failed"``,
         ``"closing"`` or ``"closed"``."""
-        return self._state
+        return self._now()[0]
 
     @property
     def reason(self) -> str:
         """Why the controller is not ready (``""`` when it is)."""
-        return self._reason
+        return self._now()[1]
 
     @property
     def channel(self) -> Channel:
@@ -792,24 +801,26 @@ class Controller:
         Raises:
             Unavailable: the controller is not ready.
         """
+        state, reason = self._now()
         channel = self._channel
-        if self._state != "ready" or channel is None:
-            raise Unavailable(self._state, self._reason)
+        if state != "ready" or channel is None:
+            raise Unavailable(state, reason)
         return channel
 
     def health(self) -> dict[str, Any]:
         """The controller's state for a health check (JSON-ready).
 
         ``ready`` says whether calls can be made; ``reason`` says why not (the failure
-        being recovered from); ``generation`` counts the groups built; ``calls`` and
-        ``failed`` count the calls made and those that raised; ``in_flight`` the calls
-        running now.
+        being recovered from, which names the rank it came from); ``generation`` counts the
+        groups built; ``calls`` and ``failed`` count the calls made and those that raised;
+        ``in_flight`` the calls running now.
         """
+        state, reason = self._now()
         world = self._world
         return {
-            "ready": self._state == "ready",
-            "state": self._state,
-            "reason": self._reason,
+            "ready": state == "ready",
+            "state": state,
+            "reason": reason,
             "generation": self._generation,
             "world_size": None if world is None else world.size,
             "calls": self._calls,
@@ -838,13 +849,13 @@ class Controller:
         seconds = to_seconds(timeout, None)
         try:
             async with asyncio.timeout(seconds):
-                while self._state != "ready":
-                    if self._state in ("failed", "closing", "closed", "new"):
-                        raise Unavailable(self._state, self._reason)
+                while (now := self._now())[0] != "ready":
+                    if now[0] in ("failed", "closing", "closed", "new"):
+                        raise Unavailable(*now)
                     await self._changed.wait()
         except TimeoutError:
             raise DistTimeoutError(
-                f"the controller was not ready within {seconds:g} s: {self._state}: {self._reason}"
+                f"the controller was not ready within {seconds:g} s: {self.state}: {self.reason}"
             ) from None
         return self.channel
 
@@ -876,10 +887,7 @@ class Controller:
         changed.set()
 
     async def _run(self) -> None:
-        failure: BaseException | None = None
         while True:
-            if failure is not None:
-                self._set("rebuilding", f"rebuilding the process group after a failure: {failure}")
             try:
                 pg = await _api.init_process_group(**self._init)
                 self._world = pg.world
@@ -888,7 +896,7 @@ class Controller:
                         f"the controller must be rank {CONTROLLER_RANK}, but this process is "
                         f"rank {pg.rank}; the other ranks run run_worker"
                     )
-                if failure is None:
+                if self._state == "starting":
                     self._set("starting", "waiting for every rank to join the process group")
                 channel = await Channel.create(pg)
             except DistError as exc:
@@ -899,19 +907,26 @@ class Controller:
                 if not self._rebuild or (isinstance(exc, DistUsageError) and not aborted):
                     self._set("failed", f"cannot start the process group: {exc}")
                     return
-                failure = exc
+                self._set(self._state, f"joining the process group failed ({exc}); trying again")
                 await asyncio.sleep(_RETRY)
                 continue
             self._channel = channel
             self._generation += 1
             self._set("ready", "")
             cause = await pg.wait_aborted()
+            if cause is None:
+                cause = DistError("the process group was destroyed")
+            self._set(*self._failed_state(cause))
             self._channel = None
-            failure = cause if cause is not None else DistError("the process group was destroyed")
             await self._drop_world()
             if not self._rebuild:
-                self._set("failed", f"the process group failed: {failure}")
                 return
+
+    def _failed_state(self, cause: BaseException) -> tuple[str, str]:
+        reason = f"the process group failed: {type(cause).__name__}: {cause}"
+        if self._rebuild:
+            return "rebuilding", f"{reason}; rebuilding it"
+        return "failed", reason
 
     async def _drop_world(self) -> None:
         world, self._world = self._world, None
