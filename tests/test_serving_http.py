@@ -1,0 +1,175 @@
+"""The serving examples under aiodist-run, on uvloop and on the standard loop, with a real
+HTTP client: answers against numpy, bad bodies, the health check, and a drained shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import httpx
+import numpy as np
+import pytest
+from serving_helpers import EXAMPLES, Launched, free_port, load_example, reference, wait_until
+
+pytestmark = pytest.mark.multiprocess
+
+
+class Client:
+    """One interface over aiohttp's client and httpx: ``(status, JSON body)`` per request.
+
+    A connection that fails (refused, or closed by a server shutting down) raises
+    ``ConnectionError`` with either client.
+    """
+
+    def __init__(self, kind: str, port: int) -> None:
+        self.kind, self.base = kind, f"http://127.0.0.1:{port}"
+        self._aiohttp: aiohttp.ClientSession | None = None
+        self._httpx: httpx.AsyncClient | None = None
+
+    async def __aenter__(self) -> Client:
+        if self.kind == "aiohttp":
+            self._aiohttp = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
+        else:
+            self._httpx = httpx.AsyncClient(timeout=30)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._aiohttp is not None:
+            await self._aiohttp.close()
+        if self._httpx is not None:
+            await self._httpx.aclose()
+
+    async def request(self, method: str, path: str, body: bytes = b"") -> tuple[int, Any]:
+        url = self.base + path
+        try:
+            if self._aiohttp is not None:
+                async with self._aiohttp.request(method, url, data=body) as r:
+                    return r.status, json.loads(await r.read())
+            assert self._httpx is not None
+            response = await self._httpx.request(method, url, content=body)
+            return response.status_code, response.json()
+        except (aiohttp.ClientConnectionError, httpx.TransportError) as exc:
+            raise ConnectionError(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
+
+    async def health(self) -> tuple[int, Any]:
+        return await self.request("GET", "/health")
+
+    async def predict(self, x: np.ndarray) -> tuple[int, Any]:
+        return await self.request("POST", "/predict", json.dumps({"x": x.tolist()}).encode())
+
+
+def error_text(body: Any) -> str:
+    """The error message of a 4xx/5xx body: aiohttp's examples say "error", FastAPI "detail"."""
+    return str(body.get("error", body.get("detail")))
+
+
+async def ready(client: Client, timeout: float = 60) -> dict[str, Any]:
+    async def healthy() -> dict[str, Any] | None:
+        status, body = await client.health()
+        return body if status == 200 else None
+
+    body: dict[str, Any] = await wait_until(healthy, timeout, "the server became ready")
+    return body
+
+
+BAD_BODIES = [
+    (b"not json", 'expected {"x": [[16 numbers], ...]}: Expecting value'),
+    (b'{"y": [[1]]}', "expected {\"x\": [[16 numbers], ...]}: 'x'"),
+    (b"[1, 2]", "list indices must be integers"),
+    (b'{"x": [[1, 2], [3]]}', "inhomogeneous"),
+    (json.dumps({"x": [["a"] * 16]}).encode(), "could not convert string to float"),
+    (json.dumps({"x": [[None] * 16]}).encode(), "not finite"),
+    (json.dumps({"x": [[1.0] * 15]}).encode(), "x must have shape (1..256, 16), got (1, 15)"),
+    (b'{"x": []}', "x must have shape (1..256, 16), got (0,)"),
+    (json.dumps({"x": [[0.0] * 16] * 257}).encode(), "got (257, 16)"),
+    (b'{"x": [[NaN, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]]}', "not finite"),
+]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+@pytest.mark.parametrize(
+    ("example", "client_kind"),
+    [("serving_aiohttp.py", "aiohttp"), ("serving_fastapi.py", "httpx")],
+)
+async def test_an_example_answers_like_numpy_and_drains_on_shutdown(
+    example: str, client_kind: str, loop: str, tmp_path: Path
+) -> None:
+    weights = load_example(example).weights()
+    port = free_port()
+    launched = Launched(
+        EXAMPLES / example, 3, tmp_path / "job.log", PORT=str(port), AIODIST_LOOP=loop
+    )
+    async with launched as job, Client(client_kind, port) as client:
+        health = await ready(client)
+        assert health == {
+            "ready": True,
+            "state": "ready",
+            "reason": "",
+            "generation": 1,
+            "world_size": 3,
+            "calls": 0,
+            "failed": 0,
+            "in_flight": 0,
+        }, job.output()
+
+        # Requests of every batch size, eight at a time, each checked against numpy.
+        rng = np.random.default_rng(7)
+        batches = [rng.standard_normal((n, 16)).astype(np.float32) for n in range(1, 33)]
+        limit = asyncio.Semaphore(8)
+
+        async def ask(x: np.ndarray) -> tuple[int, Any]:
+            async with limit:
+                return await client.predict(x)
+
+        answers = await asyncio.gather(*(ask(x) for x in batches))
+        for x, (status, body) in zip(batches, answers, strict=True):
+            assert status == 200, body
+            y = np.array(body["y"], np.float32)
+            np.testing.assert_allclose(y, reference(x, weights), rtol=1e-5, atol=1e-5)
+
+        # Bad bodies get 400 with the reason, and never reach the group.
+        for body, message in BAD_BODIES:
+            status, answer = await client.request("POST", "/predict", body)
+            assert status == 400, (body, answer)
+            assert message in error_text(answer), (body, answer)
+        status, health = await client.health()
+        assert status == 200 and health["calls"] == len(batches) and health["failed"] == 0
+
+        # Shutdown while requests keep coming: every request the server took is answered
+        # in full; the others are refused at the connection.
+        done: list[tuple[int, Any, np.ndarray]] = []
+
+        async def keep_asking(seed: int) -> None:
+            local = np.random.default_rng(seed)
+            while True:
+                x = local.standard_normal((4, 16)).astype(np.float32)
+                try:
+                    status, body = await client.predict(x)
+                except ConnectionError:
+                    return
+                done.append((status, body, x))
+
+        async def enough() -> bool:
+            return len(done) >= 40
+
+        askers = [asyncio.ensure_future(keep_asking(s)) for s in range(8)]
+        await wait_until(enough, 30, "40 answers")
+        stopped = time.monotonic()
+        await job.stop()
+        await asyncio.wait_for(asyncio.gather(*askers), 30)
+        assert time.monotonic() - stopped < 15
+        assert len(done) >= 40
+        for status, body, x in done:
+            assert status == 200, body
+            np.testing.assert_allclose(
+                np.array(body["y"], np.float32), reference(x, weights), rtol=1e-5, atol=1e-5
+            )
+    out = job.output()
+    assert "serving controller: closed: shut down" in out, out
+    assert out.count("serving until the controller closes the channel") == 2, out
+    assert "Traceback" not in out, out
