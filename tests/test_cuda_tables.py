@@ -275,3 +275,8 @@ async def test_agreement_times_out_naming_the_key() -> None:
     store = aiodist.HashStore()
     with pytest.raises(aiodist.DistTimeoutError, match="cuda/0/info/1"):
         await agree_path(store, "cuda/0", 0, 2, info(), timeout=0.1)
+
+
+def test_an_unknown_forced_path_is_named() -> None:
+    with pytest.raises(DistUsageError, match="AIODIST_CUDA_PATH='tcp' is not a data path"):
+        choose_path([info(forced="tcp"), info()])

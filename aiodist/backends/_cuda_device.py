@@ -2,8 +2,8 @@
 
 Per device, made on first use and shared by every group of the process:
 
-* three non-blocking streams: ``d2h`` (device -> host copies), ``h2d`` (host -> device
-  copies, device copies and reductions) and ``nccl`` (NCCL's kernels);
+* two non-blocking streams: ``d2h`` (device -> host copies) and ``h2d`` (host -> device
+  copies, device copies and reductions); each group's NCCL communicator has its own;
 * two worker threads: the *launcher*, which makes every cupy call that may stall (kernel
   launches, whose first use compiles; allocations, which may synchronize the device;
   pinned host allocations; IPC handles), and the *NCCL issuer*, which makes every NCCL call
@@ -214,7 +214,6 @@ class Device:
         with cupy.cuda.Device(index):
             self.d2h = cupy.cuda.Stream(non_blocking=True)
             self.h2d = cupy.cuda.Stream(non_blocking=True)
-            self.nccl = cupy.cuda.Stream(non_blocking=True)
             self.pci_bus_id = str(runtime.deviceGetPCIBusId(index))
         self.launcher = Worker(f"aiodist-cuda{index}-launch", index)
         self.issuer = Worker(f"aiodist-cuda{index}-nccl", index)

@@ -159,6 +159,10 @@ def choose_path(infos: Sequence[RankInfo]) -> str:
     problems = {"nccl": _nccl_problem(infos), "ipc": _ipc_problem(infos), "staged": None}
     if forced:
         path = forced.pop()
+        if path not in PATHS:
+            raise DistUsageError(
+                f"{PATH_ENV}={path!r} is not a data path: use one of {', '.join(PATHS)}"
+            )
         problem = problems[path]
         if problem is not None:
             raise DistUsageError(f"{PATH_ENV}={path} cannot work here: {problem}")

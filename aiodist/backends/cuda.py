@@ -120,6 +120,9 @@ class GroupState:
         #: IPC: one operation at a time, in sequence order (they share the slabs).
         self.lock = asyncio.Lock()
         self.comm: Any = None
+        #: The stream of this group's NCCL kernels: one per communicator, so that two
+        #: groups' operations never wait for each other in a shared stream.
+        self.stream: Any = None
         self.slabs: list[Any] = []
         self._slab_memory: Any = None
         self._imported: list[int] = []
@@ -207,6 +210,8 @@ class GroupState:
             else tuple(b - 256 if b > 127 else b for b in raw)
         )
         size, rank = group.size, group.rank
+        with cupy.cuda.Device(self.device.index):
+            self.stream = cupy.cuda.Stream(non_blocking=True)
         init = self.device.issuer.run(lambda: nccl.NcclCommunicator(size, uid_arg, rank))
         try:
             self.comm = await asyncio.wait_for(init, group.timeout)
@@ -412,13 +417,16 @@ async def _run(comm: OpComm, call: _Call) -> Any:
             progress_thread().keep(last, (call.stash, mover))
         raise
     except Exception as exc:
-        raise backend_error(exc, call.what) from exc
+        error = backend_error(exc, call.what)
+        if error is exc:
+            raise
+        raise error from exc
     finally:
         call.end.fail()  # (a no-op once the end was recorded)
 
 
 def _issue_nccl(state: GroupState, call: _Call) -> EventDone:
-    stream = state.device.nccl
+    stream = state.stream
     runtime.streamWaitEvent(stream.ptr, call.ready.ptr)
     assert call.nccl is not None
     if state.comm is None:
