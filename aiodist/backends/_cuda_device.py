@@ -479,9 +479,10 @@ class CudaMover:
 def as_device_array(x: object, name: str) -> Any:
     """Return ``x`` as a C-contiguous cupy array on its device, sharing its memory.
 
-    Takes cupy arrays, objects with ``__cuda_array_interface__`` (numba, ...) and DLPack
-    producers on a CUDA device (torch CUDA tensors, through ``cupy.from_dlpack``, which also
-    orders the producer's stream before cupy's current one).
+    Takes cupy arrays, DLPack producers on a CUDA device (torch CUDA tensors, through
+    ``cupy.from_dlpack``, which also orders the producer's stream before cupy's current one
+    and carries bfloat16 unambiguously), then objects with only
+    ``__cuda_array_interface__`` (numba, ...).
 
     Raises:
         DistUsageError: anything else, an unsupported dtype, or an array that is not
@@ -489,11 +490,6 @@ def as_device_array(x: object, name: str) -> Any:
     """
     if isinstance(x, cupy.ndarray):
         arr = x
-    elif hasattr(x, "__cuda_array_interface__"):
-        try:
-            arr = cupy.asarray(x)
-        except Exception as exc:
-            raise DistUsageError(f"{name} ({type(x).__name__}): {exc}") from exc
     elif hasattr(x, "__dlpack__"):
         try:
             kind = int(x.__dlpack_device__()[0])  # type: ignore[attr-defined]
@@ -516,6 +512,11 @@ def as_device_array(x: object, name: str) -> Any:
             raise DistUsageError(
                 f"{name} ({type(x).__name__}) cannot be viewed by cupy through DLPack: {exc}"
             ) from exc
+    elif hasattr(x, "__cuda_array_interface__"):  # numba and others without DLPack
+        try:
+            arr = cupy.asarray(x)
+        except Exception as exc:
+            raise DistUsageError(f"{name} ({type(x).__name__}): {exc}") from exc
     else:
         raise DistUsageError(
             f"{name} must be a CUDA array (cupy, __cuda_array_interface__ or a CUDA DLPack "
