@@ -38,6 +38,9 @@ from typing import Any
 
 import numpy as np
 
+# Run from a checkout without installing it (the GPU machine may have no network for pip).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import aiodist
 from aiodist.testing import WorldProcessError, run_world_processes
 

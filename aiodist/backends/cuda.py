@@ -161,8 +161,8 @@ class GroupState:
             forced = forced_path()
         except DistUsageError:
             forced = os.environ.get("AIODIST_CUDA_PATH", "").strip().lower()
-        nccl = load_nccl()
-        version = None if nccl is None else int(nccl.get_version())
+        # Loading NCCL opens a shared library: not on the loop.
+        nccl, version = await self.device.launcher.run(_nccl_and_version)
         info = RankInfo(
             host=host_identity(),
             gpu=self.device.pci_bus_id,
@@ -331,6 +331,11 @@ class GroupState:
             self.device.issuer.submit(comm.destroy)
         if self.slabs:
             await self._close_ipc()
+
+
+def _nccl_and_version() -> tuple[Any, int | None]:
+    nccl = load_nccl()
+    return nccl, None if nccl is None else int(nccl.get_version())
 
 
 def _abort_comm(comm: Any) -> None:
