@@ -55,6 +55,7 @@ from ..errors import (
     DistUsageError,
     map_exceptions,
 )
+from ..store._sockets import resolve_peer_timeout
 from ._frames import (
     ABORTING,
     BYE,
@@ -110,8 +111,6 @@ POLL_MAX_SKIP = 64
 #: How long ``aclose`` lets queued sends drain before closing the connections.
 CLOSE_DRAIN_SECONDS = 5.0
 DEFAULT_CONNECT_TIMEOUT = 300.0
-#: TCP keepalive: seconds idle before probing, seconds between probes, probes before giving up.
-KEEPALIVE_IDLE, KEEPALIVE_INTERVAL, KEEPALIVE_PROBES = 30, 5, 6
 
 _HANDSHAKING, _OPEN, _DONE = 0, 1, 2
 
@@ -125,15 +124,20 @@ def _parse_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _enable_keepalive(sock: socket.socket) -> None:
-    # A peer whose host vanishes sends neither FIN nor RST: probe idle connections so that
-    # its loss is noticed within about a minute instead of hours.
+def _enable_keepalive(sock: socket.socket, peer_timeout: float) -> None:
+    # A peer whose host vanishes sends neither FIN nor RST: probe idle connections (a rank
+    # waiting for a message) so that its loss is noticed within the peer timeout. Unlike the
+    # store's connections these get no TCP_USER_TIMEOUT: a peer busy for longer than that with
+    # our data unread in its buffers (a zero window) is not gone. The store's lease of every
+    # rank tells everyone else when a host vanishes (see aiodist._world).
+    idle = 2 if peer_timeout >= 3 else 1
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         if hasattr(socket, "TCP_KEEPIDLE"):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_PROBES)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
+            probes = max(1, min(127, int(peer_timeout - idle)))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, probes)
     except OSError as exc:
         logger.debug("could not enable TCP keepalive: %s", exc)
 
@@ -214,7 +218,7 @@ class _Conn(asyncio.BufferedProtocol):
             # The standard loop sets TCP_NODELAY only on sockets it creates with protocol
             # IPPROTO_TCP; accepted ones inherit protocol 0 and would keep Nagle's delay.
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            _enable_keepalive(sock)
+            _enable_keepalive(sock, self.owner._peer_timeout)
         self.owner._live.add(self)
         if self.owner._closed is not None:
             self.state = _DONE
@@ -762,6 +766,7 @@ class TCPTransport(Transport):
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed: BaseException | None = None
         self._token = token
+        self._peer_timeout = resolve_peer_timeout()
         TCPTransport._open_count += 1
 
     @classmethod
