@@ -454,10 +454,15 @@ def rank_counts(path: str) -> list[int]:
     return [1] if path == "nccl" else [1, 2] if path == "cpu" else [1, 2, 3, 4]
 
 
-def run_ranks(fn: Callable[..., Any], n: int, path: str, dry: bool, timeout: float) -> list[Any]:
-    env = {"AIODIST_CUDA_IPC_BYTES": str(1 << 20)} if not dry else {}
+def run_ranks(
+    fn: Callable[..., Any], n: int, path: str, dry: bool, timeout: float, *, small_slabs: bool
+) -> list[Any]:
+    """Run ``fn`` on ``n`` processes on ``path``; small IPC slabs make checks go round."""
+    env = {}
     if not dry:
         env["AIODIST_CUDA_PATH"] = path
+        if small_slabs:
+            env["AIODIST_CUDA_IPC_BYTES"] = str(1 << 20)
     return run_world_processes(fn, n, backend="cpu" if dry else "cuda", timeout=timeout, env=env)
 
 
@@ -506,7 +511,12 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             try:
                 results = run_ranks(
-                    functools.partial(check_rank, dry=dry), n, path, dry, min(120, left() - 30)
+                    functools.partial(check_rank, dry=dry),
+                    n,
+                    path,
+                    dry,
+                    min(120, left() - 30),
+                    small_slabs=True,
                 )
                 passed = sum(len(r["ok"]) for r in results)
                 failed = [f"rank {i}: {f}" for i, r in enumerate(results) for f in r["failed"]]
@@ -539,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
             fn = functools.partial(
                 time_rank, dry=dry, sizes=sizes, budget=max(10.0, left() / 3 - 20)
             )
-            results = run_ranks(fn, n, path, dry, left() - 10)
+            results = run_ranks(fn, n, path, dry, left() - 10, small_slabs=False)
             table[label] = results[0]["times"]
             stalls[label] = max(r["stall_ms"] for r in results)
         except WorldProcessError as exc:
