@@ -238,7 +238,7 @@ async def test_failure_in_one_chunk_cancels_the_rest() -> None:
 
 # -- the IPC path's rounds, with host buffers as the slabs ------------------------------------
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
-@pytest.mark.parametrize("slab_bytes", [64, 4096])
+@pytest.mark.parametrize("slab_bytes", [1024, 4096])
 async def test_ipc_rounds(size: int, slab_bytes: int) -> None:
     from aiodist.backends import _cuda_ipc as ipc
 

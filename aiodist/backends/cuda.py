@@ -236,7 +236,8 @@ class GroupState:
     async def _open_ipc(self, prefix: str) -> str | None:
         """Export this rank's slab and map the others'; return what failed, if anything."""
         group, store = self.group, self.group.world.store
-        size = int(os.environ.get("AIODIST_CUDA_IPC_BYTES", IPC_SLAB_BYTES))
+        # At least 64 KiB: every rank's region of a slab stays 256-aligned and non-empty.
+        size = max(int(os.environ.get("AIODIST_CUDA_IPC_BYTES", IPC_SLAB_BYTES)), 1 << 16)
         index = self.device.index
 
         def export() -> tuple[Any, bytes]:
