@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
+import json
 import os
 import signal
 import socket
@@ -20,6 +21,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import aiohttp
+import httpx
 import numpy as np
 
 import aiodist
@@ -97,17 +100,19 @@ async def wait_until(predicate: Any, timeout: float, what: str, poll: float = 0.
 
 
 class Launched:
-    """``aiodist-run --standalone --nproc-per-node=N script`` as a process, output to a file."""
+    """``aiodist-run --standalone --nproc-per-node=N [args] script`` as a process, output to a file."""
 
-    def __init__(self, script: Path, nproc: int, log: Path, **env: str) -> None:
-        self.script, self.nproc, self.log, self.env = script, nproc, log, env
+    def __init__(
+        self, script: Path, nproc: int, log: Path, args: tuple[str, ...] = (), **env: str
+    ) -> None:
+        self.script, self.nproc, self.log, self.args, self.env = script, nproc, log, args, env
         self.proc: asyncio.subprocess.Process | None = None
 
     async def __aenter__(self) -> Launched:
         with self.log.open("wb") as out:
             self.proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "aiodist.run", "--standalone",
-                f"--nproc-per-node={self.nproc}", str(self.script),
+                f"--nproc-per-node={self.nproc}", *self.args, str(self.script),
                 env=clean_env(**self.env), stdout=out, stderr=asyncio.subprocess.STDOUT,
                 start_new_session=True,
             )  # fmt: skip
@@ -191,3 +196,61 @@ class Ranks:
             f"--- {p.name}\n{p.read_text(errors='replace')}"
             for p in sorted(self.logs.glob("*.log"))
         )
+
+
+class Client:
+    """One interface over aiohttp's client and httpx: ``(status, JSON body)`` per request.
+
+    A connection that fails (refused, or closed by a server shutting down) raises
+    ``ConnectionError`` with either client.
+    """
+
+    def __init__(self, kind: str, port: int) -> None:
+        self.kind, self.base = kind, f"http://127.0.0.1:{port}"
+        self._aiohttp: aiohttp.ClientSession | None = None
+        self._httpx: httpx.AsyncClient | None = None
+
+    async def __aenter__(self) -> Client:
+        if self.kind == "aiohttp":
+            self._aiohttp = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
+        else:
+            self._httpx = httpx.AsyncClient(timeout=30)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._aiohttp is not None:
+            await self._aiohttp.close()
+        if self._httpx is not None:
+            await self._httpx.aclose()
+
+    async def request(self, method: str, path: str, body: bytes = b"") -> tuple[int, Any]:
+        url = self.base + path
+        try:
+            if self._aiohttp is not None:
+                async with self._aiohttp.request(method, url, data=body) as r:
+                    return r.status, json.loads(await r.read())
+            assert self._httpx is not None
+            response = await self._httpx.request(method, url, content=body)
+            return response.status_code, response.json()
+        except (aiohttp.ClientConnectionError, httpx.TransportError) as exc:
+            raise ConnectionError(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
+
+    async def health(self) -> tuple[int, Any]:
+        return await self.request("GET", "/health")
+
+    async def predict(self, x: np.ndarray) -> tuple[int, Any]:
+        return await self.request("POST", "/predict", json.dumps({"x": x.tolist()}).encode())
+
+
+def error_text(body: Any) -> str:
+    """The error message of a 4xx/5xx body: aiohttp's examples say "error", FastAPI "detail"."""
+    return str(body.get("error", body.get("detail")))
+
+
+async def ready(client: Client, timeout: float = 60) -> dict[str, Any]:
+    async def healthy() -> dict[str, Any] | None:
+        status, body = await client.health()
+        return body if status == 200 else None
+
+    body: dict[str, Any] = await wait_until(healthy, timeout, "the server became ready")
+    return body
