@@ -118,6 +118,7 @@ async def init_process_group(
     group_name: str = "",
     *,
     auth_token: str | bytes | None = None,
+    shared_memory: bool | None = None,
 ) -> ProcessGroup:
     """Join the job's ranks into the default process group.
 
@@ -146,6 +147,9 @@ async def init_process_group(
             connection between ranks must prove they hold (HMAC challenge-response);
             ``None`` reads ``$AIODIST_AUTH_TOKEN``; unset means no authentication. Every
             rank needs the same token.
+        shared_memory: whether ranks on one host talk through shared memory: ``None``
+            (default) when every rank of the host can (``AIODIST_SHM=0`` turns it off);
+            ``False`` never (TCP only). Every rank must pass the same value.
 
     Returns:
         The default :class:`ProcessGroup`.
@@ -191,7 +195,7 @@ async def init_process_group(
         namespace = f"aiodist/{group_name or 'default_pg'}"
         joined = await store.add(f"{namespace}/joined/{world_size}", 1)
         prefixed = PrefixStore(f"{namespace}/{world_size}/{(joined - 1) // world_size}", store)
-        transport = await _connect(prefixed, rank, world_size, seconds, token)
+        transport = await _connect(prefixed, rank, world_size, seconds, token, shared_memory)
     except BaseException:
         for s in owned:
             await s.aclose()
@@ -202,22 +206,63 @@ async def init_process_group(
         from .debug import install_signal_handler
 
         install_signal_handler()
-    return start_world(
+    pg = start_world(
         transport, prefixed, backend=name, backends=devices, timeout=seconds, owned=owned
     )
+    try:
+        await _backends.setup(pg)
+    except BaseException:
+        _group.set_current_world(None)
+        await pg.world.close()
+        raise
+    return pg
 
 
 async def _connect(
-    store: Store, rank: int, world_size: int, timeout: float | None, token: bytes | None
+    store: Store,
+    rank: int,
+    world_size: int,
+    timeout: float | None,
+    token: bytes | None,
+    shared_memory: bool | None,
 ) -> Any:
     from .transport._address import listen_host
+    from .transport._shm_segment import SharedMemoryError
     from .transport.base import PeerDirectory
+    from .transport.routed import RoutedTransport
+    from .transport.shm import ShmTransport, plan_shared_memory
     from .transport.tcp import TCPTransport
 
     host = listen_host(store.local_address())
-    return await TCPTransport.create(
+    tcp = await TCPTransport.create(
         PeerDirectory(store), rank, world_size, host=host, timeout=timeout, auth_token=token
     )
+    if world_size == 1 or shared_memory is False:
+        return tcp
+    try:
+        # Ranks on one host talk through shared memory, the others over TCP: every rank of a
+        # host makes the same choice, from one list in the store.
+        local, refused = await plan_shared_memory(store, rank, world_size, timeout=timeout)
+        if len(local) == 1:
+            return tcp
+        if refused is not None:
+            logger.info("rank %d: ranks %s talk over TCP: %s", rank, local, refused)
+            return tcp
+        try:
+            shm = await ShmTransport.create(
+                store, rank, world_size, local, mailbox=tcp.mailbox, timeout=timeout
+            )
+        except SharedMemoryError as exc:
+            # Only this rank could not: its peers on this host would write to rings nobody
+            # reads. Failing the rendezvous says so instead of leaving them waiting.
+            raise DistUsageError(
+                f"rank {rank}: shared memory with ranks {local} failed after they agreed to "
+                f"use it: {exc}; set AIODIST_SHM=0 on every rank to use TCP only"
+            ) from exc
+        return RoutedTransport(tcp, shm)
+    except BaseException:
+        await tcp.aclose()
+        raise
 
 
 async def destroy_process_group(group: Group = None) -> None:
@@ -415,7 +460,10 @@ async def new_group(
     else:
         name, devices = _backends.parse_backend(backend)
     seconds = world.timeout if timeout is None else to_seconds(timeout, None)
-    return await _group.new_group(world, ranks, backend=name, backends=devices, timeout=seconds)
+    group = await _group.new_group(world, ranks, backend=name, backends=devices, timeout=seconds)
+    if isinstance(group, ProcessGroup):
+        await _backends.setup(group)
+    return group
 
 
 async def new_subgroups(

@@ -34,9 +34,17 @@ import enum
 import functools
 import logging
 import math
-from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping, Sequence
+from collections.abc import (
+    Awaitable,
+    Callable,
+    Coroutine,
+    Generator,
+    Iterable,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from ._fingerprint import NO_FINGERPRINT
 from ._recorder import FlightRecorder, OpRecord
@@ -103,6 +111,9 @@ class Plan:
         output: the Work's result when the algorithm returns ``None`` (the output array).
         device_sync: for an operation on a device (CUDA), makes a device stream wait for the
             operation's end without blocking the host (:meth:`Work.wait_stream`).
+        sequenced: the algorithm runs in the group's :class:`Sequencer` (every rank takes
+            its turn in each operation it issued): a peer's rejection does not cancel it,
+            and a ``DistUsageError`` it raises is raised alike on every rank.
     """
 
     algorithm: Callable[..., Awaitable[Any]]
@@ -110,6 +121,32 @@ class Plan:
     fingerprint: bytes = NO_FINGERPRINT
     output: Any = None
     device_sync: Callable[[Any], None] | None = None
+    sequenced: bool = False
+
+
+class Sequencer(Protocol):
+    """An order of a group's operations kept by a backend (a shared-memory workspace).
+
+    Every rank takes a turn in each operation the sequencer covers, rejected or not: a rank
+    that rejects one runs :meth:`skip` in its place, so that the peers' turns of it fail
+    alike and the order stays the same on every rank.
+    """
+
+    def covers(self, name: str) -> bool:
+        """Whether operation ``name`` takes a turn in this order."""
+
+    def waiting_for(self) -> list[int]:
+        """The group ranks the operation in its turn now waits for (for timeout messages)."""
+
+    def skip(self, reason: str) -> Coroutine[Any, Any, None]:
+        """Take this rank's turn for an operation it rejected, giving ``reason``.
+
+        Called when the operation is rejected, in issue order: the turn is reserved then,
+        and taken when the returned coroutine runs.
+        """
+
+    async def aclose(self) -> None:
+        """Release what the sequencer holds (the group is destroyed)."""
 
 
 #: A backend's entry point for one call: ``planner(group, op_name, args) -> Plan``.
@@ -289,6 +326,7 @@ class Operation:
         "record",
         "sends",
         "seq",
+        "sequenced",
         "task",
         "timeout",
         "work",
@@ -320,6 +358,7 @@ class Operation:
         self.record: OpRecord | None = None
         self.task: asyncio.Task[None] | None = None
         self.device_sync: Callable[[Any], None] | None = None
+        self.sequenced = False
         self.work: Work[Any] = Work(self)
 
     def set_timeout(self, timeout: Timeout) -> None:
@@ -481,6 +520,8 @@ class World:
             pending.extend(group._cancel_all(cause))
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
+        for group in list(self.groups.values()):
+            await group._close_sequencer()
         await self.transport.aclose()
         await self.domain.close()
         for store in self._owned:
@@ -529,6 +570,8 @@ class ProcessGroup:
         self._expiring: dict[Operation, asyncio.Task[None]] = {}
         self._destroyed = False
         self._order: asyncio.Lock | None = None
+        #: Set by a backend whose operations on this group run in an order of its own.
+        self.sequencer: Sequencer | None = None
         world.groups[group_id] = self
 
     def __repr__(self) -> str:
@@ -703,8 +746,10 @@ class ProcessGroup:
             for i in range(nseq):
                 found = rejected.pop((self.group_id, op.seq + i), None)
                 if found is not None:
-                    self._record(op, plan.fingerprint)
                     op.settle(self._rejection(op, *found))
+                    if plan.sequenced:  # it still takes its turn, and fails there alike
+                        return self._start(op, plan)
+                    self._record(op, plan.fingerprint)
                     return op.work
         return self._start(op, plan)
 
@@ -821,6 +866,11 @@ class ProcessGroup:
                 for r in self.ranks:
                     if r != self._world.rank:
                         transport.send_reject(r, self.group_id, op.seq + i, reason)
+            sequencer = self.sequencer
+            if sequencer is not None and sequencer.covers(op.name):
+                # Take this rank's turn anyway, so the peers' turns fail alike.
+                skipping = asyncio.get_running_loop().create_task(sequencer.skip(reason))
+                skipping.add_done_callback(_log_skip_failure)
         elif op.sends and op.peer is not None:
             transport.send_reject(self.ranks[op.peer], op.wire_group, op.seq, reason)
         self._record(op, NO_FINGERPRINT)
@@ -854,6 +904,7 @@ class ProcessGroup:
             op.name, self.group_id, seq, fp, self.ranks, op.kind is OpKind.P2P
         )
         op.device_sync = plan.device_sync
+        op.sequenced = plan.sequenced
         if op.timeout is None:
             self._inflight[op] = math.inf
         else:
@@ -883,10 +934,13 @@ class ProcessGroup:
             op.settle(DistUsageError(f"{op.name} was cancelled"))
             raise
         except Exception as exc:
-            if op.kind is OpKind.P2P and isinstance(exc, DistUsageError):
+            if isinstance(exc, DistUsageError) and (op.kind is OpKind.P2P or op.sequenced):
                 # A receive whose sender rejected its send, or whose message had another
-                # size: point-to-point messages keep no order across the group, so only
-                # this operation fails.
+                # size (point-to-point messages keep no order across the group); or a turn
+                # of a sequencer that every rank failed alike: only this operation fails.
+                peer = getattr(exc, "rejected_by", None)
+                if peer is not None:  # a sequencer's word for a peer's rejection
+                    exc = self._rejection(op, peer, getattr(exc, "reason", ""))
                 op.settle(exc)
             elif op not in self._expiring:
                 # (An operation that timed out here already fails with the timeout, not
@@ -925,7 +979,8 @@ class ProcessGroup:
     def _fail_rejected(self, op: Operation, exc: DistUsageError) -> None:
         """Fail ``op`` because a peer rejected it: only this operation ends."""
         op.settle(exc)
-        self._cancel_task(op)
+        if not op.sequenced:  # (a sequencer's turn ends on its own, alike on every rank)
+            self._cancel_task(op)
 
     def _cancel_task(self, op: Operation) -> None:
         task = op.task
@@ -971,11 +1026,14 @@ class ProcessGroup:
         )
         if missing is not None:
             text += f"; ranks that did not arrive: {missing or 'none'}"
-        waiting = [
-            self._group_rank_of[p]
-            for p in self._world.transport.waiting_for(op.wire_group, op.seq)
-            if p in self._group_rank_of
-        ]
+        if op.sequenced and self.sequencer is not None:
+            waiting = self.sequencer.waiting_for()
+        else:
+            waiting = [
+                self._group_rank_of[p]
+                for p in self._world.transport.waiting_for(op.wire_group, op.seq)
+                if p in self._group_rank_of
+            ]
         if waiting:
             text += f"; still waiting for messages from ranks {waiting}"
         return DistTimeoutError(text)
@@ -994,7 +1052,15 @@ class ProcessGroup:
         if tasks:
             self._world.abort(cause)
             await asyncio.gather(*tasks, return_exceptions=True)
+        await self._close_sequencer()
         self._world.groups.pop(self.group_id, None)
+
+    async def _close_sequencer(self) -> None:
+        if self.sequencer is not None:
+            try:
+                await self.sequencer.aclose()
+            except DistError as exc:
+                logger.warning("%r: closing its sequencer: %s", self, exc)
 
     def _cancel_all(self, cause: BaseException) -> list[asyncio.Task[None]]:
         tasks = []
@@ -1011,6 +1077,13 @@ class ProcessGroup:
                 op.task.cancel()
                 tasks.append(op.task)
         return tasks
+
+
+def _log_skip_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        exc = task.exception()
+        if not isinstance(exc, DistUsageError):  # (the rejection itself is expected)
+            logger.warning("a rejected operation's turn failed: %s", exc)
 
 
 def _named(op: str, exc: BaseException) -> DistUsageError:

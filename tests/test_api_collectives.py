@@ -10,6 +10,13 @@ from aiodist.testing import run_world
 
 pytestmark = pytest.mark.both_loops
 
+
+@pytest.fixture(params=["tcp", "shm"])
+def transport(request: pytest.FixtureRequest) -> str:
+    """Every test over TCP, and over shared memory (the transport and direct algorithms)."""
+    return str(request.param)
+
+
 SIZES = [1, 2, 3, 4]
 
 
@@ -30,7 +37,7 @@ def data(rank: int, shape: tuple[int, ...] = (5, 3), dtype: str = "float64") -> 
         (aiodist.ReduceOp.AVG, lambda xs: np.mean(xs, axis=0)),
     ],
 )
-async def test_all_reduce(n: int, op: aiodist.ReduceOp, ref) -> None:
+async def test_all_reduce(n: int, op: aiodist.ReduceOp, ref, transport: str) -> None:
     async def fn(rank: int, size: int) -> np.ndarray:
         x = data(rank)
         out = await aiodist.all_reduce(x, op=op)
@@ -38,12 +45,12 @@ async def test_all_reduce(n: int, op: aiodist.ReduceOp, ref) -> None:
         return x
 
     expected = ref([data(r) for r in range(n)])
-    for got in await run_world(fn, n):
+    for got in await run_world(fn, n, transport=transport):
         np.testing.assert_allclose(got, expected)
 
 
 @pytest.mark.parametrize("dtype", ["int32", "uint8", "bool", "complex64", "float16"])
-async def test_all_reduce_dtypes(dtype: str) -> None:
+async def test_all_reduce_dtypes(dtype: str, transport: str) -> None:
     async def fn(rank: int, size: int) -> np.ndarray:
         x = data(rank, (7,), dtype)
         await aiodist.all_reduce(x)
@@ -51,11 +58,11 @@ async def test_all_reduce_dtypes(dtype: str) -> None:
 
     xs = [data(r, (7,), dtype) for r in range(3)]
     expected = np.logical_or.reduce(xs) if dtype == "bool" else np.sum(xs, axis=0, dtype=dtype)
-    for got in await run_world(fn, 3):
+    for got in await run_world(fn, 3, transport=transport):
         np.testing.assert_array_equal(got, expected)
 
 
-async def test_all_reduce_bitwise_and_large() -> None:
+async def test_all_reduce_bitwise_and_large(transport: str) -> None:
     async def fn(rank: int, size: int) -> tuple[np.ndarray, np.ndarray]:
         x = np.arange(16, dtype=np.int64) * (rank + 1)
         await aiodist.all_reduce(x, op=aiodist.ReduceOp.BXOR)
@@ -65,13 +72,13 @@ async def test_all_reduce_bitwise_and_large() -> None:
         return x, big
 
     expected = np.bitwise_xor.reduce([np.arange(16, dtype=np.int64) * (r + 1) for r in range(3)])
-    for x, big in await run_world(fn, 3):
+    for x, big in await run_world(fn, 3, transport=transport):
         np.testing.assert_array_equal(x, expected)
         assert (big == 3).all()
 
 
 @pytest.mark.parametrize("n", SIZES)
-async def test_broadcast_src_and_group_src(n: int) -> None:
+async def test_broadcast_src_and_group_src(n: int, transport: str) -> None:
     async def fn(rank: int, size: int) -> list[np.ndarray]:
         a = data(rank)
         await aiodist.broadcast(a, src=size - 1)
@@ -79,23 +86,23 @@ async def test_broadcast_src_and_group_src(n: int) -> None:
         await aiodist.broadcast(b, group_src=0)
         return [a, b]
 
-    for a, b in await run_world(fn, n):
+    for a, b in await run_world(fn, n, transport=transport):
         np.testing.assert_array_equal(a, data(n - 1))
         np.testing.assert_array_equal(b, data(0, (4,), "int16"))
 
 
 @pytest.mark.parametrize("n", SIZES)
-async def test_reduce(n: int) -> None:
+async def test_reduce(n: int, transport: str) -> None:
     async def fn(rank: int, size: int) -> np.ndarray:
         x = data(rank)
         await aiodist.reduce(x, dst=size // 2, op=aiodist.ReduceOp.MAX)
         return x
 
-    results = await run_world(fn, n)
+    results = await run_world(fn, n, transport=transport)
     np.testing.assert_array_equal(results[n // 2], np.max([data(r) for r in range(n)], axis=0))
 
 
-async def test_reduce_leaves_other_ranks_alone_and_takes_read_only_inputs() -> None:
+async def test_reduce_leaves_other_ranks_alone_and_takes_read_only_inputs(transport: str) -> None:
     async def fn(rank: int, size: int) -> np.ndarray:
         x = data(rank)
         if rank != 0:
@@ -103,14 +110,14 @@ async def test_reduce_leaves_other_ranks_alone_and_takes_read_only_inputs() -> N
         await aiodist.reduce(x, dst=0)
         return x
 
-    results = await run_world(fn, 3)
+    results = await run_world(fn, 3, transport=transport)
     np.testing.assert_array_equal(results[0], np.sum([data(r) for r in range(3)], axis=0))
     for r in (1, 2):
         np.testing.assert_array_equal(results[r], data(r))
 
 
 @pytest.mark.parametrize("n", SIZES)
-async def test_all_gather_and_into_tensor(n: int) -> None:
+async def test_all_gather_and_into_tensor(n: int, transport: str) -> None:
     async def fn(rank: int, size: int) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
         x = data(rank)
         outs = [np.empty_like(x) for _ in range(size)]
@@ -123,7 +130,7 @@ async def test_all_gather_and_into_tensor(n: int) -> None:
         return outs, flat, stacked
 
     everyone = [data(r) for r in range(n)]
-    for outs, flat, stacked in await run_world(fn, n):
+    for outs, flat, stacked in await run_world(fn, n, transport=transport):
         for r in range(n):
             np.testing.assert_array_equal(outs[r], everyone[r])
         np.testing.assert_array_equal(flat, np.concatenate(everyone))
@@ -131,7 +138,7 @@ async def test_all_gather_and_into_tensor(n: int) -> None:
 
 
 @pytest.mark.parametrize("n", SIZES)
-async def test_gather_and_scatter(n: int) -> None:
+async def test_gather_and_scatter(n: int, transport: str) -> None:
     async def fn(rank: int, size: int) -> tuple[list[np.ndarray] | None, np.ndarray]:
         root = size - 1
         x = data(rank)
@@ -142,7 +149,7 @@ async def test_gather_and_scatter(n: int) -> None:
         await aiodist.scatter(out, ins, src=0)
         return outs, out
 
-    results = await run_world(fn, n)
+    results = await run_world(fn, n, transport=transport)
     for r, (outs, out) in enumerate(results):
         np.testing.assert_array_equal(out, data(100 + r))
         if r == n - 1:
@@ -154,7 +161,7 @@ async def test_gather_and_scatter(n: int) -> None:
 
 
 @pytest.mark.parametrize("n", SIZES)
-async def test_reduce_scatter_and_tensor(n: int) -> None:
+async def test_reduce_scatter_and_tensor(n: int, transport: str) -> None:
     async def fn(rank: int, size: int) -> tuple[np.ndarray, np.ndarray]:
         ins = [data(rank * 10 + k) for k in range(size)]
         out = np.empty((5, 3))
@@ -164,14 +171,14 @@ async def test_reduce_scatter_and_tensor(n: int) -> None:
         await aiodist.reduce_scatter_tensor(out2, big, op=aiodist.ReduceOp.MIN)
         return out, out2
 
-    for r, (out, out2) in enumerate(await run_world(fn, n)):
+    for r, (out, out2) in enumerate(await run_world(fn, n, transport=transport)):
         contributions = [data(q * 10 + r) for q in range(n)]
         np.testing.assert_array_equal(out, np.sum(contributions, axis=0))
         np.testing.assert_array_equal(out2, np.min(contributions, axis=0))
 
 
 @pytest.mark.parametrize("n", SIZES)
-async def test_all_to_all(n: int) -> None:
+async def test_all_to_all(n: int, transport: str) -> None:
     async def fn(rank: int, size: int) -> list[np.ndarray]:
         # Block sent from rank r to rank k has shape (r + k + 1,): shapes differ per pair.
         ins = [np.full(rank + k + 1, rank * 100 + k, np.int32) for k in range(size)]
@@ -179,13 +186,13 @@ async def test_all_to_all(n: int) -> None:
         await aiodist.all_to_all(outs, ins)
         return outs
 
-    for r, outs in enumerate(await run_world(fn, n)):
+    for r, outs in enumerate(await run_world(fn, n, transport=transport)):
         for k in range(n):
             np.testing.assert_array_equal(outs[k], np.full(k + r + 1, k * 100 + r, np.int32))
 
 
 @pytest.mark.parametrize("n", SIZES)
-async def test_all_to_all_single_even_and_uneven(n: int) -> None:
+async def test_all_to_all_single_even_and_uneven(n: int, transport: str) -> None:
     async def fn(rank: int, size: int) -> tuple[np.ndarray, np.ndarray]:
         even_in = np.arange(size * 2 * 3, dtype=np.float32).reshape(size * 2, 3) + 1000 * rank
         even_out = np.empty_like(even_in)
@@ -197,7 +204,7 @@ async def test_all_to_all_single_even_and_uneven(n: int) -> None:
         await aiodist.all_to_all_single(out, x, [rank + 1] * size, in_splits)
         return even_out, out
 
-    for r, (even_out, out) in enumerate(await run_world(fn, n)):
+    for r, (even_out, out) in enumerate(await run_world(fn, n, transport=transport)):
         expected = np.concatenate(
             [
                 (np.arange(n * 2 * 3, dtype=np.float32).reshape(n * 2, 3) + 1000 * q)[
@@ -213,16 +220,16 @@ async def test_all_to_all_single_even_and_uneven(n: int) -> None:
 
 
 @pytest.mark.parametrize("n", SIZES)
-async def test_barrier_and_monitored_barrier(n: int) -> None:
+async def test_barrier_and_monitored_barrier(n: int, transport: str) -> None:
     async def fn(rank: int, size: int) -> None:
         assert await aiodist.barrier() is None
         await aiodist.monitored_barrier(timeout=10)
         await aiodist.monitored_barrier(timeout=10, wait_all_ranks=True)
 
-    assert await run_world(fn, n) == [None] * n
+    assert await run_world(fn, n, transport=transport) == [None] * n
 
 
-async def test_zero_size_and_zero_dim_arrays() -> None:
+async def test_zero_size_and_zero_dim_arrays(transport: str) -> None:
     async def fn(rank: int, size: int) -> tuple[np.ndarray, np.ndarray]:
         empty = np.empty((0, 4))
         await aiodist.all_reduce(empty)
@@ -235,7 +242,7 @@ async def test_zero_size_and_zero_dim_arrays() -> None:
         await aiodist.all_to_all_single(np.empty((0, 2)), np.empty((0, 2)))
         return empty, scalar
 
-    for empty, scalar in await run_world(fn, 3):
+    for empty, scalar in await run_world(fn, 3, transport=transport):
         assert empty.shape == (0, 4)
         assert scalar == 6.0
 
@@ -252,7 +259,7 @@ async def test_local_transport_runs_the_same_api() -> None:
 
 
 @pytest.mark.torch
-async def test_torch_tensors_through_dlpack() -> None:
+async def test_torch_tensors_through_dlpack(transport: str) -> None:
     torch = pytest.importorskip("torch", reason="torch is not installed")
 
     async def fn(rank: int, size: int) -> list[list[float]]:
@@ -262,6 +269,6 @@ async def test_torch_tensors_through_dlpack() -> None:
         await aiodist.all_gather(outs, torch.tensor([rank, rank * 2.0]))
         return [t.tolist(), *(o.tolist() for o in outs)]
 
-    for res in await run_world(fn, 3):
+    for res in await run_world(fn, 3, transport=transport):
         assert res[0] == [6.0] * 4
         assert res[1:] == [[0.0, 0.0], [1.0, 2.0], [2.0, 4.0]]

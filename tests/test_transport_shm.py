@@ -22,7 +22,7 @@ from aiodist.store import FileStore, HashStore, Store
 from aiodist.transport._mailbox import Mailbox
 from aiodist.transport._shm_segment import SharedMemoryError, host_key, unavailable_reason
 from aiodist.transport.base import OpComm, PeerDirectory, Tag, Transport
-from aiodist.transport.shm import ShmTransport, find_local_ranks
+from aiodist.transport.shm import ShmTransport, find_local_ranks, plan_shared_memory
 from aiodist.transport.tcp import TCPTransport
 
 T = (0, 1, 0)
@@ -322,10 +322,23 @@ async def test_disabled_or_unsupported_shared_memory_says_why(
 
 async def test_find_local_ranks() -> None:
     store = HashStore()
-    # Rank 2 on another machine.
-    await store.set("shm/host/2", "another-boot/another-host/net:1/pid:1/shm:1:1")
-    got = await asyncio.gather(*(find_local_ranks(store, r, 3, timeout=5) for r in (0, 1)))
-    assert got == [[0, 1], [0, 1]]
+    other = "another-boot/another-host/net:1/pid:1/shm:1:1"
+    got = await asyncio.gather(
+        *(find_local_ranks(store, r, 3, timeout=5) for r in (0, 1)),
+        plan_shared_memory(store, 2, 3, timeout=5, host=other),
+    )
+    assert got == [[0, 1], [0, 1], ([2], None)]
+
+
+async def test_one_rank_without_shared_memory_turns_it_off_for_its_host(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    store = HashStore()
+    reasons = iter([None, "shared memory is disabled by AIODIST_SHM=0", None])
+    monkeypatch.setattr("aiodist.transport.shm.unavailable_reason", lambda: next(reasons))
+    got = await asyncio.gather(*(plan_shared_memory(store, r, 3, timeout=5) for r in range(3)))
+    why = "rank 1: shared memory is disabled by AIODIST_SHM=0"
+    assert got == [([0, 1, 2], why)] * 3
 
 
 def test_host_key_is_boot_id_host_name_and_namespaces() -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -33,6 +33,7 @@ __all__ = [
     "parse_backend",
     "plan",
     "register_backend",
+    "setup",
 ]
 
 logger = logging.getLogger(__name__)
@@ -52,12 +53,22 @@ class Backend:
         name: the backend's name (``"cpu"``).
         device: the device kind whose arrays it takes (``"cpu"``, ``"cuda"``).
         ops: operation name -> validate function.
+        setup: awaited by every member of each new group, before its first operation
+            (collective: e.g. to map a shared-memory workspace for it).
     """
 
-    def __init__(self, name: str, device: str, ops: Mapping[str, Validate] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        device: str,
+        ops: Mapping[str, Validate] | None = None,
+        setup: Callable[[ProcessGroup], Awaitable[None]] | None = None,
+    ) -> None:
         self.name = name
         self.device = device
         self.ops: dict[str, Validate] = dict(ops or {})
+        #: Awaited once per group, collectively, before its first operation.
+        self.setup = setup
 
     def __repr__(self) -> str:
         return f"<Backend {self.name} device={self.device} ops={len(self.ops)}>"
@@ -257,6 +268,18 @@ def _mixed(op: str, first: str, second: str) -> DistUsageError:
         f"{op}: the arrays live on different devices ({first} and {second}); every array "
         "of one call must be on the same device"
     )
+
+
+async def setup(group: ProcessGroup) -> None:
+    """Let each backend of a new group set it up; collective over the group's members.
+
+    Raises:
+        DistError: a backend could not (a peer went away, the store cannot be reached).
+    """
+    for name in group.backends.values():
+        backend_setup = load(name).setup
+        if backend_setup is not None:
+            await backend_setup(group)
 
 
 def plan(group: ProcessGroup, op: str, args: tuple[Any, ...]) -> Plan:

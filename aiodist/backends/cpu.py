@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import pickle
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import numpy as np
@@ -25,9 +25,12 @@ from .._arrays import as_array, byte_view
 from .._fingerprint import fingerprint
 from .._ops import PremulSum, ReduceOp, check_reduce_op
 from .._timeouts import Timeout, to_seconds
+from ..collectives import shm
 from ..errors import DistError, DistProtocolError, DistTimeoutError, DistUsageError
 from ..group import Plan, ProcessGroup
+from ..store import PrefixStore
 from ..transport.base import OpComm
+from ..transport.shm import default_job_key
 from . import Backend
 
 __all__ = ["BACKEND", "MAX_OBJECT_SIZE"]
@@ -36,8 +39,163 @@ logger = logging.getLogger(__name__)
 
 Array = npt.NDArray[Any]
 
+
+async def _setup(group: ProcessGroup) -> None:
+    # A group whose ranks all share memory, served by this backend alone, runs its
+    # collectives in a shared-memory workspace: the direct algorithms of collectives.shm.
+    # (With a second backend a rank whose call was rejected could not tell whether its
+    # peers took a turn in the workspace.)
+    local = group.world.transport.local_ranks
+    if group.size > 1 and len(group.backends) == 1 and set(group.ranks) <= set(local):
+        workspace = _Workspace(group, len(local))
+        await workspace.get()
+        group.sequencer = workspace
+
+
 #: The CPU backend's table.
-BACKEND = Backend("cpu", "cpu")
+BACKEND = Backend("cpu", "cpu", setup=_setup)
+
+# The transport algorithm each direct shared-memory algorithm stands in for.
+_DIRECT = {
+    collectives.all_reduce: shm.all_reduce,
+    collectives.broadcast: shm.broadcast,
+    collectives.reduce: shm.reduce,
+    collectives.all_gather: shm.all_gather,
+    collectives.gather: shm.gather,
+    collectives.scatter: shm.scatter,
+    collectives.reduce_scatter: shm.reduce_scatter,
+    collectives.all_to_all: shm.all_to_all,
+    collectives.barrier: shm.barrier,
+}
+_DIRECT_OPS = frozenset(
+    {
+        "all_reduce",
+        "broadcast",
+        "reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "gather",
+        "scatter",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "all_to_all",
+        "all_to_all_single",
+        "barrier",
+    }
+)
+
+
+_Turn = tuple["asyncio.Future[None] | None", "asyncio.Future[None]"]
+
+
+class _Workspace:
+    """A group's shared-memory workspace, created at its first turn (a :class:`Sequencer`).
+
+    Turns are reserved when operations are issued (in issue order, the same on every rank),
+    and each enters the workspace only after the one before it did: the order in which
+    their tasks happen to wake up does not matter.
+    """
+
+    def __init__(self, group: ProcessGroup, local_world_size: int) -> None:
+        self._group = group
+        self._local_world_size = local_world_size
+        self._ready: asyncio.Future[shm.NodeWorkspace] | None = None
+        self._last: asyncio.Future[None] | None = None
+
+    def reserve(self) -> _Turn:
+        """Reserve the next turn: ``(the previous turn's entry, this turn's entry)``."""
+        previous, self._last = self._last, asyncio.get_running_loop().create_future()
+        return previous, self._last
+
+    async def enter(self, turn: _Turn) -> shm.NodeWorkspace:
+        """Wait for the previous turn to have entered; return the workspace.
+
+        The caller must enter the workspace (call an algorithm of ``collectives.shm``) right
+        after this returns, before it awaits anything else.
+        """
+        previous, mine = turn
+        try:
+            if previous is not None:
+                await previous
+            return await self.get()
+        finally:
+            # The next turn may line up now: this one is next in the workspace's order.
+            mine.set_result(None)
+
+    def __repr__(self) -> str:
+        return f"<shared-memory workspace of {self._group!r}>"
+
+    def covers(self, name: str) -> bool:
+        return name in _DIRECT_OPS
+
+    def waiting_for(self) -> list[int]:
+        ready = self._ready
+        if ready is None or not ready.done() or ready.exception() is not None:
+            return []
+        return ready.result().waiting_for()
+
+    def get(self) -> asyncio.Future[shm.NodeWorkspace]:
+        """The workspace; its creation (collective over the group) starts at the first call."""
+        if self._ready is None:
+            self._ready = asyncio.ensure_future(self._create())
+        return self._ready
+
+    async def _create(self) -> shm.NodeWorkspace:
+        group = self._group
+        return await shm.NodeWorkspace.create(
+            PrefixStore(f"shm/ws/{group.group_id}", group.world.store),
+            group.rank,
+            group.size,
+            ranks=group.ranks,
+            local_world_size=self._local_world_size,
+            job_key=default_job_key(),
+        )
+
+    def skip(self, reason: str) -> Coroutine[Any, Any, None]:
+        return self._skip(self.reserve(), reason)
+
+    async def _skip(self, turn: _Turn, reason: str) -> None:
+        await shm.skip(await self.enter(turn), reason)
+
+    async def aclose(self) -> None:
+        if self._ready is not None and not self._ready.cancelled():
+            if self._ready.done() and self._ready.exception() is None:
+                await self._ready.result().aclose()
+            else:
+                self._ready.cancel()
+
+
+async def _in_workspace(
+    comm: OpComm, ws: _Workspace, turn: _Turn, algorithm: Any, fp: bytes, *args: Any
+) -> None:
+    await algorithm(await ws.enter(turn), *args, fingerprint=fp)
+
+
+def _direct(group: ProcessGroup, name: str, plan: Plan) -> Plan:
+    """``plan``, run by the direct shared-memory algorithm when the group has a workspace."""
+    ws = group.sequencer
+    if not isinstance(ws, _Workspace) or name not in _DIRECT_OPS:
+        return plan
+    direct = _DIRECT.get(plan.algorithm)
+    if direct is None:  # (a variant with a transport algorithm of its own: premultiplied)
+        return plan
+    args = (ws, ws.reserve(), direct, plan.fingerprint, *plan.args)
+    return Plan(_in_workspace, args, plan.fingerprint, plan.output, sequenced=True)
+
+
+def _op(name: str) -> Callable[[Callable[..., Plan]], Callable[..., Plan]]:
+    """Register a validate function of ``name``, turned direct where the group allows."""
+
+    def register(fn: Callable[..., Plan]) -> Callable[..., Plan]:
+        def validate(group: ProcessGroup, *args: Any) -> Plan:
+            return _direct(group, name, fn(group, *args))
+
+        validate.__doc__ = fn.__doc__
+        BACKEND.ops[name] = validate
+        return fn
+
+    return register
+
 
 # Fingerprints of the calls that have no arguments to compare.
 _BARRIER_FP = fingerprint("barrier")
@@ -105,7 +263,7 @@ def _root(
 
 
 # -- collectives ----------------------------------------------------------------------------
-@BACKEND.op("all_reduce")
+@_op("all_reduce")
 def all_reduce(pg: ProcessGroup, tensor: object, op: object) -> Plan:
     """Reduce ``tensor`` across the group in place; see :func:`aiodist.all_reduce`."""
     x = as_array(tensor, writable=True, name="tensor")
@@ -142,7 +300,7 @@ async def _all_reduce_coalesced(comm: OpComm, xs: list[Array], op: ReduceOp) -> 
         offset += x.size
 
 
-@BACKEND.op("broadcast")
+@_op("broadcast")
 def broadcast(pg: ProcessGroup, tensor: object, src: int | None, group_src: int | None) -> Plan:
     """Copy the root's ``tensor`` into every rank's; see :func:`aiodist.broadcast`."""
     root = _root(pg, src, group_src, _SRC)
@@ -151,7 +309,7 @@ def broadcast(pg: ProcessGroup, tensor: object, src: int | None, group_src: int 
     return Plan(collectives.broadcast, (x, root), fp, tensor)
 
 
-@BACKEND.op("reduce")
+@_op("reduce")
 def reduce(
     pg: ProcessGroup, tensor: object, dst: int | None, op: object, group_dst: int | None
 ) -> Plan:
@@ -172,7 +330,7 @@ async def _premul_reduce(comm: OpComm, x: Array, root: int, factor: float) -> No
     await collectives.reduce(comm, scaled, root, ReduceOp.SUM)
 
 
-@BACKEND.op("all_gather")
+@_op("all_gather")
 def all_gather(pg: ProcessGroup, tensor_list: object, tensor: object) -> Plan:
     """Gather every rank's ``tensor`` into ``tensor_list``; see :func:`aiodist.all_gather`."""
     x = as_array(tensor, writable=False, name="tensor")
@@ -183,7 +341,7 @@ def all_gather(pg: ProcessGroup, tensor_list: object, tensor: object) -> Plan:
     return Plan(collectives.all_gather, (outs, x), fp, tensor_list)
 
 
-@BACKEND.op("all_gather_into_tensor")
+@_op("all_gather_into_tensor")
 def all_gather_into_tensor(pg: ProcessGroup, output: object, input: object) -> Plan:
     """Gather every rank's ``input`` into one ``output``; see the public function."""
     x = as_array(input, writable=False, name="input_tensor")
@@ -235,7 +393,7 @@ async def _all_gather_coalesced(
             offset += n
 
 
-@BACKEND.op("gather")
+@_op("gather")
 def gather(
     pg: ProcessGroup,
     tensor: object,
@@ -257,7 +415,7 @@ def gather(
     return Plan(collectives.gather, (outs, x, root), fp, gather_list)
 
 
-@BACKEND.op("scatter")
+@_op("scatter")
 def scatter(
     pg: ProcessGroup,
     tensor: object,
@@ -279,7 +437,7 @@ def scatter(
     return Plan(collectives.scatter, (out, ins, root), fp, tensor)
 
 
-@BACKEND.op("reduce_scatter")
+@_op("reduce_scatter")
 def reduce_scatter(pg: ProcessGroup, output: object, input_list: object, op: object) -> Plan:
     """Reduce ``input_list[i]`` across ranks into rank ``i``'s ``output``."""
     out = as_array(output, writable=True, name="output")
@@ -298,7 +456,7 @@ async def _premul_reduce_scatter(comm: OpComm, out: Array, ins: list[Array], fac
     await collectives.reduce_scatter(comm, out, scaled, ReduceOp.SUM)
 
 
-@BACKEND.op("reduce_scatter_tensor")
+@_op("reduce_scatter_tensor")
 def reduce_scatter_tensor(pg: ProcessGroup, output: object, input: object, op: object) -> Plan:
     """Reduce-scatter one concatenated ``input`` into ``output``; see the public function."""
     out = as_array(output, writable=True, name="output")
@@ -312,7 +470,7 @@ def reduce_scatter_tensor(pg: ProcessGroup, output: object, input: object, op: o
     return Plan(collectives.reduce_scatter, (out.reshape(-1), rows, rop), fp, output)
 
 
-@BACKEND.op("all_to_all")
+@_op("all_to_all")
 def all_to_all(pg: ProcessGroup, output_list: object, input_list: object) -> Plan:
     """Send ``input_list[i]`` to rank ``i``, receive ``output_list[j]`` from rank ``j``."""
     outs = _array_list(output_list, pg.size, "output_tensor_list", writable=True)
@@ -350,7 +508,7 @@ def _split_rows(a: Array, splits: list[int]) -> list[Array]:
     return [a[offsets[i] : offsets[i + 1]] for i in range(len(splits))]
 
 
-@BACKEND.op("all_to_all_single")
+@_op("all_to_all_single")
 def all_to_all_single(
     pg: ProcessGroup,
     output: object,
@@ -374,7 +532,7 @@ def all_to_all_single(
     return Plan(collectives.all_to_all, (outs, ins), fp, output)
 
 
-@BACKEND.op("barrier")
+@_op("barrier")
 def barrier(pg: ProcessGroup) -> Plan:
     """Wait until every rank of the group has called ``barrier``."""
     return Plan(collectives.barrier, (), _BARRIER_FP)

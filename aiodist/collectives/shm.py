@@ -93,9 +93,13 @@ __all__ = [
     "reduce_scatter",
     "reduce_scatter_tensor",
     "scatter",
+    "skip",
 ]
 
 logger = logging.getLogger(__name__)
+
+#: The call record of a rank that rejected its operation (no real fingerprint is all ones).
+REJECTED = b"\xff" * 32
 
 #: Bytes of each of a rank's two slot buffers: the unit of pipelining.
 DEFAULT_BLOCK_BYTES = 1 << 20
@@ -692,6 +696,16 @@ class NodeWorkspace:
         same fingerprint and size), and return every rank's ``(fingerprint, size, flags)``."""
         unpack, buf = _DESC.unpack_from, self._buf
         descs = [unpack(buf, at) for at in self._records[p]]
+        rejected = [j for j, (fp, _, _) in enumerate(descs) if fp == REJECTED]
+        if rejected and len(rejected) < self.size:
+            j = rejected[0]
+            at = j * self._ctrl + _C_REASON
+            reason = bytes(buf[at : at + _REASON_BYTES]).rstrip(b"\0").decode(errors="replace")
+            rejection = DistUsageError(f"rejected by rank {self._names[j]}: {reason}")
+            # Who rejected and why, for the group layer to name the operation.
+            rejection.rejected_by = self._names[j]  # type: ignore[attr-defined]
+            rejection.reason = reason  # type: ignore[attr-defined]
+            self._fail_consistently(rejection)
         fp0, n0, _ = descs[0]
         for j, (fp, nb, _) in enumerate(descs):
             if fp != fp0:
@@ -751,6 +765,13 @@ class NodeWorkspace:
                 self._bells[j].ring()
         if not self._reached(target):
             await self._wait(target)
+
+    def waiting_for(self) -> list[int]:
+        """The group ranks that have not yet arrived where this rank waits (a barrier)."""
+        if not self._busy:
+            return []
+        words = self._words
+        return [j for j in self._peers if words[self._count_w[j]] < self._count]
 
     def _reached(self, target: int) -> bool:
         words = self._words
@@ -823,22 +844,19 @@ class NodeWorkspace:
         state = self._words[self._state_w[j]]
         name = self._names[j]
         if state == _CLOSED:
-            text = f"lost rank {name} of the shared-memory workspace: it closed the workspace"
+            text = f"lost connection to rank {name}: it closed the shared-memory workspace"
         elif state == _ABORTED:
             at = j * self._ctrl + _C_REASON
             reason = (
                 bytes(self._buf[at : at + _REASON_BYTES]).rstrip(b"\0").decode(errors="replace")
             )
             # A peer that failed because a third rank was lost passes on that rank's name.
-            if reason.startswith("lost rank "):
+            if reason.startswith("lost connection to rank "):
                 text = reason
             else:
-                text = f"lost rank {name} of the shared-memory workspace: it failed ({reason})"
+                text = f"lost connection to rank {name}: it aborted: {reason}"
         else:
-            text = (
-                f"lost rank {name} of the shared-memory workspace: its process "
-                f"(pid {self._procs[j].pid}) exited"
-            )
+            text = f"lost connection to rank {name}: its process (pid {self._procs[j].pid}) exited"
         exc = DistNetworkError(text)
         self._error = exc
         waiter = self._waiter
@@ -1458,6 +1476,24 @@ def _rows(a: Array, splits: Sequence[int] | None, n: int) -> list[Array]:
         splits = [a.shape[0] // n] * n
     offsets = np.cumsum([0, *splits])
     return [a[int(offsets[i]) : int(offsets[i + 1])] for i in range(n)]
+
+
+async def skip(ws: NodeWorkspace, reason: str) -> None:
+    """Take this rank's turn for an operation it rejected (its checks failed).
+
+    The peers' rounds of that operation then raise ``DistUsageError("rejected by rank R:
+    <reason>")`` alike, and the workspace stays usable: every rank's sequence of operations
+    still counts the rejected one.
+    """
+    if ws.size == 1:
+        return
+    async with _Turn(ws):
+        text = reason.encode(errors="replace")[: _REASON_BYTES - 1]
+        at = ws.rank * ws._ctrl + _C_REASON
+        ws._buf[at : at + _REASON_BYTES] = text.ljust(_REASON_BYTES, b"\0")
+        p, _ = ws._begin(REJECTED, 0)
+        await ws._sync()
+        ws._check_calls(p)  # raises nothing here: this rank's own record is the rejection
 
 
 async def barrier(ws: NodeWorkspace, *, fingerprint: bytes | None = None) -> None:

@@ -38,14 +38,16 @@ async def run_world(
     backend: str | None = "cpu",
     *,
     timeout: Timeout = 60.0,
-    transport: Literal["tcp", "local"] = "tcp",
+    transport: Literal["tcp", "shm", "local"] = "tcp",
 ) -> list[T]:
     """Run ``await fn(rank, world_size)`` on ``world_size`` ranks as tasks of the running loop.
 
     Each rank is a task with a default process group of its own (the default group lives
     in a :class:`contextvars.ContextVar`): inside ``fn``, ``aiodist.all_reduce(x)`` and
     friends work as they would in a separate process. The ranks meet through one shared
-    :class:`~aiodist.HashStore` and talk over real loopback TCP (``transport="tcp"``) or
+    :class:`~aiodist.HashStore` and talk over real loopback TCP (``transport="tcp"``),
+    shared memory as ranks on one host do (``transport="shm"``: the shared-memory transport
+    and the direct algorithms of :mod:`aiodist.collectives.shm`), or
     the in-process transport (``transport="local"``). Each rank's group is destroyed when
     its ``fn`` returns.
 
@@ -54,7 +56,7 @@ async def run_world(
         world_size: the number of ranks.
         backend: passed to ``init_process_group``.
         timeout: limit for the whole run, also the groups' operation timeout.
-        transport: ``"tcp"`` or ``"local"``.
+        transport: ``"tcp"``, ``"shm"`` or ``"local"``.
 
     Returns:
         The results of ``fn``, indexed by rank.
@@ -73,8 +75,8 @@ async def run_world(
 
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise DistUsageError(f"world_size must be a positive integer, got {world_size!r}")
-    if transport not in ("tcp", "local"):
-        raise DistUsageError(f"transport must be 'tcp' or 'local', got {transport!r}")
+    if transport not in ("tcp", "shm", "local"):
+        raise DistUsageError(f"transport must be 'tcp', 'shm' or 'local', got {transport!r}")
     seconds = to_seconds(timeout, None)
     store = HashStore(timeout=seconds)
     local = LocalTransport.create_world(world_size) if transport == "local" else None
@@ -89,7 +91,12 @@ async def run_world(
                 )
             else:
                 await _api.init_process_group(
-                    backend, store=store, rank=rank, world_size=world_size, timeout=seconds
+                    backend,
+                    store=store,
+                    rank=rank,
+                    world_size=world_size,
+                    timeout=seconds,
+                    shared_memory=None if transport == "shm" else False,
                 )
             try:
                 return await fn(rank, world_size)

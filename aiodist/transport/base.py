@@ -65,12 +65,16 @@ class Transport(abc.ABC):
         world_size: the number of ranks.
         mailbox: where incoming messages meet posted receives; shared with the other
             transports of this rank, if any.
+        local_ranks: the ranks this one shares memory with, itself included.
     """
 
     def __init__(self, rank: int, world_size: int, mailbox: Mailbox | None = None) -> None:
         self.rank = rank
         self.world_size = world_size
         self.mailbox = mailbox if mailbox is not None else Mailbox(rank, world_size)
+        #: The ranks this one shares memory with (itself included): collectives of a
+        #: group within them may run in shared memory directly.
+        self.local_ranks: tuple[int, ...] = (rank,)
 
     @abc.abstractmethod
     def send(self, peer: int, tag: Tag, data: memoryview) -> asyncio.Future[None]:

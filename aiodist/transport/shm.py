@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import logging
 import os
 import struct
@@ -119,18 +120,54 @@ async def find_local_ranks(
 ) -> list[int]:
     """Return the ranks of the world that can share memory with this one (itself included).
 
-    Collective over the whole world: each rank publishes its :func:`host_key` under
-    ``shm/host/<rank>`` and reads everyone's.
+    Collective over the whole world (see :func:`plan_shared_memory`).
 
     Raises:
-        DistTimeoutError: a rank did not publish within ``timeout`` (default: the store's).
+        DistTimeoutError: a rank did not arrive within ``timeout`` (default: the store's).
     """
-    mine = host_key()
-    await store.set(f"shm/host/{rank}", mine)
-    keys = [f"shm/host/{r}" for r in range(world_size)]
-    await store.wait(keys, timeout)
-    values = await store.multi_get(keys)
-    return [r for r, value in enumerate(values) if value.decode() == mine]
+    local, _ = await plan_shared_memory(store, rank, world_size, timeout=timeout)
+    return local
+
+
+async def plan_shared_memory(
+    store: Store,
+    rank: int,
+    world_size: int,
+    *,
+    timeout: Timeout = None,
+    host: str | None = None,
+) -> tuple[list[int], str | None]:
+    """Return the ranks that share this rank's host, and why they cannot share memory.
+
+    Collective over the whole world, in three store requests per rank whatever its size:
+    each rank appends itself to its host's key (marked if shared memory is unavailable to
+    it), passes a store barrier, and reads its host's key. Every rank of a host reads the
+    same list, so they all make the same choice: shared memory only if none refuses.
+
+    ``host`` is this rank's host key (default: :func:`host_key`).
+
+    Returns:
+        ``(local ranks, reason)``: ``reason`` is ``None`` when every local rank can use
+        shared memory, else why one cannot (naming it).
+
+    Raises:
+        DistTimeoutError: a rank did not arrive within ``timeout`` (default: the store's).
+    """
+    mine = host_key() if host is None else host
+    reason = unavailable_reason()
+    key = f"shm/host/{hashlib.sha256(mine.encode()).hexdigest()[:16]}"
+    await store.append(key, f"{rank}{'' if reason is None else '!'},")
+    if reason is not None:
+        await store.set(f"shm/why/{rank}", reason)
+    await store.barrier("shm/hosts", world_size, to_seconds(timeout, store.timeout))
+    entries = [e for e in (await store.get(key)).decode().split(",") if e]
+    local = sorted(int(e.rstrip("!")) for e in entries)
+    refusing = [int(e[:-1]) for e in entries if e.endswith("!")]
+    if not refusing:
+        return local, None
+    if reason is None:
+        reason = (await store.get(f"shm/why/{refusing[0]}")).decode()
+    return local, f"rank {refusing[0]}: {reason}"
 
 
 def _default_ring_bytes(peers: int) -> int:
