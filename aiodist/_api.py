@@ -126,8 +126,8 @@ async def init_process_group(
     ``init_method`` URL for :func:`aiodist.rendezvous.rendezvous` (``None`` means
     ``"env://"``: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``). The ranks then
     publish their transport addresses in the store under a namespace of their own
-    (``aiodist/<group_name>/<generation>/``, the generation counting the times this world
-    size joined under that name), so several jobs or restarts can share one store.
+    (``aiodist/<group_name>/<world_size>/<generation>/``, the generation counting the times
+    this rank joined under that name), so several jobs or restarts can share one store.
 
     The default group is process-wide, as in torch: every task and thread of the process
     sees it (a context made with :func:`aiodist.group.isolate_context` holds its own).
@@ -193,8 +193,10 @@ async def init_process_group(
         owned.append(store)
     try:
         namespace = f"aiodist/{group_name or 'default_pg'}"
-        joined = await store.add(f"{namespace}/joined/{world_size}", 1)
-        prefixed = PrefixStore(f"{namespace}/{world_size}/{(joined - 1) // world_size}", store)
+        # Counted per rank: the n-th join of every rank meets in generation n, however the
+        # ranks restart (all of them, or only the failed one while the others rebuild).
+        joined = await store.add(f"{namespace}/joined/{world_size}/{rank}", 1)
+        prefixed = PrefixStore(f"{namespace}/{world_size}/{joined - 1}", store)
         transport = await _connect(prefixed, rank, world_size, seconds, token, shared_memory)
     except BaseException:
         for s in owned:

@@ -3,8 +3,10 @@ ranks must then still compute a correct all_reduce (checked against numpy).
 
 The frames are mutations of valid ones (lengths set to edge values, bytes flipped, cut
 short, stray bytes), made by a seeded generator so every run sends the same bytes: torch
-wire requests and aiodist frames to the store, fuzzed handshakes and, after a valid
-authenticated handshake as a rank that never started, fuzzed frame streams to each rank.
+wire requests and aiodist frames to the store, and fuzzed handshakes to each rank. None of
+them may harm the job. Last, after a valid authenticated handshake as a rank that never
+started, a corrupted frame stream: that rank is then broken, and so is the world (its
+failure domain), so every rank must fail, naming the corruption.
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ import struct
 from typing import Any
 
 import numpy as np
+import pytest
 import raw_peer
 from fuzz_helpers import TORCH_VALIDATE, exchange, until
 from raw_peer import HANDSHAKE, HEADER
 
 import aiodist
+from aiodist import DistNetworkError, DistProtocolError
 from aiodist.group import ProcessGroup, resolve_group
 from aiodist.store import _wire
 from aiodist.store._wire import TorchOp
@@ -28,6 +32,8 @@ from aiodist.store._wire import TorchOp
 TOKEN = b"live fuzz token"
 PHANTOMS = 10  # ranks that never start: fuzzed peers pose as them
 WORLD = 2 + PHANTOMS
+# Rank 0 names the phantom's stream; rank 1 names rank 0's abort and its cause.
+CORRUPTION = rf"rank {WORLD - 1} sent a (frame header announcing|message of) \d+ bytes"
 EDGES = [0, 1, 5, 255, 2**16, 2**31, 2**32 - 1, 2**40, 2**48, 2**63, 2**64 - 1]
 
 
@@ -148,7 +154,8 @@ class Fuzzer:
     ) -> None:
         _, writer, reply, verified = await raw_peer.connect(address, phantom, target, WORLD, TOKEN)
         assert verified and reply[2] == raw_peer.ACCEPT
-        stream = b"".join(self.peer_frame(gid) for _ in range(n))
+        stream = b"".join(self.peer_frame(gid) for _ in range(n - 1))
+        stream += HEADER.pack(gid, 0, 0, 2**64 - 1)  # at least one unallocatable frame
         at = 0
         # The rank drops the connection at the first malformed header: writes may then fail.
         with contextlib.suppress(ConnectionError):
@@ -178,18 +185,28 @@ async def test_ten_thousand_fuzzed_frames_then_a_correct_all_reduce() -> None:
     loop = asyncio.get_running_loop()
     ready: list[asyncio.Future[dict[str, Any]]] = [loop.create_future(), loop.create_future()]
 
+    fuzzed = asyncio.Event()
+    finished = asyncio.Event()  # the phantom ranks stay until the end
+
     async def rank_fn(rank: int) -> list[np.ndarray]:
         aiodist.group.isolate_context()  # ranks as tasks of one process
         store = await aiodist.TCPStore.create("127.0.0.1", server.port, timeout=10)
+        # Over TCP, whose peer protocol the fuzzer speaks (ranks sharing memory refuse TCP).
         await aiodist.init_process_group(
-            "cpu", store=store, rank=rank, world_size=WORLD, timeout=30, auth_token=TOKEN
+            "cpu",
+            store=store,
+            rank=rank,
+            world_size=WORLD,
+            timeout=30,
+            auth_token=TOKEN,
+            shared_memory=False,
         )
         try:
             # Every rank takes part in making the group; the phantom ranks then only wait:
             # the fuzzer poses as them to ranks 0 and 1, which never heard from them.
             sub = await aiodist.new_group([0, 1])
             if rank >= 2:
-                await go.wait()
+                await finished.wait()
                 return []
             assert isinstance(sub, ProcessGroup)
             warm = np.ones(4)
@@ -206,6 +223,13 @@ async def test_ten_thousand_fuzzed_frames_then_a_correct_all_reduce() -> None:
                 await aiodist.all_reduce(y, group=sub)
                 outs.append(y)
             assert await store.get("guard/key") == b"guard value"
+            fuzzed.set()
+            cause = await sub.wait_aborted()  # the world's: every group of it
+            assert cause is not None
+            # Rank 0 read the corrupted stream; rank 1 lost rank 0, which aborted.
+            expected = DistProtocolError if rank == 0 else DistNetworkError
+            with pytest.raises(expected, match=CORRUPTION):
+                await aiodist.all_reduce(y, group=sub)
             return outs
         finally:
             await aiodist.destroy_process_group()
@@ -223,13 +247,10 @@ async def test_ten_thousand_fuzzed_frames_then_a_correct_all_reduce() -> None:
         info = [f.result() for f in ready]
         clients, waiters = server.num_clients, server.state.waiter_count
         fuzzer = Fuzzer(seed=20261130)
-        await fuzzer.store(server.port, torch=True, frames=3500)
-        await fuzzer.store(server.port, torch=False, frames=3500)
+        await fuzzer.store(server.port, torch=True, frames=4000)
+        await fuzzer.store(server.port, torch=False, frames=4000)
         for target in (0, 1):
-            t = info[target]["transport"]
-            await fuzzer.handshakes(t.address, 500)
-            for phantom in range(2, WORLD):
-                await fuzzer.peer(t.address, target, phantom, info[target]["gid"], 100)
+            await fuzzer.handshakes(info[target]["transport"].address, 1000)
         assert fuzzer.sent == 10_000
         # Every fuzzed connection is gone, the store holds no leftover waiter.
         await until(lambda: server.num_clients == clients, "closing the store's fuzz connections")
@@ -239,9 +260,15 @@ async def test_ten_thousand_fuzzed_frames_then_a_correct_all_reduce() -> None:
             await until(lambda t=t: len(t._live) == 1, "closing the transport's fuzz connections")
             assert t.connected_peers() == [1 - target]
         go.set()
-        results = await asyncio.wait_for(asyncio.gather(*ranks), 30)
+        await asyncio.wait_for(fuzzed.wait(), 30)
+        t = info[0]["transport"]
+        await fuzzer.peer(t.address, 0, WORLD - 1, info[0]["gid"], 100)
+        results = await asyncio.wait_for(asyncio.gather(*ranks[:2]), 30)
+        finished.set()
+        await asyncio.wait_for(asyncio.gather(*ranks[2:]), 30)
     finally:
         go.set()
+        finished.set()
         for task in ranks:
             task.cancel()
         await asyncio.gather(*ranks, return_exceptions=True)

@@ -11,7 +11,9 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 from netns_helpers import IPV4, IPV6, Hosts
 
@@ -28,16 +30,20 @@ _CLEAN_ENV = {
 }
 
 
-def _run_two(hosts: Hosts, mode: str, addr: str) -> list[dict[str, object]]:
+def _run_two(hosts: Hosts, mode: str, addr: str, per_host: int = 1) -> list[dict[str, Any]]:
+    n = 2 * per_host
     procs = [
         subprocess.Popen(
-            [*hosts.prefix(r), sys.executable, str(WORKER), mode, str(r), addr, str(PORT)],
+            [
+                *hosts.prefix(r // per_host),
+                *(sys.executable, str(WORKER), mode, str(r), addr, str(PORT), str(n)),
+            ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
             env=_CLEAN_ENV,
         )
-        for r in range(2)
+        for r in range(n)
     ]
     results = []
     for p in procs:
@@ -55,6 +61,21 @@ def test_two_hosts_need_no_variable(hosts: Hosts, mode: str) -> None:
         assert r["sum"] == [3.0] * 4
     # Each listens on its own address on the link, which is where the store was reached from.
     assert [r["listening"] for r in results] == list(IPV4)
+
+
+@pytest.mark.netns
+def test_two_ranks_per_host_share_memory_and_reach_the_other_host_over_tcp(
+    hosts: Hosts,
+) -> None:
+    results = _run_two(hosts, "mixed", IPV4[0], per_host=2)
+    n = 4
+    for rank, r in enumerate(results):
+        assert r["shared_memory_with"] == ([0, 1] if rank < 2 else [2, 3])
+        assert r["sum"] == (np.arange(6.0) * sum(range(1, n + 1))).tolist()
+        assert r["gathered"] == [[float(k)] * 2 for k in range(n)]
+        assert r["broadcast"] == [float(n - 1)] * 3
+        assert r["all_to_all"] == [rank + 10.0 * k for k in range(n)]
+        assert r["ring"] == [float((rank - 1) % n)] * 2
 
 
 @pytest.mark.netns

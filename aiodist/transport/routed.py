@@ -35,6 +35,7 @@ class RoutedTransport(Transport):
         self.shm = shm
         self.local_ranks = shm.local_ranks
         self._local = frozenset(shm.local_ranks)
+        tcp.reached_elsewhere(self._local)
 
     def __repr__(self) -> str:
         return f"<RoutedTransport shm to {sorted(self._local)}, tcp to the rest: {self.tcp!r}>"

@@ -760,6 +760,8 @@ class TCPTransport(Transport):
         self._poll_misses = 0
         self._poll_skip = 0
         self._peers = [_Peer(r) for r in range(world_size)]
+        # Ranks another transport of this rank reaches: they never connect over TCP.
+        self._elsewhere: frozenset[int] = frozenset()
         self._conns: list[_Conn] = []
         # Connections whose transport exists and has not reported connection_lost yet.
         self._live: set[_Conn] = set()
@@ -1066,11 +1068,23 @@ class TCPTransport(Transport):
             p.waiter = self._loop.create_future()
             p.connecting = self._spawn(self._connect(p, p.waiter))
 
+    def reached_elsewhere(self, peers: Iterable[int]) -> None:
+        """Refuse connections claiming one of ``peers``: another transport reaches them."""
+        self._elsewhere = frozenset(peers)
+
     def _accepts(self, peer: int) -> bool:
         # One connection per pair: if both ranks are connecting, the lower rank's wins;
         # a peer that is already connected, or failed, is refused.
         p = self._peers[peer]
         if self._closed is not None or p.conn is not None or p.error is not None:
+            return False
+        if peer in self._elsewhere:
+            logger.warning(
+                "rank %d refused a TCP connection from a peer claiming rank %d, "
+                "which it reaches through shared memory",
+                self.rank,
+                peer,
+            )
             return False
         return p.connecting is None or peer < self.rank
 
@@ -1114,10 +1128,13 @@ class TCPTransport(Transport):
                     "(its address never appeared in the store, or it did not answer)"
                 ),
             )
-        except (DistNetworkError, DistProtocolError) as exc:
-            self._fail_peer(p, exc)
         except Exception as exc:
-            self._fail_peer(p, lost_peer_error(peer, f"connecting failed: {exc!r}"))
+            # Connected meanwhile through the peer's own connection: this attempt lost the
+            # tie-break (the peer may reset it mid-handshake) and the pair is fine.
+            if p.conn is None:
+                if not isinstance(exc, (DistNetworkError, DistProtocolError)):
+                    exc = lost_peer_error(peer, f"connecting failed: {exc!r}")
+                self._fail_peer(p, exc)
         finally:
             p.connecting = None
 
