@@ -145,6 +145,9 @@ class Sequencer(Protocol):
         and taken when the returned coroutine runs.
         """
 
+    def abort(self, cause: BaseException) -> None:
+        """Fail the turn in progress and every later one with ``cause``; tell the peers."""
+
     async def aclose(self) -> None:
         """Release what the sequencer holds (the group is destroyed)."""
 
@@ -434,7 +437,7 @@ class World:
         self._owned = list(owned)
         hosting = any(getattr(s, "server", None) is not None for s in self._owned)
         self.domain = FailureDomain(
-            store, self.rank, self.size, on_abort=transport.abort, hosting=hosting, timeout=timeout
+            store, self.rank, self.size, on_abort=self._aborted, hosting=hosting, timeout=timeout
         )
         self._next_group_id = 1
         self.groups: dict[int, ProcessGroup] = {}
@@ -461,6 +464,13 @@ class World:
     def abort(self, cause: BaseException) -> None:
         """Make the world unusable because of ``cause``; every rank is told."""
         self.domain.abort(cause)
+
+    def _aborted(self, failure: BaseException) -> None:
+        # The peers learn the cause from whatever they wait on: a sequencer's turn or a message.
+        for group in self.groups.values():
+            if group.sequencer is not None:
+                group.sequencer.abort(failure)
+        self.transport.abort(failure)
 
     @property
     def group_count(self) -> int:

@@ -812,7 +812,8 @@ class Controller:
 
         ``ready`` says whether calls can be made; ``reason`` says why not (the failure
         being recovered from, which names the rank it came from); ``generation`` counts the
-        groups built; ``calls`` and ``failed`` count the calls made and those that raised;
+        groups built; ``world_size`` is the group's (while joining, the one asked for, if
+        given); ``calls`` and ``failed`` count the calls made and those that raised;
         ``in_flight`` the calls running now.
         """
         state, reason = self._now()
@@ -822,7 +823,7 @@ class Controller:
             "state": state,
             "reason": reason,
             "generation": self._generation,
-            "world_size": None if world is None else world.size,
+            "world_size": self._init.get("world_size") if world is None else world.size,
             "calls": self._calls,
             "failed": self._failed,
             "in_flight": self._in_flight,
@@ -836,7 +837,7 @@ class Controller:
         """
         if self._task is not None:
             raise DistUsageError(f"{self!r} was already started")
-        self._set("starting", "joining the process group")
+        self._set("starting", "waiting for every rank to join the process group")
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def wait_ready(self, timeout: Timeout = None) -> Channel:
@@ -889,15 +890,11 @@ class Controller:
     async def _run(self) -> None:
         while True:
             try:
+                # A rank given up front is checked before joining, which waits for every rank.
+                _check_controller_rank(self._init.get("rank"))
                 pg = await _api.init_process_group(**self._init)
                 self._world = pg.world
-                if pg.rank != CONTROLLER_RANK:
-                    raise DistUsageError(
-                        f"the controller must be rank {CONTROLLER_RANK}, but this process is "
-                        f"rank {pg.rank}; the other ranks run run_worker"
-                    )
-                if self._state == "starting":
-                    self._set("starting", "waiting for every rank to join the process group")
+                _check_controller_rank(pg.rank)
                 channel = await Channel.create(pg)
             except DistError as exc:
                 aborted = self._world is not None and self._world.broken is not None
@@ -966,6 +963,22 @@ class Controller:
             self._closed.set()
 
 
+def _check_worker_rank(rank: int | None) -> None:
+    if rank == CONTROLLER_RANK:
+        raise DistUsageError(
+            f"rank {CONTROLLER_RANK} is the controller (it makes calls); "
+            "run_worker runs on the other ranks"
+        )
+
+
+def _check_controller_rank(rank: int | None) -> None:
+    if rank is not None and rank != CONTROLLER_RANK:
+        raise DistUsageError(
+            f"the controller must be rank {CONTROLLER_RANK}, but this process is rank {rank}; "
+            "the other ranks run run_worker"
+        )
+
+
 async def run_worker(handlers: Mapping[str, Handler], *, rebuild: bool = True, **init: Any) -> None:
     """Be a worker of a serving job: join the group and serve calls until the controller closes.
 
@@ -989,6 +1002,7 @@ async def run_worker(handlers: Mapping[str, Handler], *, rebuild: bool = True, *
             joined.
     """
     table = _check_handlers(handlers)
+    _check_worker_rank(init.get("rank"))  # before joining, which waits for every rank
     loop = asyncio.get_running_loop()
     me = asyncio.current_task()
     serving = stopping = False
@@ -1018,11 +1032,7 @@ async def run_worker(handlers: Mapping[str, Handler], *, rebuild: bool = True, *
             pg = await _api.init_process_group(**init)
             world = pg.world
             try:
-                if pg.rank == CONTROLLER_RANK:
-                    raise DistUsageError(
-                        f"rank {CONTROLLER_RANK} is the controller (it makes calls); "
-                        "run_worker runs on the other ranks"
-                    )
+                _check_worker_rank(pg.rank)
                 channel = await Channel.create(pg)
                 serving = True
                 await channel.serve(table)

@@ -34,6 +34,24 @@ async def test_abort_reaches_every_rank_and_wait_aborted_returns_the_cause() -> 
     assert all("the model server is shutting down" in cause for _, cause in results), results
 
 
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+async def test_abort_fails_the_operations_peers_wait_in_naming_the_cause(transport: str) -> None:
+    async def fn(rank: int, size: int) -> str:
+        pg = aiodist.group.resolve_group(None, "test")
+        await aiodist.barrier()
+        if rank == 1:
+            await asyncio.sleep(0.2)  # the others are waiting for rank 1's broadcast
+            pg.abort("the model server is shutting down")
+            return ""
+        with pytest.raises(aiodist.DistNetworkError) as info:
+            await aiodist.broadcast(np.zeros(4), src=1)
+        return str(info.value)
+
+    results = await run_world(fn, 3, transport=transport)  # type: ignore[arg-type]
+    for cause in (results[0], results[2]):
+        assert "the model server is shutting down" in cause, results
+
+
 async def test_wait_aborted_returns_none_when_destroyed() -> None:
     async def fn(rank: int, size: int) -> object:
         pg = aiodist.group.resolve_group(None, "test")
@@ -124,8 +142,12 @@ def _killed_before_talking(rank: int, size: int) -> None:
 @pytest.mark.multiprocess
 def test_a_rank_nobody_talked_to_is_noticed_through_its_store_lease(tmp_path: Path) -> None:
     with pytest.raises(aiodist.testing.WorldProcessError, match="rank 3"):
+        # Over TCP only: ranks sharing memory watch each other's processes directly.
         run_world_processes(
-            _killed_before_talking, 4, timeout=60, env={"HEALTH_DIR": str(tmp_path)}
+            _killed_before_talking,
+            4,
+            timeout=60,
+            env={"HEALTH_DIR": str(tmp_path), "AIODIST_SHM": "0"},
         )
     for rank in (0, 1, 2):
         waited, cause = (tmp_path / f"rank{rank}").read_text().split(" ", 1)

@@ -157,6 +157,11 @@ class _Workspace:
     async def _skip(self, turn: _Turn, reason: str) -> None:
         await shm.skip(await self.enter(turn), reason)
 
+    def abort(self, cause: BaseException) -> None:
+        if self._ready is not None and self._ready.done() and not self._ready.cancelled():
+            if self._ready.exception() is None:
+                self._ready.result().abort(cause)
+
     async def aclose(self) -> None:
         if self._ready is not None and not self._ready.cancelled():
             if self._ready.done() and self._ready.exception() is None:

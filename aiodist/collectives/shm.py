@@ -751,6 +751,8 @@ class NodeWorkspace:
         if time.perf_counter() - self._last_yield >= YIELD_SECONDS:
             await asyncio.sleep(0)
             self._last_yield = time.perf_counter()
+            if self._error is not None:  # aborted meanwhile: the memory is gone
+                raise self._error
 
     # -- barriers ---------------------------------------------------------------------------
 
@@ -812,6 +814,8 @@ class NodeWorkspace:
                     await fut
                 finally:
                     timer.cancel()
+                if self._error is not None:  # woken, then aborted: the memory is gone
+                    raise self._error
                 if self._reached(target):
                     return
                 recheck = min(recheck * 2, _RECHECK_MAX)
