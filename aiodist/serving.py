@@ -90,12 +90,13 @@ Reply = npt.NDArray[Any] | tuple[npt.NDArray[Any], ...] | None
 #: A worker's handler: ``async def handler(*arrays) -> Reply``.
 Handler = Callable[..., Awaitable[Any]]
 
-# A header travels as one fixed-size message (its first bytes: the length of its JSON),
-# and, when the JSON does not fit, a second message with the rest: one message per call
-# for every ordinary header.
-_FIRST = 512
-_LENGTH = struct.Struct("<I")
-_INLINE = _FIRST - _LENGTH.size
+# A header travels as one fixed-size message: the length of its JSON and of the arrays'
+# bytes carried with it, the JSON, then the arrays when they fit (a small request or reply
+# is then one message). JSON that does not fit goes on in a second message, and arrays that
+# do not fit follow as messages of their own.
+_FIRST = 4096
+_PREFIX = struct.Struct("<II")
+_ROOM = _FIRST - _PREFIX.size
 _MAX_HEADER = 1 << 20
 _MAX_ARRAYS = 256
 _MAX_NAME = 256
@@ -145,28 +146,48 @@ class Unavailable(DistError):
 
 
 # -- the wire format ---------------------------------------------------------------------------
-def _encode(message: Mapping[str, Any]) -> list[npt.NDArray[np.uint8]]:
-    """``message`` as JSON in one fixed-size message, plus a second when it does not fit."""
+def _encode(
+    message: Mapping[str, Any], arrays: Sequence[npt.NDArray[Any]] = ()
+) -> tuple[list[npt.NDArray[Any]], bool]:
+    """The messages that carry ``message`` and ``arrays``, and whether the arrays are inside.
+
+    The arrays travel inside the first message when they fit; otherwise they are among the
+    messages returned, after the header's.
+    """
     data = json.dumps(message, separators=(",", ":")).encode()
+    size = sum(a.nbytes for a in arrays)
+    inline = bool(arrays) and len(data) + size <= _ROOM
     first = np.zeros(_FIRST, np.uint8)
-    head = _LENGTH.pack(len(data)) + data[:_INLINE]
+    head = _PREFIX.pack(len(data), size if inline else 0) + data[:_ROOM]
     first[: len(head)] = np.frombuffer(head, np.uint8)
-    if len(data) <= _INLINE:
-        return [first]
-    return [first, np.frombuffer(data[_INLINE:], np.uint8)]
+    if inline:
+        at = len(head)
+        for a in arrays:
+            first[at : at + a.nbytes] = a.reshape(-1).view(np.uint8)
+            at += a.nbytes
+        return [first], True
+    parts: list[npt.NDArray[Any]] = [first]
+    if len(data) > _ROOM:
+        parts.append(np.frombuffer(data[_ROOM:], np.uint8))
+    return [*parts, *arrays], False
 
 
 def _overflow(first: npt.NDArray[np.uint8]) -> int:
-    """How many bytes of the header follow ``first`` in a second message."""
-    (length,) = _LENGTH.unpack(first[: _LENGTH.size].tobytes())
-    if length > _MAX_HEADER:
-        raise DistProtocolError(f"serving header of {length} bytes (at most {_MAX_HEADER})")
-    return max(0, int(length) - _INLINE)
+    """How many bytes of the header's JSON follow ``first`` in a second message."""
+    length, carried = _PREFIX.unpack(first[: _PREFIX.size].tobytes())
+    if length > _MAX_HEADER or (carried and _PREFIX.size + length + carried > _FIRST):
+        raise DistProtocolError(
+            f"serving header of {length} bytes carrying {carried} bytes of arrays"
+        )
+    return max(0, int(length) - _ROOM)
 
 
-def _decode(first: npt.NDArray[np.uint8], rest: npt.NDArray[np.uint8] | None) -> dict[str, Any]:
-    (length,) = _LENGTH.unpack(first[: _LENGTH.size].tobytes())
-    data = first[_LENGTH.size : _LENGTH.size + min(int(length), _INLINE)].tobytes()
+def _decode(
+    first: npt.NDArray[np.uint8], rest: npt.NDArray[np.uint8] | None
+) -> tuple[dict[str, Any], npt.NDArray[np.uint8] | None]:
+    """The header's message, and the bytes of the arrays it carries (``None`` if none)."""
+    length, carried = _PREFIX.unpack(first[: _PREFIX.size].tobytes())
+    data = first[_PREFIX.size : _PREFIX.size + min(int(length), _ROOM)].tobytes()
     if rest is not None:
         data += rest.tobytes()
     try:
@@ -175,7 +196,22 @@ def _decode(first: npt.NDArray[np.uint8], rest: npt.NDArray[np.uint8] | None) ->
         raise DistProtocolError(f"serving header is not JSON: {exc}") from exc
     if not isinstance(message, dict):
         raise DistProtocolError(f"serving header is not an object: {message!r}")
-    return message
+    if not carried:
+        return message, None
+    start = _PREFIX.size + int(length)
+    return message, first[start : start + int(carried)]
+
+
+def _unpack(carried: npt.NDArray[np.uint8], specs: Sequence[Any]) -> list[npt.NDArray[Any]]:
+    """New arrays for ``specs``, filled from the bytes a header carried."""
+    arrays = [_empty(s) for s in specs]
+    if sum(a.nbytes for a in arrays) != len(carried):
+        raise DistProtocolError(f"serving header carries {len(carried)} bytes for {specs!r}")
+    at = 0
+    for a in arrays:
+        a.reshape(-1).view(np.uint8)[:] = carried[at : at + a.nbytes]
+        at += a.nbytes
+    return arrays
 
 
 def _dtype_code(dtype: np.dtype[Any]) -> str:
@@ -468,9 +504,10 @@ class Channel:
         self.calls += 1
         self.group.check_usable("call")
         header = {**header, "id": tag, "seq": self._seq}
+        parts, _ = _encode(header, payload)
         sent = [
             _api.broadcast(part, src=CONTROLLER_RANK, group=pg, timeout=self._left(deadline))
-            for part in (*_encode(header), *payload)
+            for part in parts
         ]
         firsts = [np.empty(_FIRST, np.uint8) for _ in self.worker_ranks]
         works = [
@@ -515,7 +552,7 @@ class Channel:
         if extra:
             rest = np.empty(extra, np.uint8)
             await _api.recv(rest, src=rank, group=pg, tag=tag, timeout=self._left(deadline))
-        message = _decode(first, rest)
+        message, carried = _decode(first, rest)
         try:
             ok, seq = bool(message["ok"]), int(message["seq"])
             if not ok:
@@ -523,14 +560,17 @@ class Channel:
             kind, specs = message["kind"], message["arrays"]
         except (KeyError, TypeError, ValueError) as exc:
             raise DistProtocolError(f"bad serving reply from rank {rank}: {message!r}") from exc
-        arrays = [_empty(s) for s in specs]
-        if arrays:
-            await asyncio.gather(
-                *(
-                    _api.recv(a, src=rank, group=pg, tag=tag, timeout=self._left(deadline))
-                    for a in arrays
+        if carried is not None:
+            arrays = _unpack(carried, specs)
+        else:
+            arrays = [_empty(s) for s in specs]
+            if arrays:
+                await asyncio.gather(
+                    *(
+                        _api.recv(a, src=rank, group=pg, tag=tag, timeout=self._left(deadline))
+                        for a in arrays
+                    )
                 )
-            )
         if kind == "none":
             return _Reply(True, seq)
         if kind == "array" and len(arrays) == 1:
@@ -597,7 +637,7 @@ class Channel:
             await asyncio.gather(
                 *(
                     _api.broadcast(part, src=CONTROLLER_RANK, group=self.group, timeout=seconds)
-                    for part in _encode(header)
+                    for part in _encode(header)[0]
                 )
             )
         finally:
@@ -631,7 +671,7 @@ class Channel:
         table = _check_handlers(handlers)
         pg = self.group
         while True:
-            message = await self._next_header()
+            message, carried = await self._next_header()
             try:
                 op, seq = message["op"], int(message["seq"])
                 if op == "call":
@@ -647,20 +687,21 @@ class Channel:
                 return
             if op != "call":
                 raise DistProtocolError(f"bad serving header: {message!r}")
-            arrays = [_empty(s) for s in specs]
-            if arrays:
-                await asyncio.gather(
-                    *(_api.broadcast(a, src=CONTROLLER_RANK, group=pg) for a in arrays)
-                )
+            if carried is not None:
+                arrays = _unpack(carried, specs)
+            else:
+                arrays = [_empty(s) for s in specs]
+                if arrays:
+                    await asyncio.gather(
+                        *(_api.broadcast(a, src=CONTROLLER_RANK, group=pg) for a in arrays)
+                    )
             reply, out = await self._run(table, name, arrays)
+            parts, _ = _encode(reply, out)
             await asyncio.gather(
-                *(
-                    _api.send(part, dst=CONTROLLER_RANK, group=pg, tag=tag)
-                    for part in (*_encode(reply), *out)
-                )
+                *(_api.send(part, dst=CONTROLLER_RANK, group=pg, tag=tag) for part in parts)
             )
 
-    async def _next_header(self) -> dict[str, Any]:
+    async def _next_header(self) -> tuple[dict[str, Any], npt.NDArray[np.uint8] | None]:
         pg = self.group
         first = np.empty(_FIRST, np.uint8)
         # A worker waits for the next call as long as it takes: no deadline.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import json
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -187,8 +188,9 @@ async def test_replies_are_what_each_handler_returned() -> None:
 
 
 async def test_headers_longer_than_one_message_and_large_arrays() -> None:
-    # 60 arrays make a header of about 1 KiB: it travels in two messages.
-    arrays = [np.full((i % 7 + 1, 3), i, np.float32) for i in range(60)]
+    # 250 arrays of eight dimensions make headers (the call's and the replies') of about
+    # 7 KiB, which go on in a second message; the arrays then travel on their own.
+    arrays = [np.full((1, 1, 1, 1, 1, 1, 1, i % 7 + 1), i, np.float32) for i in range(250)]
     big = np.random.default_rng(4).standard_normal(1 << 18)  # 2 MiB
     name = "echo"
 
@@ -197,11 +199,33 @@ async def test_headers_longer_than_one_message_and_large_arrays() -> None:
 
     many, large = (await run_world(lambda r, n: serve_or_call(r, n, controller), 3))[0]
     for reply in many:
-        assert len(reply) == 60
+        assert len(reply) == 250
         for sent, back in zip(arrays, reply, strict=True):
             np.testing.assert_array_equal(back, sent)
     for (back,) in large:
         np.testing.assert_array_equal(back, big)
+
+
+@pytest.mark.parametrize("over", [-1, 0, 1])
+def test_arrays_travel_inside_the_header_exactly_when_they_fit(over: int) -> None:
+    message = {"op": "call", "arrays": [["|u1", [0]]]}
+    room = serving._ROOM - len(json.dumps(message, separators=(",", ":")))
+    a = np.arange(room + over, dtype=np.uint8)
+    message["arrays"] = [["|u1", [len(a)]]]
+    room = serving._ROOM - len(json.dumps(message, separators=(",", ":")))
+    parts, inside = serving._encode(message, [a])
+    assert inside == (len(a) <= room)
+    assert parts[0].shape == (serving._FIRST,)
+    assert serving._overflow(parts[0]) == 0
+    decoded, carried = serving._decode(parts[0], None)
+    assert decoded == message
+    if inside:
+        assert len(parts) == 1 and carried is not None
+        (back,) = serving._unpack(carried, decoded["arrays"])
+    else:
+        assert carried is None and len(parts) == 2
+        back = parts[1]
+    np.testing.assert_array_equal(back, a)
 
 
 async def test_concurrent_calls_from_many_tasks_do_not_interleave() -> None:
