@@ -10,10 +10,11 @@ passes between them::
     # ranks 1.., once
     await channel.serve({"forward": forward})  # returns when the controller closes
 
-A call broadcasts a header (the handler's name, the arrays' shapes and dtypes) and then the
-arrays from the controller; every worker runs its handler, ``async def handler(*arrays)``,
-on them; each worker's reply (an array, a tuple of arrays, or ``None``) comes back to the
-controller point to point. ``call`` returns the replies as a list in worker order
+A call broadcasts a header (the handler's name, the arrays' shapes and dtypes) with the
+arrays from the controller (inside the header's message when they fit in it, after it
+otherwise); every worker runs its handler, ``async def handler(*arrays)``, on them; each
+worker's reply (an array, a tuple of arrays, or ``None``) comes back to the controller
+point to point, the same way. ``call`` returns the replies as a list in worker order
 (``replies[i]`` is from rank ``i + 1``), each as its handler returned it.
 
 Inside a handler, :func:`worker_group` is the group of the workers (every rank but the
@@ -26,8 +27,8 @@ controller), for the collectives of a sharded model::
         await aiodist.all_gather_into_tensor(hidden, h, group=group)
         return np.concatenate(hidden, axis=1) @ w2_shard
 
-Calls from many tasks are safe: each call holds the group's :meth:`ProcessGroup.ordered`
-lock from its header to its last reply, so the workers run calls one after another, in the
+Calls from many tasks are safe: each call holds the group's
+:meth:`~aiodist.ProcessGroup.ordered` lock from its header to its last reply, so the workers run calls one after another, in the
 order the controller's tasks asked. A handler that raises fails its call only: the
 controller raises :class:`RemoteError` naming the rank and the exception, and the next call
 works. (The failing worker rejects the worker-group collective its peers may be waiting for,
