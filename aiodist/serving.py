@@ -219,7 +219,10 @@ def _dtype_code(dtype: np.dtype[Any]) -> str:
     return "bfloat16" if dtype.name == "bfloat16" else dtype.str
 
 
-def _spec(a: npt.NDArray[Any]) -> list[Any]:
+def _spec(a: npt.NDArray[Any], what: str) -> list[Any]:
+    """The ``[dtype, shape]`` of ``a`` for a header (at most 32 dimensions keep it bounded)."""
+    if a.ndim > _MAX_NDIM:
+        raise DistUsageError(f"{what}: an array of {a.ndim} dimensions (at most {_MAX_NDIM})")
     return [_dtype_code(a.dtype), list(a.shape)]
 
 
@@ -458,16 +461,21 @@ class Channel:
         if self._closed:
             raise DistUsageError("call: the channel is closed")
         _check_name(name, "call")
-        seconds = to_seconds(timeout, None)
+        try:
+            seconds = to_seconds(timeout, None)
+        except DistUsageError as exc:
+            raise DistUsageError(f"call {name!r}: {exc}") from None
         if len(arrays) > _MAX_ARRAYS:
             raise DistUsageError(f"call {name!r}: {len(arrays)} arrays (at most {_MAX_ARRAYS})")
         payload = [
             as_array(a, writable=False, name=f"call {name!r}: argument {i}")
             for i, a in enumerate(arrays)
         ]
-        header = {"op": "call", "name": name, "arrays": [_spec(a) for a in payload]}
-        if len(json.dumps(header)) > _MAX_HEADER // 2:
-            raise DistUsageError(f"call {name!r}: the arrays' shapes make a header too large")
+        header = {
+            "op": "call",
+            "name": name,
+            "arrays": [_spec(a, f"call {name!r}") for a in payload],
+        }
         self.group.check_usable("call")
         loop = asyncio.get_running_loop()
         deadline = None if seconds is None else loop.time() + seconds
@@ -727,6 +735,7 @@ class Channel:
             try:
                 value = await handler(*arrays)
                 kind, out = _outgoing(value, name)
+                specs = [_spec(a, f"handler {name!r} returned") for a in out]
             except Exception as exc:
                 # The world failed under the handler: serving cannot go on.
                 self.group.check_usable("serve")
@@ -742,7 +751,7 @@ class Channel:
         return {
             "ok": True,
             "kind": kind,
-            "arrays": [_spec(a) for a in out],
+            "arrays": specs,
             "seq": self._worker_seq(),
         }, out
 

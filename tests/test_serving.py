@@ -102,6 +102,10 @@ async def bad_reply() -> list[int]:
     return [1, 2]
 
 
+async def deep_reply() -> np.ndarray:
+    return np.zeros((1,) * 33)
+
+
 async def slow(seconds: np.ndarray) -> np.ndarray:
     """The last worker sleeps, the others answer at once."""
     group = serving.worker_group()
@@ -121,6 +125,7 @@ HANDLERS: dict[str, Callable[..., Awaitable[Any]]] = {
     "fail_between": fail_between,
     "fail_alone": fail_alone,
     "bad_reply": bad_reply,
+    "deep_reply": deep_reply,
     "slow": slow,
 }
 
@@ -286,17 +291,22 @@ async def test_a_handler_that_raises_fails_its_call_only(size: int) -> None:
 
 
 async def test_a_reply_that_is_not_arrays_fails_the_call() -> None:
-    async def controller(channel: Channel) -> str:
-        with pytest.raises(RemoteError) as info:
-            await channel.call("bad_reply")
-        (await channel.call("echo", np.ones(2)))[0][0].tolist()
-        return str(info.value)
+    async def controller(channel: Channel) -> list[str]:
+        texts = []
+        for name in ("bad_reply", "deep_reply"):
+            with pytest.raises(RemoteError) as info:
+                await channel.call(name)
+            texts.append(str(info.value))
+            assert (await channel.call("echo", np.ones(2)))[0][0].tolist() == [1.0, 1.0]
+        return texts
 
-    text = (await run_world(lambda r, n: serve_or_call(r, n, controller), 2))[0]
-    assert text == (
+    texts = (await run_world(lambda r, n: serve_or_call(r, n, controller), 2))[0]
+    assert texts == [
         "call 'bad_reply' failed on rank 1: DistUsageError: handler 'bad_reply' returned "
-        "list; a handler returns an array, a tuple of arrays, or None"
-    )
+        "list; a handler returns an array, a tuple of arrays, or None",
+        "call 'deep_reply' failed on rank 1: DistUsageError: handler 'deep_reply' returned: "
+        "an array of 33 dimensions (at most 32)",
+    ]
 
 
 async def test_usage_errors_reject_the_call_and_send_nothing() -> None:
@@ -308,6 +318,7 @@ async def test_usage_errors_reject_the_call_and_send_nothing() -> None:
             ("echo", ([1.0, 2.0],), {}),
             ("echo", (np.array(["a"]),), {}),
             ("echo", (np.ones(2), np.array([object()])), {}),
+            ("echo", (np.zeros((1,) * 33),), {}),
             ("echo", (), {"timeout": -1}),
             ("echo", (), {"timeout": "soon"}),
         ]
@@ -346,8 +357,9 @@ async def test_usage_errors_reject_the_call_and_send_nothing() -> None:
     )
     assert errors[3].startswith("call 'echo': argument 0 has unsupported dtype <U1")
     assert errors[4].startswith("call 'echo': argument 1 has unsupported dtype object")
-    assert errors[5] == "timeout must not be negative, got -1.0 s"
-    assert errors[6] == "timeout must be seconds or a datetime.timedelta, got str"
+    assert errors[5] == "call 'echo': an array of 33 dimensions (at most 32)"
+    assert errors[6] == "call 'echo': timeout must not be negative, got -1.0 s"
+    assert errors[7] == "call 'echo': timeout must be seconds or a datetime.timedelta, got str"
 
 
 async def test_calls_after_close_raise_and_close_waits_for_calls_in_flight() -> None:
