@@ -60,6 +60,7 @@ import importlib.util
 import json
 import os
 import pickle
+import shlex
 import shutil
 import signal
 import socket
@@ -663,7 +664,8 @@ def mpi_available() -> tuple[bool, str]:
     )
     if probe.returncode != 0:
         return False, f"mpi4py cannot load MPI: {probe.stderr.strip().splitlines()[-1:]}"
-    return True, probe.stdout.strip().splitlines()[0]
+    # "Open MPI v4.1.4, package: ..." (NUL-padded by some builds): the name and version.
+    return True, probe.stdout.replace("\0", "").strip().splitlines()[0].split(",")[0]
 
 
 def run_world(n: int, args: argparse.Namespace, use_mpi: bool) -> dict[str, Any]:
@@ -993,12 +995,17 @@ def main() -> None:
     if not use_mpi:
         print(f"MPI skipped: {mpi_note}", flush=True)
     commit = subprocess.run(
-        ["git", "-C", str(ROOT), "log", "-1", "--format=%h %s"], capture_output=True, text=True
-    ).stdout.strip()[:90]
+        ["git", "-C", str(ROOT), "log", "-1", "--format=%h"], capture_output=True, text=True
+    ).stdout.strip()
+    changed = subprocess.run(
+        ["git", "-C", str(ROOT), "status", "--porcelain", "aiodist"], capture_output=True, text=True
+    ).stdout.split("\n")
+    if any(changed):
+        commit += f" with uncommitted changes to {sum(1 for c in changed if c)} files of aiodist/"
     load_before = os.getloadavg()[0]
     limits = memory_limits()
     limits["loopback TCP, one direction"] = tcp_limit()
-    command = "python bench/compare.py" + "".join(f" {a}" for a in sys.argv[1:])
+    command = shlex.join(["python", "bench/compare.py", *sys.argv[1:]])
     head = [
         "# aiodist, torch gloo and MPI side by side (`bench/compare.py`)",
         "",
