@@ -259,6 +259,7 @@ async def main() -> None:
     concurrency = [int(c) for c in args.concurrency.split(",")]
     clients = {"aiohttp": "aiohttp", "fastapi": "httpx"}
     names, loops = args.examples.split(","), args.loops.split(",")
+    args.load_before = os.getloadavg()[0]
 
     # The loops take turns, so that load from elsewhere on the machine falls on both.
     loads: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
@@ -299,6 +300,7 @@ async def main() -> None:
                 },
             )
         )
+    args.load_after = os.getloadavg()[0]
     text = report(args, load_rows, stall_rows, fault_rows)
     print(text)
     if args.out:
@@ -318,7 +320,9 @@ def report(
         f"{platform.python_version()}): the examples under `aiodist-run --standalone "
         "--nproc-per-node=3` (rank 0 serves HTTP, ranks 1 and 2 hold the shards), the client "
         "in the benchmark's process (aiohttp, uvloop), all on one machine over loopback. "
-        f"Each request is a {BATCH} x 16 float32 batch; every answer is checked against numpy.",
+        f"Each request is a {BATCH} x 16 float32 batch; every answer is checked against numpy. "
+        "The machine's load average (other work included) was "
+        f"{args.load_before:.1f} at the start and {args.load_after:.1f} at the end.",
         "",
         f"## Load ({args.requests} requests per row)",
         "",
