@@ -239,7 +239,7 @@ async def run_job(
             url = f"http://127.0.0.1:{port}/predict"
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64)) as session:
                 await load(session, url, weights, 200, 8)  # warm up
-                for c in concurrency:
+                for c in concurrency if args.requests else []:
                     cells[c] = await load(session, url, weights, args.requests, c)
             stalled = await stall(job, port, weights, args.stall)
     return cells, stalled
@@ -247,7 +247,9 @@ async def run_job(
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=1000, help="requests per load cell")
+    parser.add_argument(
+        "--requests", type=int, default=1000, help="requests per load cell (0: no load cells)"
+    )
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--examples", default="aiohttp,fastapi")
     parser.add_argument("--loops", default="uvloop,asyncio")
@@ -323,20 +325,28 @@ def report(
         f"Each request is a {BATCH} x 16 float32 batch; every answer is checked against numpy. "
         "The machine's load average (other work included) was "
         f"{args.load_before:.1f} at the start and {args.load_after:.1f} at the end.",
-        "",
-        f"## Load ({args.requests} requests per row)",
-        "",
-        f"Median of {args.repeat} jobs per server and loop (the loops took turns).",
-        "",
-        "| server | loop | concurrency | requests/s | p50 (ms) | p99 (ms) | wrong answers |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
+    if load_rows:
+        lines += [
+            "",
+            f"## Load ({args.requests} requests per row)",
+            "",
+            f"Median of {args.repeat} jobs per server and loop (the loops took turns).",
+            "",
+            "| server | loop | concurrency | requests/s | p50 (ms) | p99 (ms) | wrong answers |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        ]
     for name, loop, c, row in load_rows:
         lines.append(
             f"| {name} | {loop} | {c} | {row['rps']:.0f} | {ms(row['p50'])} | "
             f"{ms(row['p99'])} | {row['wrong']} |"
         )
-    lines += ["", "Standard loop against uvloop, p50 at concurrency 8 (target: at most 1.3x):", ""]
+    if load_rows:
+        lines += [
+            "",
+            "Standard loop against uvloop, p50 at concurrency 8 (target: at most 1.3x):",
+            "",
+        ]
     for name in dict.fromkeys(r[0] for r in load_rows):
         p50 = {loop: row["p50"] for n, loop, c, row in load_rows if n == name and c == 8}
         if "uvloop" in p50 and "asyncio" in p50:
