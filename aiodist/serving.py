@@ -1000,16 +1000,22 @@ class Controller:
         channel = self._channel if self._state == "ready" else None
         self._set("closing", "shutting down")
         try:
+            why = "the controller shut down before every rank had joined"
             if channel is not None:
                 try:
                     await channel.close(self._drain_timeout)
+                    why = ""
                 except DistTimeoutError as exc:
-                    channel.group.abort(f"the controller shut down: {exc}")
+                    why = f"the controller shut down: {exc}"
                 except DistError as exc:
                     logger.warning("serving controller: closing the channel: %s", exc)
             if self._task is not None:
                 self._task.cancel()
                 await asyncio.gather(self._task, return_exceptions=True)
+            world = self._world
+            if why and world is not None and world.broken is None:
+                # Workers not told to stop would wait for calls forever: tell them why.
+                world.default_group.abort(why)
             await self._drop_world()
         finally:
             self._channel = None
@@ -1042,21 +1048,26 @@ async def run_worker(handlers: Mapping[str, Handler], *, rebuild: bool = True, *
     table = _check_handlers(handlers)
     loop = asyncio.get_running_loop()
     me = asyncio.current_task()
-    serving = stopping = False
+    # "joining" a group, "serving" calls, or "leaving" (serve returned: the process ends).
+    phase = "joining"
+    stopping = ""  # the signal that asked this worker to stop
 
     def on_signal(signum: int) -> None:
         nonlocal stopping
-        if stopping or not serving:
-            logger.warning("worker: %s: stopping", signal.Signals(signum).name)
-            stopping = True
-            if me is not None:
-                me.cancel()
+        name = signal.Signals(signum).name
+        if phase == "leaving":
+            return  # already on the way out
+        if phase == "serving" and not stopping:
+            stopping = name
+            logger.warning(
+                "worker: %s: serving until the controller closes the channel (again to stop now)",
+                name,
+            )
             return
-        stopping = True
-        logger.warning(
-            "worker: %s: serving until the controller closes the channel (again to stop now)",
-            signal.Signals(signum).name,
-        )
+        logger.warning("worker: %s: stopping", name)
+        stopping = name
+        if me is not None:
+            me.cancel()
 
     installed = []
     if threading.current_thread() is threading.main_thread():
@@ -1066,6 +1077,7 @@ async def run_worker(handlers: Mapping[str, Handler], *, rebuild: bool = True, *
                 installed.append(signum)
     try:
         while True:
+            phase = "joining"
             pg = await _api.init_process_group(**init)
             world = pg.world
             try:
@@ -1075,11 +1087,13 @@ async def run_worker(handlers: Mapping[str, Handler], *, rebuild: bool = True, *
                         "run_worker runs on the other ranks"
                     )
                 channel = await Channel.create(pg)
-                serving = True
+                phase = "serving"
                 await channel.serve(table)
+                phase = "leaving"
                 return
             except DistError as exc:
                 if stopping:
+                    phase = "leaving"
                     return
                 if not (rebuild and pg.is_aborted()):
                     raise
@@ -1087,7 +1101,11 @@ async def run_worker(handlers: Mapping[str, Handler], *, rebuild: bool = True, *
                     "rank %d: the process group failed (%s); joining a new one", pg.rank, exc
                 )
             finally:
-                serving = False
+                if phase != "leaving" and not pg.is_aborted():
+                    # Leaving a group whose controller still counts on this worker is a
+                    # failure: the others must hear of it now, not at their next call.
+                    why = f"{stopping} stopped it" if stopping else "it stopped serving"
+                    pg.abort(f"worker rank {pg.rank} left: {why}")
                 await _destroy(world)
     except asyncio.CancelledError:
         if not stopping:

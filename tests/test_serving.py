@@ -551,3 +551,22 @@ async def test_a_controller_on_another_rank_fails_with_the_reason() -> None:
         await asyncio.create_task(
             serving.run_worker(HANDLERS, store=store, rank=0, world_size=2), context=isolated()
         )
+
+
+async def test_a_controller_closed_before_every_rank_joined_tells_the_workers() -> None:
+    store = aiodist.HashStore()
+    controller = Controller(store=store, rank=0, world_size=3, timeout=30)
+    await start_in(isolated(), controller)
+    worker = start_workers(store, 3)[0]  # rank 2 never comes
+    joined = "aiodist/default_pg/joined/3"
+    while await store.add(joined, 0) < 2:
+        await asyncio.sleep(0.01)
+    await controller.aclose()
+    # Rank 1 hears that the world was aborted and joins the next one.
+    async with asyncio.timeout(10):
+        while await store.add(joined, 0) < 3:
+            await asyncio.sleep(0.01)
+    assert not worker.done()
+    worker.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await worker
