@@ -58,7 +58,7 @@ import struct
 import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -68,6 +68,7 @@ from ._arrays import as_array
 from ._timeouts import Timeout, to_seconds
 from .errors import DistError, DistProtocolError, DistTimeoutError, DistUsageError
 from .group import NonGroupMember, Plan, ProcessGroup, World
+from .store import PrefixStore, Store
 
 __all__ = [
     "CONTROLLER_RANK",
@@ -82,6 +83,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: The rank that makes calls; every other rank is a worker.
 CONTROLLER_RANK = 0
@@ -321,19 +324,71 @@ def _refuse(pg: ProcessGroup, name: str, args: tuple[Any, ...]) -> Plan:
     raise DistUsageError(str(args[0]))
 
 
+def _joins(world: World) -> tuple[Store, str, int] | None:
+    """Where ``init_process_group`` counts the joins of this world size, and this generation.
+
+    A world's keys live under ``aiodist/<group name>/<world size>/<generation>/`` and the
+    joins are counted in ``aiodist/<group name>/joined/<world size>`` (the generation is
+    the count's quotient by the world size). ``None`` for a store laid out otherwise.
+    """
+    store = world.store
+    if not isinstance(store, PrefixStore):
+        return None
+    parts = store.prefix.rstrip("/").split("/")
+    if len(parts) < 4 or parts[0] != "aiodist" or parts[-2] != str(world.size):
+        return None
+    if not parts[-1].isdigit():
+        return None
+    namespace = "/".join(parts[:-2])
+    return store.underlying_store, f"{namespace}/joined/{world.size}", int(parts[-1])
+
+
+async def _watching(pg: ProcessGroup, step: Awaitable[T]) -> T:
+    """Await ``step`` of making a channel while watching ``pg``'s world.
+
+    Raises:
+        DistError: the world was aborted meanwhile, or it can never be complete (a rank
+            that should be in it joined a later generation); the world is then aborted, so
+            that its other ranks move on too.
+    """
+    task = asyncio.ensure_future(step)
+    joins = _joins(pg.world)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=_JOIN_POLL)
+            if done:
+                return task.result()
+            pg.check_usable("Channel.create")
+            if joins is None:
+                continue
+            # A rank that joined this generation and died before the others came (or a rank
+            # restarted before the survivors had moved on) shifts every later join by one:
+            # a rank this generation waits for lands in the next. Once the count has passed
+            # this generation, nobody else can join it, so it is given up for the next.
+            base, counter, generation = joins
+            if await base.add(counter, 0) > (generation + 1) * pg.size:
+                pg.abort(
+                    f"generation {generation} of the process group can never be complete: a "
+                    "rank it waits for joined a later one (a rank restarted while it formed)"
+                )
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
 async def _join(pg: ProcessGroup) -> None:
     """Wait, without a deadline, until every rank of ``pg``'s world has reached this point.
 
     A restarted worker may take a while to come back; waiting through the store (instead of
     a collective with a deadline) keeps every rank joining each generation exactly once.
     """
-    world = pg.world
-    keys = [f"serving/joined/{r}" for r in range(world.size)]
-    await world.store.set(keys[world.rank], b"1")
+    store = pg.world.store
+    keys = [f"serving/joined/{r}" for r in range(pg.size)]
+    await store.set(keys[pg.rank], b"1")
     while True:
-        pg.check_usable("Channel.create")
         try:
-            await world.store.wait(keys, _JOIN_POLL)
+            await store.wait(keys, _JOIN_POLL * 60)
         except DistTimeoutError:
             continue
         return
@@ -414,13 +469,18 @@ class Channel:
             )
         if world.size < 2:
             raise DistUsageError("Channel.create: a channel needs a world of two or more ranks")
-        await _join(pg)
-        workers = await _group.new_group(
-            world,
-            [r for r in range(world.size) if r != CONTROLLER_RANK],
-            backend=world.backend,
-            backends=dict(world.backends),
-            timeout=world.timeout,
+        await _watching(pg, _join(pg))
+        # A rank that joined and died before voting must not hold the others for the
+        # group's timeout: the vote is watched like the join.
+        workers = await _watching(
+            pg,
+            _group.new_group(
+                world,
+                [r for r in range(world.size) if r != CONTROLLER_RANK],
+                backend=world.backend,
+                backends=dict(world.backends),
+                timeout=world.timeout,
+            ),
         )
         return cls(pg, workers)
 
