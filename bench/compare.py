@@ -744,13 +744,14 @@ def op_table(name: str, n: int, w: dict[str, Any], libs: list[str]) -> list[str]
     shown = [lib for lib in libs if any(k[0] == name and k[2] == lib for k in w["times"])]
     head = ["size", "count"]
     for lib in shown:
-        head += [f"{lib} time", f"{lib} busbw"] if name != "barrier" else [f"{lib} time"]
+        short = "MPI" if lib == "mpi" else lib
+        head += [f"{short} time", f"{short} busbw"] if name != "barrier" else [f"{short} time"]
     ratios = [
         (a, b)
         for a, b in (("aiodist", "gloo"), ("aiodist", "mpi"), ("no-shm", "gloo"), ("shared", "mpi"))
         if a in shown and b in shown
     ]
-    head += [f"{a} / {b}" for a, b in ratios]
+    head += [f"{a} / {b}".replace("mpi", "MPI") for a, b in ratios]
     stalls = [lib for lib in AIODIST_LIBS if lib in shown]
     head += [f"{lib} stall" for lib in stalls]
     lines = [
