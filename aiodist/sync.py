@@ -565,13 +565,17 @@ def _abort_on_interrupt(op: str) -> None:
         _loop_thread.loop().call_soon_threadsafe(world.abort, cause)
 
 
-def _on_loop(fn: Callable[..., T], *args: Any) -> T:
-    """Call ``fn(*args)`` on the loop thread and return its result (one hop, no task)."""
+def _not_on_the_loop_thread() -> None:
     if threading.get_ident() == _loop_thread.ident:
         raise DistUsageError(
             "a blocking aiodist.sync call was made on aiodist's event-loop thread, where it "
             "would wait for itself forever; await the async API (import aiodist) there instead"
         )
+
+
+def _on_loop(fn: Callable[..., T], *args: Any) -> T:
+    """Call ``fn(*args)`` on the loop thread and return its result (one hop, no task)."""
+    _not_on_the_loop_thread()
     done: concurrent.futures.Future[T] = concurrent.futures.Future()
 
     def call() -> None:
@@ -584,6 +588,26 @@ def _on_loop(fn: Callable[..., T], *args: Any) -> T:
     return _wait(done)
 
 
+def _start_on_loop(start: Callable[[], _group.Work[T]]) -> concurrent.futures.Future[T]:
+    """Start an operation on the loop thread; return a future of its result at once.
+
+    The caller waits once, for the end, instead of first for the start and then for the
+    end (each wait that sleeps costs a wake-up from the loop thread).
+    """
+    _not_on_the_loop_thread()
+    done: concurrent.futures.Future[T] = concurrent.futures.Future()
+    done.set_running_or_notify_cancel()
+
+    def call() -> None:
+        try:
+            Work(start(), done)
+        except BaseException as exc:
+            done.set_exception(exc)
+
+    _loop_thread.loop().call_soon_threadsafe(call)
+    return done
+
+
 class Work(Generic[T]):
     """The blocking handle of an operation started with ``async_op=True`` (torch's ``Work``).
 
@@ -592,11 +616,16 @@ class Work(Generic[T]):
     operation has finished.
     """
 
-    def __init__(self, work: _group.Work[T]) -> None:
-        # Made on the loop thread (the done callback is added there).
+    def __init__(
+        self, work: _group.Work[T], future: concurrent.futures.Future[T] | None = None
+    ) -> None:
+        # Made on the loop thread (the done callback is added there). ``future``: a running
+        # future the caller already waits on, to settle with the operation's outcome.
         self._work = work
-        self._future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        self._future.set_running_or_notify_cancel()
+        if future is None:
+            future = concurrent.futures.Future()
+            future.set_running_or_notify_cancel()
+        self._future = future
         # Runs on the loop thread (where the work was made), once the operation ends.
         work.add_done_callback(self._settle)
 
@@ -664,9 +693,9 @@ class Work(Generic[T]):
         _on_loop(self._work.wait_stream, stream)
 
 
-def _block(op: str, work: Work[T]) -> T:
+def _block(op: str, future: concurrent.futures.Future[T]) -> T:
     try:
-        return _wait(work._future)
+        return _wait(future)
     except KeyboardInterrupt:
         _abort_on_interrupt(op)
         raise
@@ -692,10 +721,9 @@ def _twin(fn: Callable[..., _group.Work[Any]], mode: str) -> Callable[..., Any]:
         bound = signature.bind(*args, **kwargs)
         async_op = bound.arguments.pop("async_op", False)
         # Made on the loop thread, which is where the async work's callbacks may be added.
-        work = _on_loop(lambda: Work(fn(*bound.args, **bound.kwargs)))
         if mode == "work" or async_op:
-            return work
-        result = _block(name, work)
+            return _on_loop(lambda: Work(fn(*bound.args, **bound.kwargs)))
+        result = _block(name, _start_on_loop(lambda: fn(*bound.args, **bound.kwargs)))
         return result if mode == "result" else None
 
     twin.__name__ = twin.__qualname__ = name

@@ -187,11 +187,13 @@ async def rank_main(
     # Each library's own TCPStore, hosted by rank 0, as env:// jobs have. (With file://,
     # aiodist's world keeps polling the file for its abort key, about 100 us of CPU per
     # 4 MiB operation here, while gloo never reads its file store again after setup.)
-    await aiodist.init_process_group(
-        "cpu", init_method=f"tcp://127.0.0.1:{ports[0]}", world_size=n, rank=rank
-    )
+    # gloo first: its blocking setup would stall rank 0's loop, where aiodist's store
+    # server runs, while the other ranks still need it to join.
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{ports[1]}", world_size=n, rank=rank
+    )
+    await aiodist.init_process_group(
+        "cpu", init_method=f"tcp://127.0.0.1:{ports[0]}", world_size=n, rank=rank
     )
     results: dict[Any, Any] = {}
     sizes = args.sizes or (QUICK_SIZES if args.quick else SIZES)

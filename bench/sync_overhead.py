@@ -26,14 +26,26 @@ as ``sync._run`` does it):
   ``time.sleep(0)`` sleeps the kernel's timer slack (about 50 us) each round.
 
 So one hop costs 27 us either way, against 1.1 us for an awaited ``HashStore.get``: a
-blocking store call cannot come within 2x of the async one while it crosses threads. A
-blocking collective makes two hops (``_on_loop`` creates the operation's ``Work``,
-``_block`` waits for its end); the loop thread holds the GIL for the operation's own
-Python (about 30 us per 8-byte all_reduce), during which a polling caller only takes its
-turns. Measured with this script at load average 5-8 (``nice -n -15``): async 113-150 us,
-``aiodist.sync.all_reduce`` 215 us polling vs 295-375 us sleeping (1.45-1.9x the async
-time vs 2-2.6x), ``async_op=True`` + ``wait()`` 260-275 us vs 309-360 us, blocking
-``HashStore.get`` 29-30 us either way (async 1.1 us).
+blocking store call cannot come within 2x of the async one while it crosses threads.
+A blocking collective used to make two hops (``_on_loop`` created the operation's ``Work``,
+then ``_block`` waited for its end); it now makes one (``_start_on_loop`` hands the loop
+thread a future to settle, and the caller polls it). The loop thread holds the GIL for the
+operation's own Python (about 30 us per 8-byte all_reduce), during which a polling caller
+only gets its turns between the loop's GIL releases.
+
+Measured (2 vCPUs, load average 2-3, ``nice -n -15``, five runs of each version
+alternating). The async time itself is bimodal from run to run: 30 us while the transport's
+own receive polling catches the answers, 140 us once that polling has backed off (see
+``docs/architecture.md``, "Polling policy"); compare runs in the same mode:
+
+| | async | ``sync.all_reduce`` | ``async_op=True`` + ``wait()`` | blocking ``HashStore.get`` |
+| --- | ---: | ---: | ---: | ---: |
+| before, async 140 us (3 runs) | 138-142 | 243-274 (1.74-1.98x) | 245-265 (1.77-1.86x) | 26-27 |
+| after, async 140 us (3 runs) | 139-147 | 196-204 (1.34-1.45x) | 197-205 (1.34-1.46x) | 28-45 |
+| before, async 30 us (4 runs) | 30-33 | 80-84 (2.6-2.7x); one run 265 | 81-83; one run 270 | 27-100 |
+| after, async 30 us (5 runs) | 30-33 | 66-68 (2.1-2.2x); two runs 120, 225 | 71-108; two runs 224-243 | 45-109 |
+
+(async ``HashStore.get``: 1.1 us throughout.)
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import pytest
 
 import aiodist.sync as dist
 from aiodist import sync
-from aiodist.errors import DistError
+from aiodist.errors import DistError, DistUsageError
 
 
 def _resolve_later(delay: float, fn: object) -> threading.Thread:
@@ -82,6 +82,12 @@ def test_blocking_calls_with_and_without_polling(
             out = [np.zeros(6, np.float32)]
             dist.all_gather(out, x)
             np.testing.assert_array_equal(out[0], x)
+            # A usage error found when the operation starts reaches the caller, who waits
+            # for the operation's end only (one hop to the loop thread).
+            with pytest.raises(
+                DistUsageError, match=r"src 5 is not in the process group \(global ranks \[0\]\)"
+            ):
+                dist.broadcast(x, 5)
             store.set("k", b"v")
             assert store.get("k") == b"v"
             assert store.add("n", 5) == 5
