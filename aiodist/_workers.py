@@ -5,6 +5,11 @@ process group) and dies with the launcher (``PR_SET_PDEATHSIG``), so killing a l
 SIGKILL never leaves orphaned workers holding ports. Output is read from pipes in chunks,
 split into lines and written to the console with a ``[rankN]: `` prefix and/or to per-rank log
 files. The last lines of every worker's stderr are kept for the failure summary.
+
+A worker that failed can be replaced in its slot while the others keep running
+(:meth:`WorkerGroup.replace`, for ``--restart-policy=failed``). Stopping the group is
+SIGTERM (or the signal the launcher received), a grace period, then SIGKILL; afterwards
+:meth:`WorkerGroup.shutdown_report` says how each worker ended.
 """
 
 from __future__ import annotations
@@ -86,6 +91,8 @@ class WorkerFailure:
         stderr_tail: the last lines it wrote to stderr.
         error: the ``message`` of the error file the worker wrote, if it wrote one.
         error_traceback: the traceback from that error file, if any.
+        restarts: how many times this rank had been restarted on its own before this
+            failure (``--restart-policy=failed``).
     """
 
     rank: int
@@ -97,6 +104,7 @@ class WorkerFailure:
     stderr_tail: list[str] = field(default_factory=list)
     error: str | None = None
     error_traceback: str | None = None
+    restarts: int = 0
 
     def to_json(self) -> str:
         """Serialise for the store, so every node can print the same summary."""
@@ -153,6 +161,11 @@ class _Worker:
         self.files: list[BinaryIO] = []
         self.pumps: list[asyncio.Task[None]] = []
         self.reaper: asyncio.Task[None] | None = None
+        #: When the launcher sent the stop signal (monotonic seconds), and which signal.
+        self.stop_sent: tuple[float, int] | None = None
+        #: Why the launcher sent SIGKILL, if it did.
+        self.killed: str | None = None
+        self.exited_at: float | None = None
 
     def __repr__(self) -> str:
         state = "running" if self.exitcode is None else describe_exit(self.exitcode)
@@ -205,7 +218,10 @@ class WorkerGroup:
         return sum(w.exitcode is None for w in self._workers)
 
     def first_failure(self) -> WorkerFailure | None:
-        """The failure of the first worker that exited unsuccessfully, or ``None``."""
+        """The failure of the first worker that exited unsuccessfully, or ``None``.
+
+        A worker that :meth:`replace` replaced no longer counts.
+        """
         for worker in self._exit_order:
             if worker.exitcode:
                 return self._failure(worker)
@@ -218,58 +234,80 @@ class WorkerGroup:
             OSError: a process could not be started (e.g. the script is not executable).
         """
         for spec in specs:
-            files: dict[str, BinaryIO] = {}
-            if spec.redirect | spec.tee:
-                spec.log_dir.mkdir(parents=True, exist_ok=True)
-            for name, flag in (("stdout", Std.OUT), ("stderr", Std.ERR)):
-                if (spec.redirect | spec.tee) & flag:
-                    files[name] = open(spec.log_dir / f"{name}.log", "wb")  # noqa: ASYNC230, SIM115
-            spec.error_file.parent.mkdir(parents=True, exist_ok=True)
-            with contextlib.suppress(FileNotFoundError):
-                spec.error_file.unlink()
-            try:
-                proc = await asyncio.create_subprocess_exec(
-                    *spec.cmd,
-                    stdin=asyncio.subprocess.DEVNULL,
-                    stdout=asyncio.subprocess.PIPE,
-                    stderr=asyncio.subprocess.PIPE,
-                    env=dict(spec.env),
-                    start_new_session=True,
-                    preexec_fn=functools.partial(_die_with_parent, os.getpid()),
-                )
-            except OSError as exc:
-                for f in files.values():
-                    f.close()
-                raise OSError(
-                    exc.errno, f"cannot start rank {spec.rank}: {spec.cmd[0]}: {exc.strerror}"
-                ) from exc
-            worker = _Worker(spec, proc)
-            worker.files = list(files.values())
-            self._workers.append(worker)
-            assert proc.stdout is not None and proc.stderr is not None
-            prefix = f"[rank{spec.rank}]: ".encode()
-            for reader, name, flag, console in (
-                (proc.stdout, "stdout", Std.OUT, self._stdout),
-                (proc.stderr, "stderr", Std.ERR, self._stderr),
-            ):
-                show = spec.console and not (spec.redirect & flag)
-                worker.pumps.append(
-                    asyncio.create_task(
-                        self._pump(
-                            worker,
-                            reader,
-                            prefix,
-                            console if show else None,
-                            files.get(name),
-                            keep_tail=flag is Std.ERR,
-                        ),
-                        name=f"aiodist-run rank{spec.rank} {name}",
-                    )
-                )
-            worker.reaper = asyncio.create_task(
-                self._reap(worker), name=f"aiodist-run rank{spec.rank} wait"
+            self._workers.append(await self._spawn(spec))
+
+    async def replace(self, spec: WorkerSpec) -> None:
+        """Start ``spec`` in the slot of the exited worker with the same local rank.
+
+        The other workers are left alone; the exit of the replaced worker no longer counts
+        as a failure of this group.
+
+        Raises:
+            ValueError: no worker has that local rank, or it is still running.
+            OSError: the process could not be started.
+        """
+        slot = next(
+            (i for i, w in enumerate(self._workers) if w.spec.local_rank == spec.local_rank), None
+        )
+        if slot is None or self._workers[slot].exitcode is None:
+            raise ValueError(f"local rank {spec.local_rank} has no exited worker to replace")
+        old = self._workers[slot]
+        self._workers[slot] = await self._spawn(spec)
+        self._exit_order.remove(old)
+
+    async def _spawn(self, spec: WorkerSpec) -> _Worker:
+        files: dict[str, BinaryIO] = {}
+        if spec.redirect | spec.tee:
+            spec.log_dir.mkdir(parents=True, exist_ok=True)
+        for name, flag in (("stdout", Std.OUT), ("stderr", Std.ERR)):
+            if (spec.redirect | spec.tee) & flag:
+                files[name] = open(spec.log_dir / f"{name}.log", "wb")  # noqa: ASYNC230, SIM115
+        spec.error_file.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            spec.error_file.unlink()
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *spec.cmd,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                env=dict(spec.env),
+                start_new_session=True,
+                preexec_fn=functools.partial(_die_with_parent, os.getpid()),
             )
-            logger.debug("started rank %d (pid %d): %s", spec.rank, proc.pid, list(spec.cmd))
+        except OSError as exc:
+            for f in files.values():
+                f.close()
+            raise OSError(
+                exc.errno, f"cannot start rank {spec.rank}: {spec.cmd[0]}: {exc.strerror}"
+            ) from exc
+        worker = _Worker(spec, proc)
+        worker.files = list(files.values())
+        assert proc.stdout is not None and proc.stderr is not None
+        prefix = f"[rank{spec.rank}]: ".encode()
+        for reader, name, flag, console in (
+            (proc.stdout, "stdout", Std.OUT, self._stdout),
+            (proc.stderr, "stderr", Std.ERR, self._stderr),
+        ):
+            show = spec.console and not (spec.redirect & flag)
+            worker.pumps.append(
+                asyncio.create_task(
+                    self._pump(
+                        worker,
+                        reader,
+                        prefix,
+                        console if show else None,
+                        files.get(name),
+                        keep_tail=flag is Std.ERR,
+                    ),
+                    name=f"aiodist-run rank{spec.rank} {name}",
+                )
+            )
+        worker.reaper = asyncio.create_task(
+            self._reap(worker), name=f"aiodist-run rank{spec.rank} wait"
+        )
+        logger.debug("started rank %d (pid %d): %s", spec.rank, proc.pid, list(spec.cmd))
+        return worker
 
     async def _pump(
         self,
@@ -316,6 +354,7 @@ class WorkerGroup:
 
     async def _reap(self, worker: _Worker) -> None:
         exitcode = await worker.proc.wait()
+        worker.exited_at = time.monotonic()
         # Drain the pipes so the failure summary has the worker's last words; a grandchild
         # that inherited the pipes may keep them open, so do not wait for it forever.
         _done, pending = await asyncio.wait(worker.pumps, timeout=2.0)
@@ -338,29 +377,95 @@ class WorkerGroup:
         for worker in self._workers:
             worker.send_signal(signum)
 
-    async def stop(self, grace: float, first: int = signal.SIGTERM) -> None:
-        """Stop every worker: ``first`` (SIGTERM), then SIGKILL after ``grace`` seconds.
+    def kill(self, reason: str) -> None:
+        """SIGKILL every running worker now; ``reason`` goes into :meth:`shutdown_report`."""
+        for worker in self._workers:
+            if worker.exitcode is None:
+                worker.killed = worker.killed or reason
+                worker.send_signal(signal.SIGKILL)
 
+    def begin_stop(self, signum: int = signal.SIGTERM) -> None:
+        """Send ``signum`` to every running worker not yet asked to stop.
+
+        Each worker's grace period (see :meth:`stop`) counts from the moment it was sent its
+        stop signal, so a launcher that forwards a signal at once and waits for the workers
+        later does not extend the grace period, and no worker gets the signal twice (a
+        second SIGTERM means "exit now" to many servers).
+        """
+        now = time.monotonic()
+        for worker in self._workers:
+            if worker.exitcode is None and worker.stop_sent is None:
+                worker.stop_sent = (now, signum)
+                worker.send_signal(signum)
+
+    async def stop(self, grace: float, first: int = signal.SIGTERM) -> None:
+        """Stop every worker: ``first`` (SIGTERM), then SIGKILL ``grace`` seconds later.
+
+        Workers already sent a stop signal by :meth:`begin_stop` keep their deadline.
         Returns once every worker has exited and its output is drained.
         """
-        if self.running():
-            self.send_signal(first)
-            deadline = time.monotonic() + grace
-            while self.running() and time.monotonic() < deadline:
-                self._changed.clear()
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
-                        await self._changed.wait()
-            if self.running():
+        self.begin_stop(first)
+        while True:
+            waiting = [w for w in self._workers if w.exitcode is None and w.killed is None]
+            if not waiting:
+                break
+            now = time.monotonic()
+            sent = {w: w.stop_sent or (now, first) for w in waiting}
+            late = [w for w in waiting if now >= sent[w][0] + grace]
+            if late:
                 logger.warning(
-                    "workers still running %.1f s after %s: sending SIGKILL",
+                    "workers still running %.1f s after %s: sending SIGKILL to %s",
                     grace,
-                    signal.Signals(first).name,
+                    signal.Signals(sent[late[0]][1]).name,
+                    _ranks(late),
                 )
-                self.send_signal(signal.SIGKILL)
+                for worker in late:
+                    name = signal.Signals(sent[worker][1]).name
+                    worker.killed = f"did not exit within the {grace:g} s grace period after {name}"
+                    worker.send_signal(signal.SIGKILL)
+                continue
+            deadline = min(t for t, _sig in sent.values()) + grace
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, deadline - now)):
+                    await self._changed.wait()
         while self.running():
             self._changed.clear()
             await self._changed.wait()
+
+    def shutdown_report(self) -> list[tuple[int, str]]:
+        """How each worker sent a stop signal ended: ``(logging level, message)`` pairs.
+
+        A worker that exited 0, or with the stop signal's conventional status (killed by it,
+        or ``128 + N`` from a handler), stopped cleanly (INFO); one killed after the grace
+        period, or that exited with another status, is a WARNING.
+        """
+        report = []
+        for w in self._workers:
+            if w.stop_sent is None or w.exitcode is None or w.exited_at is None:
+                continue
+            sent, signum = w.stop_sent
+            name = signal.Signals(signum).name
+            who = f"rank {w.spec.rank} (pid {w.proc.pid})"
+            after = w.exited_at - sent
+            if w.killed is not None and w.exitcode == -signal.SIGKILL:
+                report.append((logging.WARNING, f"{who} {w.killed}: killed with SIGKILL"))
+            elif w.exitcode in (0, -signum, 128 + signum):
+                report.append(
+                    (
+                        logging.INFO,
+                        f"{who} stopped {after:.2f} s after {name}, "
+                        f"with {describe_exit(w.exitcode)}",
+                    )
+                )
+            else:
+                report.append(
+                    (
+                        logging.WARNING,
+                        f"{who} exited with {describe_exit(w.exitcode)} {after:.2f} s after {name}",
+                    )
+                )
+        return report
 
     def _failure(self, worker: _Worker) -> WorkerFailure:
         assert worker.exitcode is not None
@@ -376,6 +481,12 @@ class WorkerGroup:
             error=error,
             error_traceback=trace,
         )
+
+
+def _ranks(workers: Sequence[_Worker]) -> str:
+    """``'rank 3'`` or ``'ranks 0, 2'``."""
+    ranks = ", ".join(str(w.spec.rank) for w in workers)
+    return f"rank {ranks}" if len(workers) == 1 else f"ranks {ranks}"
 
 
 def _read_error_file(path: Path) -> tuple[str | None, str | None]:

@@ -7,9 +7,13 @@ hosts an aiodist TCPStore server (which also speaks torch's TCPStore protocol) a
 ``init_process_group("env://")`` works in aiodist workers and in unmodified torch workers.
 
 Supervision runs on the launcher's own event loop: worker output is prefixed with the rank,
-signals are forwarded to every worker's process group, the first failing worker stops the
-whole world within a monitor interval, and ``--max-restarts`` restarts every node's group with
-the store emptied of the failed attempt's keys.
+and the first failing worker stops the whole world at once. ``--max-restarts`` restarts, with
+``--restart-policy=all`` (torchrun's behaviour), every node's group with the store emptied of
+the failed attempt's keys; with ``--restart-policy=failed`` only the failed worker, while the
+others and the store keep running (the survivors rebuild their process group in-process).
+A signal the launcher handles is forwarded once to every worker's process group; workers
+still running ``--shutdown-grace`` seconds later are killed, and the launcher says how each
+one ended.
 
 Several nodes (``--nnodes=N --node-rank=K --master-addr=HOST``) agree on ranks through the
 store and watch each other with heartbeats there; see ``docs/architecture.md`` ("Launcher").
@@ -187,7 +191,17 @@ def get_args_parser() -> argparse.ArgumentParser:
         action=_EnvDefault,
         type=int,
         default=0,
-        help="restart the whole worker group this many times after a failure (default 0)",
+        help="restarts allowed after a failure (default 0): of the whole worker group "
+        "(--restart-policy=all), or of each rank on its own (--restart-policy=failed)",
+    )
+    add(
+        *_flag("--restart-policy"),
+        action=_EnvDefault,
+        default="all",
+        choices=["all", "failed"],
+        help="all: a failure stops every worker and restarts the group, as torchrun does; "
+        "failed: only the failed worker is restarted (same rank, same store), the others "
+        "keep running and must rebuild their process group themselves (default all)",
     )
     add(
         *_flag("--monitor-interval"),
@@ -244,11 +258,15 @@ def get_args_parser() -> argparse.ArgumentParser:
         help="signals forwarded to the workers (default SIGTERM,SIGINT,SIGHUP,SIGQUIT)",
     )
     add(
+        *_flag("--shutdown-grace"),
         *_flag("--shutdown-timeout"),
+        dest="shutdown_timeout",
         action=_EnvDefault,
         type=float,
         default=float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")),
-        help="seconds between SIGTERM and SIGKILL when stopping workers (default 30)",
+        help="seconds a worker has to exit after SIGTERM (or the signal the launcher "
+        "received) before it gets SIGKILL (default TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30); "
+        "--shutdown-timeout is torchrun's name",
     )
     add("training_script", help="the script (or module, or executable) every worker runs")
     add("training_script_args", nargs=argparse.REMAINDER, help="its arguments")
@@ -267,7 +285,9 @@ class LaunchConfig:
         master_port: node 0's store port; 0 picks a free one (single node only).
         local_addr: this node's address for the workers' transport, if given.
         run_id: the job id.
-        max_restarts: restarts allowed after a failure.
+        max_restarts: restarts allowed after a failure: of the group (policy ``all``) or
+            of each rank (policy ``failed``).
+        restart_policy: ``"all"`` restarts every worker, ``"failed"`` only the failed one.
         monitor_interval: seconds between checks of the other nodes.
         join_timeout: seconds to wait for every node to join.
         lost_after: seconds of silence after which a node counts as lost.
@@ -278,7 +298,7 @@ class LaunchConfig:
         tees: per local rank, streams sent to the log files and the console.
         local_ranks_filter: local ranks shown on the console (``None``: all).
         signals: signals forwarded to the workers.
-        shutdown_timeout: SIGTERM to SIGKILL grace period.
+        shutdown_timeout: the grace period between the stop signal and SIGKILL.
     """
 
     nnodes: int
@@ -289,6 +309,7 @@ class LaunchConfig:
     local_addr: str | None
     run_id: str
     max_restarts: int
+    restart_policy: str
     monitor_interval: float
     join_timeout: float
     lost_after: float
@@ -448,10 +469,14 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         )
     if int(ns.max_restarts) < 0:
         raise DistUsageError(f"--max-restarts={ns.max_restarts} must not be negative")
+    if ns.restart_policy not in ("all", "failed"):
+        raise DistUsageError(
+            f"--restart-policy={ns.restart_policy!r} is not valid: expected all or failed"
+        )
     if float(ns.monitor_interval) <= 0:
         raise DistUsageError(f"--monitor-interval={ns.monitor_interval} must be positive")
     if float(ns.shutdown_timeout) < 0:
-        raise DistUsageError(f"--shutdown-timeout={ns.shutdown_timeout} must not be negative")
+        raise DistUsageError(f"--shutdown-grace={ns.shutdown_timeout} must not be negative")
     if ns.module and ns.no_python:
         raise DistUsageError("--module and --no-python cannot be used together")
     filt: frozenset[int] | None = None
@@ -482,6 +507,7 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         local_addr=str(ns.local_addr) if ns.local_addr else None,
         run_id=run_id,
         max_restarts=int(ns.max_restarts),
+        restart_policy=str(ns.restart_policy),
         monitor_interval=float(ns.monitor_interval),
         join_timeout=conf["join_timeout"],
         lost_after=conf["keep_alive_interval"] * conf["keep_alive_max_attempt"],
@@ -663,6 +689,8 @@ class _Launcher:
         self._local_addr: str | None = None
         self._rank_base = 0
         self._world_size = cfg.nproc_per_node * cfg.nnodes
+        #: With ``--restart-policy=failed``: how many times each local rank was restarted.
+        self._restarts = [0] * cfg.nproc_per_node
         self._log_base: Path = cfg.log_dir or Path(tempfile.mkdtemp(prefix="aiodist-run-"))
         self._keep_logs = cfg.log_dir is not None or any(cfg.redirects + cfg.tees)
 
@@ -674,16 +702,24 @@ class _Launcher:
         )
 
     def _on_signal(self, signum: int) -> None:
+        name = signal.Signals(signum).name
         if self._signal is not None and self._group is not None:
             # A second signal: stop waiting politely.
-            self._group.send_signal(signal.SIGKILL)
+            self._group.kill(
+                f"was still running when the launcher received a second signal ({name})"
+            )
             return
-        logger.info("received %s: stopping the workers", signal.Signals(signum).name)
+        logger.info(
+            "received %s: stopping the workers (%g s grace period)",
+            name,
+            self._cfg.shutdown_timeout,
+        )
         self._signal = signum
         self._interrupted.set()
         if self._group is not None:
-            # The supervision loop sees the flag, waits for the workers and reports.
-            self._group.send_signal(signum)
+            # Forwarded now, once; the supervision loop sees the flag, tells the other nodes,
+            # waits out the grace period and reports how each worker ended.
+            self._group.begin_stop(signum)
         elif self._main is not None:
             # No workers are running (joining, waiting for other nodes): just stop.
             self._main.cancel()
@@ -748,7 +784,13 @@ class _Launcher:
                 return 0
             failure = outcome.failure
             # A launcher stopped by a signal is gone for good: restarting cannot bring it back.
-            restart = failure is not None and failure.rank >= 0 and attempt < cfg.max_restarts
+            # With --restart-policy=failed the attempt already used its restarts.
+            restart = (
+                cfg.restart_policy == "all"
+                and failure is not None
+                and failure.rank >= 0
+                and attempt < cfg.max_restarts
+            )
             # Node 0 starts the next attempt once every node (this one too) counted in here.
             with contextlib.suppress(NodeLostError):
                 await coord.increment(attempt, "stopped")
@@ -795,60 +837,80 @@ class _Launcher:
             await coord.beat()
         await asyncio.sleep(self._cfg.monitor_interval)
 
-    def _specs(self, attempt: int) -> list[WorkerSpec]:
+    def _spec(self, local: int, restarts: int) -> WorkerSpec:
+        """The worker of local rank ``local`` after ``restarts`` restarts (of it or the group)."""
         cfg = self._cfg
-        attempt_dir = self._log_base / cfg.run_id / f"attempt_{attempt}"
-        specs = []
-        for local in range(cfg.nproc_per_node):
-            rank = self._rank_base + local
-            env = dict(os.environ)
-            env.update(
-                RANK=str(rank),
-                LOCAL_RANK=str(local),
-                WORLD_SIZE=str(self._world_size),
-                LOCAL_WORLD_SIZE=str(cfg.nproc_per_node),
-                GROUP_RANK=str(cfg.node_rank),
-                GROUP_WORLD_SIZE=str(cfg.nnodes),
-                ROLE_NAME=cfg.role,
-                ROLE_RANK=str(rank),
-                ROLE_WORLD_SIZE=str(self._world_size),
-                MASTER_ADDR=cfg.master_addr,
-                MASTER_PORT=str(self._port),
-                TORCHELASTIC_USE_AGENT_STORE="True",
-                TORCHELASTIC_RESTART_COUNT=str(attempt),
-                TORCHELASTIC_MAX_RESTARTS=str(cfg.max_restarts),
-                TORCHELASTIC_RUN_ID=cfg.run_id,
-                TORCHELASTIC_ERROR_FILE=str(attempt_dir / str(rank) / "error.json"),
-                AIODIST_RESTART_COUNT=str(attempt),
-                AIODIST_RUN_ID=cfg.run_id,
-                PYTHON_EXEC=sys.executable,
-            )
-            env.setdefault("OMP_NUM_THREADS", "1")
-            if cfg.local_addr is not None:
-                env["AIODIST_HOST"] = cfg.local_addr
-            elif self._local_addr is not None:
-                env.setdefault("AIODIST_HOST", self._local_addr)
-            specs.append(
-                WorkerSpec(
-                    rank=rank,
-                    local_rank=local,
-                    cmd=cfg.cmd,
-                    env=env,
-                    redirect=cfg.redirects[local],
-                    tee=cfg.tees[local],
-                    console=cfg.local_ranks_filter is None or local in cfg.local_ranks_filter,
-                    log_dir=attempt_dir / str(rank),
-                    error_file=attempt_dir / str(rank) / "error.json",
-                )
-            )
-        return specs
+        attempt_dir = self._log_base / cfg.run_id / f"attempt_{restarts}"
+        rank = self._rank_base + local
+        env = dict(os.environ)
+        env.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(local),
+            WORLD_SIZE=str(self._world_size),
+            LOCAL_WORLD_SIZE=str(cfg.nproc_per_node),
+            GROUP_RANK=str(cfg.node_rank),
+            GROUP_WORLD_SIZE=str(cfg.nnodes),
+            ROLE_NAME=cfg.role,
+            ROLE_RANK=str(rank),
+            ROLE_WORLD_SIZE=str(self._world_size),
+            MASTER_ADDR=cfg.master_addr,
+            MASTER_PORT=str(self._port),
+            TORCHELASTIC_USE_AGENT_STORE="True",
+            TORCHELASTIC_RESTART_COUNT=str(restarts),
+            TORCHELASTIC_MAX_RESTARTS=str(cfg.max_restarts),
+            TORCHELASTIC_RUN_ID=cfg.run_id,
+            TORCHELASTIC_ERROR_FILE=str(attempt_dir / str(rank) / "error.json"),
+            AIODIST_RESTART_COUNT=str(restarts),
+            AIODIST_RESTART_POLICY=cfg.restart_policy,
+            AIODIST_RUN_ID=cfg.run_id,
+            PYTHON_EXEC=sys.executable,
+        )
+        env.setdefault("OMP_NUM_THREADS", "1")
+        if cfg.local_addr is not None:
+            env["AIODIST_HOST"] = cfg.local_addr
+        elif self._local_addr is not None:
+            env.setdefault("AIODIST_HOST", self._local_addr)
+        return WorkerSpec(
+            rank=rank,
+            local_rank=local,
+            cmd=cfg.cmd,
+            env=env,
+            redirect=cfg.redirects[local],
+            tee=cfg.tees[local],
+            console=cfg.local_ranks_filter is None or local in cfg.local_ranks_filter,
+            log_dir=attempt_dir / str(rank),
+            error_file=attempt_dir / str(rank) / "error.json",
+        )
+
+    def _can_restart_alone(self, failure: WorkerFailure) -> bool:
+        cfg = self._cfg
+        return (
+            cfg.restart_policy == "failed"
+            and self._signal is None
+            and self._restarts[failure.local_rank] < cfg.max_restarts
+        )
+
+    async def _restart_alone(self, group: WorkerGroup, failure: WorkerFailure) -> None:
+        """Replace the failed worker; the others, and the store, keep running."""
+        count = self._restarts[failure.local_rank] + 1
+        self._restarts[failure.local_rank] = count
+        logger.warning(
+            "rank %d (pid %d) exited with %s; restarting it alone (its restart %d of %d), "
+            "the other workers keep running",
+            failure.rank,
+            failure.pid,
+            describe_exit(failure.exitcode),
+            count,
+            self._cfg.max_restarts,
+        )
+        await group.replace(self._spec(failure.local_rank, count))
 
     async def _run_attempt(self, coord: _Coordinator, attempt: int) -> _Outcome:
         cfg = self._cfg
         group = WorkerGroup(cfg.node_rank, self._stdout, self._stderr)
         self._group = group
         try:
-            await group.start(self._specs(attempt))
+            await group.start([self._spec(local, attempt) for local in range(cfg.nproc_per_node)])
             if self._keep_logs and attempt == 0 and any(cfg.redirects + cfg.tees):
                 logger.info("worker logs: %s", self._log_base / cfg.run_id)
             while True:
@@ -857,13 +919,21 @@ class _Launcher:
                         await _first(group.changed.wait(), self._interrupted.wait())
                 group.changed.clear()
                 if self._signal is not None:
-                    await group.stop(cfg.shutdown_timeout, self._signal)
+                    # Tell the other nodes first: their workers would otherwise see this
+                    # node's workers leave and fail, and report that as the root cause.
                     if cfg.nnodes > 1:
                         with contextlib.suppress(NodeLostError):
                             await coord.publish_failure(attempt, self._signal_failure())
+                    await group.stop(cfg.shutdown_timeout, self._signal)
+                    for level, message in group.shutdown_report():
+                        logger.log(level, "%s", message)
                     return _Outcome(signum=self._signal)
                 failure = group.first_failure()
+                while failure is not None and self._can_restart_alone(failure):
+                    await self._restart_alone(group, failure)
+                    failure = group.first_failure()
                 if failure is not None:
+                    failure.restarts = self._restarts[failure.local_rank]
                     await group.stop(cfg.shutdown_timeout)
                     if cfg.nnodes > 1:
                         try:
@@ -943,13 +1013,23 @@ class _Launcher:
                 f"rank {f.rank} (local rank {f.local_rank} on node {f.node_rank}, pid {f.pid}) "
                 f"failed first, with {describe_exit(f.exitcode)} at {when}"
             )
+        if cfg.restart_policy == "failed" and f.rank >= 0:
+            times = "once" if f.restarts == 1 else f"{f.restarts} times"
+            restarts = (
+                f"rank {f.rank} had been restarted {times} (--max-restarts={cfg.max_restarts}, "
+                "--restart-policy=failed)"
+            )
+        else:
+            restarts = (
+                f"attempt {attempt + 1} of {cfg.max_restarts + 1} "
+                f"(--max-restarts={cfg.max_restarts})"
+            )
         lines = [
             "",
             "=" * 72,
             "aiodist-run: the job failed",
             f"  root cause: {head}",
-            f"  attempt {attempt + 1} of {cfg.max_restarts + 1} (--max-restarts={cfg.max_restarts}); "
-            f"the other workers were stopped",
+            f"  {restarts}; the other workers were stopped",
         ]
         if f.error:
             lines.append(f"  error: {f.error}")

@@ -10,10 +10,11 @@ passes between them::
     # ranks 1.., once
     await channel.serve({"forward": forward})  # returns when the controller closes
 
-A call broadcasts a header (the handler's name, the arrays' shapes and dtypes) and then the
-arrays from the controller; every worker runs its handler, ``async def handler(*arrays)``,
-on them; each worker's reply (an array, a tuple of arrays, or ``None``) comes back to the
-controller point to point. ``call`` returns the replies as a list in worker order
+A call broadcasts a header (the handler's name, the arrays' shapes and dtypes) with the
+arrays from the controller (inside the header's message when they fit in it, after it
+otherwise); every worker runs its handler, ``async def handler(*arrays)``, on them; each
+worker's reply (an array, a tuple of arrays, or ``None``) comes back to the controller
+point to point, the same way. ``call`` returns the replies as a list in worker order
 (``replies[i]`` is from rank ``i + 1``), each as its handler returned it.
 
 Inside a handler, :func:`worker_group` is the group of the workers (every rank but the
@@ -26,8 +27,8 @@ controller), for the collectives of a sharded model::
         await aiodist.all_gather_into_tensor(hidden, h, group=group)
         return np.concatenate(hidden, axis=1) @ w2_shard
 
-Calls from many tasks are safe: each call holds the group's :meth:`ProcessGroup.ordered`
-lock from its header to its last reply, so the workers run calls one after another, in the
+Calls from many tasks are safe: each call holds the group's
+:meth:`~aiodist.ProcessGroup.ordered` lock from its header to its last reply, so the workers run calls one after another, in the
 order the controller's tasks asked. A handler that raises fails its call only: the
 controller raises :class:`RemoteError` naming the rank and the exception, and the next call
 works. (The failing worker rejects the worker-group collective its peers may be waiting for,
@@ -57,7 +58,7 @@ import struct
 import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -67,6 +68,7 @@ from ._arrays import as_array
 from ._timeouts import Timeout, to_seconds
 from .errors import DistError, DistProtocolError, DistTimeoutError, DistUsageError
 from .group import NonGroupMember, Plan, ProcessGroup, World
+from .store import PrefixStore, Store
 
 __all__ = [
     "CONTROLLER_RANK",
@@ -82,6 +84,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 #: The rank that makes calls; every other rank is a worker.
 CONTROLLER_RANK = 0
 
@@ -90,12 +94,13 @@ Reply = npt.NDArray[Any] | tuple[npt.NDArray[Any], ...] | None
 #: A worker's handler: ``async def handler(*arrays) -> Reply``.
 Handler = Callable[..., Awaitable[Any]]
 
-# A header travels as one fixed-size message (its first bytes: the length of its JSON),
-# and, when the JSON does not fit, a second message with the rest: one message per call
-# for every ordinary header.
-_FIRST = 512
-_LENGTH = struct.Struct("<I")
-_INLINE = _FIRST - _LENGTH.size
+# A header travels as one fixed-size message: the length of its JSON and of the arrays'
+# bytes carried with it, the JSON, then the arrays when they fit (a small request or reply
+# is then one message). JSON that does not fit goes on in a second message, and arrays that
+# do not fit follow as messages of their own.
+_FIRST = 4096
+_PREFIX = struct.Struct("<II")
+_ROOM = _FIRST - _PREFIX.size
 _MAX_HEADER = 1 << 20
 _MAX_ARRAYS = 256
 _MAX_NAME = 256
@@ -145,28 +150,48 @@ class Unavailable(DistError):
 
 
 # -- the wire format ---------------------------------------------------------------------------
-def _encode(message: Mapping[str, Any]) -> list[npt.NDArray[np.uint8]]:
-    """``message`` as JSON in one fixed-size message, plus a second when it does not fit."""
+def _encode(
+    message: Mapping[str, Any], arrays: Sequence[npt.NDArray[Any]] = ()
+) -> tuple[list[npt.NDArray[Any]], bool]:
+    """The messages that carry ``message`` and ``arrays``, and whether the arrays are inside.
+
+    The arrays travel inside the first message when they fit; otherwise they are among the
+    messages returned, after the header's.
+    """
     data = json.dumps(message, separators=(",", ":")).encode()
+    size = sum(a.nbytes for a in arrays)
+    inline = bool(arrays) and len(data) + size <= _ROOM
     first = np.zeros(_FIRST, np.uint8)
-    head = _LENGTH.pack(len(data)) + data[:_INLINE]
+    head = _PREFIX.pack(len(data), size if inline else 0) + data[:_ROOM]
     first[: len(head)] = np.frombuffer(head, np.uint8)
-    if len(data) <= _INLINE:
-        return [first]
-    return [first, np.frombuffer(data[_INLINE:], np.uint8)]
+    if inline:
+        at = len(head)
+        for a in arrays:
+            first[at : at + a.nbytes] = a.reshape(-1).view(np.uint8)
+            at += a.nbytes
+        return [first], True
+    parts: list[npt.NDArray[Any]] = [first]
+    if len(data) > _ROOM:
+        parts.append(np.frombuffer(data[_ROOM:], np.uint8))
+    return [*parts, *arrays], False
 
 
 def _overflow(first: npt.NDArray[np.uint8]) -> int:
-    """How many bytes of the header follow ``first`` in a second message."""
-    (length,) = _LENGTH.unpack(first[: _LENGTH.size].tobytes())
-    if length > _MAX_HEADER:
-        raise DistProtocolError(f"serving header of {length} bytes (at most {_MAX_HEADER})")
-    return max(0, int(length) - _INLINE)
+    """How many bytes of the header's JSON follow ``first`` in a second message."""
+    length, carried = _PREFIX.unpack(first[: _PREFIX.size].tobytes())
+    if length > _MAX_HEADER or (carried and _PREFIX.size + length + carried > _FIRST):
+        raise DistProtocolError(
+            f"serving header of {length} bytes carrying {carried} bytes of arrays"
+        )
+    return max(0, int(length) - _ROOM)
 
 
-def _decode(first: npt.NDArray[np.uint8], rest: npt.NDArray[np.uint8] | None) -> dict[str, Any]:
-    (length,) = _LENGTH.unpack(first[: _LENGTH.size].tobytes())
-    data = first[_LENGTH.size : _LENGTH.size + min(int(length), _INLINE)].tobytes()
+def _decode(
+    first: npt.NDArray[np.uint8], rest: npt.NDArray[np.uint8] | None
+) -> tuple[dict[str, Any], npt.NDArray[np.uint8] | None]:
+    """The header's message, and the bytes of the arrays it carries (``None`` if none)."""
+    length, carried = _PREFIX.unpack(first[: _PREFIX.size].tobytes())
+    data = first[_PREFIX.size : _PREFIX.size + min(int(length), _ROOM)].tobytes()
     if rest is not None:
         data += rest.tobytes()
     try:
@@ -175,14 +200,32 @@ def _decode(first: npt.NDArray[np.uint8], rest: npt.NDArray[np.uint8] | None) ->
         raise DistProtocolError(f"serving header is not JSON: {exc}") from exc
     if not isinstance(message, dict):
         raise DistProtocolError(f"serving header is not an object: {message!r}")
-    return message
+    if not carried:
+        return message, None
+    start = _PREFIX.size + int(length)
+    return message, first[start : start + int(carried)]
+
+
+def _unpack(carried: npt.NDArray[np.uint8], specs: Sequence[Any]) -> list[npt.NDArray[Any]]:
+    """New arrays for ``specs``, filled from the bytes a header carried."""
+    arrays = [_empty(s) for s in specs]
+    if sum(a.nbytes for a in arrays) != len(carried):
+        raise DistProtocolError(f"serving header carries {len(carried)} bytes for {specs!r}")
+    at = 0
+    for a in arrays:
+        a.reshape(-1).view(np.uint8)[:] = carried[at : at + a.nbytes]
+        at += a.nbytes
+    return arrays
 
 
 def _dtype_code(dtype: np.dtype[Any]) -> str:
     return "bfloat16" if dtype.name == "bfloat16" else dtype.str
 
 
-def _spec(a: npt.NDArray[Any]) -> list[Any]:
+def _spec(a: npt.NDArray[Any], what: str) -> list[Any]:
+    """The ``[dtype, shape]`` of ``a`` for a header (at most 32 dimensions keep it bounded)."""
+    if a.ndim > _MAX_NDIM:
+        raise DistUsageError(f"{what}: an array of {a.ndim} dimensions (at most {_MAX_NDIM})")
     return [_dtype_code(a.dtype), list(a.shape)]
 
 
@@ -281,19 +324,71 @@ def _refuse(pg: ProcessGroup, name: str, args: tuple[Any, ...]) -> Plan:
     raise DistUsageError(str(args[0]))
 
 
+def _joins(world: World) -> tuple[Store, str, int] | None:
+    """Where ``init_process_group`` counts the joins of this world size, and this generation.
+
+    A world's keys live under ``aiodist/<group name>/<world size>/<generation>/`` and the
+    joins are counted in ``aiodist/<group name>/joined/<world size>`` (the generation is
+    the count's quotient by the world size). ``None`` for a store laid out otherwise.
+    """
+    store = world.store
+    if not isinstance(store, PrefixStore):
+        return None
+    parts = store.prefix.rstrip("/").split("/")
+    if len(parts) < 4 or parts[0] != "aiodist" or parts[-2] != str(world.size):
+        return None
+    if not parts[-1].isdigit():
+        return None
+    namespace = "/".join(parts[:-2])
+    return store.underlying_store, f"{namespace}/joined/{world.size}", int(parts[-1])
+
+
+async def _watching(pg: ProcessGroup, step: Awaitable[T]) -> T:
+    """Await ``step`` of making a channel while watching ``pg``'s world.
+
+    Raises:
+        DistError: the world was aborted meanwhile, or it can never be complete (a rank
+            that should be in it joined a later generation); the world is then aborted, so
+            that its other ranks move on too.
+    """
+    task = asyncio.ensure_future(step)
+    joins = _joins(pg.world)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=_JOIN_POLL)
+            if done:
+                return task.result()
+            pg.check_usable("Channel.create")
+            if joins is None:
+                continue
+            # A rank that joined this generation and died before the others came (or a rank
+            # restarted before the survivors had moved on) shifts every later join by one:
+            # a rank this generation waits for lands in the next. Once the count has passed
+            # this generation, nobody else can join it, so it is given up for the next.
+            base, counter, generation = joins
+            if await base.add(counter, 0) > (generation + 1) * pg.size:
+                pg.abort(
+                    f"generation {generation} of the process group can never be complete: a "
+                    "rank it waits for joined a later one (a rank restarted while it formed)"
+                )
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
 async def _join(pg: ProcessGroup) -> None:
     """Wait, without a deadline, until every rank of ``pg``'s world has reached this point.
 
     A restarted worker may take a while to come back; waiting through the store (instead of
     a collective with a deadline) keeps every rank joining each generation exactly once.
     """
-    world = pg.world
-    keys = [f"serving/joined/{r}" for r in range(world.size)]
-    await world.store.set(keys[world.rank], b"1")
+    store = pg.world.store
+    keys = [f"serving/joined/{r}" for r in range(pg.size)]
+    await store.set(keys[pg.rank], b"1")
     while True:
-        pg.check_usable("Channel.create")
         try:
-            await world.store.wait(keys, _JOIN_POLL)
+            await store.wait(keys, _JOIN_POLL * 60)
         except DistTimeoutError:
             continue
         return
@@ -374,13 +469,18 @@ class Channel:
             )
         if world.size < 2:
             raise DistUsageError("Channel.create: a channel needs a world of two or more ranks")
-        await _join(pg)
-        workers = await _group.new_group(
-            world,
-            [r for r in range(world.size) if r != CONTROLLER_RANK],
-            backend=world.backend,
-            backends=dict(world.backends),
-            timeout=world.timeout,
+        await _watching(pg, _join(pg))
+        # A rank that joined and died before voting must not hold the others for the
+        # group's timeout: the vote is watched like the join.
+        workers = await _watching(
+            pg,
+            _group.new_group(
+                world,
+                [r for r in range(world.size) if r != CONTROLLER_RANK],
+                backend=world.backend,
+                backends=dict(world.backends),
+                timeout=world.timeout,
+            ),
         )
         return cls(pg, workers)
 
@@ -421,16 +521,21 @@ class Channel:
         if self._closed:
             raise DistUsageError("call: the channel is closed")
         _check_name(name, "call")
-        seconds = to_seconds(timeout, None)
+        try:
+            seconds = to_seconds(timeout, None)
+        except DistUsageError as exc:
+            raise DistUsageError(f"call {name!r}: {exc}") from None
         if len(arrays) > _MAX_ARRAYS:
             raise DistUsageError(f"call {name!r}: {len(arrays)} arrays (at most {_MAX_ARRAYS})")
         payload = [
             as_array(a, writable=False, name=f"call {name!r}: argument {i}")
             for i, a in enumerate(arrays)
         ]
-        header = {"op": "call", "name": name, "arrays": [_spec(a) for a in payload]}
-        if len(json.dumps(header)) > _MAX_HEADER // 2:
-            raise DistUsageError(f"call {name!r}: the arrays' shapes make a header too large")
+        header = {
+            "op": "call",
+            "name": name,
+            "arrays": [_spec(a, f"call {name!r}") for a in payload],
+        }
         self.group.check_usable("call")
         loop = asyncio.get_running_loop()
         deadline = None if seconds is None else loop.time() + seconds
@@ -468,9 +573,10 @@ class Channel:
         self.calls += 1
         self.group.check_usable("call")
         header = {**header, "id": tag, "seq": self._seq}
+        parts, _ = _encode(header, payload)
         sent = [
             _api.broadcast(part, src=CONTROLLER_RANK, group=pg, timeout=self._left(deadline))
-            for part in (*_encode(header), *payload)
+            for part in parts
         ]
         firsts = [np.empty(_FIRST, np.uint8) for _ in self.worker_ranks]
         works = [
@@ -515,7 +621,7 @@ class Channel:
         if extra:
             rest = np.empty(extra, np.uint8)
             await _api.recv(rest, src=rank, group=pg, tag=tag, timeout=self._left(deadline))
-        message = _decode(first, rest)
+        message, carried = _decode(first, rest)
         try:
             ok, seq = bool(message["ok"]), int(message["seq"])
             if not ok:
@@ -523,14 +629,17 @@ class Channel:
             kind, specs = message["kind"], message["arrays"]
         except (KeyError, TypeError, ValueError) as exc:
             raise DistProtocolError(f"bad serving reply from rank {rank}: {message!r}") from exc
-        arrays = [_empty(s) for s in specs]
-        if arrays:
-            await asyncio.gather(
-                *(
-                    _api.recv(a, src=rank, group=pg, tag=tag, timeout=self._left(deadline))
-                    for a in arrays
+        if carried is not None:
+            arrays = _unpack(carried, specs)
+        else:
+            arrays = [_empty(s) for s in specs]
+            if arrays:
+                await asyncio.gather(
+                    *(
+                        _api.recv(a, src=rank, group=pg, tag=tag, timeout=self._left(deadline))
+                        for a in arrays
+                    )
                 )
-            )
         if kind == "none":
             return _Reply(True, seq)
         if kind == "array" and len(arrays) == 1:
@@ -597,7 +706,7 @@ class Channel:
             await asyncio.gather(
                 *(
                     _api.broadcast(part, src=CONTROLLER_RANK, group=self.group, timeout=seconds)
-                    for part in _encode(header)
+                    for part in _encode(header)[0]
                 )
             )
         finally:
@@ -631,7 +740,7 @@ class Channel:
         table = _check_handlers(handlers)
         pg = self.group
         while True:
-            message = await self._next_header()
+            message, carried = await self._next_header()
             try:
                 op, seq = message["op"], int(message["seq"])
                 if op == "call":
@@ -647,20 +756,21 @@ class Channel:
                 return
             if op != "call":
                 raise DistProtocolError(f"bad serving header: {message!r}")
-            arrays = [_empty(s) for s in specs]
-            if arrays:
-                await asyncio.gather(
-                    *(_api.broadcast(a, src=CONTROLLER_RANK, group=pg) for a in arrays)
-                )
+            if carried is not None:
+                arrays = _unpack(carried, specs)
+            else:
+                arrays = [_empty(s) for s in specs]
+                if arrays:
+                    await asyncio.gather(
+                        *(_api.broadcast(a, src=CONTROLLER_RANK, group=pg) for a in arrays)
+                    )
             reply, out = await self._run(table, name, arrays)
+            parts, _ = _encode(reply, out)
             await asyncio.gather(
-                *(
-                    _api.send(part, dst=CONTROLLER_RANK, group=pg, tag=tag)
-                    for part in (*_encode(reply), *out)
-                )
+                *(_api.send(part, dst=CONTROLLER_RANK, group=pg, tag=tag) for part in parts)
             )
 
-    async def _next_header(self) -> dict[str, Any]:
+    async def _next_header(self) -> tuple[dict[str, Any], npt.NDArray[np.uint8] | None]:
         pg = self.group
         first = np.empty(_FIRST, np.uint8)
         # A worker waits for the next call as long as it takes: no deadline.
@@ -685,6 +795,7 @@ class Channel:
             try:
                 value = await handler(*arrays)
                 kind, out = _outgoing(value, name)
+                specs = [_spec(a, f"handler {name!r} returned") for a in out]
             except Exception as exc:
                 # The world failed under the handler: serving cannot go on.
                 self.group.check_usable("serve")
@@ -700,7 +811,7 @@ class Channel:
         return {
             "ok": True,
             "kind": kind,
-            "arrays": [_spec(a) for a in out],
+            "arrays": specs,
             "seq": self._worker_seq(),
         }, out
 
@@ -946,16 +1057,22 @@ class Controller:
         channel = self._channel if self._state == "ready" else None
         self._set("closing", "shutting down")
         try:
+            why = "the controller shut down before every rank had joined"
             if channel is not None:
                 try:
                     await channel.close(self._drain_timeout)
+                    why = ""
                 except DistTimeoutError as exc:
-                    channel.group.abort(f"the controller shut down: {exc}")
+                    why = f"the controller shut down: {exc}"
                 except DistError as exc:
                     logger.warning("serving controller: closing the channel: %s", exc)
             if self._task is not None:
                 self._task.cancel()
                 await asyncio.gather(self._task, return_exceptions=True)
+            world = self._world
+            if why and world is not None and world.broken is None:
+                # Workers not told to stop would wait for calls forever: tell them why.
+                world.default_group.abort(why)
             await self._drop_world()
         finally:
             self._channel = None
@@ -1005,21 +1122,26 @@ async def run_worker(handlers: Mapping[str, Handler], *, rebuild: bool = True, *
     _check_worker_rank(init.get("rank"))  # before joining, which waits for every rank
     loop = asyncio.get_running_loop()
     me = asyncio.current_task()
-    serving = stopping = False
+    # "joining" a group, "serving" calls, or "leaving" (serve returned: the process ends).
+    phase = "joining"
+    stopping = ""  # the signal that asked this worker to stop
 
     def on_signal(signum: int) -> None:
         nonlocal stopping
-        if stopping or not serving:
-            logger.warning("worker: %s: stopping", signal.Signals(signum).name)
-            stopping = True
-            if me is not None:
-                me.cancel()
+        name = signal.Signals(signum).name
+        if phase == "leaving":
+            return  # already on the way out
+        if phase == "serving" and not stopping:
+            stopping = name
+            logger.warning(
+                "worker: %s: serving until the controller closes the channel (again to stop now)",
+                name,
+            )
             return
-        stopping = True
-        logger.warning(
-            "worker: %s: serving until the controller closes the channel (again to stop now)",
-            signal.Signals(signum).name,
-        )
+        logger.warning("worker: %s: stopping", name)
+        stopping = name
+        if me is not None:
+            me.cancel()
 
     installed = []
     if threading.current_thread() is threading.main_thread():
@@ -1029,16 +1151,19 @@ async def run_worker(handlers: Mapping[str, Handler], *, rebuild: bool = True, *
                 installed.append(signum)
     try:
         while True:
+            phase = "joining"
             pg = await _api.init_process_group(**init)
             world = pg.world
             try:
                 _check_worker_rank(pg.rank)
                 channel = await Channel.create(pg)
-                serving = True
+                phase = "serving"
                 await channel.serve(table)
+                phase = "leaving"
                 return
             except DistError as exc:
                 if stopping:
+                    phase = "leaving"
                     return
                 if not (rebuild and pg.is_aborted()):
                     raise
@@ -1046,7 +1171,11 @@ async def run_worker(handlers: Mapping[str, Handler], *, rebuild: bool = True, *
                     "rank %d: the process group failed (%s); joining a new one", pg.rank, exc
                 )
             finally:
-                serving = False
+                if phase != "leaving" and not pg.is_aborted():
+                    # Leaving a group whose controller still counts on this worker is a
+                    # failure: the others must hear of it now, not at their next call.
+                    why = f"{stopping} stopped it" if stopping else "it stopped serving"
+                    pg.abort(f"worker rank {pg.rank} left: {why}")
                 await _destroy(world)
     except asyncio.CancelledError:
         if not stopping:

@@ -23,6 +23,7 @@ import logging
 import os
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable, Coroutine, Iterator
 from datetime import timedelta
@@ -232,6 +233,42 @@ _loop_thread = _LoopThread()
 os.register_at_fork(after_in_child=_loop_thread.forget)
 
 
+#: Seconds a blocking call polls for its result before it sleeps on the future. Sleeping
+#: means the loop thread must wake this thread when the result is set: on a VM waking a
+#: sleeping thread costs tens of microseconds, as much as a small operation itself.
+SPIN_SECONDS = 40e-6
+
+_usable_cpus: int | None = None
+
+
+def _may_spin() -> bool:
+    """Whether this process's ranks fit on its usable CPUs, so a polling caller costs
+    nobody a CPU; with more ranks than CPUs every poll takes one from a rank that works."""
+    global _usable_cpus
+    if _usable_cpus is None:
+        _usable_cpus = len(os.sched_getaffinity(0))
+    world = _group.peek_world()
+    ranks = os.environ.get("LOCAL_WORLD_SIZE") or (world.size if world is not None else 1)
+    try:
+        return int(ranks) <= _usable_cpus
+    except ValueError:
+        return False
+
+
+def _wait(future: concurrent.futures.Future[T], timeout: float | None = None) -> T:
+    """``future.result(timeout)``, polling for up to :data:`SPIN_SECONDS` before sleeping.
+
+    Each round yields the CPU and the GIL (``os.sched_yield``), so the loop thread runs
+    the operation meanwhile and, finding nobody asleep on the future, sets its result
+    without a wake-up.
+    """
+    if not future.done() and _may_spin():
+        deadline = time.perf_counter() + SPIN_SECONDS
+        while not future.done() and time.perf_counter() < deadline:
+            os.sched_yield()
+    return future.result(timeout)
+
+
 def _run(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
     """Run ``coro`` on the loop thread and block until it finishes; return its result.
 
@@ -253,7 +290,7 @@ def _run(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         )
     future = asyncio.run_coroutine_threadsafe(coro, _loop_thread.loop())
     try:
-        return future.result(timeout)
+        return _wait(future, timeout)
     except concurrent.futures.TimeoutError:
         # The builtin TimeoutError is this class: a DistTimeoutError the coroutine raised
         # arrives here too, with the future done.
@@ -528,13 +565,17 @@ def _abort_on_interrupt(op: str) -> None:
         _loop_thread.loop().call_soon_threadsafe(world.abort, cause)
 
 
-def _on_loop(fn: Callable[..., T], *args: Any) -> T:
-    """Call ``fn(*args)`` on the loop thread and return its result (one hop, no task)."""
+def _not_on_the_loop_thread() -> None:
     if threading.get_ident() == _loop_thread.ident:
         raise DistUsageError(
             "a blocking aiodist.sync call was made on aiodist's event-loop thread, where it "
             "would wait for itself forever; await the async API (import aiodist) there instead"
         )
+
+
+def _on_loop(fn: Callable[..., T], *args: Any) -> T:
+    """Call ``fn(*args)`` on the loop thread and return its result (one hop, no task)."""
+    _not_on_the_loop_thread()
     done: concurrent.futures.Future[T] = concurrent.futures.Future()
 
     def call() -> None:
@@ -544,7 +585,27 @@ def _on_loop(fn: Callable[..., T], *args: Any) -> T:
             done.set_exception(exc)
 
     _loop_thread.loop().call_soon_threadsafe(call)
-    return done.result()
+    return _wait(done)
+
+
+def _start_on_loop(start: Callable[[], _group.Work[T]]) -> concurrent.futures.Future[T]:
+    """Start an operation on the loop thread; return a future of its result at once.
+
+    The caller waits once, for the end, instead of first for the start and then for the
+    end (each wait that sleeps costs a wake-up from the loop thread).
+    """
+    _not_on_the_loop_thread()
+    done: concurrent.futures.Future[T] = concurrent.futures.Future()
+    done.set_running_or_notify_cancel()
+
+    def call() -> None:
+        try:
+            Work(start(), done)
+        except BaseException as exc:
+            done.set_exception(exc)
+
+    _loop_thread.loop().call_soon_threadsafe(call)
+    return done
 
 
 class Work(Generic[T]):
@@ -555,11 +616,16 @@ class Work(Generic[T]):
     operation has finished.
     """
 
-    def __init__(self, work: _group.Work[T]) -> None:
-        # Made on the loop thread (the done callback is added there).
+    def __init__(
+        self, work: _group.Work[T], future: concurrent.futures.Future[T] | None = None
+    ) -> None:
+        # Made on the loop thread (the done callback is added there). ``future``: a running
+        # future the caller already waits on, to settle with the operation's outcome.
         self._work = work
-        self._future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        self._future.set_running_or_notify_cancel()
+        if future is None:
+            future = concurrent.futures.Future()
+            future.set_running_or_notify_cancel()
+        self._future = future
         # Runs on the loop thread (where the work was made), once the operation ends.
         work.add_done_callback(self._settle)
 
@@ -586,7 +652,7 @@ class Work(Generic[T]):
             KeyboardInterrupt: Ctrl-C; the operation itself keeps running.
         """
         if to_seconds(timeout) is None:
-            self._future.result()
+            _wait(self._future)
             return True
         # A deadline fails the operation when it passes: the async Work does that.
         _run(self._work.wait(timeout))
@@ -627,9 +693,9 @@ class Work(Generic[T]):
         _on_loop(self._work.wait_stream, stream)
 
 
-def _block(op: str, work: Work[T]) -> T:
+def _block(op: str, future: concurrent.futures.Future[T]) -> T:
     try:
-        return work._future.result()
+        return _wait(future)
     except KeyboardInterrupt:
         _abort_on_interrupt(op)
         raise
@@ -655,10 +721,9 @@ def _twin(fn: Callable[..., _group.Work[Any]], mode: str) -> Callable[..., Any]:
         bound = signature.bind(*args, **kwargs)
         async_op = bound.arguments.pop("async_op", False)
         # Made on the loop thread, which is where the async work's callbacks may be added.
-        work = _on_loop(lambda: Work(fn(*bound.args, **bound.kwargs)))
         if mode == "work" or async_op:
-            return work
-        result = _block(name, work)
+            return _on_loop(lambda: Work(fn(*bound.args, **bound.kwargs)))
+        result = _block(name, _start_on_loop(lambda: fn(*bound.args, **bound.kwargs)))
         return result if mode == "result" else None
 
     twin.__name__ = twin.__qualname__ = name

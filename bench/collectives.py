@@ -1,7 +1,7 @@
 """Every collective, aiodist against torch's gloo, in the same processes and the same run.
 
 Run:  python bench/collectives.py [--quick] [--ranks 2,4] [--out bench/results/collectives.md]
-      [--only all_reduce,broadcast] [--profile DIR]
+      [--only all_reduce,broadcast] [--sizes 64K,4M] [--profile DIR]
 
 One process per rank on this machine. Each process joins an aiodist group (uvloop, TCP over
 loopback) and a torch gloo group; for every collective and size it times aiodist, then gloo,
@@ -25,9 +25,9 @@ import asyncio
 import cProfile
 import multiprocessing as mp
 import os
+import socket
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -173,7 +173,9 @@ def batch_torch(op: Callable[[], Any], iters: int) -> float:
     return (time.perf_counter() - start) / iters
 
 
-async def rank_main(rank: int, n: int, tmp: str, args: argparse.Namespace) -> dict[Any, Any]:
+async def rank_main(
+    rank: int, n: int, ports: tuple[int, int], args: argparse.Namespace
+) -> dict[Any, Any]:
     import torch
     import torch.distributed as dist
 
@@ -182,14 +184,19 @@ async def rank_main(rank: int, n: int, tmp: str, args: argparse.Namespace) -> di
     torch.set_num_threads(1)
     # torch 2.13 marks the *_tensor collectives deprecated; they are still gloo's fast path.
     warnings.filterwarnings("ignore", category=FutureWarning)
-    await aiodist.init_process_group(
-        "cpu", init_method=f"file://{tmp}/aiodist.store", world_size=n, rank=rank
-    )
+    # Each library's own TCPStore, hosted by rank 0, as env:// jobs have. (With file://,
+    # aiodist's world keeps polling the file for its abort key, about 100 us of CPU per
+    # 4 MiB operation here, while gloo never reads its file store again after setup.)
+    # gloo first: its blocking setup would stall rank 0's loop, where aiodist's store
+    # server runs, while the other ranks still need it to join.
     dist.init_process_group(
-        "gloo", init_method=f"file://{tmp}/torch.store", world_size=n, rank=rank
+        "gloo", init_method=f"tcp://127.0.0.1:{ports[1]}", world_size=n, rank=rank
+    )
+    await aiodist.init_process_group(
+        "cpu", init_method=f"tcp://127.0.0.1:{ports[0]}", world_size=n, rank=rank
     )
     results: dict[Any, Any] = {}
-    sizes = QUICK_SIZES if args.quick else SIZES
+    sizes = args.sizes or (QUICK_SIZES if args.quick else SIZES)
     reps = 5 if args.quick else 9
     profiler = cProfile.Profile() if args.profile else None
     for name in args.only:
@@ -220,37 +227,52 @@ async def rank_main(rank: int, n: int, tmp: str, args: argparse.Namespace) -> di
     return results
 
 
-def rank_entry(rank: int, n: int, tmp: str, args: argparse.Namespace, queue: Any) -> None:
+def rank_entry(
+    rank: int, n: int, ports: tuple[int, int], args: argparse.Namespace, queue: Any
+) -> None:
     from aiodist._loop import loop_factory
 
     try:
         with asyncio.Runner(loop_factory=loop_factory("auto")) as runner:
-            queue.put((rank, runner.run(rank_main(rank, n, tmp, args))))
+            queue.put((rank, runner.run(rank_main(rank, n, ports, args))))
     except BaseException as exc:
         queue.put((rank, exc))
         raise
+
+
+def free_ports(count: int) -> tuple[int, ...]:
+    """Distinct loopback ports that were free a moment ago (run it in its own namespace)."""
+    socks = [socket.socket() for _ in range(count)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return tuple(int(sock.getsockname()[1]) for sock in socks)
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 def run_world(n: int, args: argparse.Namespace) -> dict[Any, Any]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     os.environ.update(OMP_NUM_THREADS="1", LOCAL_WORLD_SIZE=str(n))
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=rank_entry, args=(r, n, tmp, args, queue)) for r in range(n)]
+    aiodist_port, torch_port = free_ports(2)
+    ports = (aiodist_port, torch_port)
+    procs = [ctx.Process(target=rank_entry, args=(r, n, ports, args, queue)) for r in range(n)]
+    for p in procs:
+        p.start()
+    per_rank: dict[int, Any] = {}
+    try:
+        for _ in range(n):
+            rank, res = queue.get(timeout=1800)
+            if isinstance(res, BaseException):
+                raise RuntimeError(f"rank {rank} failed: {res!r}")
+            per_rank[rank] = res
+    finally:
         for p in procs:
-            p.start()
-        per_rank: dict[int, Any] = {}
-        try:
-            for _ in range(n):
-                rank, res = queue.get(timeout=1800)
-                if isinstance(res, BaseException):
-                    raise RuntimeError(f"rank {rank} failed: {res!r}")
-                per_rank[rank] = res
-        finally:
-            for p in procs:
-                p.join(timeout=30)
-                if p.is_alive():
-                    p.kill()
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
     merged = {}
     for key, (count, _, _) in per_rank[0].items():
         # Per repetition, the slowest rank; then the median over repetitions.
@@ -265,6 +287,12 @@ def run_world(n: int, args: argparse.Namespace) -> dict[Any, Any]:
 
 
 # -- report --------------------------------------------------------------------------------
+
+
+def parse_size(text: str) -> int:
+    """``8``, ``64K``, ``4M``: bytes."""
+    scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:].upper(), 1)
+    return int(text[:-1] if scale > 1 else text) * scale
 
 
 def fmt_size(size: int) -> str:
@@ -317,10 +345,12 @@ def main() -> None:
     parser.add_argument(
         "--out", default=os.path.join(os.path.dirname(__file__), "results", "collectives.md")
     )
+    parser.add_argument("--sizes", default="", help="sizes instead of the default list: 8,64K,4M")
     parser.add_argument("--verbose", action="store_true", help="progress on stderr")
     parser.add_argument("--profile", default=None, help="directory for per-rank cProfile dumps")
     args = parser.parse_args()
     args.only = [c for c in args.only.split(",") if c]
+    args.sizes = [parse_size(x) for x in args.sizes.split(",") if x]
     unknown = set(args.only) - set(COLLECTIVES)
     if unknown:
         parser.error(f"unknown collectives: {sorted(unknown)}")

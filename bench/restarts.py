@@ -1,11 +1,22 @@
-"""Restart reliability: a worker crashes after its group formed, the launcher restarts the group.
+"""Restart reliability and recovery time: a worker crashes after its group formed.
 
-Each run starts ``--nproc`` workers under ``--max-restarts=1``; on attempt 0 rank 1 exits with
-code 3 after ``init_process_group`` and an all_reduce; attempt 1 must complete. The run
-counts as a success when the launcher exits 0 and every rank printed attempt 1's result.
+Cases (``--cases``, comma-separated):
 
-    python bench/restarts.py                      # 20 runs, aiodist and torch workers
-    python bench/restarts.py --runs 5 --torchrun  # also torch's torchrun, for comparison
+    aiodist-all     aiodist workers, --max-restarts=1 (--restart-policy=all): rank 1 exits 3
+                    after init_process_group and an all_reduce on attempt 0; the launcher
+                    restarts every worker, and attempt 1 must complete
+    torch-all       the same with torch gloo workers (tests/launcher_torch_worker.py)
+    aiodist-failed  aiodist workers, --restart-policy=failed --max-restarts=1: the last rank
+                    exits 3 after a first all_reduce; only it is restarted, the others notice
+                    (their next all_reduce raises), destroy and init their group again, and
+                    all of them run an all_reduce in the rebuilt group
+
+A run succeeds when the launcher exits 0 and every rank printed its result after the restart.
+Recovery is the time from the crashing rank's last line to the last rank's result after the
+restart, as read from the launcher's output (each line is written as soon as it is complete).
+
+    python bench/restarts.py                      # 20 runs of each case, 3 workers
+    python bench/restarts.py --runs 5 --torchrun  # also torch workers under torch's torchrun
 
 torch's torchrun keeps the failed attempt's keys in its store, which breaks gloo's
 re-initialisation in most runs; aiodist-run empties the store between attempts.
@@ -18,17 +29,27 @@ import os
 import re
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-WORKERS = {
-    "aiodist": [str(ROOT / "tests" / "launcher_worker.py"), "crash-once", "1"],
-    "torch": [str(ROOT / "tests" / "launcher_torch_worker.py"), "crash-once"],
-}
-EXPECTED = {"aiodist": "attempt=1 sum={s:g}", "torch": "torch attempt=1 sum={s:g}"}
+AIODIST_WORKER = str(ROOT / "tests" / "launcher_worker.py")
+TORCH_WORKER = str(ROOT / "tests" / "launcher_torch_worker.py")
+CASES = ("aiodist-all", "torch-all", "aiodist-failed")
+CRASH = re.compile(r"^\[rank\d+\]: crashing")
+
+
+@dataclass
+class Run:
+    ok: bool
+    seconds: float
+    recovery: float | None
+    error: str = ""
 
 
 def free_port() -> int:
@@ -37,56 +58,107 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def one_run(launcher: str, workers: str, nproc: int, timeout: float) -> tuple[bool, float, str]:
+def command(launcher: str, case: str, nproc: int) -> tuple[list[str], re.Pattern[str]]:
+    """The command line of one run, and the line every rank prints once it recovered."""
     if launcher == "aiodist-run":
         cmd = [sys.executable, "-m", "aiodist.run"]
     else:
         torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
         assert torchrun is not None, "torchrun is not installed next to this python"
         cmd = [torchrun, f"--master-port={free_port()}"]
-    cmd += [f"--nproc-per-node={nproc}", "--max-restarts=1", *WORKERS[workers]]
+    cmd += [f"--nproc-per-node={nproc}", "--max-restarts=1"]
+    total = nproc * (nproc + 1) // 2
+    if case == "aiodist-all":
+        return [*cmd, AIODIST_WORKER, "crash-once", "1"], re.compile(rf"attempt=1 sum={total}$")
+    if case == "torch-all":
+        return [*cmd, TORCH_WORKER, "crash-once"], re.compile(rf"torch attempt=1 sum={total} ")
+    # The restarted rank adds 10 to its contribution in the rebuilt group.
+    done = re.compile(rf"rebuilt restart=\d sum={total + 10} ")
+    return [*cmd, "--restart-policy=failed", AIODIST_WORKER, "rebuild", str(nproc - 1)], done
+
+
+def one_run(launcher: str, case: str, nproc: int, timeout: float) -> Run:
+    cmd, done = command(launcher, case, nproc)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_"))}
     t0 = time.monotonic()
-    try:
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return False, time.monotonic() - t0, f"timed out after {timeout:g} s"
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    timed_out = threading.Event()
+
+    def kill() -> None:
+        timed_out.set()
+        proc.kill()
+
+    timer = threading.Timer(timeout, kill)
+    timer.start()
+    crashed: float | None = None
+    finished: list[float] = []
+    why: list[str] = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        now = time.monotonic()
+        line = line.rstrip("\n")
+        if "root cause:" in line or (line.startswith(" ") and "Error: " in line):
+            why.append(line.strip())  # the summary's root cause and the error it quotes
+        if crashed is None and CRASH.match(line):
+            crashed = now
+        if done.search(line):
+            finished.append(now)
+    proc.wait()
+    timer.cancel()
     elapsed = time.monotonic() - t0
-    want = EXPECTED[workers].format(s=nproc * (nproc + 1) / 2)
-    done = len(re.findall(rf"{re.escape(want)}\b", result.stdout))
-    if result.returncode == 0 and done == nproc:
-        return True, elapsed, ""
-    last = (result.stderr.strip().splitlines() or ["(no stderr)"])[-1]
-    return False, elapsed, f"exit {result.returncode}, {done}/{nproc} ranks done: {last[:160]}"
+    if timed_out.is_set():
+        return Run(False, elapsed, None, f"timed out after {timeout:g} s")
+    if proc.returncode == 0 and len(finished) == nproc and crashed is not None:
+        return Run(True, elapsed, max(finished) - crashed)
+    return Run(
+        False,
+        elapsed,
+        None,
+        f"exit {proc.returncode}, {len(finished)}/{nproc} ranks recovered: "
+        + " / ".join(w[:200] for w in why[:1] + why[-1:]),
+    )
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--runs", type=int, default=20)
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--workers", default="aiodist,torch", help="comma-separated: aiodist,torch")
+    p.add_argument("--nproc", type=int, default=3)
+    p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated: {','.join(CASES)}")
     p.add_argument("--torchrun", action="store_true", help="also run torch workers under torchrun")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per run")
     args = p.parse_args()
-    cases = [("aiodist-run", w) for w in args.workers.split(",") if w]
+    if args.nproc < 2:
+        p.error("--nproc must be at least 2: one rank crashes, another survives")
+    cases = [("aiodist-run", c) for c in args.cases.split(",") if c]
+    for _launcher, case in cases:
+        if case not in CASES:
+            p.error(f"unknown case {case!r}: expected one of {', '.join(CASES)}")
     if args.torchrun:
-        cases.append(("torchrun", "torch"))
-    print(f"{'launcher':>12} {'workers':>8} {'runs':>5} {'ok':>4} {'mean s':>7} {'max s':>7}")
-    for launcher, workers in cases:
-        ok, times, errors = 0, [], []
-        for _ in range(args.runs):
-            success, elapsed, error = one_run(launcher, workers, args.nproc, args.timeout)
-            ok += success
-            times.append(elapsed)
-            if error:
-                errors.append(error)
+        cases.append(("torchrun", "torch-all"))
+    print(f"{args.nproc} workers, {args.runs} runs per case")
+    print(
+        f"{'launcher':>12} {'case':>15} {'ok':>6} {'run mean s':>11} {'recovery mean s':>16} "
+        f"{'median s':>9} {'max s':>7}"
+    )
+    for launcher, case in cases:
+        runs = [one_run(launcher, case, args.nproc, args.timeout) for _ in range(args.runs)]
+        ok = [r for r in runs if r.ok]
+        recovery = [r.recovery for r in ok if r.recovery is not None]
+        rec = (
+            f"{statistics.mean(recovery):>16.3f} {statistics.median(recovery):>9.3f} "
+            f"{max(recovery):>7.3f}"
+            if recovery
+            else f"{'-':>16} {'-':>9} {'-':>7}"
+        )
         print(
-            f"{launcher:>12} {workers:>8} {args.runs:>5} {ok:>4} "
-            f"{sum(times) / len(times):>7.2f} {max(times):>7.2f}",
+            f"{launcher:>12} {case:>15} {len(ok):>3}/{len(runs):<2} "
+            f"{statistics.mean(r.seconds for r in runs):>11.2f} {rec}",
             flush=True,
         )
-        for error in errors[:3]:
-            print(f"{'':>14}failure: {error}")
+        for run in [r for r in runs if not r.ok][:3]:
+            print(f"{'':>14}failure: {run.error}")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,41 @@ loop for comparison. MAX keeps the repeatedly reduced values finite. Every rank 
 operation; the table shows the slowest rank's median and mean, in microseconds. A second
 table times blocking store calls against the async ones (HashStore and a TCPStore client,
 in one process).
+
+Where the microseconds go (2-vCPU VM shared with other work, medians of 3000 hops of an
+empty coroutine from a caller thread to the loop thread and back, ``run_coroutine_threadsafe``
+as ``sync._run`` does it):
+
+* to the loop thread, 10 us: ``call_soon_threadsafe`` writes the loop's self-pipe, the loop
+  thread wakes from ``epoll_wait`` and takes the GIL;
+* back to the caller, 16 us when it sleeps on the future (the loop thread's ``set_result``
+  wakes it through a futex), 7 us when it polls (``sync._wait``: ``future.done()`` and
+  ``os.sched_yield()``, which drops the GIL, for up to ``SPIN_SECONDS``);
+* but a polling caller holds the GIL between its yields, so the loop thread waits for it:
+  to the loop thread 20 us instead of 10. A busy poll that never drops the GIL: 73 us.
+  ``time.sleep(0)`` sleeps the kernel's timer slack (about 50 us) each round.
+
+So one hop costs 27 us either way, against 1.1 us for an awaited ``HashStore.get``: a
+blocking store call cannot come within 2x of the async one while it crosses threads.
+A blocking collective used to make two hops (``_on_loop`` created the operation's ``Work``,
+then ``_block`` waited for its end); it now makes one (``_start_on_loop`` hands the loop
+thread a future to settle, and the caller polls it). The loop thread holds the GIL for the
+operation's own Python (about 30 us per 8-byte all_reduce), during which a polling caller
+only gets its turns between the loop's GIL releases.
+
+Measured (2 vCPUs, load average 2-3, ``nice -n -15``, five runs of each version
+alternating). The async time itself is bimodal from run to run: 30 us while the transport's
+own receive polling catches the answers, 140 us once that polling has backed off (see
+``docs/architecture.md``, "Polling policy"); compare runs in the same mode:
+
+| | async | ``sync.all_reduce`` | ``async_op=True`` + ``wait()`` | blocking ``HashStore.get`` |
+| --- | ---: | ---: | ---: | ---: |
+| before, async 140 us (3 runs) | 138-142 | 243-274 (1.74-1.98x) | 245-265 (1.77-1.86x) | 26-27 |
+| after, async 140 us (3 runs) | 139-147 | 196-204 (1.34-1.45x) | 197-205 (1.34-1.46x) | 28-45 |
+| before, async 30 us (4 runs) | 30-33 | 80-84 (2.6-2.7x); one run 265 | 81-83; one run 270 | 27-100 |
+| after, async 30 us (5 runs) | 30-33 | 66-68 (2.1-2.2x); two runs 120, 225 | 71-108; two runs 224-243 | 45-109 |
+
+(async ``HashStore.get``: 1.1 us throughout.)
 """
 
 from __future__ import annotations

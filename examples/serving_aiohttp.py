@@ -2,7 +2,8 @@
 
     aiodist-run --standalone --nproc-per-node=3 examples/serving_aiohttp.py
 
-and from another shell:
+(add ``--restart-policy=failed`` to have a worker that dies restarted while rank 0 keeps
+serving), and from another shell:
 
     curl -s localhost:8000/health
     curl -s localhost:8000/predict -d '{"x": [[0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15]]}'

@@ -8,15 +8,27 @@ Modes:
     errorfile R         rank R writes TORCHELASTIC_ERROR_FILE and exits 1
     crash-once R        group formed and all_reduce ran, then rank R exits 3 on attempt 0;
                         attempt 1 succeeds
+    env-crash R         rank R exits 3 on its first start; every other start prints env's JSON
+    rebuild R           for --restart-policy=failed: after a first all_reduce rank R exits 3;
+                        the others' next all_reduce raises, they destroy and init the group
+                        again and the replacement of rank R joins them; all_reduce of
+                        rank + 1 + 10 * restart count in the rebuilt group
+    graceful STEP HOW   print "ready", run steps of STEP seconds; on SIGTERM each rank does
+                        what HOW (comma-separated, one per rank) says: finish (the current
+                        step, then exit 0), finish143 (then exit 128 + SIGTERM) or ignore
     signals             print "ready", then report each of SIGINT/SIGTERM/SIGUSR1 and exit
     ignore-term         print "ready", ignore SIGTERM, sleep
     stdio               write a line to stdout and to stderr
     hang                print "ready" after the group formed, then all_reduce forever
+    serve LINGER        like hang, but on SIGTERM each rank waits LINGER (comma-separated
+                        seconds, one per rank), destroys its group and exits 0; an
+                        all_reduce that fails before SIGTERM fails the worker
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -48,7 +60,9 @@ async def shutdown() -> None:
 
 
 def main() -> None:
-    if mode == "env":
+    if mode == "env-crash" and attempt == 0 and rank == int(args[0]):
+        raise SystemExit(3)
+    if mode in ("env", "env-crash"):
         keys = sorted(k for k in os.environ if k.split("_")[0] in {"TORCHELASTIC", "AIODIST"})
         keys += [
             "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -113,6 +127,48 @@ def main() -> None:
             print(f"attempt={attempt} sum={total:g}")
 
         asyncio.run(run())
+    elif mode == "rebuild":
+
+        async def run() -> None:
+            import aiodist
+            from aiodist.errors import DistError
+
+            if attempt == 0:
+                print(f"first sum={await allreduce():g} pid={os.getpid()}", flush=True)
+                if rank == int(args[0]):
+                    # Let the others finish reading this all_reduce before the connections close.
+                    await asyncio.sleep(0.2)
+                    print("crashing after the first all_reduce", file=sys.stderr, flush=True)
+                    os._exit(3)
+                try:
+                    await aiodist.all_reduce(np.ones(1), timeout=60)
+                except DistError as exc:
+                    print(f"noticed {type(exc).__name__}: {exc}", flush=True)
+                else:
+                    raise SystemExit(f"an all_reduce without rank {args[0]} completed")
+                await aiodist.destroy_process_group()
+            await aiodist.init_process_group(backend="gloo", rank=rank, world_size=world)
+            x = np.array([rank + 1.0 + 10 * attempt])
+            await aiodist.all_reduce(x)
+            print(f"rebuilt restart={attempt} sum={x[0]:g} pid={os.getpid()}", flush=True)
+            await shutdown()
+
+        asyncio.run(run())
+    elif mode == "graceful":
+        how = args[1].split(",")[rank]
+        stopping: list[int] = []
+        if how == "ignore":
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        else:
+            signal.signal(signal.SIGTERM, lambda s, _f: stopping.append(s))
+        print("ready", flush=True)
+        step = 0
+        while not stopping:
+            step += 1
+            time.sleep(float(args[0]))  # a handled signal does not cut the step short
+        code = 128 + signal.SIGTERM if how == "finish143" else 0
+        print(f"SIGTERM x{len(stopping)} during step {step}: finished it, exit {code}", flush=True)
+        raise SystemExit(code)
     elif mode == "signals":
         got = []
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
@@ -140,6 +196,34 @@ def main() -> None:
             while True:
                 await aiodist.all_reduce(x)
                 await asyncio.sleep(0.05)
+
+        asyncio.run(run())
+    elif mode == "serve":
+
+        async def run() -> None:
+            import aiodist
+
+            await allreduce()
+            stop = asyncio.Event()
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+            print("ready", flush=True)
+
+            async def steps() -> None:
+                while True:
+                    await aiodist.all_reduce(np.ones(4))
+                    await asyncio.sleep(0.05)
+
+            serving = asyncio.create_task(steps())
+            stopping = asyncio.create_task(stop.wait())
+            await asyncio.wait([serving, stopping], return_when=asyncio.FIRST_COMPLETED)
+            if not stop.is_set():
+                serving.result()  # the collective's error, raised
+            await asyncio.sleep(float(args[0].split(",")[rank]))
+            serving.cancel()
+            with contextlib.suppress(asyncio.CancelledError, aiodist.DistError):
+                await serving
+            await aiodist.destroy_process_group()
+            print("stopped after SIGTERM", flush=True)
 
         asyncio.run(run())
     else:

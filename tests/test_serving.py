@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import json
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -101,6 +102,10 @@ async def bad_reply() -> list[int]:
     return [1, 2]
 
 
+async def deep_reply() -> np.ndarray:
+    return np.zeros((1,) * 33)
+
+
 async def slow(seconds: np.ndarray) -> np.ndarray:
     """The last worker sleeps, the others answer at once."""
     group = serving.worker_group()
@@ -120,6 +125,7 @@ HANDLERS: dict[str, Callable[..., Awaitable[Any]]] = {
     "fail_between": fail_between,
     "fail_alone": fail_alone,
     "bad_reply": bad_reply,
+    "deep_reply": deep_reply,
     "slow": slow,
 }
 
@@ -187,8 +193,9 @@ async def test_replies_are_what_each_handler_returned() -> None:
 
 
 async def test_headers_longer_than_one_message_and_large_arrays() -> None:
-    # 60 arrays make a header of about 1 KiB: it travels in two messages.
-    arrays = [np.full((i % 7 + 1, 3), i, np.float32) for i in range(60)]
+    # 250 arrays of eight dimensions make headers (the call's and the replies') of about
+    # 7 KiB, which go on in a second message; the arrays then travel on their own.
+    arrays = [np.full((1, 1, 1, 1, 1, 1, 1, i % 7 + 1), i, np.float32) for i in range(250)]
     big = np.random.default_rng(4).standard_normal(1 << 18)  # 2 MiB
     name = "echo"
 
@@ -197,11 +204,33 @@ async def test_headers_longer_than_one_message_and_large_arrays() -> None:
 
     many, large = (await run_world(lambda r, n: serve_or_call(r, n, controller), 3))[0]
     for reply in many:
-        assert len(reply) == 60
+        assert len(reply) == 250
         for sent, back in zip(arrays, reply, strict=True):
             np.testing.assert_array_equal(back, sent)
     for (back,) in large:
         np.testing.assert_array_equal(back, big)
+
+
+@pytest.mark.parametrize("over", [-1, 0, 1])
+def test_arrays_travel_inside_the_header_exactly_when_they_fit(over: int) -> None:
+    message = {"op": "call", "arrays": [["|u1", [0]]]}
+    room = serving._ROOM - len(json.dumps(message, separators=(",", ":")))
+    a = np.arange(room + over, dtype=np.uint8)
+    message["arrays"] = [["|u1", [len(a)]]]
+    room = serving._ROOM - len(json.dumps(message, separators=(",", ":")))
+    parts, inside = serving._encode(message, [a])
+    assert inside == (len(a) <= room)
+    assert parts[0].shape == (serving._FIRST,)
+    assert serving._overflow(parts[0]) == 0
+    decoded, carried = serving._decode(parts[0], None)
+    assert decoded == message
+    if inside:
+        assert len(parts) == 1 and carried is not None
+        (back,) = serving._unpack(carried, decoded["arrays"])
+    else:
+        assert carried is None and len(parts) == 2
+        back = parts[1]
+    np.testing.assert_array_equal(back, a)
 
 
 async def test_concurrent_calls_from_many_tasks_do_not_interleave() -> None:
@@ -262,17 +291,22 @@ async def test_a_handler_that_raises_fails_its_call_only(size: int) -> None:
 
 
 async def test_a_reply_that_is_not_arrays_fails_the_call() -> None:
-    async def controller(channel: Channel) -> str:
-        with pytest.raises(RemoteError) as info:
-            await channel.call("bad_reply")
-        (await channel.call("echo", np.ones(2)))[0][0].tolist()
-        return str(info.value)
+    async def controller(channel: Channel) -> list[str]:
+        texts = []
+        for name in ("bad_reply", "deep_reply"):
+            with pytest.raises(RemoteError) as info:
+                await channel.call(name)
+            texts.append(str(info.value))
+            assert (await channel.call("echo", np.ones(2)))[0][0].tolist() == [1.0, 1.0]
+        return texts
 
-    text = (await run_world(lambda r, n: serve_or_call(r, n, controller), 2))[0]
-    assert text == (
+    texts = (await run_world(lambda r, n: serve_or_call(r, n, controller), 2))[0]
+    assert texts == [
         "call 'bad_reply' failed on rank 1: DistUsageError: handler 'bad_reply' returned "
-        "list; a handler returns an array, a tuple of arrays, or None"
-    )
+        "list; a handler returns an array, a tuple of arrays, or None",
+        "call 'deep_reply' failed on rank 1: DistUsageError: handler 'deep_reply' returned: "
+        "an array of 33 dimensions (at most 32)",
+    ]
 
 
 async def test_usage_errors_reject_the_call_and_send_nothing() -> None:
@@ -284,6 +318,7 @@ async def test_usage_errors_reject_the_call_and_send_nothing() -> None:
             ("echo", ([1.0, 2.0],), {}),
             ("echo", (np.array(["a"]),), {}),
             ("echo", (np.ones(2), np.array([object()])), {}),
+            ("echo", (np.zeros((1,) * 33),), {}),
             ("echo", (), {"timeout": -1}),
             ("echo", (), {"timeout": "soon"}),
         ]
@@ -322,8 +357,9 @@ async def test_usage_errors_reject_the_call_and_send_nothing() -> None:
     )
     assert errors[3].startswith("call 'echo': argument 0 has unsupported dtype <U1")
     assert errors[4].startswith("call 'echo': argument 1 has unsupported dtype object")
-    assert errors[5] == "timeout must not be negative, got -1.0 s"
-    assert errors[6] == "timeout must be seconds or a datetime.timedelta, got str"
+    assert errors[5] == "call 'echo': an array of 33 dimensions (at most 32)"
+    assert errors[6] == "call 'echo': timeout must not be negative, got -1.0 s"
+    assert errors[7] == "call 'echo': timeout must be seconds or a datetime.timedelta, got str"
 
 
 async def test_calls_after_close_raise_and_close_waits_for_calls_in_flight() -> None:
@@ -515,3 +551,22 @@ async def test_a_controller_on_another_rank_fails_with_the_reason() -> None:
         await asyncio.create_task(
             serving.run_worker(HANDLERS, store=store, rank=0, world_size=2), context=isolated()
         )
+
+
+async def test_a_controller_closed_before_every_rank_joined_tells_the_workers() -> None:
+    store = aiodist.HashStore()
+    controller = Controller(store=store, rank=0, world_size=3, timeout=30)
+    await start_in(isolated(), controller)
+    worker = start_workers(store, 3)[0]  # rank 2 never comes
+    joined = "aiodist/default_pg/joined/3"
+    while await store.add(joined, 0) < 2:
+        await asyncio.sleep(0.01)
+    await controller.aclose()
+    # Rank 1 hears that the world was aborted and joins the next one.
+    async with asyncio.timeout(10):
+        while await store.add(joined, 0) < 3:
+            await asyncio.sleep(0.01)
+    assert not worker.done()
+    worker.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await worker

@@ -242,3 +242,76 @@ async def test_under_the_launchers_restart_policy_a_killed_worker_comes_back(
         check_answer(*await client.predict(X), weights)
         assert time.monotonic() - killed < 30
         assert {_rank_of(p): p for p in descendants(job.proc.pid)}[0] == pids[0]
+
+
+@pytest.mark.timeout(90)
+async def test_a_worker_stops_on_a_second_signal_while_serving_and_at_once_while_joining(
+    tmp_path: Path,
+) -> None:
+    port = free_port()
+    script = EXAMPLES / "serving_aiohttp.py"
+    weights = load_example("serving_aiohttp.py").weights()
+    async with (
+        Ranks(script, 3, tmp_path, PORT=str(port)) as ranks,
+        Client("aiohttp", port) as client,
+    ):
+        for rank in range(3):
+            await ranks.start(rank)
+        await ready(client)
+        ranks.signal(2, signal.SIGTERM)  # the first: rank 2 keeps serving
+        await asyncio.sleep(0.5)
+        assert ranks.procs[2].returncode is None
+        check_answer(*await client.predict(X), weights)
+        ranks.signal(2, signal.SIGTERM)  # the second: it stops now
+        assert await asyncio.wait_for(ranks.procs[2].wait(), 10) == 0
+
+        async def unhealthy() -> dict[str, Any] | None:
+            status, body = await client.health()
+            return body if status == 503 else None
+
+        health = await wait_until(unhealthy, 5, "/health reported rank 2 gone")
+        assert "rank 2" in health["reason"], health
+        # Ranks 0 and 1 now wait for rank 2 to join a new group; asked to stop, rank 1
+        # leaves at once.
+        assert ranks.store is not None
+        store = ranks.store
+
+        async def rejoined() -> bool:
+            return await store.add("aiodist/default_pg/joined/3", 0) >= 5
+
+        await wait_until(rejoined, 10, "ranks 0 and 1 joined again")
+        ranks.signal(1, signal.SIGTERM)
+        assert await asyncio.wait_for(ranks.procs[1].wait(), 10) == 0
+    out = ranks.output()
+    assert out.count("worker: SIGTERM: serving until the controller closes the channel") == 1
+    assert out.count("worker: SIGTERM: stopping") == 2, out
+
+
+@pytest.mark.timeout(90)
+async def test_a_worker_that_joined_and_left_before_the_others_came_does_not_wedge_the_job(
+    tmp_path: Path,
+) -> None:
+    # Rank 1 joins the first generation of the group and leaves before anyone else came:
+    # the next three joins fill that generation's other two places and the next one's
+    # first. The ranks of the generation that cannot be complete give it up for the next.
+    port = free_port()
+    script = EXAMPLES / "serving_aiohttp.py"
+    weights = load_example("serving_aiohttp.py").weights()
+    async with (
+        Ranks(script, 3, tmp_path, PORT=str(port)) as ranks,
+        Client("aiohttp", port) as client,
+    ):
+        assert ranks.store is not None
+        store = ranks.store
+        early = await ranks.start(1)
+
+        async def joined() -> bool:
+            return await store.add("aiodist/default_pg/joined/3", 0) >= 1
+
+        await wait_until(joined, 30, "rank 1 joined the store")
+        early.send_signal(signal.SIGTERM)  # while it waits for the others: it stops at once
+        assert await asyncio.wait_for(early.wait(), 10) == 0
+        for rank in range(3):
+            await ranks.start(rank)
+        await ready(client, 30)
+        check_answer(*await client.predict(X), weights)

@@ -4,8 +4,11 @@ HTTP client: answers against numpy, bad bodies, the health check, and a drained 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import json
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +25,8 @@ from serving_helpers import (
     reference,
     wait_until,
 )
+
+import aiodist
 
 pytestmark = pytest.mark.multiprocess
 
@@ -123,3 +128,52 @@ async def test_an_example_answers_like_numpy_and_drains_on_shutdown(
     assert "serving controller: closed: shut down" in out, out
     assert out.count("serving until the controller closes the channel") == 2, out
     assert "Traceback" not in out, out
+
+
+# -- the integrations' set-up, in-process ------------------------------------------------------------
+def test_an_application_takes_one_controller() -> None:
+    from aiohttp import web
+    from fastapi import FastAPI
+
+    from aiodist.contrib import aiohttp as with_aiohttp, fastapi as with_fastapi
+
+    app = web.Application()
+    controller = with_aiohttp.setup(app)
+    assert app[with_aiohttp.CONTROLLER] is controller and controller.state == "new"
+    with pytest.raises(aiodist.DistUsageError, match=r"already has an aiodist controller"):
+        with_aiohttp.setup(app)
+    api = FastAPI()
+    controller = with_fastapi.setup(api)
+    assert api.state.aiodist is controller
+    with pytest.raises(aiodist.DistUsageError, match=r"already has an aiodist controller"):
+        with_fastapi.setup(api)
+
+
+async def test_fastapi_setup_keeps_the_applications_own_lifespan() -> None:
+    from fastapi import FastAPI
+
+    from aiodist.contrib.fastapi import setup
+
+    events = []
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, int]]:
+        events.append("enter")
+        yield {"answer": 42}
+        events.append("exit")
+
+    api = FastAPI(lifespan=lifespan)
+    # Rank 0 of two, with no rank 1: the controller stays "starting" until shut down.
+    controller = setup(api, store=aiodist.HashStore(), rank=0, world_size=2, timeout=10)
+
+    async def run() -> None:
+        async with api.router.lifespan_context(api) as state:
+            assert state == {"answer": 42}
+            await asyncio.sleep(0.2)
+            assert controller.state == "starting", controller.reason
+        assert controller.state == "closed"
+
+    context = contextvars.copy_context()
+    context.run(aiodist.group.isolate_context)  # its group stays out of the process default
+    await asyncio.create_task(run(), context=context)
+    assert events == ["enter", "exit"]

@@ -160,7 +160,7 @@ async def copy_into(dst: npt.NDArray[Any], src: npt.NDArray[Any]) -> None:
 
     Nothing is copied when both are the same memory (an output list that holds the input).
     """
-    if dst.size == 0 or dst.__array_interface__["data"][0] == src.__array_interface__["data"][0]:
+    if dst.size == 0 or _address(dst) == _address(src):
         return
     d = dst.reshape(-1)
     s = src.reshape(-1)
@@ -171,6 +171,10 @@ async def copy_into(dst: npt.NDArray[Any], src: npt.NDArray[Any]) -> None:
     for lo in range(0, d.size, step):
         np.copyto(d[lo : lo + step], s[lo : lo + step])
         await asyncio.sleep(0)
+
+
+def _address(a: npt.NDArray[Any]) -> int:
+    return int(a.__array_interface__["data"][0])
 
 
 def binomial_tree(vrank: int, size: int) -> tuple[int | None, list[int]]:
@@ -283,6 +287,24 @@ class Dataflow:
                 self.flight.add(comm.send(peer, step, data))
 
         self.after_ready(comm, peer, ready)
+
+    def copy(self, dst: npt.NDArray[Any], src: npt.NDArray[Any]) -> None:
+        """Copy ``src`` into ``dst`` (same dtype and size) as part of this operation.
+
+        Up to :data:`YIELD_BYTES` the copy happens now; a larger one runs as a task that
+        yields between pieces (one more unit of work), so the transfers already started
+        keep going while it copies. Call it after posting the operation's receives and
+        signals, never before: every peer's sends to this rank would wait for the copy.
+        Nothing is copied when both are the same memory (an output list that holds the
+        input).
+        """
+        if dst.size == 0 or _address(dst) == _address(src):
+            return
+        if dst.nbytes <= YIELD_BYTES:
+            np.copyto(dst.reshape(-1), src.reshape(-1))
+            return
+        self.remaining += 1
+        self.on(asyncio.get_running_loop().create_task(copy_into(dst, src)), self.finish_one)
 
     def finish_one(self) -> None:
         """Record that one unit of work is complete."""

@@ -10,7 +10,7 @@ import numpy.typing as npt
 
 from .._arrays import byte_view
 from ..transport.base import OpComm
-from ._common import Dataflow, copy_into
+from ._common import Dataflow
 
 __all__ = ["all_to_all"]
 
@@ -26,9 +26,11 @@ async def all_to_all(
 
     Pairwise exchange: in step ``k`` (``1 <= k < n``) rank ``r`` sends to ``r+k`` and
     receives from ``r-k``, so the sends of all ranks spread over distinct peers. Every
-    receive is posted first (straight into ``outs``), the local block is copied, and large
-    blocks wait for their receiver's ready signal. Blocks may
-    differ in size (zero included); ``outs[j]`` must have the size rank ``j`` sends.
+    receive is posted first (straight into ``outs``) and signalled ready at once; large
+    blocks wait for their receiver's signal. The local block is copied while the blocks
+    travel (in a worker thread when large), never before: a copy ahead of the signals
+    would hold up every peer's sends to this rank by as long. Blocks may differ in size
+    (zero included); ``outs[j]`` must have the size rank ``j`` sends.
 
     Args:
         comm: This operation's view of the group.
@@ -42,17 +44,15 @@ async def all_to_all(
     n, rank = comm.size, comm.rank
     flow = Dataflow(0)
     try:
-        # Every receive lands in its final place, so all are posted at once.
+        # Every receive lands in its final place, so all are posted, and signalled, at once.
         for k in range(1, n):
             src = (rank - k) % n
             flow.flight.add(comm.recv_into(src, 0, byte_view(outs[src])))
-        # Our own block first: while we copy, late peers catch up and post their receives.
-        await copy_into(outs[rank], ins[rank])
-        for k in range(1, n):
-            flow.signal_ready(comm, (rank - k) % n)
+            flow.signal_ready(comm, src)
         for k in range(1, n):
             dst = (rank + k) % n
             flow.send_when_ready(comm, dst, 0, byte_view(ins[dst]))
+        flow.copy(outs[rank], ins[rank])
     except BaseException:
         flow.flight.abandon()
         raise

@@ -75,13 +75,12 @@ async def all_gather(
             for c, (lo, hi) in enumerate(pieces):
                 flow.on(comm.recv_into(left, s * nchunks + c, view[lo:hi]), on_block, s, c)
         if nbytes >= READY_BYTES:
-            # Registered before anything can finish the flow (the copy yields).
             flow.signal_ready(comm, left)
             flow.after_ready(comm, right, send_first)
-            await copy_into(outs[rank], x)
+            flow.copy(outs[rank], x)
         else:
             # Our own block first: while we copy, a late neighbour posts its receives.
-            await copy_into(outs[rank], x)
+            flow.copy(outs[rank], x)
             send_first()
     except BaseException:
         flow.flight.abandon()
@@ -121,7 +120,7 @@ async def gather(
                 if i != root:
                     flow.flight.add(comm.recv_into(i, 0, byte_view(outs[i])))
                     flow.signal_ready(comm, i)
-            await copy_into(outs[root], x)
+            flow.copy(outs[root], x)
         else:
             flow.send_when_ready(comm, root, 0, byte_view(x))
     except BaseException:
@@ -160,7 +159,7 @@ async def scatter(
             for i in range(comm.size):
                 if i != root:
                     flow.send_when_ready(comm, i, 0, byte_view(ins[i]))
-            await copy_into(out, ins[root])
+            flow.copy(out, ins[root])
         else:
             flow.flight.add(comm.recv_into(root, 0, byte_view(out)))
             flow.signal_ready(comm, root)

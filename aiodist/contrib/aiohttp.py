@@ -46,7 +46,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
         "aiodist.contrib.aiohttp needs aiohttp: pip install 'aiodist[aiohttp]'"
     ) from exc
 
-from ..errors import DistError
+from ..errors import DistError, DistUsageError
 from ..serving import Controller
 from ._http import error_response, health_response
 
@@ -79,8 +79,6 @@ def setup(
     Raises:
         DistUsageError: ``app`` already has a controller, or a bad ``drain_timeout``.
     """
-    from ..errors import DistUsageError
-
     if CONTROLLER in app:
         raise DistUsageError(f"setup: {app!r} already has an aiodist controller")
     controller = Controller(rebuild=rebuild, drain_timeout=drain_timeout, **init)
