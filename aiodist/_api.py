@@ -23,17 +23,19 @@ is torch's: a deadline counted from the wait, failing the operation and aborting
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import enum
 import logging
 import os
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, TypeVar
 
 from . import backends as _backends, group as _group
 from ._auth import resolve_token
 from ._ops import PremulSum, ReduceOp
 from ._timeouts import Timeout, to_seconds
-from .errors import DistUsageError
+from .errors import DistNetworkError, DistUsageError
 from .group import (
     DEFAULT_PG_TIMEOUT,
     NON_GROUP_MEMBER,
@@ -96,6 +98,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 Group = ProcessGroup | NonGroupMember | None
 Op = ReduceOp | int | PremulSum
@@ -195,9 +198,25 @@ async def init_process_group(
         namespace = f"aiodist/{group_name or 'default_pg'}"
         # Counted per rank: the n-th join of every rank meets in generation n, however the
         # ranks restart (all of them, or only the failed one while the others rebuild).
-        joined = await store.add(f"{namespace}/joined/{world_size}/{rank}", 1)
-        prefixed = PrefixStore(f"{namespace}/{world_size}/{joined - 1}", store)
-        transport = await _connect(prefixed, rank, world_size, seconds, token, shared_memory)
+        generation = await store.add(f"{namespace}/joined/{world_size}/{rank}", 1) - 1
+        prefixed = PrefixStore(f"{namespace}/{world_size}/{generation}", store)
+        if generation:
+            # This rank left the previous generation for good: ranks still forming it
+            # learn that it can never be complete.
+            earlier = PrefixStore(f"{namespace}/{world_size}/{generation - 1}", store)
+            await earlier.set(_LEFT, f"rank {rank} (it joined a later generation)")
+        try:
+            transport = await _unless_left(
+                prefixed, _connect(prefixed, rank, world_size, seconds, token, shared_memory)
+            )
+        except BaseException as exc:
+            # Nor is this generation, once this rank stops joining it.
+            why = "cancelled" if isinstance(exc, asyncio.CancelledError) else repr(exc)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(
+                    prefixed.set(_LEFT, f"rank {rank} (it stopped joining: {why})"), 5
+                )
+            raise
     except BaseException:
         for s in owned:
             await s.aclose()
@@ -218,6 +237,47 @@ async def init_process_group(
         await pg.world.close()
         raise
     return pg
+
+
+#: The key set in a world's namespace when one of its ranks leaves it before it formed.
+_LEFT = "left_by"
+#: How often ranks forming a world check that it is still possible (seconds).
+_LEFT_POLL = 0.5
+
+
+async def left_by(store: Store) -> str | None:
+    """Which rank of the world whose keys ``store`` holds left it while it formed, if any.
+
+    Such a world can never have every rank: the rank joined a later generation, or its
+    ``init_process_group`` failed or was cancelled. ``store`` is the world's (``World.store``).
+    """
+    if not await store.check([_LEFT]):
+        return None
+    return (await store.get(_LEFT)).decode()
+
+
+async def _unless_left(store: Store, joining: Coroutine[Any, Any, T]) -> T:
+    """Await ``joining`` a world, unless one of its ranks leaves it meanwhile.
+
+    Raises:
+        DistNetworkError: naming that rank; joining again joins the next generation.
+    """
+    task = asyncio.ensure_future(joining)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=_LEFT_POLL)
+            if done:
+                return task.result()
+            who = await left_by(store)
+            if who is not None:
+                raise DistNetworkError(
+                    f"init_process_group: this generation of the process group can never be "
+                    f"complete: {who} left it; call init_process_group again to join the next"
+                )
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
 
 async def _connect(

@@ -68,7 +68,6 @@ from ._arrays import as_array
 from ._timeouts import Timeout, to_seconds
 from .errors import DistError, DistProtocolError, DistTimeoutError, DistUsageError
 from .group import NonGroupMember, Plan, ProcessGroup, World
-from .store import PrefixStore, Store
 
 __all__ = [
     "CONTROLLER_RANK",
@@ -324,25 +323,6 @@ def _refuse(pg: ProcessGroup, name: str, args: tuple[Any, ...]) -> Plan:
     raise DistUsageError(str(args[0]))
 
 
-def _joins(world: World) -> tuple[Store, str, int] | None:
-    """Where ``init_process_group`` counts the joins of this world size, and this generation.
-
-    A world's keys live under ``aiodist/<group name>/<world size>/<generation>/`` and the
-    joins are counted in ``aiodist/<group name>/joined/<world size>`` (the generation is
-    the count's quotient by the world size). ``None`` for a store laid out otherwise.
-    """
-    store = world.store
-    if not isinstance(store, PrefixStore):
-        return None
-    parts = store.prefix.rstrip("/").split("/")
-    if len(parts) < 4 or parts[0] != "aiodist" or parts[-2] != str(world.size):
-        return None
-    if not parts[-1].isdigit():
-        return None
-    namespace = "/".join(parts[:-2])
-    return store.underlying_store, f"{namespace}/joined/{world.size}", int(parts[-1])
-
-
 async def _watching(pg: ProcessGroup, step: Awaitable[T]) -> T:
     """Await ``step`` of making a channel while watching ``pg``'s world.
 
@@ -352,24 +332,19 @@ async def _watching(pg: ProcessGroup, step: Awaitable[T]) -> T:
             that its other ranks move on too.
     """
     task = asyncio.ensure_future(step)
-    joins = _joins(pg.world)
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=_JOIN_POLL)
             if done:
                 return task.result()
             pg.check_usable("Channel.create")
-            if joins is None:
-                continue
-            # A rank that joined this generation and died before the others came (or a rank
-            # restarted before the survivors had moved on) shifts every later join by one:
-            # a rank this generation waits for lands in the next. Once the count has passed
-            # this generation, nobody else can join it, so it is given up for the next.
-            base, counter, generation = joins
-            if await base.add(counter, 0) > (generation + 1) * pg.size:
+            # A rank that joined this world and left before the others came (or restarted
+            # before the survivors had moved on) is in the next generation now: nobody
+            # else can complete this one, so it is given up for the next.
+            who = await _api.left_by(pg.world.store)
+            if who is not None:
                 pg.abort(
-                    f"generation {generation} of the process group can never be complete: a "
-                    "rank it waits for joined a later one (a rank restarted while it formed)"
+                    f"this generation of the process group can never be complete: {who} left it"
                 )
     finally:
         if not task.done():
@@ -1152,7 +1127,15 @@ async def run_worker(handlers: Mapping[str, Handler], *, rebuild: bool = True, *
     try:
         while True:
             phase = "joining"
-            pg = await _api.init_process_group(**init)
+            try:
+                pg = await _api.init_process_group(**init)
+            except DistError as exc:
+                # A rank left while the group formed: join the next generation.
+                if not rebuild or isinstance(exc, DistUsageError):
+                    raise
+                logger.warning("worker: joining the process group failed (%s); trying again", exc)
+                await asyncio.sleep(_RETRY)
+                continue
             world = pg.world
             try:
                 _check_worker_rank(pg.rank)

@@ -84,6 +84,12 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+async def joins(store: aiodist.Store, world_size: int) -> int:
+    """How many times the ranks of a world of ``world_size`` joined the default group."""
+    keys = [f"aiodist/default_pg/joined/{world_size}/{r}" for r in range(world_size)]
+    return sum([await store.add(key, 0) for key in keys])
+
+
 async def wait_until(predicate: Any, timeout: float, what: str, poll: float = 0.05) -> Any:
     """Call ``await predicate()`` until it returns something true; return that."""
     deadline = time.monotonic() + timeout

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from serving_helpers import joins
 
 import aiodist
 from aiodist import serving
@@ -558,13 +559,12 @@ async def test_a_controller_closed_before_every_rank_joined_tells_the_workers() 
     controller = Controller(store=store, rank=0, world_size=3, timeout=30)
     await start_in(isolated(), controller)
     worker = start_workers(store, 3)[0]  # rank 2 never comes
-    joined = "aiodist/default_pg/joined/3"
-    while await store.add(joined, 0) < 2:
+    while await joins(store, 3) < 2:
         await asyncio.sleep(0.01)
     await controller.aclose()
     # Rank 1 hears that the world was aborted and joins the next one.
     async with asyncio.timeout(10):
-        while await store.add(joined, 0) < 3:
+        while await joins(store, 3) < 3:
             await asyncio.sleep(0.01)
     assert not worker.done()
     worker.cancel()

@@ -24,6 +24,7 @@ from serving_helpers import (
     descendants,
     error_text,
     free_port,
+    joins,
     load_example,
     ready,
     reference,
@@ -277,7 +278,7 @@ async def test_a_worker_stops_on_a_second_signal_while_serving_and_at_once_while
         store = ranks.store
 
         async def rejoined() -> bool:
-            return await store.add("aiodist/default_pg/joined/3", 0) >= 5
+            return await joins(store, 3) >= 5
 
         await wait_until(rejoined, 10, "ranks 0 and 1 joined again")
         ranks.signal(1, signal.SIGTERM)
@@ -306,7 +307,7 @@ async def test_a_worker_that_joined_and_left_before_the_others_came_does_not_wed
         early = await ranks.start(1)
 
         async def joined() -> bool:
-            return await store.add("aiodist/default_pg/joined/3", 0) >= 1
+            return await joins(store, 3) >= 1
 
         await wait_until(joined, 30, "rank 1 joined the store")
         early.send_signal(signal.SIGTERM)  # while it waits for the others: it stops at once

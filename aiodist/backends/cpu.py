@@ -158,9 +158,9 @@ class _Workspace:
         await shm.skip(await self.enter(turn), reason)
 
     def abort(self, cause: BaseException) -> None:
-        if self._ready is not None and self._ready.done() and not self._ready.cancelled():
-            if self._ready.exception() is None:
-                self._ready.result().abort(cause)
+        ready = self._ready
+        if ready is not None and ready.done() and not ready.cancelled() and not ready.exception():
+            ready.result().abort(cause)
 
     async def aclose(self) -> None:
         if self._ready is not None and not self._ready.cancelled():

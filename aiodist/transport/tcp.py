@@ -42,7 +42,7 @@ import socket
 import struct
 import time
 from collections import deque
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterable
 from typing import Any, cast
 
 from .._auth import AUTH_MAC_SIZE, NONCE_SIZE, auth_mac, resolve_token, verify_mac
