@@ -23,6 +23,7 @@ from ._api import (
     broadcast,
     broadcast_object_list,
     destroy_process_group,
+    empty,
     gather,
     gather_object,
     get_backend,
@@ -54,6 +55,7 @@ from ._api import (
     set_debug_level,
     split_group,
     supports_complex,
+    zeros,
 )
 from ._ops import PremulSum, ReduceOp, make_premul_sum
 from .backends import Backend, register_backend
@@ -92,6 +94,7 @@ __all__ = [
     "broadcast",
     "broadcast_object_list",
     "destroy_process_group",
+    "empty",
     "gather",
     "gather_object",
     "get_backend",
@@ -123,6 +126,7 @@ __all__ = [
     "set_debug_level",
     "split_group",
     "supports_complex",
+    "zeros",
     "Backend",
     "DeviceMesh",
     "OpKind",

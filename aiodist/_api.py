@@ -31,10 +31,13 @@ import os
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
+import numpy.typing as npt
+
 from . import backends as _backends, group as _group
 from ._auth import resolve_token
 from ._ops import PremulSum, ReduceOp
 from ._timeouts import Timeout, to_seconds
+from .backends import cpu as _cpu
 from .errors import DistNetworkError, DistUsageError
 from .group import (
     DEFAULT_PG_TIMEOUT,
@@ -46,6 +49,7 @@ from .group import (
     start_world,
 )
 from .store import PrefixStore, Store
+from .transport.base import Transport
 
 __all__ = [
     "NON_GROUP_MEMBER",
@@ -64,6 +68,7 @@ __all__ = [
     "broadcast",
     "broadcast_object_list",
     "destroy_process_group",
+    "empty",
     "gather",
     "gather_object",
     "get_backend",
@@ -95,10 +100,12 @@ __all__ = [
     "set_debug_level",
     "split_group",
     "supports_complex",
+    "zeros",
 ]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+Array = npt.NDArray[Any]
 
 Group = ProcessGroup | NonGroupMember | None
 Op = ReduceOp | int | PremulSum
@@ -151,8 +158,10 @@ async def init_process_group(
             ``None`` reads ``$AIODIST_AUTH_TOKEN``; unset means no authentication. Every
             rank needs the same token.
         shared_memory: whether ranks on one host talk through shared memory: ``None``
-            (default) when every rank of the host can (``AIODIST_SHM=0`` turns it off);
-            ``False`` never (TCP only). Every rank must pass the same value.
+            (default) when every rank of the host can (``AIODIST_SHM=0`` turns it off,
+            and one rank that cannot keeps its whole host on TCP, logged); ``True``
+            likewise, but raise if a rank of this host cannot; ``False`` never (TCP only).
+            Every rank must pass the same value.
 
     Returns:
         The default :class:`ProcessGroup`.
@@ -256,7 +265,7 @@ async def left_by(store: Store) -> str | None:
     return (await store.get(_LEFT)).decode()
 
 
-async def _unless_left(store: Store, joining: Coroutine[Any, Any, T]) -> T:
+async def _unless_left(store: Store, joining: Coroutine[Any, Any, Transport]) -> Transport:
     """Await ``joining`` a world, unless one of its ranks leaves it meanwhile.
 
     Raises:
@@ -274,10 +283,14 @@ async def _unless_left(store: Store, joining: Coroutine[Any, Any, T]) -> T:
                     f"init_process_group: this generation of the process group can never be "
                     f"complete: {who} left it; call init_process_group again to join the next"
                 )
-    finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+    except BaseException:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        if not task.cancelled() and task.exception() is None:
+            # Connected in the same turn this rank gave up (cancelled, or the world was
+            # left): nobody else will close the listener and connections.
+            await task.result().aclose()
+        raise
 
 
 async def _connect(
@@ -287,7 +300,7 @@ async def _connect(
     timeout: float | None,
     token: bytes | None,
     shared_memory: bool | None,
-) -> Any:
+) -> Transport:
     from .transport._address import listen_host
     from .transport._shm_segment import SharedMemoryError
     from .transport.base import PeerDirectory
@@ -308,6 +321,11 @@ async def _connect(
         if len(local) == 1:
             return tcp
         if refused is not None:
+            if shared_memory:
+                raise DistUsageError(
+                    f"init_process_group: shared_memory=True, but ranks {local} of this host "
+                    f"cannot share memory: {refused}"
+                )
             logger.info("rank %d: ranks %s talk over TCP: %s", rank, local, refused)
             return tcp
         try:
@@ -315,8 +333,8 @@ async def _connect(
                 store, rank, world_size, local, mailbox=tcp.mailbox, timeout=timeout
             )
         except SharedMemoryError as exc:
-            # Only this rank could not: its peers on this host would write to rings nobody
-            # reads. Failing the rendezvous says so instead of leaving them waiting.
+            # Only this rank could not, after every rank of the host agreed: it leaves this
+            # generation, and its peers hear why (see _unless_left) instead of waiting.
             raise DistUsageError(
                 f"rank {rank}: shared memory with ranks {local} failed after they agreed to "
                 f"use it: {exc}; set AIODIST_SHM=0 on every rank to use TCP only"
@@ -364,6 +382,33 @@ def get_rank(group: Group = None) -> int:
     if isinstance(group, NonGroupMember):
         return -1
     return resolve_group(group, "get_rank").rank
+
+
+def empty(shape: int | tuple[int, ...], dtype: npt.DTypeLike, *, group: Group = None) -> Array:
+    """Return an uninitialised numpy array that ``group``'s collectives read in place.
+
+    When every rank of ``group`` is on this host (shared memory on), the array lives in
+    shared memory: a collective of ``group`` on it skips the copy into the group's
+    workspace, and ``all_reduce`` on such arrays on every rank also skips the copy out
+    (each rank writes its slice of the result into every rank's array). Otherwise (ranks
+    on several hosts, ``AIODIST_SHM=0``, a ``/dev/shm`` too small: logged) it is an
+    ordinary array, so the same code runs anywhere. Not collective: each rank allocates
+    its own, in any order.
+
+    Lifetime: the memory lives as long as any view of the array does (peers drop their
+    mappings at their next collective); it stays valid after the group is destroyed, and
+    with another group it is copied like any array. Do not touch it while a collective
+    that uses it runs: in ``all_reduce`` the peers write into it.
+
+    Raises:
+        DistUsageError: a bad shape or dtype, not initialized, or not a member of ``group``.
+    """
+    return _cpu.empty(resolve_group(group, "empty"), shape, dtype, zeroed=False)
+
+
+def zeros(shape: int | tuple[int, ...], dtype: npt.DTypeLike, *, group: Group = None) -> Array:
+    """Like :func:`empty`, filled with zeros."""
+    return _cpu.empty(resolve_group(group, "zeros"), shape, dtype, zeroed=True)
 
 
 def get_world_size(group: Group = None) -> int:

@@ -56,7 +56,7 @@ from .transport._shm_segment import SHM_DIR, SharedMemoryError, reserve
 if TYPE_CHECKING:
     from .collectives.shm import NodeWorkspace
 
-__all__ = ["Location", "empty", "locate", "zeros"]
+__all__ = ["Location", "check", "empty", "locate", "zeros"]
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,13 @@ _by_start: dict[int, _Allocation] = {}
 _ids = itertools.count(1)
 
 
-def _shape(shape: object) -> tuple[int, ...]:
+def check(shape: object, dtype: npt.DTypeLike) -> tuple[tuple[int, ...], np.dtype[Any]]:
+    """Return ``shape`` as a tuple and ``dtype`` as a numpy dtype, checked.
+
+    Raises:
+        DistUsageError: a shape that is not an int or a tuple of non-negative ints, or a
+            dtype collectives do not accept.
+    """
     dims = (shape,) if isinstance(shape, int) else shape
     try:
         out = tuple(int(d) for d in dims)  # type: ignore[attr-defined]
@@ -98,7 +104,12 @@ def _shape(shape: object) -> tuple[int, ...]:
         raise DistUsageError(f"shape must be an int or a tuple of ints, got {shape!r}") from None
     if any(d < 0 for d in out) or any(isinstance(d, bool) for d in dims):  # type: ignore[attr-defined]
         raise DistUsageError(f"shape must hold non-negative ints, got {shape!r}")
-    return out
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as exc:
+        raise DistUsageError(f"dtype must be a numpy dtype, got {dtype!r}: {exc}") from None
+    check_dtype(dt, "the array")
+    return out, dt
 
 
 def empty(
@@ -121,9 +132,7 @@ def empty(
         SharedMemoryError: ``/dev/shm`` cannot hold it (the message names the size) or
             shared memory is unavailable.
     """
-    dims = _shape(shape)
-    dt = np.dtype(dtype)
-    check_dtype(dt, "dtype")
+    dims, dt = check(shape, dtype)
     if ws.closed:
         raise DistUsageError(f"cannot allocate a shared array for {ws!r}: it is closed")
     nbytes = math.prod(dims) * dt.itemsize

@@ -516,7 +516,9 @@ class World:
         op = None if group is None else group.inflight_op(seq)
         if group is not None and op is not None:
             group._fail_rejected(op, group._rejection(op, peer, reason))
-        else:
+        elif group is None or seq >= group.next_seq:
+            # Kept for the operation this rank has yet to issue (an operation it issued
+            # already, and which ended, needs no word: it rejected it too).
             self.rejected[group_id, seq] = (peer, reason)
 
     async def close(self) -> None:

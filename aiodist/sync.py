@@ -102,6 +102,8 @@ __all__ = [
     "get_pg_count",
     "get_process_group_ranks",
     "get_rank",
+    "empty",
+    "zeros",
     "get_world_size",
     "group",
     "init_device_mesh",
@@ -924,6 +926,9 @@ DebugLevel = _aio_api.DebugLevel
 get_debug_level = _aio_api.get_debug_level
 set_debug_level = _aio_api.set_debug_level
 register_rendezvous_handler = _rendezvous.register_rendezvous_handler
+# Allocation reads the group's workspace, which exists once the group does.
+empty = _aio_api.empty
+zeros = _aio_api.zeros
 
 
 def set_debug_level_from_env() -> None:

@@ -558,7 +558,9 @@ async def test_a_controller_closed_before_every_rank_joined_tells_the_workers() 
     store = aiodist.HashStore()
     controller = Controller(store=store, rank=0, world_size=3, timeout=30)
     await start_in(isolated(), controller)
-    worker = start_workers(store, 3)[0]  # rank 2 never comes
+    worker = asyncio.create_task(  # rank 2 never comes
+        serving.run_worker(HANDLERS, store=store, rank=1, world_size=3), context=isolated()
+    )
     while await joins(store, 3) < 2:
         await asyncio.sleep(0.01)
     await controller.aclose()

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .. import collectives
+from .. import _shared_array, collectives
 from .._arrays import as_array, byte_view
 from .._fingerprint import fingerprint
 from .._ops import PremulSum, ReduceOp, check_reduce_op
@@ -29,11 +29,12 @@ from ..collectives import shm
 from ..errors import DistError, DistProtocolError, DistTimeoutError, DistUsageError
 from ..group import Plan, ProcessGroup
 from ..store import PrefixStore
+from ..transport._shm_segment import SharedMemoryError
 from ..transport.base import OpComm
 from ..transport.shm import default_job_key
 from . import Backend
 
-__all__ = ["BACKEND", "MAX_OBJECT_SIZE"]
+__all__ = ["BACKEND", "MAX_OBJECT_SIZE", "empty"]
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ _Turn = tuple["asyncio.Future[None] | None", "asyncio.Future[None]"]
 
 
 class _Workspace:
-    """A group's shared-memory workspace, created at its first turn (a :class:`Sequencer`).
+    """A group's shared-memory workspace, created when the group is set up (a :class:`Sequencer`).
 
     Turns are reserved when operations are issued (in issue order, the same on every rank),
     and each enters the workspace only after the one before it did: the order in which
@@ -168,6 +169,28 @@ class _Workspace:
                 await self._ready.result().aclose()
             else:
                 self._ready.cancel()
+
+
+def empty(group: ProcessGroup, shape: Any, dtype: npt.DTypeLike, *, zeroed: bool) -> Array:
+    """An array for ``group``'s collectives: in shared memory when the group has a
+    workspace (its ranks all share this host), else an ordinary one.
+
+    A ``/dev/shm`` that cannot hold it is logged and gives an ordinary array too.
+    """
+    try:
+        dims, dt = _shared_array.check(shape, dtype)
+    except DistUsageError as exc:
+        raise DistUsageError(f"{'zeros' if zeroed else 'empty'}: {exc}") from None
+    ws = group.sequencer
+    ready = ws.get() if isinstance(ws, _Workspace) else None
+    if ready is not None and ready.done() and not ready.cancelled() and not ready.exception():
+        workspace = ready.result()
+        if not workspace.closed:
+            try:
+                return _shared_array.empty(dims, dt, workspace)
+            except SharedMemoryError as exc:
+                logger.warning("%s; using an ordinary array", exc)
+    return np.zeros(dims, dt) if zeroed else np.empty(dims, dt)
 
 
 async def _in_workspace(

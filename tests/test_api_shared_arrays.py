@@ -1,0 +1,99 @@
+"""aiodist.empty / aiodist.zeros: arrays that a group's collectives read in place."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import aiodist
+import aiodist.sync
+from aiodist import _shared_array
+from aiodist.group import ProcessGroup
+from aiodist.testing import run_world
+
+
+def shared(x: np.ndarray[Any, Any], group: ProcessGroup) -> bool:
+    """Whether ``x`` lives in the shared memory of ``group``'s workspace."""
+    sequencer: Any = group.sequencer
+    if not hasattr(sequencer, "get"):
+        return False
+    return _shared_array.locate(x, sequencer.get().result()) is not None
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+async def test_shared_arrays_reduce_in_place_on_every_rank(n: int) -> None:
+    async def rank_fn(rank: int, size: int) -> None:
+        pg = aiodist.group.current_world().default_group
+        x = aiodist.empty((3, 50_000), np.float32)
+        z = aiodist.zeros(7, np.int64)
+        assert shared(x, pg) and shared(z, pg)
+        assert x.shape == (3, 50_000) and x.dtype == np.float32 and x.flags.c_contiguous
+        assert (z == 0).all()
+        x[:] = np.arange(x.size, dtype=np.float32).reshape(x.shape) * (rank + 1)
+        await aiodist.all_reduce(x)
+        expected = np.arange(x.size, dtype=np.float32).reshape(x.shape) * sum(range(1, size + 1))
+        np.testing.assert_array_equal(x, expected)
+        # A view of a shared array is read in place too.
+        z[:] = rank
+        await aiodist.all_reduce(z[2:5], op=aiodist.ReduceOp.MAX)
+        assert z.tolist() == [rank, rank, size - 1, size - 1, size - 1, rank, rank]
+
+    await run_world(rank_fn, n, transport="shm")
+
+
+async def test_a_subgroup_gets_its_own_shared_arrays() -> None:
+    async def rank_fn(rank: int, size: int) -> None:
+        sub = await aiodist.new_group([0, 2])
+        if rank == 1:
+            with pytest.raises(aiodist.DistUsageError, match=r"^empty: this rank is not a"):
+                aiodist.empty(4, np.float64, group=sub)
+            return
+        assert isinstance(sub, ProcessGroup)
+        x = aiodist.empty(4, np.float64, group=sub)
+        assert shared(x, sub)
+        x[:] = rank + 0.5
+        await aiodist.broadcast(x, src=2, group=sub)
+        assert x.tolist() == [2.5] * 4
+
+    await run_world(rank_fn, 3, transport="shm")
+
+
+async def test_over_tcp_they_are_ordinary_arrays() -> None:
+    async def rank_fn(rank: int, size: int) -> None:
+        x = aiodist.zeros((2, 2), np.complex64)
+        assert type(x) is np.ndarray and x.dtype == np.complex64 and (x == 0).all()
+        assert not shared(x, aiodist.group.current_world().default_group)
+        x += rank + 1j
+        await aiodist.all_reduce(x)
+        assert (x == sum(range(size)) + size * 1j).all()
+
+    await run_world(rank_fn, 2, transport="tcp")
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "message"),
+    [
+        ((2, -1), np.float32, r"^empty: shape must hold non-negative ints, got \(2, -1\)$"),
+        ("ab", np.float32, r"^empty: shape must be an int or a tuple of ints, got 'ab'$"),
+        (3, object, r"^empty: the array has unsupported dtype object; collectives take "),
+        (3, "nonsense", r"^empty: dtype must be a numpy dtype, got 'nonsense'"),
+    ],
+)
+async def test_bad_shapes_and_dtypes_are_named(shape: Any, dtype: Any, message: str) -> None:
+    async def rank_fn(rank: int, size: int) -> None:
+        with pytest.raises(aiodist.DistUsageError, match=message):
+            aiodist.empty(shape, dtype)
+        # Nothing was taken from the group: the next collective works.
+        x = aiodist.empty(2, np.int32)
+        x[:] = 1
+        await aiodist.all_reduce(x)
+        assert x.tolist() == [size, size]
+
+    await run_world(rank_fn, 2, transport="shm")
+
+
+def test_before_init_the_error_says_what_to_do() -> None:
+    with pytest.raises(aiodist.DistUsageError, match=r"^zeros needs the default process group"):
+        aiodist.sync.zeros(3, np.float32)
