@@ -1186,7 +1186,7 @@ class TCPStoreServer:
         state: the key/value state to serve (a fresh one by default).
         peer_timeout: seconds after which a client whose host went silent (no FIN, no RST)
             is dropped and its waits released; ``None`` reads ``$AIODIST_PEER_TIMEOUT``,
-            else 10 s. A stopped or busy client is not affected (its kernel still answers).
+            else 8 s. A stopped or busy client is not affected (its kernel still answers).
         expected_clients: how many clients will connect at once (e.g. the world size):
             :meth:`start` raises this process's soft open-file limit to fit them.
 

@@ -1103,7 +1103,7 @@ class TCPStore(Store):
             peer_timeout: seconds after which a connection whose peer's host went silent
                 (no FIN, no RST) is dropped: pending requests then fail with
                 ``DistNetworkError``, and the master's server releases that client's waits.
-                ``None`` reads ``$AIODIST_PEER_TIMEOUT``, else 10 s. A busy or stopped
+                ``None`` reads ``$AIODIST_PEER_TIMEOUT``, else 8 s. A busy or stopped
                 process is not affected (its kernel keeps answering).
 
         Raises:
