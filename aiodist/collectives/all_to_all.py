@@ -27,10 +27,11 @@ async def all_to_all(
     Pairwise exchange: in step ``k`` (``1 <= k < n``) rank ``r`` sends to ``r+k`` and
     receives from ``r-k``, so the sends of all ranks spread over distinct peers. Every
     receive is posted first (straight into ``outs``) and signalled ready at once; large
-    blocks wait for their receiver's signal. The local block is copied while the blocks
-    travel (in a worker thread when large), never before: a copy ahead of the signals
-    would hold up every peer's sends to this rank by as long. Blocks may differ in size
-    (zero included); ``outs[j]`` must have the size rank ``j`` sends.
+    blocks wait for their receiver's signal. The local block is copied once the sends are
+    under way (a large one in pieces, between which the loop moves the blocks), never
+    before the signals: a copy ahead of them would hold up every peer's sends to this rank
+    by as long as it takes. Blocks may differ in size (zero included); ``outs[j]`` must
+    have the size rank ``j`` sends.
 
     Args:
         comm: This operation's view of the group.
