@@ -53,6 +53,8 @@ async def all_to_all(
         for k in range(1, n):
             dst = (rank + k) % n
             flow.send_when_ready(comm, dst, 0, byte_view(ins[dst]))
+        moved = sum(outs[p].nbytes + ins[p].nbytes for p in range(n) if p != rank)
+        flow.stay_awake(comm, moved)
         flow.copy(outs[rank], ins[rank])
     except BaseException:
         flow.flight.abandon()

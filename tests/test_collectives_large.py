@@ -1,8 +1,10 @@
-"""The local block of gather, scatter, all_gather and all_to_all: copied beside the transfers.
+"""Shared pieces of the algorithms that serve large transfers.
 
-A rank copies its own block only after its receives are posted and signalled, so its
-peers' sends to it never wait for the copy; a copy larger than ``YIELD_BYTES`` runs as a
-task that yields between pieces.
+The local block of gather, scatter, all_gather and all_to_all: a rank copies its own block
+only after its receives are posted and signalled, so its peers' sends to it never wait for
+the copy; a copy larger than ``YIELD_BYTES`` runs as a task that yields between pieces.
+And a rank that moves ``AWAKE_BYTES`` or more keeps its loop from sleeping until the work
+is done, when the machine's ranks fit its CPUs.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ import pytest
 from collective_helpers import RUNNERS, run_on
 
 from aiodist import collectives as coll
-from aiodist.collectives._common import READY_STEP, YIELD_BYTES
+from aiodist._ops import ReduceOp
+from aiodist.collectives import _common
+from aiodist.collectives._common import READY_STEP, YIELD_BYTES, Dataflow, _tick_until
 from aiodist.transport.base import OpComm, Transport
 from aiodist.transport.local import LocalTransport
 
@@ -148,3 +152,101 @@ async def test_signals_go_out_before_the_local_copy(name: str, count: int) -> No
     if name == "scatter":
         for r in range(n):
             np.testing.assert_array_equal(outs[r][r], ins[0][r])
+
+
+# -- keeping the loop awake during large transfers ---------------------------------------------
+
+
+async def test_tick_until_polls_until_done_and_then_stops() -> None:
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+    rounds = [0]
+
+    def count() -> None:
+        rounds[0] += 1
+
+    _tick_until(done, count)
+    await asyncio.sleep(0.01)  # the timer needs more than one round of the loop
+    assert rounds[0] >= 2
+    done.set_result(None)
+    await asyncio.sleep(0)
+    settled = rounds[0]
+    await asyncio.sleep(0.01)
+    assert rounds[0] == settled
+
+
+def test_ranks_fit_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_common, "_usable_cpus", 4)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert _common.ranks_fit_cpus(4)
+    assert not _common.ranks_fit_cpus(5)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert not _common.ranks_fit_cpus(2)  # other groups' ranks share the machine
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    assert _common.ranks_fit_cpus(2)
+    assert not _common.ranks_fit_cpus(5)  # a group larger than the variable says
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "two")
+    assert not _common.ranks_fit_cpus(2)
+
+
+@pytest.mark.parametrize("cpus", [1, 64])
+async def test_stay_awake_only_for_large_transfers_on_free_cpus(
+    monkeypatch: pytest.MonkeyPatch, cpus: int
+) -> None:
+    monkeypatch.setattr(_common, "_usable_cpus", cpus)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert _common.AWAKE_BYTES is not None
+    world = LocalTransport.create_world(2)
+    comm = OpComm(world[0], [0, 1], 0, 0, 0)
+    small, large = Dataflow(0), Dataflow(0)
+    small.stay_awake(comm, _common.AWAKE_BYTES - 1)
+    large.stay_awake(comm, _common.AWAKE_BYTES)
+    assert not small._awake
+    assert large._awake is (cpus >= 2)
+    for t in world:
+        await t.aclose()
+
+
+@pytest.mark.parametrize("name", ["broadcast", "scatter", "gather", "all_to_all", "reduce"])
+async def test_large_operations_with_the_loop_kept_awake(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """Two ranks over loopback TCP that fit the CPUs keep their loop awake; results against
+    numpy, and nothing keeps polling once the operation is over."""
+    monkeypatch.setattr(_common, "_usable_cpus", 64)
+    n, count = 2, (1 << 20) // 8 + 3
+    xs = [_block(r, 0, 2 * count) for r in range(n)]
+    outs = [[np.zeros(count) for _ in range(n)] for _ in range(n)]
+    ins = [[_block(s, d, count) for d in range(n)] for s in range(n)]
+
+    async def rank(comm: OpComm) -> None:
+        r = comm.rank
+        if name == "broadcast":
+            await coll.broadcast(comm, xs[r], 1)
+        elif name == "reduce":
+            await coll.reduce(comm, xs[r], 0, ReduceOp.SUM)
+        elif name == "scatter":
+            await coll.scatter(comm, outs[r][r], ins[0] if r == 0 else None, 0)
+        elif name == "gather":
+            await coll.gather(comm, outs[r] if r == 1 else None, ins[r][r], 1)
+        else:
+            await coll.all_to_all(comm, outs[r], ins[r])
+
+    expected_x = [_block(r, 0, 2 * count) for r in range(n)]
+    await asyncio.wait_for(RUNNERS["tcp"](n, rank), 20)
+    if name == "broadcast":
+        for r in range(n):
+            np.testing.assert_array_equal(xs[r], expected_x[1])
+    elif name == "reduce":
+        np.testing.assert_array_equal(xs[0], expected_x[0] + expected_x[1])
+        np.testing.assert_array_equal(xs[1], expected_x[1])
+    elif name == "scatter":
+        for r in range(n):
+            np.testing.assert_array_equal(outs[r][r], ins[0][r])
+    elif name == "gather":
+        for s in range(n):
+            np.testing.assert_array_equal(outs[1][s], ins[s][s])
+    else:
+        for d in range(n):
+            for s in range(n):
+                np.testing.assert_array_equal(outs[d][s], ins[s][d])
