@@ -10,6 +10,7 @@ is done, when the machine's ranks fit its CPUs.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -194,6 +195,7 @@ async def test_stay_awake_only_for_large_transfers_on_free_cpus(
     monkeypatch: pytest.MonkeyPatch, cpus: int
 ) -> None:
     monkeypatch.setattr(_common, "_usable_cpus", cpus)
+    monkeypatch.setattr(_common, "_runnable", (time.monotonic() + 60, 1))
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert _common.AWAKE_BYTES is not None
     world = LocalTransport.create_world(2)
@@ -207,13 +209,34 @@ async def test_stay_awake_only_for_large_transfers_on_free_cpus(
         await t.aclose()
 
 
+async def test_no_polling_beside_other_busy_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_common, "_usable_cpus", 64)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert _common.runnable_threads() >= 1  # this thread, at least
+    assert _common.AWAKE_BYTES is not None
+    world = LocalTransport.create_world(2)
+    comm = OpComm(world[0], [0, 1], 0, 0, 0)
+    # A reading that stays fresh: 100 threads want the 64 CPUs.
+    monkeypatch.setattr(_common, "_runnable", (time.monotonic() + 60, 100))
+    busy = Dataflow(0)
+    busy.stay_awake(comm, _common.AWAKE_BYTES)
+    assert not busy._awake
+    monkeypatch.setattr(_common, "_runnable", (time.monotonic() + 60, 3))
+    quiet = Dataflow(0)
+    quiet.stay_awake(comm, _common.AWAKE_BYTES)
+    assert quiet._awake
+    for t in world:
+        await t.aclose()
+
+
 @pytest.mark.parametrize("name", ["broadcast", "scatter", "gather", "all_to_all", "reduce"])
 async def test_large_operations_with_the_loop_kept_awake(
     monkeypatch: pytest.MonkeyPatch, name: str
 ) -> None:
     """Two ranks over loopback TCP that fit the CPUs keep their loop awake; results against
-    numpy, and nothing keeps polling once the operation is over."""
+    numpy."""
     monkeypatch.setattr(_common, "_usable_cpus", 64)
+    monkeypatch.setattr(_common, "_runnable", (time.monotonic() + 60, 1))
     n, count = 2, (1 << 20) // 8 + 3
     xs = [_block(r, 0, 2 * count) for r in range(n)]
     outs = [[np.zeros(count) for _ in range(n)] for _ in range(n)]
