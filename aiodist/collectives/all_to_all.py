@@ -27,10 +27,11 @@ async def all_to_all(
     Pairwise exchange: in step ``k`` (``1 <= k < n``) rank ``r`` sends to ``r+k`` and
     receives from ``r-k``, so the sends of all ranks spread over distinct peers. Every
     receive is posted first (straight into ``outs``) and signalled ready at once; large
-    blocks wait for their receiver's signal. The local block is copied while the blocks
-    travel (in a worker thread when large), never before: a copy ahead of the signals
-    would hold up every peer's sends to this rank by as long. Blocks may differ in size
-    (zero included); ``outs[j]`` must have the size rank ``j`` sends.
+    blocks wait for their receiver's signal. The local block is copied once the sends are
+    under way (a large one in pieces, between which the loop moves the blocks), never
+    before the signals: a copy ahead of them would hold up every peer's sends to this rank
+    by as long as it takes. Blocks may differ in size (zero included); ``outs[j]`` must
+    have the size rank ``j`` sends.
 
     Args:
         comm: This operation's view of the group.
@@ -52,6 +53,8 @@ async def all_to_all(
         for k in range(1, n):
             dst = (rank + k) % n
             flow.send_when_ready(comm, dst, 0, byte_view(ins[dst]))
+        moved = sum(outs[p].nbytes + ins[p].nbytes for p in range(n) if p != rank)
+        flow.stay_awake(comm, moved)
         flow.copy(outs[rank], ins[rank])
     except BaseException:
         flow.flight.abandon()

@@ -56,6 +56,7 @@ async def all_gather(
     xb = byte_view(x)
     right, left = (rank + 1) % n, (rank - 1) % n
     flow = Dataflow((n - 1) * nchunks)
+    flow.stay_awake(comm, (n - 1) * nbytes)
 
     def send_first() -> None:
         for c, (lo, hi) in enumerate(pieces):
@@ -120,9 +121,11 @@ async def gather(
                 if i != root:
                     flow.flight.add(comm.recv_into(i, 0, byte_view(outs[i])))
                     flow.signal_ready(comm, i)
+            flow.stay_awake(comm, (comm.size - 1) * x.nbytes)
             flow.copy(outs[root], x)
         else:
             flow.send_when_ready(comm, root, 0, byte_view(x))
+            flow.stay_awake(comm, x.nbytes)
     except BaseException:
         flow.flight.abandon()
         raise
@@ -159,10 +162,12 @@ async def scatter(
             for i in range(comm.size):
                 if i != root:
                     flow.send_when_ready(comm, i, 0, byte_view(ins[i]))
+            flow.stay_awake(comm, (comm.size - 1) * out.nbytes)
             flow.copy(out, ins[root])
         else:
             flow.flight.add(comm.recv_into(root, 0, byte_view(out)))
             flow.signal_ready(comm, root)
+            flow.stay_awake(comm, out.nbytes)
     except BaseException:
         flow.flight.abandon()
         raise

@@ -82,6 +82,9 @@ async def broadcast(
             for c, (lo, hi) in enumerate(pieces):
                 flow.on(comm.recv_into(src, c, xb[lo:hi]), on_chunk, c)
             flow.signal_ready(comm, src)
+            flow.stay_awake(comm, x.nbytes)
+        if parent is None:
+            flow.stay_awake(comm, x.nbytes)
         for peer in targets:
             # Small messages go at once; the signal is taken either way (see READY_BYTES).
             flow.after_ready(comm, peer, on_ready, peer)
@@ -151,6 +154,7 @@ async def reduce(
             if not handshake:
                 send_all()
             leaf.after_ready(comm, dst, on_ready)
+            leaf.stay_awake(comm, x.nbytes)
         except BaseException:
             leaf.flight.abandon()
             raise
@@ -206,6 +210,7 @@ async def reduce(
                 flow.on(comm.recv_into(peer, c, view), on_chunk, c)
         for peer in sources:
             flow.signal_ready(comm, peer)
+        flow.stay_awake(comm, nsrc * x.nbytes)
         if upward is not None:
             # Taken whatever the size (see READY_BYTES); waited for only when large.
             flow.after_ready(comm, upward, on_parent_ready)
