@@ -6,7 +6,9 @@ its own too. Scenarios:
 - ``sigkill N``: N ranks loop over all_reduce; rank 1 is SIGKILLed.
 - ``cut``: 3 ranks loop over all_reduce; every TCP connection between rank 0 and rank 1 is
   reset (``ss -K``, the kernel's socket destroy: both ends see a reset). Same fault for
-  both libraries; the test suite does the same with a proxy it controls.
+  both libraries; the test suite does the same with a proxy it controls. aiodist's ranks
+  run with ``AIODIST_SHM=0`` here (on one host they would otherwise share memory, and have
+  no connection to cut); in the other scenarios they use shared memory, as by default.
 - ``store killed``: 2 ranks wait on a store key; the store's process is SIGKILLed.
 - ``straggler``: of 3 ranks, rank 2 never calls all_reduce (group timeout 5 s).
 
@@ -22,6 +24,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import re
 import signal
 import subprocess
@@ -70,7 +73,12 @@ class Proc:
         await self.reader
 
 
-async def spawn(lib: str, mode: str, rank: int, world: int, port: int, timeout: float) -> Proc:
+async def spawn(
+    lib: str, mode: str, rank: int, world: int, port: int, timeout: float, tcp_only: bool = False
+) -> Proc:
+    # Ranks on one host talk through shared memory unless told otherwise: a scenario that
+    # cuts TCP connections needs them on TCP.
+    env = {**os.environ, "AIODIST_SHM": "0"} if tcp_only else None
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         str(WORKER),
@@ -83,6 +91,7 @@ async def spawn(lib: str, mode: str, rank: int, world: int, port: int, timeout: 
         str(timeout),
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.DEVNULL,
+        env=env,
     )
     return Proc(rank, proc)
 
@@ -123,7 +132,10 @@ async def scenario(lib: str, name: str, world: int, timeout: float) -> dict[str,
         assert started is not None, "the store did not start"
         port = started["port"]
         mode = {"sigkill": "loop", "cut": "loop", "store": "storewait", "straggler": "straggler"}
-        ranks = [await spawn(lib, mode[name], r, world, port, timeout) for r in range(world)]
+        tcp_only = name == "cut"
+        ranks = [
+            await spawn(lib, mode[name], r, world, port, timeout, tcp_only) for r in range(world)
+        ]
         ready = "looping" if mode[name] == "loop" else "ready"
         for r in ranks:
             if await r.event(ready, 120) is None:
@@ -212,8 +224,10 @@ async def main() -> None:
     text = (
         "# Time-to-error under injected faults\n\n"
         f"`python bench/faults.py` (one process per rank on loopback; group timeout "
-        f"{args.timeout:g} s, straggler scenario {args.straggler_timeout:g} s). Each cell: "
-        "what each surviving rank raised and the seconds from the fault to the error.\n\n"
+        f"{args.timeout:g} s, straggler scenario {args.straggler_timeout:g} s; aiodist's "
+        "ranks share memory, as by default on one host, except where connections are cut, "
+        "which runs them with AIODIST_SHM=0). Each cell: what each surviving rank raised "
+        "and the seconds from the fault to the error.\n\n"
         f"{table}\n\n## Messages\n\n" + "\n".join(details) + "\n"
     )
     print(table)
