@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import aiodist
+from aiodist.transport import _mailbox
 from aiodist.transport._mailbox import Mailbox
 from aiodist.transport.base import OpComm
 from aiodist.transport.local import LocalTransport
@@ -281,3 +282,38 @@ async def test_mailbox_peer_lost_while_message_arrives() -> None:
     assert box.num_staged() == 1
     box.fail_peer(2, aiodist.DistNetworkError("lost connection to rank 2: reset"))
     assert box.num_staged() == 0
+
+
+async def test_a_large_staged_message_is_copied_out_a_piece_per_loop_turn() -> None:
+    step = _mailbox.DELIVER_STEP
+    payload = np.random.default_rng(0).integers(0, 256, 3 * step + 5, dtype=np.uint8)
+    box = Mailbox(0, 3)
+    # Complete before its receive is posted: copied when posted, a piece per turn.
+    inbound = box.incoming(1, T, payload.size)
+    inbound.buffer[:] = payload.data
+    inbound.done()
+    out = np.zeros_like(payload)
+    fut = box.post(1, T, memoryview(out))
+    assert not fut.done() and out[:step].tolist() == payload[:step].tolist()
+    assert not out[step:].any()  # the rest waits for later turns
+    assert await fut == 1
+    np.testing.assert_array_equal(out, payload)
+    # Claimed while still arriving: copied once its last byte is in, also in pieces.
+    inbound = box.incoming(2, T, payload.size)
+    out = np.zeros_like(payload)
+    fut = box.post(2, T, memoryview(out))
+    inbound.buffer[:] = payload.data
+    inbound.done()
+    assert not fut.done()
+    assert await fut == 2
+    np.testing.assert_array_equal(out, payload)
+    # A receive cancelled meanwhile (its operation failed or was destroyed) is not written
+    # into any further.
+    inbound = box.incoming(1, (0, 2, 0), payload.size)
+    inbound.buffer[:] = payload.data
+    inbound.done()
+    out = np.zeros_like(payload)
+    fut = box.post(1, (0, 2, 0), memoryview(out))
+    fut.cancel()
+    await asyncio.sleep(0.01)
+    assert out[:step].any() and not out[step:].any()

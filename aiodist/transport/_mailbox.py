@@ -20,6 +20,8 @@ import struct
 from collections import deque
 from typing import Any, Protocol
 
+import numpy as np
+
 from .._fingerprint import NO_FINGERPRINT, mismatch_error
 from ..errors import DistNetworkError, DistUsageError
 
@@ -129,6 +131,40 @@ class _Recv:
         self.order = order
 
 
+#: Bytes of a staged message copied into its receive per loop turn: copying 64 MiB in one
+#: go would hold the loop for several milliseconds.
+DELIVER_STEP = 1 << 20
+
+
+def _deliver(out: memoryview, staged: Any, fut: asyncio.Future[int], peer: int) -> None:
+    """Copy a staged message into its receive's memory, then resolve the receive.
+
+    Large messages are copied a :data:`DELIVER_STEP` at a time, one piece per loop turn;
+    a receive failed meanwhile (an abort, a destroy) stops the copy.
+    """
+    if fut.done():
+        return
+    n = len(staged)
+    if n <= DELIVER_STEP:
+        out[:] = staged
+        fut.set_result(peer)
+        return
+    src = memoryview(staged)
+    loop = fut.get_loop()
+
+    def copy_from(start: int) -> None:
+        if fut.done():
+            return
+        end = min(start + DELIVER_STEP, n)
+        out[start:end] = src[start:end]
+        if end < n:
+            loop.call_soon(copy_from, end)
+        else:
+            fut.set_result(peer)
+
+    copy_from(0)
+
+
 class _Staged:
     """A message that arrived before its receive: complete, or still arriving."""
 
@@ -143,7 +179,9 @@ class _Staged:
         fp: bytes,
         error: DistUsageError | None = None,
     ) -> None:
-        self.buf = bytearray(nbytes)
+        # Uninitialised: the transport writes every byte, and zeroing 64 MiB up front (as
+        # bytearray(n) does) held the loop for tens of milliseconds.
+        self.buf = np.empty(nbytes, np.uint8)
         self.fp = fp
         self.peer = peer
         self.order = order
@@ -204,9 +242,7 @@ class Inbound:
             claim = staged.claim
             if claim is not None:
                 # Size was checked when the receive claimed the message.
-                claim.out[:] = staged.buf
-                if not claim.fut.done():
-                    claim.fut.set_result(self.peer)
+                _deliver(claim.out, staged.buf, claim.fut, self.peer)
 
     def fail(self, exc: BaseException) -> None:
         """Give up on this message: fail the receive waiting for it, drop staged bytes."""
@@ -434,8 +470,7 @@ class Mailbox:
                 # The message is consumed; if it is still arriving, its bytes go nowhere.
                 return fut
             if staged.complete:
-                out[:] = staged.buf
-                fut.set_result(staged.peer)
+                _deliver(out, staged.buf, fut, staged.peer)
             else:
                 staged.claim = _Recv(fut, out, peer, tag, 0)
             return fut
@@ -533,7 +568,7 @@ class Mailbox:
                 queue = by_peer[peer] = deque()
             staged = _Staged(nbytes, peer, self._next_order(), queue, fp)
             queue.append(staged)
-            inbound = Inbound(self, peer, tag, memoryview(staged.buf), staged=staged)
+            inbound = Inbound(self, peer, tag, staged.buf.data, staged=staged)
         elif len(recv.out) != nbytes:
             fail_future(recv.fut, _mismatch(peer, tag, len(recv.out), nbytes))
             inbound = Inbound(self, peer, tag, memoryview(bytearray(nbytes)))
