@@ -21,7 +21,8 @@ from aiodist._ops import ReduceOp
 from aiodist.store import FileStore, HashStore, Store
 from aiodist.transport._mailbox import Mailbox
 from aiodist.transport._shm_segment import SharedMemoryError, host_key, unavailable_reason
-from aiodist.transport.base import OpComm, PeerDirectory, Tag, Transport
+from aiodist.transport.base import OpComm, PeerDirectory, Transport
+from aiodist.transport.routed import RoutedTransport
 from aiodist.transport.shm import ShmTransport, find_local_ranks, plan_shared_memory
 from aiodist.transport.tcp import TCPTransport
 
@@ -361,34 +362,6 @@ def test_another_network_namespace_is_another_host() -> None:
     assert out.split("/")[:2] == host_key().split("/")[:2]  # same boot, same host name
 
 
-class _Router(Transport):
-    """Per-peer routing over one mailbox: shared memory to local ranks, TCP to the others."""
-
-    def __init__(self, mailbox: Mailbox, shm: ShmTransport, tcp: TCPTransport) -> None:
-        super().__init__(shm.rank, shm.world_size, mailbox)
-        self.shm, self.tcp = shm, tcp
-
-    def _for(self, peer: int | None) -> Transport:
-        return self.shm if peer is None or peer in self.shm.local_ranks else self.tcp
-
-    def send(self, peer: int, tag: Tag, data: memoryview) -> asyncio.Future[None]:
-        return self._for(peer).send(peer, tag, data)
-
-    def recv_into(self, peer: int | None, tag: Tag, out: memoryview) -> asyncio.Future[int]:
-        return self._for(peer).recv_into(peer, tag, out)
-
-    def send_reject(self, peer: int, group: int, seq: int, reason: str) -> None:
-        self._for(peer).send_reject(peer, group, seq, reason)
-
-    def abort(self, exc: BaseException) -> None:
-        self.shm.abort(exc)
-        self.tcp.abort(exc)
-
-    async def aclose(self) -> None:
-        await self.shm.aclose()
-        await self.tcp.aclose()
-
-
 async def test_one_mailbox_shared_with_a_tcp_transport_routes_per_peer(job: str) -> None:
     # Ranks 0 and 1 share memory; rank 2 is reached over TCP by both. Both transports of
     # a rank deliver into one mailbox, so any-source receives and fingerprints span both.
@@ -403,7 +376,7 @@ async def test_one_mailbox_shared_with_a_tcp_transport_routes_per_peer(job: str)
         if rank == 2:
             return tcp
         shm = await ShmTransport.create(store, rank, n, [0, 1], mailbox=mailbox, job_key=job)
-        return _Router(mailbox, shm, tcp)
+        return RoutedTransport(tcp, shm)
 
     world = list(await asyncio.gather(*(make(r) for r in range(n))))
     xs = [np.full(50_000, r + 1.0) for r in range(n)]
