@@ -44,7 +44,7 @@ import mmap
 import os
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -53,14 +53,23 @@ from ._arrays import check_dtype
 from .errors import DistUsageError
 from .transport._shm_segment import SHM_DIR, SharedMemoryError, reserve
 
-if TYPE_CHECKING:
-    from .collectives.shm import NodeWorkspace
-
-__all__ = ["Location", "check", "empty", "locate", "zeros"]
+__all__ = ["Location", "Owner", "check", "empty", "locate", "zeros"]
 
 logger = logging.getLogger(__name__)
 
 _PAGE = mmap.PAGESIZE
+
+
+class Owner(Protocol):
+    """What this module needs of the workspace whose collectives read an array in place
+    (a :class:`~aiodist.collectives.shm.NodeWorkspace`, which imports this module)."""
+
+    @property
+    def closed(self) -> bool:
+        """Whether the workspace is closed: it takes no new arrays."""
+
+    def note_freed(self, alloc_id: int) -> None:
+        """Record that this rank's array ``alloc_id`` is gone, so peers unmap it."""
 
 
 class Location(NamedTuple):
@@ -75,7 +84,7 @@ class Location(NamedTuple):
 class _Allocation:
     __slots__ = ("addr", "fd", "id", "size", "ws")
 
-    def __init__(self, alloc_id: int, fd: int, size: int, addr: int, ws: NodeWorkspace) -> None:
+    def __init__(self, alloc_id: int, fd: int, size: int, addr: int, ws: Owner) -> None:
         self.id = alloc_id
         self.fd = fd
         self.size = size
@@ -112,9 +121,7 @@ def check(shape: object, dtype: npt.DTypeLike) -> tuple[tuple[int, ...], np.dtyp
     return out, dt
 
 
-def empty(
-    shape: int | tuple[int, ...], dtype: npt.DTypeLike, ws: NodeWorkspace
-) -> npt.NDArray[Any]:
+def empty(shape: int | tuple[int, ...], dtype: npt.DTypeLike, ws: Owner) -> npt.NDArray[Any]:
     """Return an uninitialised array in shared memory for collectives of ``ws``.
 
     Not collective: see the module docstring for who maps it and when it is freed.
@@ -156,9 +163,7 @@ def empty(
     return base[:nbytes].view(dt).reshape(dims)
 
 
-def zeros(
-    shape: int | tuple[int, ...], dtype: npt.DTypeLike, ws: NodeWorkspace
-) -> npt.NDArray[Any]:
+def zeros(shape: int | tuple[int, ...], dtype: npt.DTypeLike, ws: Owner) -> npt.NDArray[Any]:
     """Like :func:`empty`, filled with zeros (fresh shared memory already reads as zero).
 
     Raises:
@@ -181,7 +186,7 @@ def _free(alloc: _Allocation) -> None:
         ws.note_freed(alloc.id)
 
 
-def locate(a: npt.NDArray[Any], ws: NodeWorkspace) -> Location | None:
+def locate(a: npt.NDArray[Any], ws: Owner) -> Location | None:
     """Return where ``a`` lives if it is (a view into) a shared array of ``ws``, else ``None``."""
     addr: int = a.__array_interface__["data"][0]
     with _lock:
