@@ -480,3 +480,46 @@ async def test_a_killed_peer_fails_its_receives_at_once(job: str, tmp_path: Any)
     assert msg.startswith("lost connection to rank 0: its process (pid ")
     assert msg.endswith(") exited")
     assert failed_at - killed_at < 2.0
+
+
+async def test_a_sender_waiting_for_room_is_woken_whenever_the_receiver_frees_it(
+    job: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from aiodist.transport import shm as shm_module
+
+    t0, t1 = await shm_world(2, job, ring_bytes=1 << 16, spin=0)
+    try:
+        link = t0._by_peer[1]  # rank 0 -> rank 1
+        rx = t1._by_peer[0]
+        payload = np.arange(1 << 16, dtype=np.uint8)
+        out = np.zeros_like(payload)
+        # Fill the ring: the sender waits for room, and says so.
+        sent = t0.send(1, (0, 0, 0), memoryview(payload))
+        assert link.queue and link.want
+        # A pass with no budget left learns nothing and must not clear the flag.
+        assert link.tx(0) == 0 and link.want
+        # The receiver frees room exactly between the sender's last look at the ring and
+        # its store of the flag (here: inside the barrier that follows the store). The
+        # sender must see that room itself, since the receiver saw no flag to ring for.
+        link.want = False
+        link.tx_words[link.tx_want_w] = 0
+        fences = 0
+        real_fence = shm_module.fence
+
+        def receiver_frees_room_in_the_barrier() -> None:
+            nonlocal fences
+            fences += 1
+            if fences == 1:
+                rx.rx(1 << 15)
+            real_fence()
+
+        monkeypatch.setattr(shm_module, "fence", receiver_frees_room_in_the_barrier)
+        head = link.head
+        link.tx(1 << 20)
+        assert link.head > head, "the sender slept on a ring with room"
+        monkeypatch.setattr(shm_module, "fence", real_fence)
+        got = t1.recv_into(0, (0, 0, 0), memoryview(out))
+        await asyncio.wait_for(asyncio.gather(sent, got), 5)
+        np.testing.assert_array_equal(out, payload)
+    finally:
+        await asyncio.gather(t0.aclose(), t1.aclose())

@@ -19,7 +19,9 @@ buffer, and copies straight there. At most ``TURN_BYTES`` are moved per loop tur
 64 MiB message never stalls the loop.
 
 Waiting. See ``_shm_signal`` for the doorbell, the sleeping flag and why they cannot lose a
-wake-up. A rank whose receive is not satisfied polls its rings for up to ``SPIN_SECONDS``
+wake-up. A sender waiting for room pairs its ``want`` flag with the receiver's ``tail`` the
+same way: it stores ``want``, fences, and loads ``tail`` once more; the receiver stores
+``tail``, fences, and loads ``want`` (and rings only if it is set). A rank whose receive is not satisfied polls its rings for up to ``SPIN_SECONDS``
 after the posting task has yielded (only when the host's ranks fit on the usable CPUs and
 no peer shares this process), then sleeps on its doorbell; while it polls, or while a
 pass over its rings is already scheduled, its flag tells peers not to ring. Peer processes are watched through pidfds, so a peer that dies fails everything that
@@ -253,6 +255,10 @@ class _Link:
 
     def tx(self, budget: int) -> int:
         """Copy queued sends into the ring; return the bytes moved (at most ``budget``)."""
+        if budget <= 0:
+            # Nothing can move, so nothing is learnt: in particular the want flag of a
+            # sender still waiting for room must stay set, or the receiver never rings.
+            return 0
         queue = self.queue
         words = self.tx_words
         buf = self.tx_buf
@@ -310,6 +316,13 @@ class _Link:
         if blocked != self.want:
             self.want = blocked
             words[self.tx_want_w] = int(blocked)
+            if blocked:
+                # Our store of want, a barrier, then one more load of tail (see
+                # _shm_signal): a receiver that freed space before it could see the flag
+                # did not ring, and we would sleep on a ring that has room.
+                fence()
+                if words[self.tx_tail_w] != tail:
+                    return moved + self.tx(budget)
         return moved
 
     def _ring_if_sleeping(self) -> None:
