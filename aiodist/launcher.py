@@ -953,7 +953,9 @@ class _Launcher:
                         )
                         await group.stop(cfg.shutdown_timeout)
                         return _Outcome(failure=remote)
-                if not group.running():
+                # A worker that failed during the store requests above is handled at the top
+                # of the loop, not taken for the end of a successful run.
+                if not group.running() and group.first_failure() is None:
                     break
         except BaseException:
             await group.stop(cfg.shutdown_timeout)

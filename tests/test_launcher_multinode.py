@@ -8,6 +8,7 @@ removes them, and skips where the machine does not allow it.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -20,6 +21,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -45,8 +47,27 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+_started: list[subprocess.Popen[str]] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_launcher_outlives_its_test() -> Iterator[None]:
+    # A test that fails while its launchers still run (a communicate() that timed out)
+    # kills them here, and says what they printed, instead of leaving them to the tests
+    # after it.
+    yield
+    while _started:
+        proc = _started.pop()
+        if proc.poll() is None:
+            proc.kill()
+            out, err = proc.communicate()
+            print(f"killed {proc.args}:\n{out}\n{err}", file=sys.stderr)
+        else:
+            proc.communicate()
+
+
 def node(prefix: list[str], *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
+    proc = subprocess.Popen(
         [*prefix, *RUN, *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -54,6 +75,8 @@ def node(prefix: list[str], *args: str) -> subprocess.Popen[str]:
         env=clean_env(),
         cwd=HERE.parent,
     )
+    _started.append(proc)
+    return proc
 
 
 def wait_ready(proc: subprocess.Popen[str], n: int) -> None:
@@ -293,3 +316,42 @@ def test_signal_while_waiting_for_other_nodes(node_rank: int) -> None:
     _out, err = proc.communicate(timeout=30)
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert time.monotonic() - t0 < 5
+
+
+async def test_a_worker_failing_while_the_node_polls_the_store_is_a_failure(
+    tmp_path: Path,
+) -> None:
+    """The last worker of a node fails while the launcher waits for a store reply: the
+    attempt ends with that failure (it once ended as a success, and the node then waited
+    forever for the others to finish)."""
+    import io
+
+    from aiodist import launcher
+
+    script = tmp_path / "fail.py"
+    # Still running at the launcher's first look, so the exit falls in a store request.
+    script.write_text("import time\ntime.sleep(0.5)\nraise SystemExit(9)\n")
+    cfg = launcher.parse_args(["--nnodes=2", "--master-port=1", str(script)])
+    run = launcher._Launcher(cfg, io.BytesIO(), io.BytesIO())  # type: ignore[arg-type]
+
+    class SlowStore:
+        """Answers only once the worker has exited (a store reply slower than the worker)."""
+
+        async def _reply(self) -> None:
+            while run._group is not None and run._group.running():
+                await asyncio.sleep(0.01)
+
+        async def beat(self) -> None:
+            await self._reply()
+
+        async def failure(self, attempt: int) -> None:
+            await self._reply()
+
+        async def publish_failure(self, attempt: int, failure: Any) -> Any:
+            return failure
+
+        async def increment(self, attempt: int, name: str) -> None:
+            raise AssertionError(f"the attempt was taken for a success ({name})")
+
+    outcome = await asyncio.wait_for(run._run_attempt(SlowStore(), 0), 30)  # type: ignore[arg-type]
+    assert outcome.failure is not None and outcome.failure.exitcode == 9
