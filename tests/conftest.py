@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import proc_helpers
 import pytest
 
 from aiodist._loop import loop_factory
@@ -26,6 +27,13 @@ def pytest_asyncio_loop_factories(
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "both_loops: run on uvloop and on the standard loop")
+
+
+@pytest.fixture(autouse=True)
+def _no_tracked_process_outlives_its_test() -> Iterator[None]:
+    """Kill the launchers a failed test left running (see ``proc_helpers``)."""
+    yield
+    proc_helpers.reap()
 
 
 @pytest.fixture(autouse=True)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from proc_helpers import track
 
 pytestmark = pytest.mark.multiprocess
 
@@ -47,36 +48,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-_started: list[subprocess.Popen[str]] = []
-
-
-@pytest.fixture(autouse=True)
-def _no_launcher_outlives_its_test() -> Iterator[None]:
-    # A test that fails while its launchers still run (a communicate() that timed out)
-    # kills them here, and says what they printed, instead of leaving them to the tests
-    # after it.
-    yield
-    while _started:
-        proc = _started.pop()
-        if proc.poll() is None:
-            proc.kill()
-            out, err = proc.communicate()
-            print(f"killed {proc.args}:\n{out}\n{err}", file=sys.stderr)
-        else:
-            proc.communicate()
-
-
 def node(prefix: list[str], *args: str) -> subprocess.Popen[str]:
-    proc = subprocess.Popen(
-        [*prefix, *RUN, *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=clean_env(),
-        cwd=HERE.parent,
+    return track(
+        subprocess.Popen(
+            [*prefix, *RUN, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=clean_env(),
+            cwd=HERE.parent,
+        )
     )
-    _started.append(proc)
-    return proc
 
 
 def wait_ready(proc: subprocess.Popen[str], n: int) -> None:

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from proc_helpers import track
 
 from aiodist.errors import DistUsageError
 from aiodist.launcher import parse_args
@@ -43,8 +44,14 @@ def launch(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
 
 
 def start(*args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [*RUN, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env()
+    return track(
+        subprocess.Popen(
+            [*RUN, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=clean_env(),
+        )
     )
 
 
@@ -179,12 +186,14 @@ def test_failed_rank_restarts_across_nodes() -> None:
         "--max-restarts=1",
     ]  # fmt: skip
     nodes = [
-        subprocess.Popen(
-            [*RUN, *common, f"--node-rank={n}", WORKER, "rebuild", "3"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=clean_env(),
+        track(
+            subprocess.Popen(
+                [*RUN, *common, f"--node-rank={n}", WORKER, "rebuild", "3"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=clean_env(),
+            )
         )
         for n in (0, 1)
     ]
