@@ -37,7 +37,6 @@ from . import backends as _backends, group as _group
 from ._auth import resolve_token
 from ._ops import PremulSum, ReduceOp
 from ._timeouts import Timeout, to_seconds
-from .backends import cpu as _cpu
 from .errors import DistNetworkError, DistUsageError
 from .group import (
     DEFAULT_PG_TIMEOUT,
@@ -403,12 +402,12 @@ def empty(shape: int | tuple[int, ...], dtype: npt.DTypeLike, *, group: Group = 
     Raises:
         DistUsageError: a bad shape or dtype, not initialized, or not a member of ``group``.
     """
-    return _cpu.empty(resolve_group(group, "empty"), shape, dtype, zeroed=False)
+    return _backends.empty(resolve_group(group, "empty"), "empty", shape, dtype, zeroed=False)
 
 
 def zeros(shape: int | tuple[int, ...], dtype: npt.DTypeLike, *, group: Group = None) -> Array:
     """Like :func:`empty`, filled with zeros."""
-    return _cpu.empty(resolve_group(group, "zeros"), shape, dtype, zeroed=True)
+    return _backends.empty(resolve_group(group, "zeros"), "zeros", shape, dtype, zeroed=True)
 
 
 def get_world_size(group: Group = None) -> int:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .._shared_array import check as check_shape_and_dtype
 from ..errors import DistUsageError
 
 if TYPE_CHECKING:
@@ -42,6 +43,8 @@ logger = logging.getLogger(__name__)
 Validate = Callable[..., "Plan"]
 
 # DLPack device types (dlpack.h, DLDeviceType): host memory, and CUDA device memory.
+HostArray = np.ndarray[Any, np.dtype[Any]]
+
 _DL_HOST = frozenset({1, 3, 13})  # CPU, CUDA pinned host, CUDA managed
 _DL_CUDA = 2
 
@@ -55,6 +58,9 @@ class Backend:
         ops: operation name -> validate function.
         setup: awaited by every member of each new group, before its first operation
             (collective: e.g. to map a shared-memory workspace for it).
+        empty: ``empty(group, shape, dtype, zeroed)``: an array that this backend's
+            collectives of ``group`` read in place (:func:`aiodist.empty`); ``None``:
+            ordinary arrays.
     """
 
     def __init__(
@@ -63,12 +69,15 @@ class Backend:
         device: str,
         ops: Mapping[str, Validate] | None = None,
         setup: Callable[[ProcessGroup], Awaitable[None]] | None = None,
+        empty: Callable[[ProcessGroup, tuple[int, ...], np.dtype[Any], bool], HostArray]
+        | None = None,
     ) -> None:
         self.name = name
         self.device = device
         self.ops: dict[str, Validate] = dict(ops or {})
         #: Awaited once per group, collectively, before its first operation.
         self.setup = setup
+        self.empty = empty
 
     def __repr__(self) -> str:
         return f"<Backend {self.name} device={self.device} ops={len(self.ops)}>"
@@ -280,6 +289,25 @@ async def setup(group: ProcessGroup) -> None:
         backend_setup = load(name).setup
         if backend_setup is not None:
             await backend_setup(group)
+
+
+def empty(group: ProcessGroup, name: str, shape: object, dtype: Any, *, zeroed: bool) -> HostArray:
+    """A host array for ``group``'s collectives (:func:`aiodist.empty` and ``zeros``, the
+    call named ``name``): from the backend that serves the group's host arrays, when it
+    allocates its own, else an ordinary numpy array.
+
+    Raises:
+        DistUsageError: a bad shape or dtype, named after ``name``.
+    """
+    try:
+        dims, dt = check_shape_and_dtype(shape, dtype)
+    except DistUsageError as exc:
+        raise DistUsageError(f"{name}: {exc}") from None
+    served = group.backends.get("cpu")
+    allocate = load(served).empty if served is not None else None
+    if allocate is not None:
+        return allocate(group, dims, dt, zeroed)
+    return np.zeros(dims, dt) if zeroed else np.empty(dims, dt)
 
 
 def plan(group: ProcessGroup, op: str, args: tuple[Any, ...]) -> Plan:

@@ -34,7 +34,7 @@ from ..transport.base import OpComm
 from ..transport.shm import default_job_key
 from . import Backend
 
-__all__ = ["BACKEND", "MAX_OBJECT_SIZE", "empty"]
+__all__ = ["BACKEND", "MAX_OBJECT_SIZE"]
 
 logger = logging.getLogger(__name__)
 
@@ -171,16 +171,9 @@ class _Workspace:
                 self._ready.cancel()
 
 
-def empty(group: ProcessGroup, shape: Any, dtype: npt.DTypeLike, *, zeroed: bool) -> Array:
-    """An array for ``group``'s collectives: in shared memory when the group has a
-    workspace (its ranks all share this host), else an ordinary one.
-
-    A ``/dev/shm`` that cannot hold it is logged and gives an ordinary array too.
-    """
-    try:
-        dims, dt = _shared_array.check(shape, dtype)
-    except DistUsageError as exc:
-        raise DistUsageError(f"{'zeros' if zeroed else 'empty'}: {exc}") from None
+def _empty(group: ProcessGroup, dims: tuple[int, ...], dt: np.dtype[Any], zeroed: bool) -> Array:
+    # In shared memory when the group has a workspace (its ranks all share this host);
+    # a /dev/shm that cannot hold it is logged and gives an ordinary array.
     ws = group.sequencer
     ready = ws.get() if isinstance(ws, _Workspace) else None
     if ready is not None and ready.done() and not ready.cancelled() and not ready.exception():
@@ -191,6 +184,9 @@ def empty(group: ProcessGroup, shape: Any, dtype: npt.DTypeLike, *, zeroed: bool
             except SharedMemoryError as exc:
                 logger.warning("%s; using an ordinary array", exc)
     return np.zeros(dims, dt) if zeroed else np.empty(dims, dt)
+
+
+BACKEND.empty = _empty
 
 
 async def _in_workspace(
