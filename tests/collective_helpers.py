@@ -111,3 +111,26 @@ def _sample(dtype: np.dtype[Any], shape: tuple[int, ...], seed: int, op: ReduceO
             return (rng.integers(0, 2, shape) + 1j * rng.integers(0, 2, shape)).astype(dtype)
         return (rng.integers(low, high, shape) + 1j * rng.integers(low, high, shape)).astype(dtype)
     return rng.integers(low, high, shape).astype(dtype)
+
+
+class Wrapped(Transport):
+    """``inner`` with every call passed through: subclasses change the calls a test watches."""
+
+    def __init__(self, inner: Transport) -> None:
+        super().__init__(inner.rank, inner.world_size, inner.mailbox)
+        self.inner = inner
+
+    def send(self, peer: int, tag: Any, data: memoryview) -> asyncio.Future[None]:
+        return self.inner.send(peer, tag, data)
+
+    def recv_into(self, peer: int | None, tag: Any, out: memoryview) -> asyncio.Future[int]:
+        return self.inner.recv_into(peer, tag, out)
+
+    def send_reject(self, peer: int, group: int, seq: int, reason: str) -> None:
+        self.inner.send_reject(peer, group, seq, reason)
+
+    def abort(self, exc: BaseException) -> None:
+        self.inner.abort(exc)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()

@@ -22,6 +22,7 @@ def shared(x: np.ndarray[Any, Any], group: ProcessGroup) -> bool:
     return _shared_array.locate(x, sequencer.get().result()) is not None
 
 
+@pytest.mark.both_loops
 @pytest.mark.parametrize("n", [2, 3, 4])
 async def test_shared_arrays_reduce_in_place_on_every_rank(n: int) -> None:
     async def rank_fn(rank: int, size: int) -> None:

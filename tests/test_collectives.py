@@ -9,13 +9,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-from collective_helpers import RUNNERS, make_world, numpy_reduce, run_on, sample
+from collective_helpers import RUNNERS, Wrapped, make_world, numpy_reduce, run_on, sample
 
 from aiodist import collectives as coll
 from aiodist._ops import ReduceOp
 from aiodist.collectives._common import READY_STEP
 from aiodist.errors import DistNetworkError, DistUsageError
-from aiodist.transport.base import OpComm, Transport
+from aiodist.transport.base import OpComm
 from aiodist.transport.local import LocalTransport
 
 Runner = Callable[[int, Callable[[OpComm], Awaitable[Any]]], Awaitable[list[Any]]]
@@ -477,13 +477,9 @@ async def test_size_mismatch_across_ready_threshold_fails_fast(
     assert any("message size mismatch" in str(r) for r in results)
 
 
-class _LateSignals(Transport):
+class _LateSignals(Wrapped):
     """A LocalTransport whose ready signals arrive 20 ms late: a rank may then receive
     everything it needs before its neighbour's signal, and must still send its own part."""
-
-    def __init__(self, inner: LocalTransport) -> None:
-        super().__init__(inner.rank, inner.world_size, inner.mailbox)
-        self.inner = inner
 
     def send(self, peer: int, tag: Any, data: memoryview) -> asyncio.Future[None]:
         if tag[2] != READY_STEP:
@@ -492,18 +488,6 @@ class _LateSignals(Transport):
         fut.set_result(None)
         asyncio.get_running_loop().call_later(0.02, self.inner.send, peer, tag, data)
         return fut
-
-    def recv_into(self, peer: int | None, tag: Any, out: memoryview) -> asyncio.Future[int]:
-        return self.inner.recv_into(peer, tag, out)
-
-    def send_reject(self, peer: int, group: int, seq: int, reason: str) -> None:
-        self.inner.send_reject(peer, group, seq, reason)
-
-    def abort(self, exc: BaseException) -> None:
-        self.inner.abort(exc)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])

@@ -16,13 +16,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-from collective_helpers import RUNNERS, run_on
+from collective_helpers import RUNNERS, Wrapped, run_on
 
 from aiodist import collectives as coll
 from aiodist._ops import ReduceOp
 from aiodist.collectives import _common
 from aiodist.collectives._common import READY_STEP, YIELD_BYTES, Dataflow, _tick_until
-from aiodist.transport.base import OpComm, Transport
+from aiodist.transport.base import OpComm
 from aiodist.transport.local import LocalTransport
 
 Runner = Callable[[int, Callable[[OpComm], Awaitable[Any]]], Awaitable[list[Any]]]
@@ -89,13 +89,12 @@ async def test_all_gather_large_blocks(run: Runner, n: int) -> None:
             np.testing.assert_array_equal(outs[r][s], xs[s])
 
 
-class _WatchSignals(Transport):
+class _WatchSignals(Wrapped):
     """A LocalTransport that records, at each ready signal a rank sends, whether that
     rank's own block has been copied into its output yet."""
 
     def __init__(self, inner: LocalTransport, own_out: np.ndarray, seen: list[bool]) -> None:
-        super().__init__(inner.rank, inner.world_size, inner.mailbox)
-        self.inner = inner
+        super().__init__(inner)
         self.own_out = own_out
         self.seen = seen
 
@@ -103,18 +102,6 @@ class _WatchSignals(Transport):
         if tag[2] == READY_STEP:
             self.seen.append(bool(self.own_out.any()))
         return self.inner.send(peer, tag, data)
-
-    def recv_into(self, peer: int | None, tag: Any, out: memoryview) -> asyncio.Future[int]:
-        return self.inner.recv_into(peer, tag, out)
-
-    def send_reject(self, peer: int, group: int, seq: int, reason: str) -> None:
-        self.inner.send_reject(peer, group, seq, reason)
-
-    def abort(self, exc: BaseException) -> None:
-        self.inner.abort(exc)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
 
 
 @pytest.mark.parametrize("name", ["all_to_all", "scatter", "gather", "all_gather"])
