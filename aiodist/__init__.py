@@ -57,7 +57,7 @@ from ._api import (
     supports_complex,
     zeros,
 )
-from ._ops import PremulSum, ReduceOp, make_premul_sum
+from ._ops import PremulSum, ReduceOp, make_premul_sum, reduce_op
 from .backends import Backend, register_backend
 from .device_mesh import DeviceMesh, init_device_mesh
 from .errors import (
@@ -66,6 +66,7 @@ from .errors import (
     DistNetworkError,
     DistProtocolError,
     DistStoreError,
+    DistStoreTimeoutError,
     DistTimeoutError,
     DistUsageError,
     QueueEmptyError,
@@ -117,6 +118,7 @@ __all__ = [
     "recv",
     "recv_object_list",
     "reduce",
+    "reduce_op",
     "reduce_scatter",
     "reduce_scatter_tensor",
     "scatter",
@@ -143,6 +145,7 @@ __all__ = [
     "DistNetworkError",
     "DistProtocolError",
     "DistStoreError",
+    "DistStoreTimeoutError",
     "DistTimeoutError",
     "DistUsageError",
     "FileStore",

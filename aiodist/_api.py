@@ -113,6 +113,8 @@ Op = ReduceOp | int | PremulSum
 def _collective(
     name: str, group: Group, args: tuple[Any, ...], nseq: int = 1, timeout: Timeout = None
 ) -> Work[Any]:
+    if isinstance(group, NonGroupMember):
+        return _group.not_in_group(name, stacklevel=4)
     return resolve_group(group, name).issue(name, _backends.plan, args, nseq, timeout=timeout)
 
 
@@ -986,6 +988,8 @@ def isend(
         DistUsageError: no or invalid destination (sending to oneself included), bad tag,
             bad array.
     """
+    if isinstance(group, NonGroupMember):
+        return _group.not_in_group("isend")
     pg = resolve_group(group, "send")
     return pg.issue_p2p(
         "send",
@@ -1019,6 +1023,8 @@ def irecv(
             work fails with it if the message's size differs from ``tensor``'s, or if the
             sender rejected its send.
     """
+    if isinstance(group, NonGroupMember):
+        return _group.not_in_group("irecv", -1)
     pg = resolve_group(group, "recv")
     args = (tensor, group_src is not None)
     return pg.issue_p2p(
@@ -1055,6 +1061,8 @@ def send_object_list(
         DistUsageError: not a non-empty list, an object that cannot be pickled, or a bad
             destination.
     """
+    if isinstance(group, NonGroupMember):
+        return _group.not_in_group("send_object_list")
     pg = resolve_group(group, "send_object_list")
     return pg.issue_p2p(
         "send_object_list",
@@ -1089,6 +1097,8 @@ def recv_object_list(
     Raises:
         DistUsageError: not a non-empty list, or a list of another length than the sender's.
     """
+    if isinstance(group, NonGroupMember):
+        return _group.not_in_group("recv_object_list", -1)
     pg = resolve_group(group, "recv_object_list")
     args = (object_list, group_src is not None)
     return pg.issue_p2p(
@@ -1158,6 +1168,9 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work[Any]]:
             raise DistUsageError(f"batch_isend_irecv: expected P2POp entries, got {p!r}")
     if len({id(p.group) for p in p2p_op_list}) != 1:
         raise DistUsageError("batch_isend_irecv: every P2POp of a batch must use the same group")
+    if isinstance(p2p_op_list[0].group, NonGroupMember):
+        work = _group.not_in_group("batch_isend_irecv")
+        return [work for _ in p2p_op_list]
     pg = resolve_group(p2p_op_list[0].group, "batch_isend_irecv")
     entries = [
         (

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import warnings
 from typing import Any
 
 import numpy as np
@@ -37,6 +38,7 @@ __all__ = [
     "finish_into",
     "make_premul_sum",
     "reduce_into",
+    "reduce_op",
 ]
 
 logger = logging.getLogger(__name__)
@@ -63,6 +65,32 @@ class ReduceOp(enum.IntEnum):
 
     def __repr__(self) -> str:
         return f"ReduceOp.{self.name}"
+
+
+class _DeprecatedReduceOp:
+    """torch's deprecated ``reduce_op``: ``reduce_op.SUM`` is :attr:`ReduceOp.SUM`, with a
+    ``FutureWarning`` (as torch gives) that says to use :class:`ReduceOp`."""
+
+    __slots__ = ()
+
+    def __getattr__(self, name: str) -> ReduceOp:
+        try:
+            op = ReduceOp[name]
+        except KeyError:
+            raise AttributeError(f"reduce_op has no attribute {name!r}") from None
+        warnings.warn(
+            "`reduce_op` is deprecated, please use `ReduceOp` instead",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return op
+
+    def __repr__(self) -> str:
+        return "<reduce_op (deprecated: use ReduceOp)>"
+
+
+#: torch's deprecated alias of :class:`ReduceOp` (``reduce_op.SUM`` warns and works).
+reduce_op = _DeprecatedReduceOp()
 
 
 class PremulSum:

@@ -93,6 +93,8 @@ class WorkerFailure:
         error_traceback: the traceback from that error file, if any.
         restarts: how many times this rank had been restarted on its own before this
             failure (``--restart-policy=failed``).
+        finished: global ranks of its node that had exited with status 0 before it (their
+            script ended: not a failure, even if this worker's error names them).
     """
 
     rank: int
@@ -105,6 +107,7 @@ class WorkerFailure:
     error: str | None = None
     error_traceback: str | None = None
     restarts: int = 0
+    finished: list[int] = field(default_factory=list)
 
     def to_json(self) -> str:
         """Serialise for the store, so every node can print the same summary."""
@@ -222,9 +225,13 @@ class WorkerGroup:
 
         A worker that :meth:`replace` replaced no longer counts.
         """
+        finished: list[int] = []
         for worker in self._exit_order:
             if worker.exitcode:
-                return self._failure(worker)
+                failure = self._failure(worker)
+                failure.finished = finished
+                return failure
+            finished.append(worker.spec.rank)
         return None
 
     async def start(self, specs: Sequence[WorkerSpec]) -> None:

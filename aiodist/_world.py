@@ -7,12 +7,23 @@ together, over the world's store:
   cause wins); every rank keeps a server-side ``get`` of the key parked, so a rank with no
   connection to the one that failed learns at once, and learns the reason in the same
   answer;
-* **store loss**: losing the store aborts the world (every later group creation, abort and
+* **departures**: a rank whose connection to the store ends without a goodbye (its process
+  exited without leaving, was killed, or its host became unreachable) has the server set
+  ``departed`` (a lease); every rank keeps a ``get`` of it parked too;
+* **store loss**: losing the store breaks the world (every later group creation, abort and
   rendezvous needs it);
 * **arrivals**: when an operation times out, the ranks that entered it say so under one key,
   so the error can name the ranks that did not;
-* **leaving**: a rank that hosts the store keeps it up until every rank has left, so that
-  late address lookups and the abort reason stay readable.
+* **leaving**: a rank records why it left under ``left/<rank>`` (its lease writes there too
+  if it goes without a goodbye); a rank that hosts the store keeps it up until every rank
+  has left or gone, so that late address lookups and the abort reason stay readable.
+
+Two ways to break. :meth:`FailureDomain.abort` (a real failure: an operation that failed
+part-way, a timeout, a mismatch) drops the world's connections at once. A departure
+(:meth:`FailureDomain.depart`: a rank gone without a goodbye, or the store lost) only makes
+the world refuse new operations: those in flight go on, since what the departed rank sent
+before it went still counts, and one that needs it fails then (and aborts). A rank that
+leaves in order (``destroy_process_group``, or its script ending) breaks nothing.
 
 It knows nothing of operations or groups: the world above hands it a callback that drops
 the connections when the domain aborts.
@@ -33,6 +44,7 @@ __all__ = ["ARRIVAL_GRACE", "FailureDomain"]
 logger = logging.getLogger(__name__)
 
 _ABORT_KEY = "abort"
+_DEPARTED_KEY = "departed"
 
 #: Seconds an aborting rank waits for its reason to be recorded before closing the store.
 ABORT_RECORD_WAIT = 1.0
@@ -65,7 +77,8 @@ class FailureDomain:
             to leave.
 
     Attributes:
-        broken: the cause this domain aborted for, or ``None``.
+        broken: the first cause this domain broke for (an abort or a departure), or ``None``.
+        aborted: whether it was aborted (its connections dropped), not only broken.
         closed: whether :meth:`close` ran.
     """
 
@@ -83,13 +96,15 @@ class FailureDomain:
         self.rank = rank
         self.size = size
         self._on_abort = on_abort
-        self._hosting = hosting
+        #: Whether this rank hosts the store (then it waits for every rank to leave).
+        self.hosting = hosting
         self._timeout = timeout
         self.broken: BaseException | None = None
+        self.aborted = False
         self.closed = False
         # Set when the world is aborted or closed (a wait must end either way).
         self._ended = asyncio.Event()
-        self._watcher: asyncio.Task[None] | None = None
+        self._watchers: list[asyncio.Task[None]] = []
         self._recording: asyncio.Task[None] | None = None
 
     def __repr__(self) -> str:
@@ -97,58 +112,88 @@ class FailureDomain:
         return f"<FailureDomain rank={self.rank}/{self.size} {state}>"
 
     def start(self) -> None:
-        """Start watching the abort key (needs a running loop; nothing to watch for one rank)."""
-        if self._watcher is None and self.size > 1:
-            self._watcher = asyncio.get_running_loop().create_task(self._watch())
+        """Start watching the abort and departure keys (needs a running loop; nothing to
+        watch for one rank)."""
+        if not self._watchers and self.size > 1:
+            loop = asyncio.get_running_loop()
+            self._watchers = [
+                loop.create_task(self._watch(_ABORT_KEY, lease=True)),
+                loop.create_task(self._watch(_DEPARTED_KEY, lease=False)),
+            ]
 
-    async def _watch(self) -> None:
-        # If this rank's connection to the store ends without a goodbye (the process died,
-        # or its host can no longer be reached), the server sets the abort key for it: the
-        # other ranks learn within moments, even those that never talked to this one.
+    async def _take_leases(self) -> None:
+        # If this rank's connection to the store ends without a goodbye (the process ended
+        # without leaving, was killed, or its host can no longer be reached), the server
+        # records it: the other ranks learn within moments, even those that never talked
+        # to this one, and a rank hosting the store stops waiting for this one to leave.
+        gone = (
+            f"rank {self.rank} is gone: its connection to the store ended without a goodbye "
+            "(its process exited without leaving the process group or was killed, or its "
+            "host cannot be reached)"
+        )
         try:
-            await self.store.lease(
-                _ABORT_KEY,
-                f"rank {self.rank}: DistNetworkError: rank {self.rank} is gone: its connection "
-                "to the store ended without a goodbye (its process exited or was killed, or "
-                "its host cannot be reached)",
-            )
+            await self.store.lease(f"left/{self.rank}", gone)
+            await self.store.lease(_DEPARTED_KEY, gone)
         except DistError as exc:
             logger.warning("rank %d: could not take a lease on the store: %s", self.rank, exc)
+
+    async def _watch(self, key: str, *, lease: bool) -> None:
+        if lease:
+            await self._take_leases()
         delay = _WATCH_RETRY
         while not self.closed:
             try:
-                reason = (await self.store.get(_ABORT_KEY)).decode(errors="replace")
+                reason = (await self.store.get(key)).decode(errors="replace")
             except DistTimeoutError:
                 continue  # the store's own timeout: park the wait again
             except DistNetworkError as exc:
-                # Losing the store is a failure of the job too (the rank hosting it died,
-                # or its server).
-                if not self.closed:
+                # Losing the store breaks the job (the rank hosting it died, or its server);
+                # what is in flight may still complete without it.
+                if not self.closed and key == _ABORT_KEY:
                     lost = DistNetworkError(f"rank {self.rank}: lost the store: {exc}")
                     lost.__cause__ = exc
-                    self.abort(lost)
+                    self.depart(lost)
                 return
             except DistError as exc:
                 # Anything else is the store refusing one request: try again, so that
                 # failures keep spreading to this rank.
-                logger.warning("rank %d: watching the abort key: %s (retrying)", self.rank, exc)
+                logger.warning("rank %d: watching %r: %s (retrying)", self.rank, key, exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, _WATCH_RETRY_MAX)
                 continue
-            if not self.closed and not reason.startswith(f"rank {self.rank}:"):
+            # (Both do nothing once closed.)
+            if key == _DEPARTED_KEY:
+                if not reason.startswith(f"rank {self.rank} "):
+                    self.depart(DistNetworkError(reason))
+            elif not reason.startswith(f"rank {self.rank}:"):
                 self.abort(DistNetworkError(f"the group was aborted by {reason}"))
             return
+
+    def depart(self, cause: BaseException) -> None:
+        """Break the world because a rank went away without a goodbye (``cause`` says which).
+
+        Later operations fail at once, naming ``cause``; those in flight go on (what the
+        departed rank sent still reaches them), and one that needs the departed rank fails
+        then, which aborts the world. Does nothing once broken or closed.
+        """
+        if self.broken is not None or self.closed:
+            return
+        self.broken = cause
+        self._ended.set()
+        logger.warning("rank %d: %s", self.rank, cause)
 
     def abort(self, cause: BaseException) -> None:
         """Make the world unusable because of ``cause``; tell the other ranks why.
 
         The reason goes to the store (the first rank's wins) and, through ``on_abort``, to
         the connected peers as the transport drops its connections. Aborting twice, or
-        after :meth:`close`, does nothing.
+        after :meth:`close`, does nothing; a world broken by a departure is aborted now.
         """
-        if self.broken is not None or self.closed:
+        if self.aborted or self.closed:
             return
-        self.broken = cause
+        self.aborted = True
+        if self.broken is None:
+            self.broken = cause
         self._ended.set()
         logger.warning("rank %d: aborting the process group: %s", self.rank, cause)
         failure = DistNetworkError(
@@ -194,44 +239,40 @@ class FailureDomain:
         await self._ended.wait()
         return self.broken
 
-    async def close(self) -> None:
-        """Stop watching, finish recording an abort reason, and leave the store."""
+    async def close(self, reason: str = "left") -> None:
+        """Stop watching, finish recording an abort reason, and leave the store.
+
+        ``reason`` is recorded as why this rank left.
+        """
         if self.closed:
             return
         self.closed = True
         self._ended.set()
-        if self._watcher is not None:
-            self._watcher.cancel()
-            await asyncio.gather(self._watcher, return_exceptions=True)
+        for watcher in self._watchers:
+            watcher.cancel()
+        await asyncio.gather(*self._watchers, return_exceptions=True)
         if self._recording is not None:
             await asyncio.gather(self._recording, return_exceptions=True)
-        await self._leave()
+        await self._leave(reason)
 
-    async def _leave(self) -> None:
+    async def _leave(self, reason: str) -> None:
         # Peers look each other's addresses up in the store when they first talk, which can
         # be long after this rank is done; so a rank that hosts the store keeps it up until
-        # every rank has left. An aborted world waits briefly: its ranks leave as soon as
-        # they learn of the abort, and the cause stays readable meanwhile.
+        # every rank has left (or gone: its lease records that). An aborted world waits
+        # briefly: its ranks leave as soon as they learn of the abort, and the cause stays
+        # readable meanwhile.
         try:
-            await self.store.lease(_ABORT_KEY, None)  # a goodbye: nothing to tell the others
-            await self.store.set(f"left/{self.rank}", b"1")
-            if not self._hosting:
+            # A goodbye: nothing for the server to tell the others.
+            await self.store.lease(f"left/{self.rank}", None)
+            await self.store.lease(_DEPARTED_KEY, None)
+            await self.store.set(f"left/{self.rank}", reason)
+            if not self.hosting:
                 return
             keys = [f"left/{r}" for r in range(self.size)]
             if await self.store.check(keys):
                 return
             logger.info("rank %d: keeping the store up until every rank left", self.rank)
-            wait = BROKEN_LEAVE_WAIT if self.broken is not None else self._timeout
-            # A rank that exits without leaving sets the abort key through its lease: then
-            # there is nobody left to wait for.
-            left = asyncio.ensure_future(self.store.wait(keys, wait))
-            gone = asyncio.ensure_future(self.store.wait([_ABORT_KEY], wait))
-            done, pending = await asyncio.wait([left, gone], return_when=asyncio.FIRST_COMPLETED)
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-            for task in done:
-                task.result()
+            await self.store.wait(keys, BROKEN_LEAVE_WAIT if self.aborted else self._timeout)
         except DistTimeoutError as exc:
             logger.info("rank %d: not every rank left the store: %s", self.rank, exc)
         except DistError as exc:

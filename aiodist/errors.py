@@ -16,6 +16,7 @@ __all__ = [
     "DistNetworkError",
     "DistProtocolError",
     "DistStoreError",
+    "DistStoreTimeoutError",
     "DistTimeoutError",
     "DistUsageError",
     "QueueEmptyError",
@@ -49,6 +50,12 @@ class DistNetworkError(DistError, ConnectionError):
 
 class DistTimeoutError(DistError, TimeoutError):
     """A deadline passed; the message says what was waited for, and how long."""
+
+
+class DistStoreTimeoutError(DistStoreError, DistTimeoutError):
+    """A store wait (``get``, ``wait``, ``multi_get``, blocking ``queue_pop``, ``barrier``)
+    passed its deadline: caught by ``except DistStoreError`` as in torch, and by ``except
+    TimeoutError`` like every deadline."""
 
 
 class DistProtocolError(DistError):

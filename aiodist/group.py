@@ -15,9 +15,16 @@ Every call on a group is an :class:`Operation`, whose life has four steps:
    ``(group, seq)`` and why before any byte of it moved, and they fail their side of it at
    once; the group stays usable. Otherwise the algorithm runs as a task and the
    operation's :class:`Work` resolves with its result;
-4. **fail**: only real failures abort the whole world (a lost peer, a mismatch found after
-   bytes flowed, the group timeout, a lost store); every rank then raises, naming the first
-   cause, until ``destroy`` and ``init`` rebuild it.
+4. **fail**: only real failures abort the whole world (a mismatch found after bytes
+   flowed, the group timeout, an operation that still needed a rank that went away); every
+   rank then raises, naming the first cause, until ``destroy`` and ``init`` rebuild it.
+
+A rank that goes away is not a failure by itself. One that leaves in order (it destroyed
+its group, or its script ended: it says goodbye) only makes the groups it was in refuse
+new operations, naming it. One that goes without a goodbye (killed, or exited without
+leaving), or the store lost, breaks the world: new operations fail at once, while those in
+flight go on, since what the rank sent before it went still reaches them; an operation
+that still needs it fails then, and that aborts the world.
 
 The default group is process-wide once initialised, as in torch: a group made in one task
 (a FastAPI lifespan) or thread is the default in every other. A context may hold a world of
@@ -34,6 +41,8 @@ import enum
 import functools
 import logging
 import math
+import os
+import warnings
 from collections.abc import (
     Awaitable,
     Callable,
@@ -51,7 +60,8 @@ from ._recorder import FlightRecorder, OpRecord
 from ._timeouts import Timeout, to_seconds
 from ._world import FailureDomain
 from .errors import DistError, DistTimeoutError, DistUsageError
-from .store import Store
+from .store import PrefixStore, Store
+from .transport._mailbox import Departure, departure_of
 from .transport.base import OpComm, Transport
 
 __all__ = [
@@ -70,6 +80,8 @@ __all__ = [
     "current_world",
     "isolate_context",
     "new_group",
+    "not_in_group",
+    "warn_not_in_group",
     "peek_world",
     "resolve_group",
     "set_current_world",
@@ -82,6 +94,9 @@ T = TypeVar("T")
 
 #: torch's default for CPU process groups: thirty minutes per operation.
 DEFAULT_PG_TIMEOUT = 1800.0
+
+#: What the peers of a rank that destroyed its default group are told: "rank N ...".
+LEFT_REASON = "left the process group (destroy_process_group)"
 
 #: Point-to-point messages of group ``g`` travel under group id ``g | P2P_GROUP_BIT`` with
 #: the user's tag as sequence number, so they never meet a collective's messages.
@@ -187,23 +202,35 @@ class Work(Generic[T]):
     list), the sender's rank for a receive, and ``None`` for a barrier or a send.
     """
 
-    __slots__ = ("_future", "_op")
+    __slots__ = ("_future", "_name", "_op")
 
-    def __init__(self, op: Operation) -> None:
+    def __init__(self, op: Operation | None, name: str = "") -> None:
         self._op = op
+        self._name = op.name if op is not None else name
         self._future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+
+    @staticmethod
+    def not_issued(name: str, result: Any = None) -> Work[Any]:
+        """The work of call ``name`` on a group this rank is not in: done with ``result``,
+        nothing ran."""
+        work: Work[Any] = Work(None, name)
+        work._future.set_result(result)
+        return work
 
     @property
     def op(self) -> str:
         """The operation's name, e.g. ``"all_reduce"``."""
-        return self._op.name
+        return self._name
 
     @property
     def seq(self) -> int:
-        """The group sequence number (the tag, for a point-to-point operation)."""
-        return self._op.seq
+        """The group sequence number (the tag, for a point-to-point operation); ``-1`` for
+        a call that was not issued (see :meth:`not_issued`)."""
+        return -1 if self._op is None else self._op.seq
 
     def __repr__(self) -> str:
+        if self._op is None:
+            return f"<Work {self._name} not issued: this rank is not in the group>"
         fut = self._future
         if not fut.done():
             state = "pending"
@@ -246,6 +273,7 @@ class Work(Generic[T]):
             await asyncio.wait([fut], timeout=seconds)
             if not fut.done():
                 op = self._op
+                assert op is not None  # (a work without one is born done)
                 op.group._fail(op, op.group._timeout_error(op, "wait", seconds, None))
         return fut.result()
 
@@ -285,7 +313,7 @@ class Work(Generic[T]):
         Raises:
             DistUsageError: the operation runs on the host (await it instead).
         """
-        sync = self._op.device_sync
+        sync = None if self._op is None else self._op.device_sync
         if sync is None:
             raise DistUsageError(
                 f"wait_stream: {self!r} runs on the host, not on a device stream; await it"
@@ -495,8 +523,18 @@ class World:
             self.abort(exc)
 
     def on_lost(self, peer: int, exc: BaseException) -> None:
-        """``peer`` went away without closing in order: the world fails, even when idle."""
-        self.abort(exc)
+        """``peer`` is gone: it left in order, went away without a goodbye, or failed.
+
+        A goodbye breaks nothing (what still needs ``peer`` fails when it finds that it
+        cannot get it, see :meth:`ProcessGroup._fail_alone`); going without one breaks the
+        world but lets what is in flight go on; a failure (``peer`` aborted, or its
+        connection broke mid-message) aborts the world, even when idle.
+        """
+        departure = departure_of(exc)
+        if departure is Departure.GONE:
+            self.domain.depart(exc)
+        elif departure is None:
+            self.abort(exc)
 
     def on_reject(self, peer: int, group_id: int, seq: int, reason: str) -> None:
         """``peer`` rejected its operation ``(group, seq)`` before sending any of its data."""
@@ -521,8 +559,29 @@ class World:
             # already, and which ended, needs no word: it rejected it too).
             self.rejected[group_id, seq] = (peer, reason)
 
-    async def close(self) -> None:
-        """Fail what is still running, close the transport and the stores the world owns."""
+    async def finish(self, reason: str, failure: BaseException | None = None) -> None:
+        """Leave at the end of the process: let what is in flight end, then :meth:`close`.
+
+        The operations in flight get the world's timeout to end (a peer's receive may not
+        be posted yet); a failure ends them sooner. The peers are told ``reason``. A
+        process that ends on an exception passes it as ``failure``: the world is aborted
+        with it instead, so that no peer waits for this rank. A store served from this
+        process, even one the caller made, stays up until every rank has left: the process
+        is its last user.
+        """
+        if failure is not None:
+            self.abort(failure)
+        pending = [op.work._future for g in self.groups.values() for op in g._inflight]
+        if pending and not self.closed:
+            await asyncio.wait(pending, timeout=self.timeout)
+        self.domain.hosting = self.domain.hosting or _hosts_server(self.store)
+        await self.close(reason)
+
+    async def close(self, reason: str = LEFT_REASON) -> None:
+        """Fail what is still running, close the transport and the stores the world owns.
+
+        The peers are told ``reason`` (it completes "rank N ...").
+        """
         if self.closed:
             return
         cause = DistUsageError("the process group was destroyed while the operation ran")
@@ -534,8 +593,8 @@ class World:
             await asyncio.gather(*pending, return_exceptions=True)
         for group in list(self.groups.values()):
             await group._close_sequencer()
-        await self.transport.aclose()
-        await self.domain.close()
+        await self.transport.aclose(reason)
+        await self.domain.close(reason)
         for store in self._owned:
             await store.aclose()
 
@@ -954,6 +1013,8 @@ class ProcessGroup:
                 if peer is not None:  # a sequencer's word for a peer's rejection
                     exc = self._rejection(op, peer, getattr(exc, "reason", ""))
                 op.settle(exc)
+            elif departure_of(exc) is Departure.LEFT:
+                self._fail_alone(op, exc)
             elif op not in self._expiring:
                 # (An operation that timed out here already fails with the timeout, not
                 # with the abort of a rank that timed out a moment earlier.)
@@ -987,6 +1048,22 @@ class ProcessGroup:
         op.settle(exc)
         self._world.abort(exc)
         self._cancel_task(op)
+
+    def _fail_alone(self, op: Operation, exc: BaseException) -> None:
+        """Fail ``op`` because a rank it needs left in order, which breaks nothing else.
+
+        The members it exchanges data with hear why, as for a rejection, so that none of
+        them waits for this rank's part (a turn of a sequencer fails alike everywhere).
+        """
+        if op.kind is OpKind.COLLECTIVE and not op.sequenced:
+            world = self._world
+            reason = f"{type(exc).__name__}: {exc}"
+            for i in range(op.nseq):
+                world.transport.mailbox.kill(self.group_id, op.seq + i, DistUsageError(reason))
+                for r in self.ranks:
+                    if r != world.rank:
+                        world.transport.send_reject(r, self.group_id, op.seq + i, reason)
+        op.settle(exc)
 
     def _fail_rejected(self, op: Operation, exc: DistUsageError) -> None:
         """Fail ``op`` because a peer rejected it: only this operation ends."""
@@ -1091,6 +1168,14 @@ class ProcessGroup:
         return tasks
 
 
+def _hosts_server(store: Store) -> bool:
+    """Whether ``store`` (under its prefixes) is served from this process: then this rank
+    is its last user and keeps it up until every rank has left."""
+    while isinstance(store, PrefixStore):
+        store = store.underlying_store
+    return getattr(store, "server", None) is not None
+
+
 def _log_skip_failure(task: asyncio.Task[None]) -> None:
     if not task.cancelled() and task.exception() is not None:
         exc = task.exception()
@@ -1119,6 +1204,21 @@ def _check_int(value: object, what: str) -> None:
 # context holds _PROCESS, meaning "the process-wide one". One context variable lookup.
 _PROCESS: Any = object()
 _process_world: World | None = None
+# Worlds a forked child inherited: kept, never used, so that nothing of them (sockets, the
+# parent's loop) is finalized in the child.
+_inherited: list[World] = []
+
+
+def _forget_after_fork() -> None:
+    # The parent's world is not the child's: its connections and loop thread are the
+    # parent's. The child starts uninitialized (and leaves nothing at exit).
+    global _process_world
+    if _process_world is not None:
+        _inherited.append(_process_world)
+        _process_world = None
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
 _context_world: contextvars.ContextVar[Any] = contextvars.ContextVar(
     "aiodist_world", default=_PROCESS
 )
@@ -1162,6 +1262,28 @@ def current_world(op: str = "this operation") -> World:
             "`await aiodist.init_process_group(...)` first"
         )
     return world
+
+
+def warn_not_in_group(op: str, stacklevel: int) -> None:
+    """Warn, as torch does, that ``op`` was called on a group this rank is not in."""
+    world = peek_world()
+    warnings.warn(
+        f"Running {op} on global rank {-1 if world is None else world.rank} which does not "
+        "belong to the given group.",
+        stacklevel=stacklevel + 1,
+    )
+
+
+def not_in_group(op: str, result: Any = None, stacklevel: int = 3) -> Work[Any]:
+    """What a call on a group this rank is not a member of gets, as in torch.
+
+    torch warns and returns without doing anything (the group's members are not
+    affected); here the warning is the same, pointing ``stacklevel`` frames up (the
+    caller's caller by default), and the result a :class:`Work` that is done with
+    ``result`` (``-1`` for a receive, torch's "no sender").
+    """
+    warn_not_in_group(op, stacklevel + 1)
+    return Work.not_issued(op, result)
 
 
 def resolve_group(group: ProcessGroup | NonGroupMember | None, op: str) -> ProcessGroup:

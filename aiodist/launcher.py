@@ -1033,6 +1033,13 @@ class _Launcher:
             f"  root cause: {head}",
             f"  {restarts}; the other workers were stopped",
         ]
+        if f.finished:
+            which = ", ".join(map(str, f.finished))
+            lines.append(
+                f"  {'rank' if len(f.finished) == 1 else 'ranks'} {which} of node "
+                f"{f.node_rank} had finished before (exit code 0): not a failure, even where "
+                "the error names them"
+            )
         if f.error:
             lines.append(f"  error: {f.error}")
         if f.error_traceback:

@@ -11,6 +11,14 @@ Every blocking call goes through :func:`_run`, which
 * on Ctrl-C (``KeyboardInterrupt`` in the calling thread) cancels the operation on the loop
   and re-raises at once,
 * may be used from any number of threads at the same time.
+
+A process that ends with its default group still open (most ``torch.distributed`` scripts
+never call ``destroy_process_group``) leaves the group as it exits, at interpreter exit and
+at the end of a ``multiprocessing`` child (fork or spawn, whose children skip ``atexit``):
+it lets its operations in flight finish, then leaves as ``destroy_process_group`` would,
+telling its peers that it exited; a rank hosting the store keeps it up until the others
+have left. A process that ends on an exception aborts the group instead, so that its peers
+fail at once, naming it, rather than wait for it.
 """
 
 from __future__ import annotations
@@ -20,6 +28,8 @@ import atexit
 import concurrent.futures
 import inspect
 import logging
+import multiprocessing
+import multiprocessing.util
 import os
 import sys
 import threading
@@ -39,7 +49,7 @@ from . import (
     store as _aio,
 )
 from ._loop import loop_factory
-from ._ops import PremulSum, ReduceOp, make_premul_sum
+from ._ops import PremulSum, ReduceOp, make_premul_sum, reduce_op
 from ._recorder import DUMP_DIR_ENV
 from ._timeouts import Timeout, to_seconds
 from .errors import (
@@ -47,6 +57,7 @@ from .errors import (
     DistError,
     DistNetworkError,
     DistStoreError,
+    DistStoreTimeoutError,
     DistTimeoutError,
     DistUsageError,
     QueueEmptyError,
@@ -62,6 +73,7 @@ __all__ = [
     "DistError",
     "DistNetworkError",
     "DistStoreError",
+    "DistStoreTimeoutError",
     "DistTimeoutError",
     "DistUsageError",
     "FileStore",
@@ -127,6 +139,7 @@ __all__ = [
     "recv",
     "recv_object_list",
     "reduce",
+    "reduce_op",
     "reduce_scatter",
     "reduce_scatter_tensor",
     "register_rendezvous_handler",
@@ -722,6 +735,10 @@ def _twin(fn: Callable[..., _group.Work[Any]], mode: str) -> Callable[..., Any]:
     def twin(*args: Any, **kwargs: Any) -> Any:
         bound = signature.bind(*args, **kwargs)
         async_op = bound.arguments.pop("async_op", False)
+        if isinstance(bound.arguments.get("group"), NonGroupMember):
+            # As torch: a warning, nothing done, the members unaffected.
+            _group.warn_not_in_group(name, stacklevel=2)
+            return -1 if mode == "result" else None
         # Made on the loop thread, which is where the async work's callbacks may be added.
         if mode == "work" or async_op:
             return _on_loop(lambda: Work(fn(*bound.args, **bound.kwargs)))
@@ -881,6 +898,7 @@ def init_process_group(
                 auth_token=auth_token,
             )
         )  # fmt: skip
+        _leave_at_child_exit()
     if os.environ.get(DUMP_DIR_ENV):
         # The handler must be installed from the main thread, not the loop's; it dumps
         # there while the main thread waits for a blocking call.
@@ -1097,11 +1115,51 @@ def breakpoint(rank: int = 0, skip: int = 0) -> None:
 _breakpoints = 0
 
 
-def _close_all_at_exit() -> None:
-    # Close what is still open (a hosted server, FileStore reference counts) so that peers
-    # see an orderly end, then stop the loop. Bounded: exit must not hang on a dead peer.
-    if _loop_thread.ident is None:
+#: What the peers of a rank whose process ended with its group open are told: "rank N ...".
+EXIT_REASON = "exited without calling destroy_process_group() (its script had ended)"
+
+
+def _exit_failure() -> str | None:
+    """How the process is ending, if not cleanly: the exception, or a non-zero status."""
+    # A multiprocessing child runs its exit handlers in a ``finally`` around its target;
+    # the interpreter runs atexit handlers after printing an uncaught exception.
+    exc = sys.exc_info()[1] or getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    if isinstance(exc, SystemExit):
+        if exc.code in (None, 0):
+            return None
+        if exc.__cause__ is None and exc.__context__ is None:
+            return f"exited with status {exc.code}"
+        exc = exc.__cause__ or exc.__context__  # (``sys.exit(1)`` in an ``except``)
+    if exc is None:
+        return None
+    return f"exited on an exception: {type(exc).__name__}: {exc}"
+
+
+def _leave_world_at_exit() -> None:
+    # The default world, left as destroy_process_group() would leave it: what is in flight
+    # ends first (the peers may still need it), the peers hear that this rank exited. On an
+    # exception, abort instead: the peers would otherwise wait for this rank.
+    world = _group.peek_world()
+    if world is None or world.closed:
         return
+    _group.set_current_world(None)
+    failure = _exit_failure()
+    if failure is None:
+        _run(world.finish(EXIT_REASON))
+        return
+    _run(world.finish(EXIT_REASON, failure=DistError(f"rank {world.rank} {failure}")))
+
+
+def _close_all_at_exit() -> None:
+    # Leave the default group and close what is still open (a hosted server, FileStore
+    # reference counts) so that peers see an orderly end, then stop the loop. Bounded:
+    # exit must not hang on a dead peer.
+    if _loop_thread.ident is None:
+        return  # (also in a forked child: the parent's loop thread is not here)
+    try:
+        _leave_world_at_exit()
+    except BaseException as exc:  # exit goes on: a Ctrl-C here stops only the leaving
+        logger.warning("leaving the process group at exit failed: %r", exc)
     for store in list(_live_stores):
         if store._closed:
             continue
@@ -1114,3 +1172,18 @@ def _close_all_at_exit() -> None:
 
 
 atexit.register(_close_all_at_exit)
+_child_exit_pid: int | None = None
+
+
+def _leave_at_child_exit() -> None:
+    """In a ``multiprocessing`` child, run :func:`_close_all_at_exit` when its target ends.
+
+    Such a child ends with ``os._exit``, so ``atexit`` handlers never run there; its exit
+    handlers (``multiprocessing.util.Finalize``) do, inside a ``finally`` around the target,
+    where ``sys.exc_info()`` shows the exception it ends on.
+    """
+    global _child_exit_pid
+    if multiprocessing.parent_process() is None or _child_exit_pid == os.getpid():
+        return
+    _child_exit_pid = os.getpid()
+    multiprocessing.util.Finalize(None, _close_all_at_exit, exitpriority=100)

@@ -14,7 +14,7 @@ from typing import Any
 from aiodist._auth import auth_mac
 
 MAGIC = b"AIOD"
-VERSION = 4
+VERSION = 5
 HELLO, ACCEPT, REJECT, REFUSED = 0, 1, 2, 3
 FLAG_AUTH = 1
 HANDSHAKE = struct.Struct("<4sHHHII32s32s")

@@ -123,8 +123,11 @@ async def test_new_group_members_and_non_members() -> None:
             )
         assert g is aiodist.NON_GROUP_MEMBER
         assert aiodist.get_rank(g) == -1 and aiodist.get_world_size(g) == -1
-        with pytest.raises(aiodist.DistUsageError, match="not a member of the group"):
-            aiodist.all_reduce(np.zeros(1), group=g)
+        # As torch: a warning, and nothing done (the members are not affected).
+        untouched = np.zeros(1)
+        with pytest.warns(UserWarning, match=rf"Running all_reduce on global rank {rank} which"):
+            work = aiodist.all_reduce(untouched, group=g)
+        assert work.is_completed() and await work is None and untouched[0] == 0
         # Non-members keep working on the world meanwhile.
         z = np.array([1.0])
         await aiodist.all_reduce(z, group=evens)

@@ -41,6 +41,7 @@ BUILD = DOCS / "_build" / "html"
 DOCUMENTED_MODULES = (
     "aiodist",
     "aiodist.sync",
+    "aiodist.multiprocessing",
     "aiodist.errors",
     "aiodist.store",
     "aiodist.rendezvous",

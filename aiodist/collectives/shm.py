@@ -32,9 +32,11 @@ function in :mod:`aiodist.collectives` (validated by the caller). Operations on 
 run one at a time in call order, which must be the same on every rank. After its first
 barrier each checks that every rank called the same operation (fingerprint and size);
 if not, every rank raises the same ``DistUsageError`` and the workspace stays usable.
-Any other failure (a peer that died, closed or aborted; a cancelled operation) breaks the
-workspace: every rank raises ``DistNetworkError`` naming the rank lost, as soon as its
-pidfd or doorbell fires.
+A peer that closes its workspace or whose process ends (it left, exited or was killed)
+fails only what still needs it: a barrier it reached before it went still completes, and
+every later operation raises ``DistNetworkError`` naming it. Any other failure (a peer that
+aborted, a cancelled operation) breaks the workspace: every rank raises
+``DistNetworkError`` naming the rank lost, as soon as its pidfd or doorbell fires.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ from .._timeouts import Timeout, to_seconds
 from ..errors import DistNetworkError, DistProtocolError, DistUsageError
 from ..store import Store
 from ..transport import _shm_setup
+from ..transport._mailbox import Departure, lost_peer_error
 from ..transport._shm_segment import (
     ProcessId,
     Segment,
@@ -216,6 +219,8 @@ class NodeWorkspace:
         self._procs: dict[int, ProcessId] = {}
         self._direct_ok = False
         self._error: BaseException | None = None
+        # Peers that closed or whose process ended, with the error for what still needs them.
+        self._gone: dict[int, BaseException] = {}
         self._closed = False
         self._waiter: asyncio.Future[None] | None = None
         # Arrivals at barriers and slot rounds so far: the same on every rank.
@@ -582,7 +587,7 @@ class NodeWorkspace:
 
     def _enter_now(self) -> bool:
         """Take the operation's turn if nobody has it or waits for it."""
-        if self._busy or self._queue or self._error is not None:
+        if self._busy or self._queue or self._error is not None or self._gone:
             return False
         self._busy = True
         self._ops += 1
@@ -593,6 +598,8 @@ class NodeWorkspace:
     async def _enter(self) -> None:
         if self._error is not None:
             raise self._error
+        for exc in self._gone.values():
+            raise exc  # a member is gone: no later operation can complete
         if self._busy or self._queue:
             fut = self._loop.create_future()
             self._queue.append(fut)
@@ -802,7 +809,7 @@ class NodeWorkspace:
         recheck = _RECHECK_FIRST
         try:
             while True:
-                self._check_peers()
+                self._check_peers(target)
                 fut = self._loop.create_future()
                 self._waiter = fut
                 words[my_sleep] = 1
@@ -832,38 +839,50 @@ class NodeWorkspace:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    def _check_peers(self) -> None:
+    def _check_peers(self, target: int) -> None:
+        """Raise if the barrier to ``target`` can no longer complete: a peer aborted, or one
+        that has not arrived yet is gone (one that arrived before it went does not count)."""
         if self._error is None:
             for j in self._peers:
                 if self._words[self._state_w[j]] in (_CLOSED, _ABORTED):
                     self._peer_gone(j)
-                    break
         if self._error is not None:
             raise self._error
+        for j, exc in self._gone.items():
+            if self._words[self._count_w[j]] < target:
+                # The same on every rank that waits for it: no need to abort the workspace.
+                self._consistent = exc
+                raise exc
 
     def _peer_gone(self, j: int) -> None:
-        """Peer ``j`` closed, aborted, or its process ended: fail what waits for it."""
-        if self._error is not None:
+        """Peer ``j`` closed, aborted, or its process ended.
+
+        An aborted peer fails the workspace. One that closed or whose process ended fails
+        only the waits it has not reached (see :meth:`_check_peers`): the waiter is woken
+        to look.
+        """
+        if self._error is not None or j in self._gone:
             return
         state = self._words[self._state_w[j]]
         name = self._names[j]
-        if state == _CLOSED:
-            text = f"lost connection to rank {name}: it closed the shared-memory workspace"
-        elif state == _ABORTED:
-            at = j * self._ctrl + _C_REASON
-            reason = (
-                bytes(self._buf[at : at + _REASON_BYTES]).rstrip(b"\0").decode(errors="replace")
-            )
-            # A peer that failed because a third rank was lost passes on that rank's name.
-            if reason.startswith("lost connection to rank "):
-                text = reason
-            else:
-                text = f"lost connection to rank {name}: it aborted: {reason}"
-        else:
-            text = f"lost connection to rank {name}: its process (pid {self._procs[j].pid}) exited"
-        exc = DistNetworkError(text)
-        self._error = exc
         waiter = self._waiter
+        if state != _ABORTED:
+            if state == _CLOSED:
+                reason, how = "it closed the shared-memory workspace", Departure.LEFT
+            else:
+                reason, how = f"its process (pid {self._procs[j].pid}) exited", Departure.GONE
+            self._gone[j] = lost_peer_error(name, reason, how)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+            return
+        at = j * self._ctrl + _C_REASON
+        reason = bytes(self._buf[at : at + _REASON_BYTES]).rstrip(b"\0").decode(errors="replace")
+        # A peer that failed because a third rank was lost passes on that rank's name.
+        if reason.startswith("lost connection to rank "):
+            exc = DistNetworkError(reason)
+        else:
+            exc = DistNetworkError(f"lost connection to rank {name}: it aborted: {reason}")
+        self._error = exc
         if waiter is not None and not waiter.done():
             waiter.set_exception(exc)
             waiter.exception()

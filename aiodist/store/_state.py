@@ -16,7 +16,7 @@ import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 
-from ..errors import DistStoreError, DistTimeoutError
+from ..errors import DistStoreError, DistStoreTimeoutError
 
 __all__ = [
     "I64_MAX",
@@ -39,9 +39,9 @@ def format_keys(keys: Iterable[bytes]) -> str:
 
 def timeout_error(
     keys: Sequence[bytes], missing: Iterable[bytes], waited: float
-) -> DistTimeoutError:
+) -> DistStoreTimeoutError:
     """Build the error for a wait on ``keys`` that gave up after ``waited`` seconds."""
-    return DistTimeoutError(
+    return DistStoreTimeoutError(
         f"store wait timed out after {waited * 1000:.0f} ms waiting for keys "
         f"[{format_keys(keys)}]; still missing: [{format_keys(missing)}]"
     )
@@ -49,10 +49,10 @@ def timeout_error(
 
 def barrier_timeout_error(
     key: bytes, arrived: int | None, world_size: int, waited: float
-) -> DistTimeoutError:
+) -> DistStoreTimeoutError:
     """Build the error for a barrier on ``key`` that gave up after ``waited`` seconds."""
     count = "?" if arrived is None else str(arrived)
-    return DistTimeoutError(
+    return DistStoreTimeoutError(
         f"store barrier {format_keys([key])} timed out after {waited * 1000:.0f} ms: "
         f"{count} of {world_size} arrived"
     )

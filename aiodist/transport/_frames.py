@@ -6,9 +6,9 @@ Every message is a 64-byte header followed by its payload::
     header := group:u64 seq:u64 step:u64 nbytes:u64 fingerprint:32s   (little endian)
 
 Three lengths that no payload can have mark control messages, whose ``step`` is the length
-of the UTF-8 text that follows: :data:`BYE` (the sender closes in order; no text),
-:data:`REJECTION` (the sender rejected operation ``(group, seq)``; the text is why) and
-:data:`ABORTING` (the sender is aborting; the text is the cause).
+of the UTF-8 text that follows: :data:`BYE` (the sender closes in order; the text says why it
+leaves), :data:`REJECTION` (the sender rejected operation ``(group, seq)``; the text is why)
+and :data:`ABORTING` (the sender is aborting; the text is the cause).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def control_frame(kind: int, group: int, seq: int, text: str = "") -> bytes:
 
 def is_control(nbytes: int, step: int) -> bool:
     """Whether a header with this length and step announces a control message with text."""
-    return nbytes in (REJECTION, ABORTING) and step <= MAX_REASON
+    return nbytes in (BYE, REJECTION, ABORTING) and step <= MAX_REASON
 
 
 class ControlText:
@@ -58,17 +58,17 @@ class ControlText:
     mailbox's: the transport fills :attr:`buffer`, then calls :meth:`done`).
 
     Args:
-        kind: :data:`REJECTION` or :data:`ABORTING`.
+        kind: :data:`BYE`, :data:`REJECTION` or :data:`ABORTING`.
         group: the header's group.
         seq: the header's sequence number.
         nbytes: the length of the text.
         peer: the sender.
         mailbox: the receiving rank's mailbox (rejections go there).
-        lose: called with the text of an :data:`ABORTING` message: the transport loses
-            the peer, naming the cause.
+        said: called with the kind and the text of a :data:`BYE` or :data:`ABORTING`
+            message: the transport notes the goodbye, or loses the peer naming the cause.
     """
 
-    __slots__ = ("_lose", "buffer", "group", "kind", "mailbox", "peer", "seq")
+    __slots__ = ("_said", "buffer", "group", "kind", "mailbox", "peer", "seq")
 
     def __init__(
         self,
@@ -78,14 +78,14 @@ class ControlText:
         nbytes: int,
         peer: int,
         mailbox: Mailbox,
-        lose: Callable[[str], None],
+        said: Callable[[int, str], None],
     ) -> None:
         self.kind = kind
         self.group = group
         self.seq = seq
         self.peer = peer
         self.mailbox = mailbox
-        self._lose = lose
+        self._said = said
         self.buffer = memoryview(bytearray(nbytes))
 
     def done(self) -> None:
@@ -94,4 +94,4 @@ class ControlText:
         if self.kind == REJECTION:
             self.mailbox.reject(self.peer, self.group, self.seq, text)
         else:
-            self._lose(text)
+            self._said(self.kind, text)

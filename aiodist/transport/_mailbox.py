@@ -15,6 +15,7 @@ call :meth:`Mailbox.deliver`, which does the same with one memcpy.
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import struct
 from collections import deque
@@ -26,12 +27,14 @@ from .._fingerprint import NO_FINGERPRINT, mismatch_error
 from ..errors import DistNetworkError, DistUsageError
 
 __all__ = [
+    "Departure",
     "Inbound",
     "Mailbox",
     "MailboxListener",
     "Tag",
     "as_bytes",
     "check_tag",
+    "departure_of",
     "fail_future",
     "lost_peer_error",
 ]
@@ -52,7 +55,17 @@ class MailboxListener(Protocol):
         """``peer`` rejected its operation ``(group, seq)`` before sending any data of it."""
 
     def on_lost(self, peer: int, exc: BaseException) -> None:
-        """``peer`` went away without closing in order (its connections dropped)."""
+        """``peer`` is gone: it left, went away, or failed (:func:`departure_of` says which)."""
+
+
+class Departure(enum.Enum):
+    """How a peer went away when it did not fail: see :func:`lost_peer_error`."""
+
+    #: It closed in order and said why (``destroy_process_group``, or its process exiting).
+    LEFT = "left"
+    #: Its connection or its process ended without a goodbye: it exited without leaving,
+    #: was killed, or its host can no longer be reached. What it sent before still counts.
+    GONE = "gone"
 
 
 # Tags travel as three unsigned 64-bit integers on every transport, so every transport
@@ -595,19 +608,21 @@ class Mailbox:
             return next(reversed(self._lost.values()))  # the last rank to go
         return None
 
-    def fail_peer(self, peer: int, exc: BaseException, *, graceful: bool = False) -> None:
+    def fail_peer(self, peer: int, exc: BaseException) -> None:
         """Record that ``peer`` is gone and fail the receives that wait for it.
 
         Receives from ``peer`` fail now and later. Any-source receives fail too, unless the
-        peer closed in order (``graceful``) and other ranks may still send. Messages from
-        ``peer`` that arrived completely stay deliverable.
+        peer left in order (:attr:`Departure.LEFT`) and other ranks may still send.
+        Messages from ``peer`` that arrived completely stay deliverable. The listener hears
+        of it in every case.
         """
         if self._exc is not None or peer in self._lost:
             return
         self._lost[peer] = exc
+        graceful = departure_of(exc) is Departure.LEFT
         if not graceful and self._broken is None:
             self._broken = exc
-        if not graceful and self.listener is not None:
+        if self.listener is not None:
             # Soon: the transport is in the middle of dropping the connection.
             asyncio.get_running_loop().call_soon(self.listener.on_lost, peer, exc)
         for inbound in [i for i in self._inflight if i.peer == peer]:
@@ -638,6 +653,18 @@ class Mailbox:
         self._staged.clear()
 
 
-def lost_peer_error(peer: int, reason: str) -> DistNetworkError:
-    """Return the error for receives and sends that depended on a lost ``peer``."""
-    return DistNetworkError(f"lost connection to rank {peer}: {reason}")
+def lost_peer_error(peer: int, reason: str, departure: Departure | None = None) -> DistNetworkError:
+    """Return the error for receives and sends that depended on a lost ``peer``.
+
+    ``departure`` says how it went, when it went without failing (``None``: it failed, or
+    the connection to it did); :func:`departure_of` reads it back.
+    """
+    error = DistNetworkError(f"lost connection to rank {peer}: {reason}")
+    error.departure = departure  # type: ignore[attr-defined]
+    return error
+
+
+def departure_of(exc: BaseException) -> Departure | None:
+    """How the peer named by a :func:`lost_peer_error` went away (``None``: it failed)."""
+    departure: Departure | None = getattr(exc, "departure", None)
+    return departure

@@ -20,9 +20,14 @@ import asyncio
 from collections.abc import Sequence
 
 from ..store import Store
-from ._mailbox import Mailbox, Tag
+from ._mailbox import Departure, Mailbox, Tag, lost_peer_error
 
-__all__ = ["OpComm", "PeerDirectory", "Tag", "Transport"]
+__all__ = ["CLOSED_REASON", "OpComm", "PeerDirectory", "Tag", "Transport"]
+
+#: What the peers of a transport closed without a reason are told: "rank N closed its
+#: transport".
+CLOSED_REASON = "closed its transport"
+_LEFT = "left: "
 
 
 class PeerDirectory:
@@ -52,9 +57,17 @@ class PeerDirectory:
 
         Raises:
             DistTimeoutError: the rank did not publish an address in time.
-            DistNetworkError: the store cannot be reached.
+            DistNetworkError: the store cannot be reached, or the rank has left (see
+                :meth:`withdraw`; :func:`~aiodist.transport._mailbox.departure_of` tells).
         """
-        return (await self._store.get(f"{self._prefix}{rank}")).decode()
+        address = (await self._store.get(f"{self._prefix}{rank}")).decode()
+        if address.startswith(_LEFT):
+            raise lost_peer_error(rank, f"it {address[len(_LEFT) :]}", Departure.LEFT)
+        return address
+
+    async def withdraw(self, rank: int, reason: str) -> None:
+        """Record that ``rank`` no longer listens because it ``reason`` (it left the world)."""
+        await self._store.set(f"{self._prefix}{rank}", _LEFT + reason)
 
 
 class Transport(abc.ABC):
@@ -124,11 +137,15 @@ class Transport(abc.ABC):
         """
 
     @abc.abstractmethod
-    async def aclose(self) -> None:
+    async def aclose(self, reason: str | None = None) -> None:
         """Close every connection and listener in order. Closing twice is harmless.
 
-        Pending receives fail with ``DistNetworkError``. Peers see an orderly close: their
-        receives from this rank fail, their any-source receives keep waiting for others.
+        Pending receives fail with ``DistNetworkError``. Peers see an orderly close (a
+        :attr:`~aiodist.transport._mailbox.Departure.LEFT` departure): messages this rank
+        sent before still reach them, their receives from this rank that nothing was sent
+        for fail with ``"lost connection to rank N: it <reason>"``, and their any-source
+        receives keep waiting for others. ``reason`` completes "rank N ..." (default
+        :data:`CLOSED_REASON`).
         """
 
     def waiting_for(self, group: int, seq: int) -> list[int]:

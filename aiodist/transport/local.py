@@ -6,8 +6,8 @@ import asyncio
 import logging
 
 from ..errors import DistNetworkError, DistUsageError
-from ._mailbox import as_bytes, check_tag, fail_future, lost_peer_error
-from .base import Tag, Transport
+from ._mailbox import Departure, as_bytes, check_tag, fail_future, lost_peer_error
+from .base import CLOSED_REASON, Tag, Transport
 
 __all__ = ["LocalTransport"]
 
@@ -99,24 +99,25 @@ class LocalTransport(Transport):
         The other ranks' receives from this rank fail, naming ``exc`` as the cause, and so
         do their any-source receives.
         """
-        self._close(exc, f"it aborted: {type(exc).__name__}: {exc}", graceful=False)
+        self._close(exc, f"it aborted: {type(exc).__name__}: {exc}", None)
 
-    async def aclose(self) -> None:
+    async def aclose(self, reason: str | None = None) -> None:
         """Close this rank; its pending receives fail with ``DistNetworkError``.
 
-        The other ranks' receives from this rank fail; their any-source receives keep
-        waiting for the ranks that remain.
+        The other ranks' receives from this rank fail, naming ``reason`` (see
+        :meth:`Transport.aclose`); their any-source receives keep waiting for the ranks
+        that remain.
         """
         exc = DistNetworkError(f"the transport of rank {self.rank} was closed")
-        self._close(exc, "it closed its transport", graceful=True)
+        self._close(exc, f"it {reason or CLOSED_REASON}", Departure.LEFT)
 
-    def _close(self, exc: BaseException, reason: str, *, graceful: bool) -> None:
+    def _close(self, exc: BaseException, reason: str, departure: Departure | None) -> None:
         if self._closed is not None:
             return
         self._closed = exc
         self.mailbox.abort(exc)
-        lost = lost_peer_error(self.rank, reason)
+        lost = lost_peer_error(self.rank, reason, departure)
         for other in self._world:
             if other is not self:
-                other.mailbox.fail_peer(self.rank, lost, graceful=graceful)
+                other.mailbox.fail_peer(self.rank, lost)
         logger.debug("local transport rank %d closed: %s", self.rank, exc)

@@ -67,7 +67,7 @@ class RoutedTransport(Transport):
         self.shm.abort(exc)
         self.tcp.abort(exc)
 
-    async def aclose(self) -> None:
-        """Close both transports in order."""
-        await self.shm.aclose()
-        await self.tcp.aclose()
+    async def aclose(self, reason: str | None = None) -> None:
+        """Close both transports in order, telling the peers ``reason``."""
+        await self.shm.aclose(reason)
+        await self.tcp.aclose(reason)

@@ -48,6 +48,7 @@ from ..store import Store
 from . import _shm_setup
 from ._frames import (
     ABORTING,
+    BYE,
     HEADER,
     MAX_MESSAGE,
     REJECTION,
@@ -55,7 +56,15 @@ from ._frames import (
     control_frame,
     is_control,
 )
-from ._mailbox import Inbound, Mailbox, as_bytes, fail_future, lost_peer_error
+from ._mailbox import (
+    Departure,
+    Inbound,
+    Mailbox,
+    as_bytes,
+    departure_of,
+    fail_future,
+    lost_peer_error,
+)
 from ._shm_segment import (
     ProcessId,
     Segment,
@@ -67,7 +76,7 @@ from ._shm_segment import (
     unavailable_reason,
 )
 from ._shm_signal import SPIN_SECONDS, Bell, Doorbell, PeerWatch, fence, may_spin
-from .base import Tag, Transport
+from .base import CLOSED_REASON, Tag, Transport
 
 __all__ = ["DEFAULT_RING_BYTES", "ShmTransport", "default_job_key", "find_local_ranks"]
 
@@ -219,6 +228,8 @@ class _Link:
         self.bell = bell
         self.watch: PeerWatch | None = None
         self.error: BaseException | None = None
+        # What the peer said when it said goodbye (it closes in order).
+        self.bye: str | None = None
         # Sending: our ring in the peer's segment; the peer's control words are there too.
         self.tx_buf = peer_seg.buf
         self.tx_words = peer_seg.words
@@ -353,7 +364,7 @@ class _Link:
                 budget -= _HDR
                 if is_control(nbytes, step):
                     self.inbound = ControlText(
-                        nbytes, group, seq, step, self.peer, mailbox, self._aborted
+                        nbytes, group, seq, step, self.peer, mailbox, self._said
                     )
                     self.doff = 0
                     self.drem = step
@@ -423,8 +434,12 @@ class _Link:
         if words[self.rx_want_w] and self.tx_words[_W_SLEEP] and not self.bell.ring():
             self.owner._loop.call_soon(self.owner._peer_exited, self)
 
-    def _aborted(self, cause: str) -> None:
-        self.owner._lose(self, lost_peer_error(self.peer, f"it aborted: {cause}"))
+    def _said(self, kind: int, text: str) -> None:
+        # A goodbye (the peer's state says closed next) or the cause it aborts for.
+        if kind == BYE:
+            self.bye = text
+        else:
+            self.owner._lose(self, lost_peer_error(self.peer, f"it aborted: {text}"))
 
     def drain(self) -> None:
         """Take everything the peer wrote (it is gone): complete messages are delivered."""
@@ -808,12 +823,13 @@ class ShmTransport(Transport):
         if self._closed is None:
             self._shutdown(exc, _ABORTED)
 
-    async def aclose(self) -> None:
+    async def aclose(self, reason: str | None = None) -> None:
         """Let queued sends drain (up to 5 s), tell the peers this rank closes, and close.
 
         Pending receives fail with ``DistNetworkError``; peers see an orderly close (their
-        receives from this rank fail once they took every message it sent, their
-        any-source receives keep waiting for others). Closing twice is harmless.
+        receives from this rank fail once they took every message it sent, naming
+        ``reason``; their any-source receives keep waiting for others). Closing twice is
+        harmless.
         """
         if self._closed is None:
             queued = [s.fut for link in self._links for s in link.queue]
@@ -821,17 +837,19 @@ class ShmTransport(Transport):
                 await asyncio.wait(queued, timeout=CLOSE_DRAIN_SECONDS)
             if self._closed is None:
                 exc = DistNetworkError(f"the transport of rank {self.rank} was closed")
-                self._shutdown(exc, _CLOSED)
+                self._shutdown(exc, _CLOSED, control_frame(BYE, 0, 0, reason or CLOSED_REASON))
 
-    def _shutdown(self, exc: BaseException, state: int) -> None:
+    def _shutdown(self, exc: BaseException, state: int, last: bytes | None = None) -> None:
         self._closed = exc
         if state == _ABORTED:
-            # The peers read this before they see our state change: the cause reaches them.
-            frame = control_frame(ABORTING, 0, 0, f"{type(exc).__name__}: {exc}")
+            last = control_frame(ABORTING, 0, 0, f"{type(exc).__name__}: {exc}")
+        if last is not None:
+            # The peers read this before they see our state change: the cause, or the
+            # goodbye, reaches them.
             for link in self._links:
                 if link.error is None and not link.queue:
-                    link.queue.append(_control_send(frame, self._loop.create_future()))
-                    link.tx(len(frame))
+                    link.queue.append(_control_send(last, self._loop.create_future()))
+                    link.tx(len(last))
         if self._seg is not None:
             self._seg.words[_W_STATE] = state
             fence()
@@ -983,17 +1001,18 @@ class ShmTransport(Transport):
         what depends on it."""
         if link.error is not None or self._closed is not None:
             return
+        link.drain()  # (its goodbye, if it said one, is the last thing it wrote)
         state = link.peer_state()
         if state == _CLOSED:
-            reason = "it closed its transport"
+            error = lost_peer_error(link.peer, f"it {link.bye or CLOSED_REASON}", Departure.LEFT)
         elif state == _ABORTED:
-            reason = "its transport was aborted"
+            error = lost_peer_error(link.peer, "its transport was aborted")
         else:
             reason = f"its process (pid {link.proc.pid}) exited"
-        link.drain()
-        self._lose(link, lost_peer_error(link.peer, reason), graceful=state == _CLOSED)
+            error = lost_peer_error(link.peer, reason, Departure.GONE)
+        self._lose(link, error)
 
-    def _lose(self, link: _Link, exc: BaseException, *, graceful: bool = False) -> None:
+    def _lose(self, link: _Link, exc: BaseException) -> None:
         if link.error is not None or self._closed is not None:
             return
         link.error = exc
@@ -1003,6 +1022,6 @@ class ShmTransport(Transport):
             fail_future(s.fut, exc)
         link.queue.clear()
         link.inbound = None  # the mailbox fails it with the peer
-        self.mailbox.fail_peer(link.peer, exc, graceful=graceful)
-        level = logging.DEBUG if graceful else logging.WARNING
+        self.mailbox.fail_peer(link.peer, exc)
+        level = logging.WARNING if departure_of(exc) is None else logging.DEBUG
         logger.log(level, "rank %d: %s", self.rank, exc)

@@ -12,7 +12,8 @@ both directions carry frames::
     frame := group:u64 seq:u64 step:u64 nbytes:u64 fingerprint:32s | nbytes of payload
 
 Three lengths that no payload can have mark control frames, whose ``step`` is the length of
-the UTF-8 text that follows: ``2**64 - 1`` says goodbye (the sender closes in order),
+the UTF-8 text that follows: ``2**64 - 1`` says goodbye (the sender closes in order; the
+text says why it leaves, e.g. that its process is exiting),
 ``2**64 - 2`` rejects operation ``(group, seq)`` with the text as the reason, ``2**64 - 3``
 says the sender is aborting, with the text as the cause. An aborting rank writes that last
 frame only at a frame boundary, then shuts down its sending side and keeps reading until
@@ -35,7 +36,6 @@ caller's memory any more.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import os
 import socket
@@ -49,6 +49,7 @@ from .._auth import AUTH_MAC_SIZE, NONCE_SIZE, auth_mac, resolve_token, verify_m
 from .._fingerprint import NO_FINGERPRINT
 from .._timeouts import Timeout, to_seconds
 from ..errors import (
+    DistError,
     DistNetworkError,
     DistProtocolError,
     DistTimeoutError,
@@ -66,15 +67,23 @@ from ._frames import (
     control_frame,
     is_control,
 )
-from ._mailbox import Inbound, Mailbox, as_bytes, fail_future, lost_peer_error
-from .base import PeerDirectory, Tag, Transport
+from ._mailbox import (
+    Departure,
+    Inbound,
+    Mailbox,
+    as_bytes,
+    departure_of,
+    fail_future,
+    lost_peer_error,
+)
+from .base import CLOSED_REASON, PeerDirectory, Tag, Transport
 
 __all__ = ["TCPTransport"]
 
 logger = logging.getLogger(__name__)
 
 _MAGIC = b"AIOD"
-_VERSION = 4
+_VERSION = 5
 # REFUSED: the two sides disagree on authentication (one has a token, the other not).
 _HELLO, _ACCEPT, _REJECT, _REFUSED = 0, 1, 2, 3
 _FLAG_AUTH = 0x01
@@ -86,7 +95,6 @@ _ROLE_ACCEPT, _ROLE_CONNECT = b"peer/accept", b"peer/connect"
 _IDS = struct.Struct("<III")
 _HEADER = HEADER
 _HEADER_SIZE = _HEADER.size
-_BYE_FRAME = control_frame(BYE, 0, 0)
 #: Seconds an aborting rank keeps a connection it said goodbye on, waiting for the peer to
 #: close it first (see the module docstring).
 ABORT_LINGER_SECONDS = 2.0
@@ -110,6 +118,9 @@ POLL_MISSES_BEFORE_BACKOFF = 3
 POLL_MAX_SKIP = 64
 #: How long ``aclose`` lets queued sends drain before closing the connections.
 CLOSE_DRAIN_SECONDS = 5.0
+#: How long leaving waits for the store to record it, and a failed connect for the store to
+#: say whether the peer left meanwhile.
+LEFT_CHECK_SECONDS = 1.0
 DEFAULT_CONNECT_TIMEOUT = 300.0
 
 _HANDSHAKING, _OPEN, _DONE = 0, 1, 2
@@ -170,7 +181,8 @@ class _Conn(asyncio.BufferedProtocol):
         # Resolved with True (accepted) or False (refused) for the connecting side.
         self.handshake: asyncio.Future[bool] = self.loop.create_future()
         self.lost: asyncio.Future[None] = self.loop.create_future()
-        self.bye = False
+        # What the peer said when it said goodbye (it closes in order).
+        self.bye: str | None = None
         self._hs = bytearray(_HANDSHAKE.size)
         self._hs_got = 0
         # Our nonce, the peer's, and the proof the peer must send next (accepting side).
@@ -396,12 +408,19 @@ class _Conn(asyncio.BufferedProtocol):
         elif state == _OPEN:
             peer = self.peer
             assert peer is not None
-            if self.bye and self._inbound is None:
-                reason = "it closed its transport"
-                owner._lose(peer, reason, graceful=True)
+            if self.bye is not None and self._inbound is None:
+                reason = f"it {self.bye}"
+                owner._lose(peer, reason, departure=Departure.LEFT)
             else:
-                reason = f"connection lost: {exc}" if exc else "connection closed by peer"
-                owner._lose(peer, reason)
+                # Whatever the peer sent before is read by now: only what it did not send
+                # fails.
+                reason = (
+                    f"connection lost: {exc}"
+                    if exc
+                    else "it went away without a goodbye (its process ended without leaving "
+                    "the process group, or was killed)"
+                )
+                owner._lose(peer, reason, departure=Departure.GONE)
             self._fail_sends(lost_peer_error(peer, reason))  # if the peer had failed before
 
     def orphaned(self) -> None:
@@ -617,6 +636,14 @@ class _Conn(asyncio.BufferedProtocol):
             if self.state != _OPEN or self._read_paused:
                 return
 
+    def _said(self, kind: int, text: str) -> None:
+        # A goodbye (closing follows) or the cause the peer aborts for.
+        if kind == BYE:
+            self.bye = text
+        else:
+            assert self.peer is not None
+            self.owner._peer_aborted(self.peer, text)
+
     def _finish_inbound(self) -> None:
         inbound = self._inbound
         assert inbound is not None
@@ -633,18 +660,9 @@ class _Conn(asyncio.BufferedProtocol):
                     return
                 group, seq, step, nbytes, fp = _HEADER.unpack_from(rx, self._rstart)
                 self._rstart += _HEADER_SIZE
-                if nbytes == BYE:
-                    self.bye = True
-                    continue
                 if is_control(nbytes, step):
                     self._inbound = ControlText(
-                        nbytes,
-                        group,
-                        seq,
-                        step,
-                        self.peer,
-                        self.mailbox,
-                        functools.partial(self.owner._peer_aborted, self.peer),
+                        nbytes, group, seq, step, self.peer, self.mailbox, self._said
                     )
                     self._doff = 0
                     self._drem = step
@@ -992,12 +1010,14 @@ class TCPTransport(Transport):
         self.mailbox.abort(exc)
         logger.debug("rank %d transport aborted: %s", self.rank, exc)
 
-    async def aclose(self) -> None:
+    async def aclose(self, reason: str | None = None) -> None:
         """Let queued sends drain (up to 5 s), say goodbye to every peer and close.
 
         Pending receives fail with ``DistNetworkError``; peers see an orderly close (their
         receives from this rank fail, their any-source receives keep waiting for others).
-        Closing twice is harmless.
+        ``reason`` is what they are told (see :meth:`Transport.aclose`); once what was
+        queued has left, it also replaces this rank's address in the directory, so that a
+        peer that tries to connect later learns it at once. Closing twice is harmless.
         """
         if self._closed is None:
             queued = [f for c in self._conns for _, f in c._queue if f is not None]
@@ -1005,9 +1025,12 @@ class TCPTransport(Transport):
             queued += [fut for p in self._peers for _, _, fut in p.pending]
             if queued:
                 await asyncio.wait(queued, timeout=CLOSE_DRAIN_SECONDS)
+            if reason is not None and self._closed is None:
+                await self._withdraw(reason)
             if self._closed is None:
+                bye = control_frame(BYE, 0, 0, reason or CLOSED_REASON)
                 for conn in self._conns:
-                    conn.close_after(_BYE_FRAME)
+                    conn.close_after(bye)
                 self.abort(DistNetworkError(f"the transport of rank {self.rank} was closed"))
         while self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -1022,6 +1045,14 @@ class TCPTransport(Transport):
                 )
         if self._server is not None:
             await self._server.wait_closed()
+
+    async def _withdraw(self, reason: str) -> None:
+        # Bounded, and never fatal: a store that is gone or slow must not hold up leaving.
+        try:
+            async with asyncio.timeout(LEFT_CHECK_SECONDS):
+                await self._directory.withdraw(self.rank, reason)
+        except (DistError, TimeoutError) as exc:
+            logger.debug("rank %d: could not withdraw its address: %s", self.rank, exc)
 
     # -- polling ---------------------------------------------------------------------------
 
@@ -1134,9 +1165,25 @@ class TCPTransport(Transport):
             if p.conn is None:
                 if not isinstance(exc, (DistNetworkError, DistProtocolError)):
                     exc = lost_peer_error(peer, f"connecting failed: {exc!r}")
-                self._fail_peer(p, exc)
+                if departure_of(exc) is None and isinstance(exc, DistNetworkError):
+                    exc = await self._left_since(peer, exc)
+                if p.conn is None:
+                    self._fail_peer(p, exc)
         finally:
             p.connecting = None
+
+    async def _left_since(self, peer: int, exc: DistNetworkError) -> DistNetworkError:
+        """``exc``, or the peer's goodbye if it has left the world since it published its
+        address (its listener is closed: connecting fails)."""
+        try:
+            async with asyncio.timeout(LEFT_CHECK_SECONDS):
+                await self._directory.lookup(peer)
+        except DistNetworkError as left:
+            if departure_of(left) is not None:
+                return left
+        except (DistError, TimeoutError):
+            pass
+        return exc
 
     def _establish(self, conn: _Conn) -> None:
         peer = conn.peer
@@ -1162,12 +1209,17 @@ class TCPTransport(Transport):
         self._lose(peer, f"it aborted: {cause}")
 
     def _lose(
-        self, peer: int, reason: str, exc: BaseException | None = None, *, graceful: bool = False
+        self,
+        peer: int,
+        reason: str,
+        exc: BaseException | None = None,
+        *,
+        departure: Departure | None = None,
     ) -> None:
         """Drop the connection to ``peer`` and fail everything that depends on it."""
-        self._fail_peer(self._peers[peer], exc or lost_peer_error(peer, reason), graceful)
+        self._fail_peer(self._peers[peer], exc or lost_peer_error(peer, reason, departure))
 
-    def _fail_peer(self, p: _Peer, exc: BaseException, graceful: bool = False) -> None:
+    def _fail_peer(self, p: _Peer, exc: BaseException) -> None:
         if p.error is not None or self._closed is not None:
             return
         p.error = exc
@@ -1187,6 +1239,6 @@ class TCPTransport(Transport):
             p.waiter = None
         if p.connecting is not None and p.connecting is not asyncio.current_task():
             p.connecting.cancel()
-        self.mailbox.fail_peer(p.rank, exc, graceful=graceful)
-        level = logging.DEBUG if graceful else logging.WARNING
+        self.mailbox.fail_peer(p.rank, exc)
+        level = logging.WARNING if departure_of(exc) is None else logging.DEBUG
         logger.log(level, "rank %d: %s", self.rank, exc)
