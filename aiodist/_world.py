@@ -10,8 +10,8 @@ together, over the world's store:
 * **departures**: a rank whose connection to the store ends without a goodbye (its process
   exited without leaving, was killed, or its host became unreachable) has the server set
   ``departed`` (a lease); every rank keeps a ``get`` of it parked too;
-* **store loss**: losing the store breaks the world (every later group creation, abort and
-  rendezvous needs it);
+* **store loss**: losing the store aborts the world (every later group creation, abort and
+  rendezvous needs it; a rank hosting it keeps it up until the others have left);
 * **arrivals**: when an operation times out, the ranks that entered it say so under one key,
   so the error can name the ranks that did not;
 * **leaving**: a rank records why it left under ``left/<rank>`` (its lease writes there too
@@ -19,11 +19,12 @@ together, over the world's store:
   has left or gone, so that late address lookups and the abort reason stay readable.
 
 Two ways to break. :meth:`FailureDomain.abort` (a real failure: an operation that failed
-part-way, a timeout, a mismatch) drops the world's connections at once. A departure
-(:meth:`FailureDomain.depart`: a rank gone without a goodbye, or the store lost) only makes
-the world refuse new operations: those in flight go on, since what the departed rank sent
-before it went still counts, and one that needs it fails then (and aborts). A rank that
-leaves in order (``destroy_process_group``, or its script ending) breaks nothing.
+part-way, a timeout, a mismatch, the store lost) drops the world's connections at once, and
+every later operation fails. A departure (:meth:`FailureDomain.depart`: a rank gone without
+a goodbye) only marks the world broken (``is_aborted()``, ``wait_aborted()``): operations go
+on, since what the departed rank sent before it went still counts, and the first one that
+needs it fails and aborts. A rank that leaves in order (``destroy_process_group``, or its
+script ending) breaks nothing.
 
 It knows nothing of operations or groups: the world above hands it a callback that drops
 the connections when the domain aborts.
@@ -147,12 +148,12 @@ class FailureDomain:
             except DistTimeoutError:
                 continue  # the store's own timeout: park the wait again
             except DistNetworkError as exc:
-                # Losing the store breaks the job (the rank hosting it died, or its server);
-                # what is in flight may still complete without it.
+                # Losing the store is a failure of the job too (the rank hosting it died,
+                # or its server). (Both watches see it: one reports it.)
                 if not self.closed and key == _ABORT_KEY:
                     lost = DistNetworkError(f"rank {self.rank}: lost the store: {exc}")
                     lost.__cause__ = exc
-                    self.depart(lost)
+                    self.abort(lost)
                 return
             except DistError as exc:
                 # Anything else is the store refusing one request: try again, so that
@@ -170,11 +171,11 @@ class FailureDomain:
             return
 
     def depart(self, cause: BaseException) -> None:
-        """Break the world because a rank went away without a goodbye (``cause`` says which).
+        """Mark the world broken because a rank went away without a goodbye (``cause``).
 
-        Later operations fail at once, naming ``cause``; those in flight go on (what the
-        departed rank sent still reaches them), and one that needs the departed rank fails
-        then, which aborts the world. Does nothing once broken or closed.
+        Operations go on (what the departed rank sent still reaches them); the first that
+        needs the departed rank fails, which aborts the world. Does nothing once broken or
+        closed.
         """
         if self.broken is not None or self.closed:
             return

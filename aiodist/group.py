@@ -19,12 +19,12 @@ Every call on a group is an :class:`Operation`, whose life has four steps:
    flowed, the group timeout, an operation that still needed a rank that went away); every
    rank then raises, naming the first cause, until ``destroy`` and ``init`` rebuild it.
 
-A rank that goes away is not a failure by itself. One that leaves in order (it destroyed
-its group, or its script ended: it says goodbye) only makes the groups it was in refuse
-new operations, naming it. One that goes without a goodbye (killed, or exited without
-leaving), or the store lost, breaks the world: new operations fail at once, while those in
-flight go on, since what the rank sent before it went still reaches them; an operation
-that still needs it fails then, and that aborts the world.
+A rank that goes away is not a failure by itself: what it sent before it went still reaches
+the others, and only an operation that still needs something from it fails. If it left in
+order (it destroyed its group, or its script ended: it said goodbye), that operation fails
+alone, naming why the rank left. If it went without a goodbye (killed, or exited without
+leaving), the world is marked broken at once (``is_aborted()``), and that operation aborts
+it.
 
 The default group is process-wide once initialised, as in torch: a group made in one task
 (a FastAPI lifespan) or thread is the default in every other. A context may hold a world of
@@ -775,7 +775,7 @@ class ProcessGroup:
         if self._destroyed or self._world.closed:
             raise DistUsageError(f"{op}: the process group has been destroyed")
         cause = self._world.broken
-        if cause is not None:
+        if cause is not None and self._world.domain.aborted:
             cls = type(cause) if isinstance(cause, DistError) else DistError
             raise cls(
                 f"{op}: the process group is unusable after an earlier failure: "

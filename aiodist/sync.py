@@ -737,7 +737,7 @@ def _twin(fn: Callable[..., _group.Work[Any]], mode: str) -> Callable[..., Any]:
         async_op = bound.arguments.pop("async_op", False)
         if isinstance(bound.arguments.get("group"), NonGroupMember):
             # As torch: a warning, nothing done, the members unaffected.
-            _group.warn_not_in_group(name, stacklevel=2)
+            _group.warn_not_in_group(twin.__name__, stacklevel=2)
             return -1 if mode == "result" else None
         # Made on the loop thread, which is where the async work's callbacks may be added.
         if mode == "work" or async_op:

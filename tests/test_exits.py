@@ -1,0 +1,216 @@
+"""Ranks that end, with or without a goodbye, while the others still work.
+
+A rank whose script ends leaves the group as it exits; what it sent before still reaches
+the others; one that goes without a goodbye breaks the group for new operations only; one
+that ends on an exception makes the others fail at once, naming it; a rank hosting the store
+keeps it up until the others have left. Each scenario is ``tests/exit_worker.py`` run as real
+processes, on both loops and over shared memory and TCP.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from cluster_helpers import free_port
+
+import aiodist
+import aiodist.multiprocessing as amp
+import aiodist.sync as dist
+from aiodist.testing import run_world
+
+WORKER = Path(__file__).parent / "exit_worker.py"
+TRANSPORTS = [
+    pytest.param({"AIODIST_SHM": "1", "AIODIST_LOOP": "uvloop"}, id="shm-uvloop"),
+    pytest.param({"AIODIST_SHM": "0", "AIODIST_LOOP": "asyncio"}, id="tcp-asyncio"),
+]
+
+
+class Ranks:
+    """The processes of one scenario, once they have all ended: exit codes and events."""
+
+    def __init__(self, scenario: str, world: int, env: dict[str, str]) -> None:
+        port = free_port()
+        procs = [
+            subprocess.Popen(
+                [sys.executable, str(WORKER), scenario, str(rank), str(world), str(port)],
+                env={**os.environ, **env},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for rank in range(world)
+        ]
+        self.codes: list[int] = []
+        self.events: list[dict[str, dict[str, Any]]] = []
+        self.ended: list[float] = []
+        self.stderr: list[str] = []
+        for proc in procs:
+            out, err = proc.communicate(timeout=60)
+            self.ended.append(time.time())
+            self.codes.append(proc.returncode)
+            self.stderr.append(err)
+            self.events.append({e["event"]: e for e in map(json.loads, out.splitlines())})
+
+    def __repr__(self) -> str:
+        return f"<Ranks codes={self.codes} events={self.events} stderr={self.stderr}>"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("env", TRANSPORTS)
+def test_what_a_rank_sent_before_it_vanished_is_received(env: dict[str, str]) -> None:
+    r = Ranks("sent_then_gone", 2, env)
+    assert r.codes == [0, 0], r
+    assert r.events[0]["received"]["ok"], r
+    # Gone without a goodbye: the group is broken for what comes next, naming rank 1.
+    state = r.events[0]["state"]
+    assert state["aborted"] and "rank 1" in state["cause"], r
+    second = r.events[0]["second"]
+    assert second["type"] == "DistNetworkError" and "rank 1" in second["msg"], r
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("env", TRANSPORTS)
+def test_a_rank_whose_script_ended_breaks_nothing(env: dict[str, str]) -> None:
+    r = Ranks("sent_then_exit", 3, env)
+    assert r.codes == [0, 0, 0], r
+    assert r.events[0]["received"]["ok"], r
+    assert not r.events[0]["state"]["aborted"], r
+    second = r.events[0]["second"]
+    assert second["type"] == "DistNetworkError", r
+    assert second["msg"] == (
+        "lost connection to rank 1: it exited without calling destroy_process_group() "
+        "(its script had ended)"
+    ), r
+    # The others go on together.
+    assert r.events[0]["pair"]["value"] == r.events[2]["pair"]["value"] == 4.0, r
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("env", TRANSPORTS)
+def test_a_rank_that_ends_on_an_exception_fails_the_others_at_once(env: dict[str, str]) -> None:
+    r = Ranks("raise", 3, env)
+    assert r.codes[1] == 1 and "ValueError: boom" in r.stderr[1], r
+    for rank in (0, 2):
+        err = r.events[rank]["error"]
+        assert err["type"] in ("DistError", "DistNetworkError"), r
+        assert "rank 1 exited on an exception: ValueError: boom" in err["msg"], r
+        assert err["waited"] < 5.0, r  # (a no-hang guard: it is told, not timed out)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("env", TRANSPORTS)
+def test_the_store_host_ending_first_keeps_the_store_up_for_the_others(
+    env: dict[str, str],
+) -> None:
+    r = Ranks("host_first", 3, env)
+    assert r.codes == [0, 0, 0], r
+    assert r.events[1]["pair"]["value"] == r.events[2]["pair"]["value"] == 3.0, r
+    # Rank 0 ended its script at once, and its process stayed until the others had left.
+    assert r.events[0]["end"]["t"] < r.events[1]["pair"]["t"], r
+
+
+@pytest.mark.multiprocess
+def test_a_barrier_completes_although_the_last_rank_left_it_at_once() -> None:
+    for _ in range(3):
+        r = Ranks("barrier_gone", 2, {"AIODIST_SHM": "1"})
+        assert r.codes == [0, 0] and "passed" in r.events[0], r
+
+
+# -- what torch users meet on the way ---------------------------------------------------------
+async def test_scatter_object_list_ignores_the_input_list_on_other_ranks() -> None:
+    async def fn(rank: int, size: int) -> object:
+        out: list[object] = [None]
+        # Anything on the non-source ranks, as torch documents: "elements are not used".
+        ins = [f"to {r}" for r in range(size)] if rank == 0 else ["junk", 1, 2, 3, 4]
+        await aiodist.scatter_object_list(out, ins, src=0)
+        return out[0]
+
+    assert await run_world(fn, 3) == ["to 0", "to 1", "to 2"]
+
+
+async def test_a_store_wait_timeout_is_a_store_error_as_in_torch() -> None:
+    store = aiodist.HashStore(timeout=0.05)
+    with pytest.raises(aiodist.DistStoreError, match=r"waiting for keys \['absent'\]") as info:
+        await store.get("absent")
+    assert isinstance(info.value, aiodist.DistTimeoutError) and isinstance(info.value, TimeoutError)
+    async with await aiodist.TCPStore.create("127.0.0.1", 0, is_master=True, timeout=5) as host:
+        with pytest.raises(aiodist.DistStoreError, match=r"still missing: \['k'\]"):
+            await host.wait(["k"], 0.05)
+
+
+def test_reduce_op_is_reduce_op_with_a_deprecation_warning() -> None:
+    with pytest.warns(FutureWarning, match="please use `ReduceOp` instead"):
+        assert dist.reduce_op.SUM is dist.ReduceOp.SUM
+    with pytest.warns(FutureWarning):
+        assert aiodist.reduce_op.MAX is aiodist.ReduceOp.MAX
+    with pytest.raises(AttributeError, match="reduce_op has no attribute 'MEAN'"):
+        dist.reduce_op.MEAN  # noqa: B018
+
+
+def _non_member(rank: int, size: int) -> tuple[object, ...]:
+    group = dist.new_group([0, 1])
+    x = np.ones(2)
+    if rank < 2:
+        dist.all_reduce(x, group=group)
+        return (float(x[0]),)
+    with pytest.warns(UserWarning, match="Running all_reduce on global rank 2 which does not"):
+        nothing = dist.all_reduce(x, group=group)
+    with pytest.warns(UserWarning, match="Running recv on global rank 2"):
+        sender = dist.recv(x, src=0, group=group)
+    with pytest.warns(UserWarning, match="Running broadcast_object_list"):
+        dist.broadcast_object_list([None], src=0, group=group)
+    return (nothing, sender, float(x[0]))
+
+
+@pytest.mark.multiprocess
+def test_a_call_on_a_group_without_this_rank_warns_and_returns() -> None:
+    results = aiodist.testing.run_world_processes(_non_member, 3, timeout=60)
+    assert results == [(2.0,), (2.0,), (None, -1, 1.0)]
+
+
+# -- aiodist.multiprocessing.spawn ------------------------------------------------------------
+def _write_rank(i: int, path: str) -> None:
+    Path(path, f"rank{i}").write_text(str(i))
+
+
+def _fail_one(i: int) -> None:
+    if i == 1:
+        raise ValueError(f"boom in {i}")
+    time.sleep(30)  # stopped by the parent once rank 1 failed
+
+
+def _exit_one(i: int) -> None:
+    if i == 0:
+        sys.exit(3)
+    time.sleep(30)
+
+
+@pytest.mark.multiprocess
+def test_spawn_runs_fn_with_the_index_first(tmp_path: Path) -> None:
+    assert amp.spawn(_write_rank, args=(str(tmp_path),), nprocs=3) is None
+    assert sorted(p.read_text() for p in tmp_path.iterdir()) == ["0", "1", "2"]
+    context = amp.spawn(_write_rank, args=(str(tmp_path),), nprocs=2, join=False)
+    assert isinstance(context, amp.ProcessContext) and len(context.pids()) == 2
+    while not context.join():
+        pass
+
+
+@pytest.mark.multiprocess
+def test_spawn_raises_the_first_failure_with_its_traceback() -> None:
+    start = time.monotonic()
+    with pytest.raises(amp.ProcessRaisedException, match="boom in 1") as info:
+        amp.spawn(_fail_one, nprocs=3)
+    assert info.value.error_index == 1
+    assert "-- Process 1 terminated with the following error:" in str(info.value)
+    assert "Traceback" in str(info.value)
+    assert time.monotonic() - start < 20  # the others were stopped, not waited for
+    with pytest.raises(amp.ProcessExitedException, match="process 0 terminated with exit code 3"):
+        amp.spawn(_exit_one, nprocs=2, start_method="fork")
