@@ -1034,7 +1034,7 @@ class _Launcher:
             f"  {restarts}; the other workers were stopped",
         ]
         if f.finished:
-            which = ", ".join(map(str, f.finished))
+            which = ", ".join(map(str, sorted(f.finished)))
             lines.append(
                 f"  {'rank' if len(f.finished) == 1 else 'ranks'} {which} of node "
                 f"{f.node_rank} had finished before (exit code 0): not a failure, even where "

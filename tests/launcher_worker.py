@@ -5,6 +5,7 @@ Modes:
     allreduce           init the group through env:// (async API), all_reduce rank+1, print
     sync-allreduce      the same with aiodist.sync, as a torch.distributed script would
     fail R CODE         rank R exits with CODE (the others wait to be stopped)
+    finish-fail R CODE  the other ranks exit 0 at once; rank R exits with CODE after them
     errorfile R         rank R writes TORCHELASTIC_ERROR_FILE and exits 1
     crash-once R        group formed and all_reduce ran, then rank R exits 3 on attempt 0;
                         attempt 1 succeeds
@@ -94,6 +95,10 @@ def main() -> None:
             raise SystemExit(int(args[1]))
         print("waiting", flush=True)
         time.sleep(60)
+    elif mode == "finish-fail":
+        if rank == int(args[0]):
+            time.sleep(0.5)
+            raise SystemExit(int(args[1]))
     elif mode == "errorfile":
         if rank == int(args[0]):
             try:

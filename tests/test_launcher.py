@@ -375,6 +375,16 @@ def test_failure_names_first_failing_rank_and_stops_the_others() -> None:
     assert "attempt 1 of 1 (--max-restarts=0)" in summary
 
 
+def test_failure_summary_says_which_ranks_had_finished_before() -> None:
+    result = launch("--nproc-per-node=3", WORKER, "finish-fail", "1", "5")
+    assert result.returncode == 1
+    summary = result.stderr[result.stderr.index("aiodist-run: the job failed") :]
+    assert re.search(
+        r"root cause: rank 1 \(local rank 1 on node 0, pid \d+\) failed first", summary
+    )
+    assert "ranks 0, 2 of node 0 had finished before (exit code 0): not a failure" in summary
+
+
 def test_failure_summary_reads_the_error_file() -> None:
     result = launch("--nproc-per-node=2", WORKER, "errorfile", "1")
     assert result.returncode == 1

@@ -21,7 +21,7 @@ from cluster_helpers import free_port
 pytestmark = pytest.mark.multiprocess
 
 TUTORIALS = Path(__file__).parent / "tutorials"
-RUNS = 2
+RUNS = 3
 
 
 @pytest.fixture
@@ -81,7 +81,7 @@ def test_tutorial_passes_every_run(
         assert "Error" not in proc.stderr, what
         # Every rank printed its checked result.
         done = {
-            "ring_allreduce": f"has data  {world * (world + 1) / 2}",
+            "ring_allreduce": f"has data {world * (world + 1) / 2}",
             "collectives": "all collectives gave the documented results",
             "spawn_sgd": "weights match the single-process reference",
         }[program]

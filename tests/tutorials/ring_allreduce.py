@@ -2,7 +2,8 @@
 its own ring all-reduce, ported by the import line (numpy arrays for tensors).
 
 Run as the tutorial runs it: ``python ring_allreduce.py WORLD PORT [START_METHOD]``. Like the
-tutorial (and most scripts), it never calls ``destroy_process_group()``.
+tutorial (and most scripts), it never calls ``destroy_process_group()``. Each line is printed
+in one write (the tutorial's ``print("Rank ", rank, ...)`` interleaves between processes).
 """
 
 import multiprocessing as mp
@@ -23,7 +24,7 @@ def blocking(rank, size):
             dist.send(tensor=tensor, dst=dst)
     else:
         dist.recv(tensor=tensor, src=0)
-    print("Rank ", rank, " has data ", tensor[0])
+    print(f"Rank {rank} has data {tensor[0]}")
     assert tensor[0] == 1
 
 
@@ -39,7 +40,7 @@ def nonblocking(rank, size):
         print(f"Rank {rank} started receiving")
     for req in reqs:
         req.wait()
-    print("Rank ", rank, " has data ", tensor[0])
+    print(f"Rank {rank} has data {tensor[0]}")
     assert tensor[0] == 2
 
 
@@ -75,7 +76,7 @@ def run(rank, size):
     t = np.ones(4) * (rank + 1)
     r = np.zeros(4)
     allreduce(t, r)
-    print("Rank ", rank, " has data ", r[0])
+    print(f"Rank {rank} has data {r[0]}")
     assert (r == size * (size + 1) / 2).all(), r
 
 
