@@ -61,8 +61,7 @@ from ._timeouts import Timeout, to_seconds
 from ._world import FailureDomain
 from .errors import DistError, DistTimeoutError, DistUsageError
 from .store import PrefixStore, Store
-from .transport._mailbox import Departure, departure_of
-from .transport.base import OpComm, Transport
+from .transport.base import Departure, OpComm, Transport, departure_of
 
 __all__ = [
     "ANY_TAG",
@@ -81,11 +80,11 @@ __all__ = [
     "isolate_context",
     "new_group",
     "not_in_group",
-    "warn_not_in_group",
     "peek_world",
     "resolve_group",
     "set_current_world",
     "start_world",
+    "warn_not_in_group",
 ]
 
 logger = logging.getLogger(__name__)

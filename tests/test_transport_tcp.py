@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import aiodist
-from aiodist.transport.base import PeerDirectory
+from aiodist.transport.base import Departure, PeerDirectory, departure_of
 from aiodist.transport.tcp import _VERSION, TCPTransport
 
 T = (0, 1, 0)
@@ -326,6 +326,44 @@ async def test_peer_closing_in_order_leaves_any_source_receives_waiting() -> Non
         assert out == b"last"
     finally:
         await world.aclose()
+
+
+async def test_a_peer_that_left_is_named_with_its_reason_even_by_ranks_it_never_met() -> None:
+    world = await make_world(3)
+    t0, t1, t2 = world.t
+    try:
+        await t1.send(0, (0, 0, 0), memoryview(b"last"))  # connected 0 <-> 1; 2 never met 1
+        pending = t0.recv_into(1, T, memoryview(bytearray(4)))
+        await t1.aclose("exited without calling destroy_process_group()")
+        why = "lost connection to rank 1: it exited without calling destroy_process_group()"
+        with pytest.raises(aiodist.DistNetworkError, match=why) as info:
+            await asyncio.wait_for(pending, 1.0)
+        assert departure_of(info.value) is Departure.LEFT
+        # What it sent before it left is still there.
+        out = bytearray(4)
+        assert await t0.recv_into(1, (0, 0, 0), memoryview(out)) == 1 and out == b"last"
+        # Rank 2 learns why from the directory, not a refused connection.
+        with pytest.raises(aiodist.DistNetworkError, match=why) as info:
+            await asyncio.wait_for(t2.send(1, T, memoryview(b"x")), 5.0)
+        assert departure_of(info.value) is Departure.LEFT
+    finally:
+        await world.aclose()
+
+
+@pytest.mark.both_loops
+async def test_closing_after_the_peer_reset_the_connection(world2: World) -> None:
+    t0, t1 = world2.t
+    await t1.send(0, T, memoryview(b"x"))
+    await t0.recv_into(1, T, memoryview(bytearray(1)))
+    conn0, conn1 = t0._peers[1].conn, t1._peers[0].conn
+    assert conn0 is not None and conn1 is not None and conn1.transport is not None
+    sock = conn1.transport.get_extra_info("socket")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    conn1.transport.abort()
+    await asyncio.sleep(0)  # its socket closes (a reset), before rank 0's loop polls again
+    time.sleep(0.05)  # noqa: ASYNC251 (blocking on purpose: the reset arrives, the loop waits)
+    conn0.close_after(None)  # shuts down a socket the kernel already closed: no error
+    await world2.aclose()
 
 
 async def test_connect_to_a_rank_that_is_gone() -> None:

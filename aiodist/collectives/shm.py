@@ -63,7 +63,6 @@ from .._timeouts import Timeout, to_seconds
 from ..errors import DistNetworkError, DistProtocolError, DistUsageError
 from ..store import Store
 from ..transport import _shm_setup
-from ..transport._mailbox import Departure, lost_peer_error
 from ..transport._shm_segment import (
     ProcessId,
     Segment,
@@ -75,6 +74,7 @@ from ..transport._shm_segment import (
     unavailable_reason,
 )
 from ..transport._shm_signal import SPIN_SECONDS, Bell, Doorbell, PeerWatch, fence, may_spin
+from ..transport.base import Departure, lost_peer_error
 from ..transport.shm import default_job_key
 from ._common import split
 

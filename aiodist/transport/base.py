@@ -20,9 +20,18 @@ import asyncio
 from collections.abc import Sequence
 
 from ..store import Store
-from ._mailbox import Departure, Mailbox, Tag, lost_peer_error
+from ._mailbox import Departure, Mailbox, Tag, departure_of, lost_peer_error
 
-__all__ = ["CLOSED_REASON", "OpComm", "PeerDirectory", "Tag", "Transport"]
+__all__ = [
+    "CLOSED_REASON",
+    "Departure",
+    "OpComm",
+    "PeerDirectory",
+    "Tag",
+    "Transport",
+    "departure_of",
+    "lost_peer_error",
+]
 
 #: What the peers of a transport closed without a reason are told: "rank N closed its
 #: transport".

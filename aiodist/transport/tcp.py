@@ -551,7 +551,12 @@ class _Conn(asyncio.BufferedProtocol):
             return
         if frame is not None and not self._queue:
             transport.write(frame)
-        transport.write_eof()
+        try:
+            transport.write_eof()
+        except OSError:
+            # The peer is gone already (the standard loop's shutdown says ENOTCONN).
+            transport.abort()
+            return
         if self._read_paused:
             transport.resume_reading()
         if self._timer is not None:
