@@ -8,10 +8,9 @@ finished and exited used to be taken for a crash):
   configurations users meet (``mp.Process`` with fork, the launcher, ``mp.spawn``; shared
   memory and TCP); every run must exit 0 with every rank's checked output.
 - **exit cost**: a script of ``--ranks`` ranks (``mp.Process``, fork) does one all_reduce,
-  notes the time, and ends; the cost is the time from that note to the end of its process
-  seen by the parent, per rank, with the script calling ``destroy_process_group()`` and
-  without (the exit handler leaves), and the same script on torch's gloo when torch is
-  installed.
+  notes the time, and ends, calling ``destroy_process_group()`` or not (then the exit
+  handler leaves); the cost is the time from that note to the end of its process as the
+  parent sees it, per rank; the same script on torch's gloo when torch is installed.
 
 ``python bench/exits.py [--runs 50] [--write]``: results are printed, and written to
 ``bench/results/exits.md`` with ``--write``. torch starts a TCPStore that reverse-resolves
@@ -86,10 +85,10 @@ def main(rank):
         x = np.ones(1024)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     dist.all_reduce(x)
+    with open(f"{OUT}.{rank}", "w") as f:  # the script's work is done
+        f.write(repr(time.time()))
     if DESTROY:
         dist.destroy_process_group()
-    with open(f"{OUT}.{rank}", "w") as f:
-        f.write(repr(time.time()))
 
 if __name__ == "__main__":
     procs = [mp.Process(target=main, args=(r,)) for r in range(WORLD)]
@@ -191,8 +190,8 @@ def main() -> None:
     hogs = start_hogs()
     started = time.strftime("%Y-%m-%d %H:%M")
     try:
-        load = os.getloadavg()[0]
         pass_rows = passes(args.runs)
+        load = os.getloadavg()[0]
         cost_rows = exit_costs(args.exit_runs, args.ranks, libs)
     finally:
         for hog in hogs:
@@ -203,14 +202,14 @@ def main() -> None:
             "# Scripts that end without destroy_process_group()",
             "",
             f"`python bench/exits.py --runs {args.runs}` on {started}, {os.cpu_count()} CPUs, "
-            f"beside two CPU-bound processes (load average {load:.1f} at the start); "
+            f"beside two CPU-bound processes (load average {load:.1f} after the runs); "
             f"{multiprocessing.get_start_method()} is the default start method here.",
             "",
             *pass_rows,
             "",
             f"Exit cost, {args.exit_runs} runs of each: a script does one all_reduce, notes the "
-            "time and ends; the cost is the time from that note to the end of its process as "
-            "its parent sees it.",
+            "time and ends (destroying its group or not); the cost is the time from that note "
+            "to the end of its process as its parent sees it.",
             "",
             *cost_rows,
             "",
