@@ -112,10 +112,15 @@ class DeviceMesh:
             return int(self.mesh.size)
         return self.shape[self._dim(mesh_dim)]
 
-    def get_coordinate(self) -> list[int] | None:
-        """Return this rank's position in the mesh, or ``None`` if it is not in it."""
+    def get_coordinate(self) -> tuple[int, ...] | None:
+        """Return this rank's position in the mesh (a tuple, as torch's), or ``None`` if it
+        is not in it."""
         where = np.argwhere(self.mesh == self._rank)
-        return None if not len(where) else [int(i) for i in where[0]]
+        return None if not len(where) else tuple(int(i) for i in where[0])
+
+    def get_rank(self) -> int:
+        """Return this rank's global rank."""
+        return self._rank
 
     def get_local_rank(self, mesh_dim: int | str | None = None) -> int:
         """Return this rank's index along ``mesh_dim`` (its rank in that dimension's group).

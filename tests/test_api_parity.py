@@ -39,7 +39,7 @@ async def test_device_mesh_groups_along_each_dimension() -> None:
     results = await run_world(fn, 6, timeout=60)
     for rank, (shape, coord, dp, tp, local_tp, tp_size, x, y, both, count) in enumerate(results):
         row, col = divmod(rank, 3)
-        assert shape == (2, 3) and coord == [row, col]
+        assert shape == (2, 3) and coord == (row, col)  # a tuple, as torch's
         assert dp == [col, col + 3] and tp == [3 * row, 3 * row + 1, 3 * row + 2]
         assert local_tp == col and tp_size == 3
         assert x == sum(tp) and y == sum(dp)

@@ -198,10 +198,21 @@ class KeyValueState:
         self.set(key, self._data.get(key, b"") + value)
 
     def queue_push(self, key: bytes, value: bytes) -> None:
-        """Push onto queue ``key`` and wake its waiters."""
+        """Push onto queue ``key`` and wake the first wait it completes (one value, one
+        popper, as torch's server does: waking every wait on the key would send all its
+        blocking poppers to take one value, and torch's clients, which wait and then pop,
+        would get ``QueueEmptyError`` where one value is pushed at a time)."""
         self._queues.setdefault(key, deque()).append(value)
-        if key in self._waiters:
-            self._wake(key)
+        waiters = self._waiters.get(key)
+        if waiters:
+            for waiter in waiters:
+                if waiter.missing == {key} and not waiter.future.done():
+                    del waiters[waiter]
+                    if not waiters:
+                        del self._waiters[key]
+                    waiter.missing.clear()
+                    waiter.future.set_result(None)
+                    return
 
     def queue_pop(self, key: bytes) -> bytes | None:
         """Pop the oldest value of queue ``key``, or ``None`` if it is empty."""
