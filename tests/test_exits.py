@@ -214,3 +214,24 @@ def test_spawn_raises_the_first_failure_with_its_traceback() -> None:
     assert time.monotonic() - start < 20  # the others were stopped, not waited for
     with pytest.raises(amp.ProcessExitedException, match="process 0 terminated with exit code 3"):
         amp.spawn(_exit_one, nprocs=2, start_method="fork")
+
+
+# -- fork, spawn and forkserver children, the parent holding a group or not -------------------
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("hold", [True, False], ids=["parent-holds-a-group", "parent-without"])
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_children_form_a_group_of_their_own(method: str, hold: bool) -> None:
+    worker = Path(__file__).parent / "fork_worker.py"
+    proc = subprocess.run(
+        [sys.executable, str(worker), method, "1" if hold else "0"],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["codes"] == [0, 0], report
+    for rank, child in enumerate(report["children"]):
+        # A forked child starts uninitialized, with its own loop and progress threads.
+        assert child == {"rank": rank, "inherited": False, "sum": 3.0, "watched": True}
+    assert report["parent"] == (1.0 if hold else None)
