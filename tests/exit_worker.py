@@ -1,8 +1,8 @@
 """One rank of an exit scenario of ``tests/test_exits.py``, with the blocking API, as a script.
 
-Usage: ``python exit_worker.py SCENARIO RANK WORLD PORT``. Ranks join through
-``tcp://127.0.0.1:PORT`` (rank 0 hosts the store) and print one JSON object per line for the
-test; none calls ``destroy_process_group()``:
+Usage: ``python exit_worker.py SCENARIO RANK WORLD PORT [MASTER]``. Ranks join through
+``tcp://MASTER:PORT`` (default ``127.0.0.1``; rank 0 hosts the store) and print one JSON
+object per line for the test; none calls ``destroy_process_group()``:
 
     sent_then_gone   rank 1 sends 64 KiB to rank 0 and ends with ``os._exit(0)`` (no
                      goodbye); rank 0 receives it afterwards, then reports the group's state
@@ -27,6 +27,7 @@ import numpy as np
 import aiodist.sync as dist
 
 scenario, rank, world, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+master = sys.argv[5] if len(sys.argv) > 5 else "127.0.0.1"
 
 
 def emit(event: str, **extra: object) -> None:
@@ -38,7 +39,7 @@ def error(exc: BaseException) -> dict[str, str]:
     return {"type": type(exc).__name__, "msg": str(exc)}
 
 
-dist.init_process_group("gloo", f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=30)
+dist.init_process_group("gloo", f"tcp://{master}:{port}", rank=rank, world_size=world, timeout=30)
 payload = np.arange(8192, dtype=np.float64)  # 64 KiB
 
 if scenario in ("sent_then_gone", "sent_then_exit"):

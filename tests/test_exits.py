@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 from cluster_helpers import free_port
+from netns_helpers import IPV4, Hosts
 
 import aiodist
 import aiodist.multiprocessing as amp
@@ -36,11 +37,29 @@ TRANSPORTS = [
 class Ranks:
     """The processes of one scenario, once they have all ended: exit codes and events."""
 
-    def __init__(self, scenario: str, world: int, env: dict[str, str]) -> None:
+    def __init__(
+        self,
+        scenario: str,
+        world: int,
+        env: dict[str, str],
+        placed: tuple[Hosts, list[int]] | None = None,
+    ) -> None:
+        """Run ``scenario`` with ``world`` ranks; ``placed``: the namespaces, and the host of
+        each rank (rank 0 hosts the store on host 0's address)."""
         port = free_port()
+        master = [] if placed is None else [IPV4[0]]
         procs = [
             subprocess.Popen(
-                [sys.executable, str(WORKER), scenario, str(rank), str(world), str(port)],
+                [
+                    *([] if placed is None else placed[0].prefix(placed[1][rank])),
+                    sys.executable,
+                    str(WORKER),
+                    scenario,
+                    str(rank),
+                    str(world),
+                    str(port),
+                    *master,
+                ],
                 env={**os.environ, **env},
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -115,6 +134,21 @@ def test_the_store_host_ending_first_keeps_the_store_up_for_the_others(
     assert r.events[1]["pair"]["value"] == r.events[2]["pair"]["value"] == 3.0, r
     # Rank 0 ended its script at once, and its process stayed until the others had left.
     assert r.events[0]["end"]["t"] < r.events[1]["pair"]["t"], r
+
+
+@pytest.mark.netns
+@pytest.mark.multiprocess
+def test_ranks_that_end_on_two_hosts(hosts: Hosts) -> None:
+    """Rank 0 on one host, ranks 1 and 2 sharing memory on the other, plain tcp://."""
+    placed = (hosts, [0, 1, 1])
+    r = Ranks("sent_then_exit", 3, {}, placed)
+    assert r.codes == [0, 0, 0], r
+    assert r.events[0]["received"]["ok"] and not r.events[0]["state"]["aborted"], r
+    assert "it exited without calling destroy_process_group()" in r.events[0]["second"]["msg"]
+    assert r.events[0]["pair"]["value"] == r.events[2]["pair"]["value"] == 4.0, r
+    r = Ranks("host_first", 3, {}, placed)
+    assert r.codes == [0, 0, 0], r
+    assert r.events[1]["pair"]["value"] == r.events[2]["pair"]["value"] == 3.0, r
 
 
 @pytest.mark.multiprocess
