@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 from pathlib import Path
 
@@ -50,14 +49,6 @@ def clean_env(**extra: str) -> dict[str, str]:
         if k not in VARIABLES and not k.startswith(LAUNCHER_PREFIXES)
     }
     return {**env, **extra}
-
-
-def free_port() -> int:
-    """A port free on loopback now (for a master port that a test must choose itself)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def run_reports(

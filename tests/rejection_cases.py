@@ -147,7 +147,9 @@ def _outcome(
     assert isinstance(exc, aiodist.DistUsageError), (case, side, rank, repr(exc))
     want = pattern if bad else _peer_pattern(case)
     assert re.search(want, str(exc)), f"{case} ({side}) rank {rank}: {want!r} not in {exc}"
-    assert took < 1.0, f"{case} ({side}) rank {rank} took {took:.2f} s to raise"
+    # A no-hang guard: a rejection is told at once; a rank that missed it would wait for the
+    # group timeout (60 s and more here). How fast is bench/'s business.
+    assert took < 10.0, f"{case} ({side}) rank {rank} took {took:.2f} s to raise"
     return "raised"
 
 

@@ -14,7 +14,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -30,13 +29,6 @@ import aiodist
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 _JOB_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -33,7 +33,7 @@ async def _one_rank_misuses(
         else:
             with pytest.raises(aiodist.DistUsageError, match=f"rejected by rank {bad_rank}: "):
                 await aiodist.all_reduce(np.ones(4))
-        assert time.monotonic() - started < 1
+        assert time.monotonic() - started < 10  # told at once, not after the 30 s timeout
         x = np.full(2, float(rank))
         await aiodist.all_reduce(x)
         np.testing.assert_array_equal(x, np.full(2, float(sum(range(n)))))

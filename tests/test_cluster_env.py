@@ -24,7 +24,6 @@ from cluster_helpers import (
     LAUNCHER_PREFIXES,
     WORKER,
     check,
-    free_port,
     run_reports,
 )
 
@@ -38,6 +37,7 @@ from aiodist._cluster import (
 )
 from aiodist.launcher import parse_args
 from aiodist.rendezvous import get_node_local_rank, rendezvous
+from aiodist.testing import free_port
 
 
 @pytest.fixture(autouse=True)

@@ -9,9 +9,10 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
+from collective_helpers import numpy_reduce
 
 import aiodist
-from aiodist._ops import ReduceOp, check_reduce_op, finish_into, reduce_into
+from aiodist._ops import ReduceOp, check_reduce_op
 from aiodist.backends._cuda_path import (
     PATH_ENV,
     RankInfo,
@@ -114,21 +115,13 @@ def contributions(dtype: np.dtype[Any], n: int, size: int, seed: int) -> list[np
     return out
 
 
-def reference(op: ReduceOp, arrays: list[np.ndarray]) -> np.ndarray:
-    acc = arrays[0].copy()
-    for a in arrays[1:]:
-        reduce_into(op, acc, a)
-    finish_into(op, acc, len(arrays))
-    return acc
-
-
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_reduce_many_matches_the_cpu_kernels(n: int) -> None:
     for dtype, op in itertools.product(ALL_DTYPES, OPS):
         if not valid(dtype, op):
             continue
         arrays = contributions(dtype, n, 37, seed=n)
-        expected = reference(op, arrays)
+        expected = numpy_reduce(op, arrays)
         raw = [a.view(np.uint8).copy() for a in arrays]
         out = np.empty_like(raw[0])
         reduce_many(np, op, dtype, out, raw)

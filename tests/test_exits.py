@@ -19,13 +19,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-from cluster_helpers import free_port
 from netns_helpers import IPV4, Hosts
 
 import aiodist
 import aiodist.multiprocessing as amp
 import aiodist.sync as dist
-from aiodist.testing import run_world
+from aiodist.testing import free_port, run_world
 
 WORKER = Path(__file__).parent / "exit_worker.py"
 TRANSPORTS = [

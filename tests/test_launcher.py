@@ -23,6 +23,7 @@ import pytest
 from aiodist._workers import Std
 from aiodist.errors import DistUsageError
 from aiodist.launcher import get_args_parser, parse_args
+from aiodist.testing import free_port
 
 pytestmark = pytest.mark.multiprocess
 
@@ -78,12 +79,6 @@ def wait_ready(proc: subprocess.Popen[str], n: int) -> list[str]:
         if line.rstrip().endswith(": ready"):
             seen.append(line)
     return seen
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # -- the command line -------------------------------------------------------------------------

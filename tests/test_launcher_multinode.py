@@ -15,7 +15,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,8 @@ from typing import Any
 
 import pytest
 from proc_helpers import track
+
+from aiodist.testing import free_port
 
 pytestmark = pytest.mark.multiprocess
 
@@ -40,12 +41,6 @@ def clean_env() -> dict[str, str]:
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     return env
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def node(prefix: list[str], *args: str) -> subprocess.Popen[str]:

@@ -10,7 +10,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from proc_helpers import track
 
 from aiodist.errors import DistUsageError
 from aiodist.launcher import parse_args
+from aiodist.testing import free_port
 
 pytestmark = pytest.mark.multiprocess
 
@@ -73,12 +73,6 @@ def by_rank(out: str) -> dict[int, list[str]]:
         assert m, f"unprefixed output line {line!r}"
         lines.setdefault(int(m[1]), []).append(m[2])
     return lines
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # -- the command line -------------------------------------------------------------------------

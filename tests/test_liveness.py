@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -19,7 +20,10 @@ from pathlib import Path
 import pytest
 from netns_helpers import IPV4, Hosts
 
+from aiodist.testing import free_port
+
 WORKER = Path(__file__).with_name("vanish_worker.py")
+#: The store's port inside the test's own network namespaces (nothing else listens there).
 PORT = 29533
 #: What the library promises by default.
 NOTICED_WITHIN = 10.0
@@ -37,6 +41,9 @@ class Rank:
         assert self.proc.stdout is not None
         end = time.monotonic() + timeout
         while time.monotonic() < end:
+            # The workers print whole lines: once the pipe is readable, readline returns.
+            if not select.select([self.proc.stdout], [], [], end - time.monotonic())[0]:
+                break
             line = self.proc.stdout.readline()
             if not line:
                 raise AssertionError(
@@ -82,7 +89,8 @@ def test_a_vanished_host_is_noticed_by_every_rank(
     try:
         for r in ranks:
             assert r.event()["event"] == "ready"
-        time.sleep(0.5)  # rank 0 is waiting in its all_reduce, rank 1 sleeps
+        # Rank 0 enters its all_reduce right after "ready" (if the loss reaches it first,
+        # the all_reduce raises at once); rank 1 sleeps.
         gone = time.time()
         hosts.link(vanishing, up=False)
         for rank, r in enumerate(ranks):
@@ -104,9 +112,10 @@ def test_a_vanished_host_is_noticed_by_every_rank(
 
 
 def _two_local(scenario: str, **env: str) -> list[Rank]:
+    port = free_port()
     return [
         Rank(
-            [sys.executable, str(WORKER), scenario, str(r), "127.0.0.1", str(PORT + 1), "0"],
+            [sys.executable, str(WORKER), scenario, str(r), "127.0.0.1", str(port), "0"],
             _env(**env),
         )
         for r in range(2)

@@ -14,6 +14,7 @@ import aiodist
 from aiodist import rendezvous as rdzv
 from aiodist._cluster import VARIABLES, read_rank_and_world_size
 from aiodist.rendezvous import get_node_local_rank, register_rendezvous_handler, rendezvous
+from aiodist.testing import free_port
 
 
 @pytest.fixture(autouse=True)
@@ -232,15 +233,6 @@ async def test_file_rendezvous_across_processes(tmp_path: Path) -> None:
     assert not path.exists()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 async def _four_ranks(urls: list[str], **kwargs: object) -> None:
     results = await asyncio.gather(
         *(rendezvous(url, timeout=10, **kwargs) for url in urls)  # type: ignore[arg-type]
@@ -259,13 +251,13 @@ async def _four_ranks(urls: list[str], **kwargs: object) -> None:
 
 
 async def test_tcp_rendezvous_of_four_ranks() -> None:
-    port = _free_port()
+    port = free_port()
     await _four_ranks([f"tcp://127.0.0.1:{port}?rank={r}&world_size=4" for r in range(4)])
 
 
 async def test_env_rendezvous_of_four_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     monkeypatch.setenv("WORLD_SIZE", "4")
     await _four_ranks([f"env://?rank={r}" for r in range(4)])
 
@@ -290,7 +282,7 @@ async def test_env_rendezvous_with_an_agent_store(monkeypatch: pytest.MonkeyPatc
 async def test_tcp_rendezvous_without_a_server_fails_within_its_timeout() -> None:
     import time
 
-    port = _free_port()  # nothing listens there
+    port = free_port()  # nothing listens there
     start = time.monotonic()
     with pytest.raises(aiodist.DistNetworkError, match=f"127.0.0.1:{port}"):
         await rendezvous(f"tcp://127.0.0.1:{port}?rank=1&world_size=2", timeout=0.5)

@@ -8,7 +8,6 @@ import contextlib
 import json
 import os
 import pickle
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +21,7 @@ from raw_peer import HEADER, frame
 import aiodist
 from aiodist import collectives
 from aiodist.group import Plan, resolve_group
-from aiodist.testing import run_world
+from aiodist.testing import free_port, run_world
 from aiodist.transport.base import OpComm, PeerDirectory
 from aiodist.transport.tcp import TCPTransport
 
@@ -175,12 +174,6 @@ async def test_object_collectives_over_an_authenticated_group(
         return out
 
     assert await run_world(fn, 3) == [[{"rank": r} for r in range(3)]] * 3
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def test_init_process_group_auth_token_covers_store_and_peers() -> None:

@@ -158,8 +158,6 @@ async def test_a_tensor_parallel_call_equals_numpy(size: int) -> None:
     async def controller(channel: Channel) -> list[Any]:
         return await channel.call("mlp", x, timeout=10)
 
-    if 8 % (size - 1):
-        pytest.skip("the hidden layer splits evenly only")
     replies = (await run_world(lambda r, n: serve_or_call(r, n, controller), size))[0]
     assert len(replies) == size - 1
     np.testing.assert_allclose(np.concatenate(replies, axis=1), reference(x), rtol=1e-12)
@@ -261,7 +259,7 @@ async def test_a_handler_that_raises_fails_its_call_only(size: int) -> None:
             args = () if name in ("fail_alone", "nope") else (x.copy(),)
             with pytest.raises(RemoteError) as info:
                 await channel.call(name, *args, timeout=10)
-            assert time.monotonic() - started < 2.0  # nobody waited out a deadline
+            assert time.monotonic() - started < 5.0  # nobody waited out the 10 s deadline
             outcomes.append((name, info.value))
             # The group is usable and the workers are in step again.
             if 8 % (size - 1) == 0:
@@ -423,14 +421,14 @@ async def test_a_worker_past_the_deadline_fails_the_call_and_aborts_the_world() 
             return type(info.value).__name__
         started = time.monotonic()
         with pytest.raises(aiodist.DistTimeoutError) as caught:
-            await channel.call("slow", np.array([3.0]), timeout=0.5)
+            await channel.call("slow", np.array([3.0]), timeout=0.5)  # the worker sleeps 3 s
         took = time.monotonic() - started
         assert channel.group.is_aborted()
         cause = await channel.group.wait_aborted()
         return took, str(caught.value), str(cause)
 
     (took, text, cause), *workers = await run_world(fn, 3)
-    assert 0.5 <= took < 1.5, took
+    assert 0.5 <= took < 3.0, took  # the deadline ended it, not the worker's 3 s sleep
     assert text == (
         "call 'slow' did not complete within the call's timeout of 0.5 s: no reply from "
         "ranks [2]; the process group is aborted"

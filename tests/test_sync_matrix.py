@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from collective_helpers import numpy_reduce
 
 import aiodist.sync as dist
 from aiodist import ReduceOp
@@ -25,22 +26,6 @@ DTYPES = ["float64", "float32", "float16", "int64", "int32", "uint8", "complex64
 def data(rank: int, dtype: str, n: int = 6) -> np.ndarray:
     rng = np.random.default_rng(100 + rank)
     return rng.integers(1 if dtype == "bool" else -3, 4, n).astype(dtype)
-
-
-def reference(op: ReduceOp, xs: list[np.ndarray]) -> np.ndarray:
-    """A left fold in the arrays' own dtype (wrapping like the library); AVG divides after."""
-    fold = {
-        ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PRODUCT: np.multiply,
-        ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum, ReduceOp.BAND: np.bitwise_and,
-        ReduceOp.BOR: np.bitwise_or, ReduceOp.BXOR: np.bitwise_xor,
-    }[op]  # fmt: skip
-    out = xs[0].copy()
-    for x in xs[1:]:
-        fold(out, x, out=out)
-    if op is ReduceOp.AVG:
-        divide = np.floor_divide if out.dtype.kind in "iu" else np.divide
-        divide(out, out.dtype.type(len(xs)), out=out)
-    return out
 
 
 def supported(op: ReduceOp, dtype: str) -> bool:
@@ -63,7 +48,7 @@ def matrix(rank: int, size: int) -> int:
             if not supported(op, dtype):
                 continue
             xs = [data(r, dtype) for r in range(size)]
-            expected = reference(op, xs)
+            expected = numpy_reduce(op, xs)
             close = {"rtol": 1e-2} if dtype == "float16" else {}
 
             x = data(rank, dtype)
@@ -83,7 +68,7 @@ def matrix(rank: int, size: int) -> int:
             chunks = [np.roll(data(rank, dtype), q) for q in range(size)]
             out = np.empty(6, dtype)
             dist.reduce_scatter_tensor(out, np.concatenate(chunks), op=op)
-            mine = reference(op, [np.roll(data(r, dtype), rank) for r in range(size)])
+            mine = numpy_reduce(op, [np.roll(data(r, dtype), rank) for r in range(size)])
             np.testing.assert_allclose(out, mine, **close, err_msg=f"reduce_scatter {op} {dtype}")
             cases += 1
     return cases

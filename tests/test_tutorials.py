@@ -16,7 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cluster_helpers import free_port
+
+from aiodist.testing import free_port
 
 pytestmark = pytest.mark.multiprocess
 

@@ -6,12 +6,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ._store_kit import check_store, check_sync_store
-    from ._world import WorldProcessError, run_world, run_world_processes
+    from ._world import WorldProcessError, free_port, run_world, run_world_processes
 
 __all__ = [
     "WorldProcessError",
     "check_store",
     "check_sync_store",
+    "free_port",
     "run_world",
     "run_world_processes",
 ]
@@ -24,7 +25,7 @@ def __getattr__(name: str) -> Any:
         from . import _store_kit
 
         return getattr(_store_kit, name)
-    if name in ("WorldProcessError", "run_world", "run_world_processes"):
+    if name in ("WorldProcessError", "free_port", "run_world", "run_world_processes"):
         from . import _world
 
         return getattr(_world, name)

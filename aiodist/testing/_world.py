@@ -19,7 +19,7 @@ from .._loop import loop_factory
 from .._timeouts import Timeout, to_seconds
 from ..errors import DistError, DistTimeoutError, DistUsageError
 
-__all__ = ["WorldProcessError", "run_world", "run_world_processes"]
+__all__ = ["WorldProcessError", "free_port", "run_world", "run_world_processes"]
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +172,12 @@ class WorldProcessError(DistError):
         self.rank = rank
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """Return a TCP port that is free on loopback now (for a master port a test chooses).
+
+    Another process may take it before the caller binds it; a store that can take port 0
+    instead (``TCPStore.create(host, 0, is_master=True)``) never races.
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
@@ -309,7 +314,7 @@ def run_world_processes(
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise DistUsageError(f"world_size must be a positive integer, got {world_size!r}")
     ctx = multiprocessing.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     procs: list[multiprocessing.process.BaseProcess] = []
     conns: dict[multiprocessing.connection.Connection, int] = {}
     for rank in range(world_size):
