@@ -18,6 +18,8 @@ from aiodist.errors import DistNetworkError, DistUsageError
 from aiodist.transport.base import OpComm
 from aiodist.transport.local import LocalTransport
 
+pytestmark = pytest.mark.both_loops  # the standard loop (asyncio.run, uvicorn) too
+
 Runner = Callable[[int, Callable[[OpComm], Awaitable[Any]]], Awaitable[list[Any]]]
 
 SIZES = range(1, 9)

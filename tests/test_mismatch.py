@@ -15,6 +15,8 @@ from aiodist._fingerprint import NO_FINGERPRINT, describe, fingerprint
 from aiodist.errors import DistError, DistUsageError
 from aiodist.testing import run_world
 
+pytestmark = pytest.mark.both_loops  # the standard loop (asyncio.run, uvicorn) too
+
 TAIL = (
     "; every rank of a group must issue the same collectives, with the same shapes, dtypes, "
     "roots and reduce ops, in the same order"

@@ -16,6 +16,8 @@ from aiodist._cluster import VARIABLES, read_rank_and_world_size
 from aiodist.rendezvous import get_node_local_rank, register_rendezvous_handler, rendezvous
 from aiodist.testing import free_port
 
+pytestmark = pytest.mark.both_loops  # the standard loop (asyncio.run, uvicorn) too
+
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -26,6 +26,8 @@ from aiodist.transport.routed import RoutedTransport
 from aiodist.transport.shm import ShmTransport, find_local_ranks, plan_shared_memory
 from aiodist.transport.tcp import TCPTransport
 
+pytestmark = pytest.mark.both_loops  # the standard loop (asyncio.run, uvicorn) too
+
 T = (0, 1, 0)
 
 
@@ -45,7 +47,6 @@ async def close_all(world: list[ShmTransport]) -> None:
         await t.aclose()
 
 
-@pytest.mark.both_loops
 async def test_send_before_and_after_the_receive_is_posted(job: str) -> None:
     t0, t1 = await shm_world(2, job)
     # Every name was unlinked once both ranks had mapped everything.

@@ -21,6 +21,8 @@ import aiodist
 from aiodist.transport.base import Departure, PeerDirectory, departure_of
 from aiodist.transport.tcp import _VERSION, TCPTransport
 
+pytestmark = pytest.mark.both_loops  # the standard loop (asyncio.run, uvicorn) too
+
 T = (0, 1, 0)
 
 
@@ -52,7 +54,6 @@ async def world2() -> AsyncIterator[World]:
     await world.aclose()
 
 
-@pytest.mark.both_loops
 async def test_exchange_both_directions(world2: World) -> None:
     t0, t1 = world2.t
     a = np.arange(1000, dtype=np.float64)
@@ -68,7 +69,6 @@ async def test_exchange_both_directions(world2: World) -> None:
     assert repr(t0).startswith("<TCPTransport rank=0/2 address=127.0.0.1:")
 
 
-@pytest.mark.both_loops
 async def test_many_tags_interleaved_and_out_of_order(world2: World) -> None:
     t0, t1 = world2.t
     rng = random.Random(5)
@@ -95,7 +95,6 @@ async def test_many_tags_interleaved_and_out_of_order(world2: World) -> None:
         np.testing.assert_array_equal(outs[k], v)
 
 
-@pytest.mark.both_loops
 async def test_polling_reads_through_the_protocol() -> None:
     # Polling forced on (it is off by default with several transports in one process):
     # reads then also happen outside the loop's own callbacks.
@@ -184,7 +183,6 @@ async def test_send_to_self(world2: World) -> None:
     assert t0.connected_peers() == []
 
 
-@pytest.mark.both_loops
 async def test_64_mib_message_and_loop_stall(
     world2: World, record_property: Callable[[str, object], None]
 ) -> None:
@@ -276,7 +274,6 @@ async def test_simultaneous_connects_keep_one_connection_per_pair() -> None:
         await world.aclose()
 
 
-@pytest.mark.both_loops
 async def test_closed_peer_fails_pending_operations_quickly() -> None:
     world = await make_world(3)
     t0, t1, t2 = world.t
@@ -350,7 +347,6 @@ async def test_a_peer_that_left_is_named_with_its_reason_even_by_ranks_it_never_
         await world.aclose()
 
 
-@pytest.mark.both_loops
 async def test_closing_after_the_peer_reset_the_connection(world2: World) -> None:
     t0, t1 = world2.t
     await t1.send(0, T, memoryview(b"x"))
@@ -485,7 +481,6 @@ async def test_abort_and_aclose_leave_no_socket_or_task_behind() -> None:
     assert open_fds() == before_fds
 
 
-@pytest.mark.both_loops
 async def test_abort_while_a_connect_completes(monkeypatch: pytest.MonkeyPatch) -> None:
     # Aborting inside connection_made cancels create_connection just as it completes;
     # uvloop then closes the transport without ever calling connection_lost.
