@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from collections.abc import Callable
 
 from .errors import DistError, DistNetworkError, DistTimeoutError
@@ -46,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 _ABORT_KEY = "abort"
 _DEPARTED_KEY = "departed"
+_GONE = re.compile(r"rank (\d+) is gone")
 
 #: Seconds an aborting rank waits for its reason to be recorded before closing the store.
 ABORT_RECORD_WAIT = 1.0
@@ -73,6 +75,9 @@ class FailureDomain:
         size: the number of ranks.
         on_abort: called once, on the loop, with the error later operations fail with, when
             this domain aborts; it drops the world's connections.
+        on_gone: called with a rank, and the error for what still needs it, when the store
+            says that rank went without a goodbye (its lease): the world's connections take
+            what it sent, then fail what still needs it (a vanished host sends no FIN).
         hosting: whether this rank hosts the store (then it waits for every rank to leave).
         timeout: the world's operation timeout, also how long a host waits for the others
             to leave.
@@ -90,6 +95,7 @@ class FailureDomain:
         size: int,
         *,
         on_abort: Callable[[BaseException], None],
+        on_gone: Callable[[int, BaseException], None],
         hosting: bool,
         timeout: float | None,
     ) -> None:
@@ -97,6 +103,7 @@ class FailureDomain:
         self.rank = rank
         self.size = size
         self._on_abort = on_abort
+        self._on_gone = on_gone
         #: Whether this rank hosts the store (then it waits for every rank to leave).
         self.hosting = hosting
         self._timeout = timeout
@@ -164,8 +171,11 @@ class FailureDomain:
                 continue
             # (Both do nothing once closed.)
             if key == _DEPARTED_KEY:
-                if not reason.startswith(f"rank {self.rank} "):
-                    self.depart(DistNetworkError(reason))
+                gone = _GONE.match(reason)
+                if gone is not None and int(gone[1]) != self.rank and not self.closed:
+                    error = DistNetworkError(reason)
+                    self.depart(error)
+                    self._on_gone(int(gone[1]), error)
             elif not reason.startswith(f"rank {self.rank}:"):
                 self.abort(DistNetworkError(f"the group was aborted by {reason}"))
             return

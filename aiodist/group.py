@@ -61,7 +61,7 @@ from ._timeouts import Timeout, to_seconds
 from ._world import FailureDomain
 from .errors import DistError, DistTimeoutError, DistUsageError
 from .store import PrefixStore, Store
-from .transport.base import Departure, OpComm, Transport, departure_of
+from .transport.base import Departure, OpComm, Transport, departure_of, lost_peer_error
 
 __all__ = [
     "ANY_TAG",
@@ -464,7 +464,13 @@ class World:
         self._owned = list(owned)
         hosting = any(getattr(s, "server", None) is not None for s in self._owned)
         self.domain = FailureDomain(
-            store, self.rank, self.size, on_abort=self._aborted, hosting=hosting, timeout=timeout
+            store,
+            self.rank,
+            self.size,
+            on_abort=self._aborted,
+            on_gone=self._gone,
+            hosting=hosting,
+            timeout=timeout,
         )
         self._next_group_id = 1
         self.groups: dict[int, ProcessGroup] = {}
@@ -491,6 +497,11 @@ class World:
     def abort(self, cause: BaseException) -> None:
         """Make the world unusable because of ``cause``; every rank is told."""
         self.domain.abort(cause)
+
+    def _gone(self, peer: int, cause: BaseException) -> None:
+        # The store says ``peer`` went without a goodbye: the transport takes what it sent,
+        # then fails what still needs it (and the first operation that does aborts).
+        self.transport.peer_gone(peer, lost_peer_error(peer, str(cause), Departure.GONE))
 
     def _aborted(self, failure: BaseException) -> None:
         # The peers learn the cause from whatever they wait on: a sequencer's turn or a message.

@@ -4,7 +4,8 @@ Each check gets a fresh world of three connected transports (global ranks 0, 1, 
 exercises what ``aiodist.transport.base.Transport`` promises: per-``(peer, tag)`` order,
 any-source receives, zero-size and large messages, sending to oneself, length mismatches,
 usage errors, rejections, an orderly close (a goodbye with its reason, messages sent before
-it still delivered) and an abort (a failure, no departure). ``test_transport_conformance.py``
+it still delivered), an abort (a failure, no departure) and a peer the store says is gone
+(what it sent is still taken). ``test_transport_conformance.py``
 runs every check against the TCP, shared-memory, routed and in-process transports.
 """
 
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 
 import aiodist
-from aiodist.transport.base import Departure, Transport, departure_of
+from aiodist.transport.base import Departure, Transport, departure_of, lost_peer_error
 
 World = list[Transport]
 Check = Callable[[World], Awaitable[None]]
@@ -134,6 +135,20 @@ async def an_abort_fails_everything_and_is_no_departure(w: World) -> None:
     assert await _recv(w[0], 2, T, 1) == b"z"
 
 
+async def a_peer_the_store_says_is_gone_leaves_what_it_sent(w: World) -> None:
+    await w[0].send(1, T, memoryview(b"hi"))  # connected both ways
+    await w[1].send(0, T, memoryview(b"last"))  # perhaps still in the socket, unread
+    pending = w[0].recv_into(1, (1, 6, 0), _buf(1))
+    gone = lost_peer_error(1, "rank 1 is gone", Departure.GONE)
+    w[0].peer_gone(1, gone)
+    assert await _recv(w[0], 1, T, 4) == b"last"
+    with pytest.raises(aiodist.DistNetworkError, match="rank 1 is gone") as info:
+        await asyncio.wait_for(pending, 10)
+    assert departure_of(info.value) is Departure.GONE
+    with pytest.raises(aiodist.DistNetworkError, match="rank 1 is gone"):
+        await asyncio.wait_for(w[0].send(1, T, memoryview(b"x")), 10)
+
+
 #: Every check of the contract.
 CHECKS: list[Check] = [
     messages_keep_their_order_per_peer_and_tag,
@@ -145,4 +160,5 @@ CHECKS: list[Check] = [
     a_rejection_fails_the_receives_of_that_operation,
     closing_says_goodbye_after_what_was_sent,
     an_abort_fails_everything_and_is_no_departure,
+    a_peer_the_store_says_is_gone_leaves_what_it_sent,
 ]

@@ -157,6 +157,15 @@ class Transport(abc.ABC):
         :data:`CLOSED_REASON`).
         """
 
+    def peer_gone(self, peer: int, exc: BaseException) -> None:
+        """``peer`` went away without a goodbye, as the world learned elsewhere (the store).
+
+        What it sent and this rank has not read yet is taken first; then everything that
+        still needs it fails with ``exc``, as if its connection had ended (a host that
+        vanished sends no FIN, and a connection to it may still be forming).
+        """
+        self.mailbox.fail_peer(peer, exc)
+
     def waiting_for(self, group: int, seq: int) -> list[int]:
         """Return the peers whose messages of operation ``(group, seq)`` are still awaited."""
         return self.mailbox.waiting_for(group, seq)

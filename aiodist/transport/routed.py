@@ -62,6 +62,10 @@ class RoutedTransport(Transport):
         """Tell ``peer`` of a rejection through the transport that reaches it."""
         self._for(peer).send_reject(peer, group, seq, reason)
 
+    def peer_gone(self, peer: int, exc: BaseException) -> None:
+        """Tell the transport that reaches ``peer`` that it went without a goodbye."""
+        self._for(peer).peer_gone(peer, exc)
+
     def abort(self, exc: BaseException) -> None:
         """Abort both transports."""
         self.shm.abort(exc)

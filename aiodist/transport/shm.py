@@ -996,6 +996,14 @@ class ShmTransport(Transport):
             if link.error is None and link.peer_state() in (_CLOSED, _ABORTED):
                 self._peer_exited(link)
 
+    def peer_gone(self, peer: int, exc: BaseException) -> None:
+        """``peer`` went away without a goodbye (the store says so): take what it wrote,
+        then fail what still needs it."""
+        for link in self._links:
+            if link.peer == peer and link.error is None and self._closed is None:
+                link.drain()
+                self._lose(link, exc)
+
     def _peer_exited(self, link: _Link) -> None:
         """The peer closed, aborted or its process ended: deliver what it wrote, then fail
         what depends on it."""

@@ -1209,6 +1209,17 @@ class TCPTransport(Transport):
             conn.send(header, data, fut)
         logger.debug("rank %d connected to rank %d", self.rank, peer)
 
+    def peer_gone(self, peer: int, exc: BaseException) -> None:
+        """``peer`` went away without a goodbye (the store says so): read what it sent, then
+        fail what still needs it, a connection still forming included."""
+        p = self._peers[peer]
+        if p.error is not None or self._closed is not None or peer == self.rank:
+            return
+        if p.conn is not None:
+            p.conn.poll()  # its last frames may sit in the socket, unread
+        if p.error is None:
+            self._fail_peer(p, exc)
+
     def _peer_aborted(self, peer: int, cause: str) -> None:
         """``peer`` said it is aborting, and why: it is lost, with that cause."""
         self._lose(peer, f"it aborted: {cause}")
