@@ -417,6 +417,7 @@ async def test_a_pod_meant_for_several_processes_started_alone(
     )
 
 
+@pytest.mark.both_loops
 async def test_env_rendezvous_exports_a_derived_master(monkeypatch: pytest.MonkeyPatch) -> None:
     batch = {
         "SLURM_PROCID": "0",

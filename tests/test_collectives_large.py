@@ -25,6 +25,8 @@ from aiodist.collectives._common import READY_STEP, YIELD_BYTES, Dataflow, _tick
 from aiodist.transport.base import OpComm
 from aiodist.transport.local import LocalTransport
 
+pytestmark = pytest.mark.both_loops  # the standard loop (asyncio.run, uvicorn) too
+
 Runner = Callable[[int, Callable[[OpComm], Awaitable[Any]]], Awaitable[list[Any]]]
 
 #: float64 elements per block: above YIELD_BYTES, so the copy runs as a yielding task.

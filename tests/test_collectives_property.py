@@ -14,6 +14,8 @@ from aiodist._ops import ReduceOp, check_reduce_op
 from aiodist.errors import DistUsageError
 from aiodist.transport.base import OpComm
 
+pytestmark = pytest.mark.both_loops  # the standard loop (asyncio.run, uvicorn) too
+
 ml_dtypes = pytest.importorskip("ml_dtypes", reason="bfloat16 needs ml_dtypes")
 
 DTYPES = [

@@ -13,6 +13,8 @@ import pytest
 from aiodist._progress import ProgressThread, progress_thread
 from aiodist.errors import DistBackendError, DistTimeoutError, DistUsageError
 
+pytestmark = pytest.mark.both_loops  # the standard loop (asyncio.run, uvicorn) too
+
 
 class Flag:
     """A completion that another thread finishes (or fails) by setting it."""

@@ -20,6 +20,8 @@ from aiodist._ops import ReduceOp
 from aiodist.backends import _cuda_staged as staged
 from aiodist.group import Plan, ProcessGroup, current_world
 
+pytestmark = pytest.mark.both_loops  # the standard loop (asyncio.run, uvicorn) too
+
 BF16 = np.dtype(ml_dtypes.bfloat16)
 MOVER = staged.HostMover()
 

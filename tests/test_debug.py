@@ -46,6 +46,7 @@ def cli(*paths: Path) -> str:
     return done.stdout
 
 
+@pytest.mark.both_loops
 @pytest.mark.parametrize("transport", ["tcp", "local"])
 async def test_recorder_holds_the_ops_in_order(transport: str) -> None:
     async def fn(rank: int, size: int) -> dict[str, Any]:

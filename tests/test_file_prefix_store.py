@@ -11,6 +11,8 @@ import pytest
 
 import aiodist
 
+pytestmark = pytest.mark.both_loops  # the standard loop (asyncio.run, uvicorn) too
+
 
 def _records(path: Path) -> list[tuple[bytes, bytes]]:
     data = path.read_bytes()

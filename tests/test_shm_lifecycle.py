@@ -24,7 +24,7 @@ from aiodist.collectives.shm import NodeWorkspace
 from aiodist.store import FileStore, HashStore, Store
 from aiodist.transport.shm import ShmTransport
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.both_loops]
 
 
 async def _use_everything(store: Store, rank: int, n: int, job: str, close: bool) -> list[str]:

@@ -139,6 +139,7 @@ async def test_client_whose_link_goes_down_gets_a_network_error_and_the_server_d
                 await client.wait()
 
 
+@pytest.mark.both_loops
 @pytest.mark.multiprocess
 async def test_stopped_client_keeps_its_connection_and_its_wait() -> None:
     async with await aiodist.TCPStoreServer(peer_timeout=PEER_TIMEOUT).start() as server:

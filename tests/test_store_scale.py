@@ -24,6 +24,8 @@ import aiodist
 from aiodist.store import _server, _wire
 from aiodist.store._state import KeyValueState
 
+pytestmark = pytest.mark.both_loops  # the standard loop (asyncio.run, uvicorn) too
+
 F64 = _wire.F64
 
 

@@ -16,6 +16,8 @@ import aiodist
 import aiodist.sync as dist
 from aiodist.testing import WorldProcessError, run_world, run_world_processes
 
+pytestmark = pytest.mark.both_loops  # the standard loop (asyncio.run, uvicorn) too
+
 
 # -- run_world ----------------------------------------------------------------------------------
 async def _every_rank_fails(rank: int, world_size: int) -> None:
