@@ -268,3 +268,47 @@ def test_children_form_a_group_of_their_own(method: str, hold: bool) -> None:
         # A forked child starts uninitialized, with its own loop and progress threads.
         assert child == {"rank": rank, "inherited": False, "sum": 3.0, "watched": True}
     assert report["parent"] == (1.0 if hold else None)
+
+
+# -- one timeout, from init_process_group down ------------------------------------------------
+_WORKSPACE_STRAGGLER = """
+import asyncio, json, sys, time
+import aiodist.sync as dist
+import aiodist.backends.cpu as cpu
+rank, port = int(sys.argv[1]), sys.argv[2]
+if rank == 1:
+    async def never(self):  # this rank stops before it takes part in the workspace
+        await asyncio.Event().wait()
+    cpu._Workspace._create = never
+start = time.monotonic()
+try:
+    dist.init_process_group("gloo", f"tcp://127.0.0.1:{port}", rank=rank, world_size=3, timeout=5)
+except Exception as exc:
+    print(json.dumps({"type": type(exc).__name__, "msg": str(exc), "t": time.monotonic() - start}))
+"""
+
+
+@pytest.mark.multiprocess
+def test_the_groups_timeout_bounds_the_shared_memory_workspace() -> None:
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _WORKSPACE_STRAGGLER, str(r), port],
+            env={**os.environ, "AIODIST_SHM": "1"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(3)
+    ]
+    try:
+        for rank in (0, 2):
+            out, err = procs[rank].communicate(timeout=60)
+            error = json.loads(out)
+            assert error["type"] == "DistTimeoutError", (error, err)
+            # The group's 5 s, not the workspace's former 300 s (a generous no-hang guard).
+            assert 5 <= error["t"] < 30, error
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.communicate()

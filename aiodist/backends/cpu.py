@@ -143,6 +143,8 @@ class _Workspace:
 
     async def _create(self) -> shm.NodeWorkspace:
         group = self._group
+        # Within the group's own timeout (init_process_group's, new_group's): a rank that
+        # never comes must not hold the others for the workspace's default 300 s.
         return await shm.NodeWorkspace.create(
             PrefixStore(f"shm/ws/{group.group_id}", group.world.store),
             group.rank,
@@ -150,6 +152,7 @@ class _Workspace:
             ranks=group.ranks,
             local_world_size=self._local_world_size,
             job_key=default_job_key(),
+            timeout=group.timeout,
         )
 
     def skip(self, reason: str) -> Coroutine[Any, Any, None]:
