@@ -1,4 +1,9 @@
-"""Normalising the timeout arguments users pass (seconds or ``timedelta``)."""
+"""Every default timeout, in one place, and normalising the timeout arguments users pass
+(seconds or ``timedelta``).
+
+A timeout given to ``init_process_group`` or ``new_group`` reaches every set-up and wait
+below it; these defaults apply only where nothing was given.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +11,25 @@ from datetime import timedelta
 
 from .errors import DistUsageError
 
-__all__ = ["Timeout", "DEFAULT_STORE_TIMEOUT", "to_seconds"]
+__all__ = [
+    "DEFAULT_PEER_TIMEOUT",
+    "DEFAULT_PG_TIMEOUT",
+    "DEFAULT_SETUP_TIMEOUT",
+    "DEFAULT_STORE_TIMEOUT",
+    "Timeout",
+    "to_seconds",
+]
 
 Timeout = float | int | timedelta | None
 
 #: torch's stores default to five minutes.
 DEFAULT_STORE_TIMEOUT = 300.0
+#: torch's default for CPU process groups: thirty minutes per operation.
+DEFAULT_PG_TIMEOUT = 1800.0
+#: For a transport or workspace set up on its own (within a group, the group's timeout).
+DEFAULT_SETUP_TIMEOUT = 300.0
+#: Seconds of silence after which a connection's peer counts as gone (``AIODIST_PEER_TIMEOUT``).
+DEFAULT_PEER_TIMEOUT = 8.0
 
 
 def to_seconds(timeout: Timeout, default: float | None = None) -> float | None:

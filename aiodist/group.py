@@ -57,7 +57,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from ._fingerprint import NO_FINGERPRINT
 from ._recorder import FlightRecorder, OpRecord
-from ._timeouts import Timeout, to_seconds
+from ._timeouts import DEFAULT_PG_TIMEOUT, Timeout, to_seconds
 from ._world import FailureDomain
 from .errors import DistError, DistTimeoutError, DistUsageError
 from .store import PrefixStore, Store
@@ -90,9 +90,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-#: torch's default for CPU process groups: thirty minutes per operation.
-DEFAULT_PG_TIMEOUT = 1800.0
 
 #: What the peers of a rank that destroyed its default group are told: "rank N ...".
 LEFT_REASON = "left the process group (destroy_process_group)"

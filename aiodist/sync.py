@@ -51,7 +51,7 @@ from . import (
 from ._loop import loop_factory
 from ._ops import PremulSum, ReduceOp, make_premul_sum, reduce_op
 from ._recorder import DUMP_DIR_ENV
-from ._timeouts import Timeout, to_seconds
+from ._timeouts import DEFAULT_PG_TIMEOUT, DEFAULT_STORE_TIMEOUT, Timeout, to_seconds
 from .errors import (
     DistBackendError,
     DistError,
@@ -160,7 +160,7 @@ T = TypeVar("T")
 P = ParamSpec("P")
 
 #: torch's default store timeout.
-_DEFAULT_STORE_TIMEOUT = timedelta(seconds=300)
+_DEFAULT_STORE_TIMEOUT = timedelta(seconds=DEFAULT_STORE_TIMEOUT)
 
 #: How long interpreter exit waits for the loop thread to close stores and stop (seconds).
 _SHUTDOWN_TIMEOUT = 5.0
@@ -567,7 +567,7 @@ _init_lock = threading.Lock()
 Group = ProcessGroup | NonGroupMember | None
 
 #: torch's default process-group timeout.
-_DEFAULT_PG_TIMEOUT = timedelta(minutes=30)
+_DEFAULT_PG_TIMEOUT = timedelta(seconds=DEFAULT_PG_TIMEOUT)
 
 
 def _abort_on_interrupt(op: str) -> None:

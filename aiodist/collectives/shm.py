@@ -59,7 +59,7 @@ import numpy.typing as npt
 from .. import _shared_array
 from .._fingerprint import fingerprint as _fingerprint, mismatch_error
 from .._ops import _UFUNCS, ReduceOp, finish_into
-from .._timeouts import Timeout, to_seconds
+from .._timeouts import DEFAULT_SETUP_TIMEOUT, Timeout, to_seconds
 from ..errors import DistNetworkError, DistProtocolError, DistUsageError
 from ..store import Store
 from ..transport import _shm_setup
@@ -112,7 +112,6 @@ SMALL_BYTES = 16 << 10
 DIRECT_MIN_BYTES = 64 << 10
 #: A long operation yields to the event loop once this much time has passed since the last.
 YIELD_SECONDS = 0.5e-3
-DEFAULT_SETUP_TIMEOUT = 300.0
 
 _VERSION = 1
 _MAGIC = int.from_bytes(b"AIODWS01", "little")

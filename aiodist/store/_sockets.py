@@ -16,10 +16,10 @@ import os
 import resource
 import socket
 
+from .._timeouts import DEFAULT_PEER_TIMEOUT
 from ..errors import DistUsageError
 
 __all__ = [
-    "DEFAULT_PEER_TIMEOUT",
     "PEER_TIMEOUT_ENV",
     "configure_socket",
     "configure_stream",
@@ -29,11 +29,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: The environment variable that sets the peer timeout, in seconds.
+#: The environment variable that sets the peer timeout, in seconds (default
+#: ``DEFAULT_PEER_TIMEOUT``: with the moment it takes to tell every rank, a vanished host is
+#: known within 10 s).
 PEER_TIMEOUT_ENV = "AIODIST_PEER_TIMEOUT"
-#: Seconds after which a silent peer's connection is dropped, unless configured otherwise:
-#: with the moment it takes to tell every rank, a vanished host is known within 10 s.
-DEFAULT_PEER_TIMEOUT = 8.0
 #: The smallest peer timeout: keepalive timers count whole seconds.
 _MIN_PEER_TIMEOUT = 1.0
 

@@ -42,7 +42,7 @@ from collections.abc import Collection
 from typing import Any
 
 from .._fingerprint import NO_FINGERPRINT
-from .._timeouts import Timeout, to_seconds
+from .._timeouts import DEFAULT_SETUP_TIMEOUT, Timeout, to_seconds
 from ..errors import DistNetworkError, DistProtocolError, DistUsageError
 from ..store import Store
 from . import _shm_setup
@@ -107,7 +107,6 @@ TURN_BYTES = 1 << 20
 CHUNK_BYTES = 256 << 10
 #: How long ``aclose`` lets queued sends drain before closing.
 CLOSE_DRAIN_SECONDS = 5.0
-DEFAULT_SETUP_TIMEOUT = 300.0
 #: A sleeping rank with work pending re-checks its rings after this long, doubling up to
 #: ``_RECHECK_MAX`` (the safety net under the doorbell protocol).
 _RECHECK_FIRST, _RECHECK_MAX = 1e-3, 50e-3

@@ -47,7 +47,7 @@ from typing import Any, cast
 
 from .._auth import AUTH_MAC_SIZE, NONCE_SIZE, auth_mac, resolve_token, verify_mac
 from .._fingerprint import NO_FINGERPRINT
-from .._timeouts import Timeout, to_seconds
+from .._timeouts import DEFAULT_SETUP_TIMEOUT, Timeout, to_seconds
 from ..errors import (
     DistError,
     DistNetworkError,
@@ -121,7 +121,6 @@ CLOSE_DRAIN_SECONDS = 5.0
 #: How long leaving waits for the store to record it, and a failed connect for the store to
 #: say whether the peer left meanwhile.
 LEFT_CHECK_SECONDS = 1.0
-DEFAULT_CONNECT_TIMEOUT = 300.0
 
 _HANDSHAKING, _OPEN, _DONE = 0, 1, 2
 
@@ -844,7 +843,7 @@ class TCPTransport(Transport):
             raise DistUsageError(f"world_size must be a positive integer, got {world_size!r}")
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
             raise DistUsageError(f"rank must be in [0, {world_size}), got {rank!r}")
-        seconds = to_seconds(timeout, DEFAULT_CONNECT_TIMEOUT)
+        seconds = to_seconds(timeout, DEFAULT_SETUP_TIMEOUT)
         token = resolve_token(auth_token)
         auto_spin = spin is None
         if spin is None:
