@@ -174,12 +174,16 @@ async def init_process_group(
         DistNetworkError: the store or a peer could not be reached.
     """
     if _group.peek_world() is not None:
-        raise DistUsageError("trying to initialize the default process group twice")
+        raise DistUsageError(_group.TWICE)
     name, devices = _backends.available(backend)
     seconds = to_seconds(timeout, DEFAULT_PG_TIMEOUT)
     token = resolve_token(auth_token)
     if not isinstance(group_name, str):
         raise DistUsageError(f"group_name must be a string, got {type(group_name).__name__}")
+    if shared_memory is not None and not isinstance(shared_memory, bool):
+        raise DistUsageError(
+            f"init_process_group: shared_memory must be True, False or None, got {shared_memory!r}"
+        )
     owned: list[Store] = []
     if store is not None:
         if init_method is not None:

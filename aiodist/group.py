@@ -91,6 +91,15 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+#: Why a second ``init_process_group`` where a default group exists is refused, and what to
+#: do to run several ranks in one process.
+TWICE = (
+    "trying to initialize the default process group twice: this process (or this context) "
+    "already has one; destroy it first, or run several ranks in one process as tasks that "
+    "each have a world of their own (aiodist.testing.run_world, or "
+    "aiodist.group.isolate_context() at the start of each rank's task)"
+)
+
 #: What the peers of a rank that destroyed its default group are told: "rank N ...".
 LEFT_REASON = "left the process group (destroy_process_group)"
 
@@ -1332,7 +1341,7 @@ def start_world(
         DistUsageError: a default world is already initialized here, or bad arguments.
     """
     if peek_world() is not None:
-        raise DistUsageError("trying to initialize the default process group twice")
+        raise DistUsageError(TWICE)
     world = World(
         transport,
         store,

@@ -856,6 +856,7 @@ def init_process_group(
     device_id: object = None,
     *,
     auth_token: str | bytes | None = None,
+    shared_memory: bool | None = None,
 ) -> None:
     """Join this process to the default process group, with torch's rules.
 
@@ -876,6 +877,9 @@ def init_process_group(
         device_id: ignored.
         auth_token: shared secret for the store the rendezvous makes and for every
             connection between ranks (``None``: ``$AIODIST_AUTH_TOKEN``, if set).
+        shared_memory: whether ranks on one host talk through shared memory (see
+            :func:`aiodist.init_process_group`): ``None`` when they can, ``True`` or raise,
+            ``False`` never.
 
     Raises:
         DistUsageError: initialized already, conflicting or missing arguments, an unknown
@@ -890,12 +894,12 @@ def init_process_group(
         )
     with _init_lock:
         if _group.peek_world() is not None:
-            raise DistUsageError("trying to initialize the default process group twice!")
+            raise DistUsageError(_group.TWICE)
         _run(
             _aio_api.init_process_group(
                 backend, init_method, timeout, world_size, rank,
                 None if store is None else store.async_store, group_name,
-                auth_token=auth_token,
+                auth_token=auth_token, shared_memory=shared_memory,
             )
         )  # fmt: skip
         _leave_at_child_exit()

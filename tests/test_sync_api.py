@@ -355,3 +355,15 @@ def test_torch_module_level_names(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOCAL_RANK", "3")
     assert dist.get_node_local_rank() == 3
     assert dist.ReduceOp.SUM == 0 and dist.Backend("NCCL") == dist.Backend.NCCL
+
+
+def test_init_takes_shared_memory_as_the_async_api_does(clean_world: None) -> None:
+    from aiodist.transport.tcp import TCPTransport
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, shared_memory=False)
+    world = dist.group.WORLD
+    assert world is not None and isinstance(world.world.transport, TCPTransport)
+    dist.destroy_process_group()
+    with pytest.raises(aiodist.DistUsageError, match=r"shared_memory must be"):
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1, shared_memory="yes")  # type: ignore[arg-type]
