@@ -248,7 +248,7 @@ async def init_process_group(
         await _backends.setup(pg)
     except BaseException:
         _group.set_current_world(None)
-        await pg.world.close()
+        await pg.world.aclose()
         raise
     return pg
 
@@ -366,7 +366,7 @@ async def destroy_process_group(group: Group = None) -> None:
     world = _group.current_world("destroy_process_group")
     if group is None or group is world.default_group:
         _group.set_current_world(None)
-        await world.close()
+        await world.aclose()
         return
     if not isinstance(group, ProcessGroup) or group.world is not world:
         raise DistUsageError(f"destroy_process_group: invalid process group {group!r}")

@@ -85,7 +85,7 @@ class FailureDomain:
     Attributes:
         broken: the first cause this domain broke for (an abort or a departure), or ``None``.
         aborted: whether it was aborted (its connections dropped), not only broken.
-        closed: whether :meth:`close` ran.
+        closed: whether :meth:`aclose` ran.
     """
 
     def __init__(
@@ -198,7 +198,7 @@ class FailureDomain:
 
         The reason goes to the store (the first rank's wins) and, through ``on_abort``, to
         the connected peers as the transport drops its connections. Aborting twice, or
-        after :meth:`close`, does nothing; a world broken by a departure is aborted now.
+        after :meth:`aclose`, does nothing; a world broken by a departure is aborted now.
         """
         if self.aborted or self.closed:
             return
@@ -250,7 +250,7 @@ class FailureDomain:
         await self._ended.wait()
         return self.broken
 
-    async def close(self, reason: str = "left") -> None:
+    async def aclose(self, reason: str = "left") -> None:
         """Stop watching, finish recording an abort reason, and leave the store.
 
         ``reason`` is recorded as why this rank left.

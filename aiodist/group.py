@@ -575,8 +575,14 @@ class World:
             # already, and which ended, needs no word: it rejected it too).
             self.rejected[group_id, seq] = (peer, reason)
 
+    async def __aenter__(self) -> World:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
     async def finish(self, reason: str, failure: BaseException | None = None) -> None:
-        """Leave at the end of the process: let what is in flight end, then :meth:`close`.
+        """Leave at the end of the process: let what is in flight end, then :meth:`aclose`.
 
         The operations in flight get the world's timeout to end (a peer's receive may not
         be posted yet); a failure ends them sooner. The peers are told ``reason``. A
@@ -591,9 +597,9 @@ class World:
         if pending and not self.closed:
             await asyncio.wait(pending, timeout=self.timeout)
         self.domain.hosting = self.domain.hosting or _hosts_server(self.store)
-        await self.close(reason)
+        await self.aclose(reason)
 
-    async def close(self, reason: str = LEFT_REASON) -> None:
+    async def aclose(self, reason: str = LEFT_REASON) -> None:
         """Fail what is still running, close the transport and the stores the world owns.
 
         The peers are told ``reason`` (it completes "rank N ...").
@@ -610,13 +616,17 @@ class World:
         for group in list(self.groups.values()):
             await group._close_sequencer()
         await self.transport.aclose(reason)
-        await self.domain.close(reason)
+        await self.domain.aclose(reason)
         for store in self._owned:
             await store.aclose()
 
 
 class ProcessGroup:
     """A set of ranks that run collectives together, and this rank's place in it.
+
+    An async context manager: ``async with await aiodist.init_process_group(...) as pg:``
+    destroys the group at the end (the default group: its whole world, as
+    ``destroy_process_group()`` does).
 
     Attributes:
         rank: this process's rank within the group.
@@ -673,6 +683,19 @@ class ProcessGroup:
     def world(self) -> World:
         """The world this group was made from."""
         return self._world
+
+    async def __aenter__(self) -> ProcessGroup:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        """Destroy the group; the default group takes its world (and default) with it."""
+        world = self._world
+        if self is world.default_group:
+            if peek_world() is world:
+                set_current_world(None)
+            await world.aclose()
+        else:
+            await self.destroy()
 
     @property
     def next_seq(self) -> int:

@@ -416,7 +416,7 @@ class Channel:
 
     @property
     def closed(self) -> bool:
-        """Whether the channel was closed (by :meth:`close` on the controller)."""
+        """Whether the channel was closed (by :meth:`aclose` on the controller)."""
         return self._closed
 
     @classmethod
@@ -642,10 +642,10 @@ class Channel:
         error.__cause__ = cause
         return error
 
-    async def close(self, timeout: Timeout = None) -> None:
+    async def aclose(self, timeout: Timeout = None) -> None:
         """Stop the workers: every worker's :meth:`serve` returns (controller only).
 
-        Calls already waiting their turn run first; calls made after ``close`` raise.
+        Calls already waiting their turn run first; calls made after ``aclose`` raise.
         Closing an aborted or closed channel does nothing.
 
         Args:
@@ -812,7 +812,7 @@ async def _destroy(world: World) -> None:
     """``destroy_process_group()`` for ``world``, from whichever task holds it."""
     if _group.peek_world() is world:
         _group.set_current_world(None)
-    await world.close()
+    await world.aclose()
 
 
 class Controller:
@@ -824,7 +824,8 @@ class Controller:
     destroys the group and joins a new one, in the same process: workers that survived join
     it again (:func:`run_worker` does), and a worker that was restarted joins it for the
     first time. :meth:`aclose` lets the calls in flight finish, stops the workers and
-    destroys the group.
+    destroys the group. ``async with Controller(...) as controller:`` starts it and closes
+    it at the end.
 
     Args:
         rebuild: join a new group after a failure (otherwise the controller stays
@@ -914,6 +915,13 @@ class Controller:
             "failed": self._failed,
             "in_flight": self._in_flight,
         }
+
+    async def __aenter__(self) -> Controller:
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
 
     def start(self) -> None:
         """Start joining the process group in a background task; return at once.
@@ -1035,7 +1043,7 @@ class Controller:
             why = "the controller shut down before every rank had joined"
             if channel is not None:
                 try:
-                    await channel.close(self._drain_timeout)
+                    await channel.aclose(self._drain_timeout)
                     why = ""
                 except DistTimeoutError as exc:
                     why = f"the controller shut down: {exc}"

@@ -265,3 +265,17 @@ async def test_destroy_leaves_no_socket_or_task_behind() -> None:
     await asyncio.sleep(0)
     assert fds() == before_fds
     assert asyncio.all_tasks() == before_tasks
+
+
+async def test_groups_are_async_context_managers() -> None:
+    async def fn(rank: int, size: int) -> tuple[bool, bool]:
+        # run_world made this rank's default group; leave it through `async with`.
+        async with aiodist.group.resolve_group(None, "test") as pg:
+            async with await aiodist.new_group([0, 1]) as pair:
+                x = np.ones(2)
+                await aiodist.all_reduce(x, group=pair)
+                assert x[0] == 2.0
+            pair_destroyed = pair.is_destroyed
+        return pair_destroyed, aiodist.is_initialized() or pg.world.closed is False
+
+    assert await run_world(fn, 2) == [(True, False), (True, False)]

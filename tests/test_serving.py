@@ -144,7 +144,7 @@ async def serve_or_call(
         try:
             return await controller(channel)
         finally:
-            await channel.close()
+            await channel.aclose()
     await channel.serve(HANDLERS)
     assert channel.closed
     return None
@@ -344,7 +344,7 @@ async def test_usage_errors_reject_the_call_and_send_nothing() -> None:
         with pytest.raises(aiodist.DistUsageError, match=r"^call: only the controller"):
             await channel.call("echo")
         with pytest.raises(aiodist.DistUsageError, match=r"^close: only the controller"):
-            await channel.close()
+            await channel.aclose()
         await channel.serve(HANDLERS)
         return None
 
@@ -369,11 +369,11 @@ async def test_calls_after_close_raise_and_close_waits_for_calls_in_flight() -> 
             return channel.closed
         pending = asyncio.ensure_future(channel.call("slow", np.array([0.3])))
         await asyncio.sleep(0.05)
-        await channel.close()
+        await channel.aclose()
         assert pending.done()  # close took its turn after the call in flight
         with pytest.raises(aiodist.DistUsageError, match=r"^call: the channel is closed"):
             await channel.call("echo")
-        await channel.close()  # twice is fine
+        await channel.aclose()  # twice is fine
         return [r.tolist() for r in pending.result()]
 
     assert await run_world(fn, 3) == [[[0.3], [0.3]], True, True]
