@@ -185,4 +185,4 @@ async def test_abort_watch_survives_a_store_error() -> None:
         assert "rank 0 gives up" in str(by_rank[1].broken)
     finally:
         for w in worlds:
-            await w.close()
+            await w.aclose()

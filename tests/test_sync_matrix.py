@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing
-import multiprocessing.connection
-import os
-import socket
-import traceback
 from typing import Any
 
 import numpy as np
@@ -15,6 +10,7 @@ from collective_helpers import numpy_reduce
 
 import aiodist.sync as dist
 from aiodist import ReduceOp
+from aiodist.testing import run_world_processes
 
 pytestmark = pytest.mark.multiprocess
 
@@ -127,40 +123,11 @@ def every_operation(rank: int, size: int) -> int:
     return 1
 
 
-def _child(rank: int, size: int, port: int, conn: multiprocessing.connection.Connection) -> None:
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
-    try:
-        dist.init_process_group("gloo", timeout=60)
-        result = (every_operation(rank, size), matrix(rank, size))
-        dist.destroy_process_group()
-        conn.send(("ok", result))
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
+def _every_operation_and_the_matrix(rank: int, size: int) -> tuple[int, int]:
+    return every_operation(rank, size), matrix(rank, size)
 
 
 def test_collective_matrix_through_the_blocking_api() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    size = 3
-    ctx = multiprocessing.get_context("spawn")
-    pipes, procs = [], []
-    for rank in range(size):
-        recv_end, send_end = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_child, args=(rank, size, port, send_end), daemon=True)
-        proc.start()
-        send_end.close()
-        pipes.append(recv_end)
-        procs.append(proc)
-    results = []
-    for rank, pipe in enumerate(pipes):
-        assert pipe.poll(120), f"rank {rank} did not report"
-        status, payload = pipe.recv()
-        assert status == "ok", f"rank {rank} failed:\n{payload}"
-        results.append(payload)
-    for proc in procs:
-        proc.join(30)
+    results = run_world_processes(_every_operation_and_the_matrix, 3, timeout=120)
     cases = results[0][1]
     assert cases > 40 and all(r == (1, cases) for r in results)

@@ -22,7 +22,7 @@ from aiodist.testing import free_port
 pytestmark = pytest.mark.multiprocess
 
 TUTORIALS = Path(__file__).parent / "tutorials"
-RUNS = 3
+RUNS = 2
 
 
 @pytest.fixture
