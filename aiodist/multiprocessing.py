@@ -198,7 +198,7 @@ def _join_all(processes: Sequence[BaseProcess], timeout: float) -> None:
         p.join(max(0.0, deadline - time.monotonic()))
 
 
-def start_processes(
+def spawn(
     fn: Callable[..., object],
     args: Sequence[Any] = (),
     nprocs: int = 1,
@@ -206,15 +206,21 @@ def start_processes(
     daemon: bool = False,
     start_method: str = "spawn",
 ) -> ProcessContext | None:
-    """Start ``nprocs`` processes running ``fn(i, *args)`` with ``start_method``.
+    """Start ``nprocs`` processes running ``fn(i, *args)`` (``torch.multiprocessing.spawn``;
+    ``start_processes`` is the same function, as in torch).
+
+    ``fn`` must be importable by the children (a module-level function) with the default
+    start method, ``"spawn"``; ``"fork"`` and ``"forkserver"`` are accepted too.
 
     Returns:
         ``None`` once every process has ended successfully (``join=True``), else the
         :class:`ProcessContext` at once.
 
     Raises:
-        ProcessRaisedException: with ``join``, the first process that raised.
-        ProcessExitedException: with ``join``, the first that exited otherwise.
+        ProcessRaisedException: with ``join``, the first process that raised (its
+            traceback is the message); the others were stopped.
+        ProcessExitedException: with ``join``, the first that exited with a non-zero
+            status or a signal; the others were stopped.
         ValueError: an unknown start method.
     """
     mp: Any = multiprocessing.get_context(start_method)
@@ -241,27 +247,5 @@ def start_processes(
     return None
 
 
-def spawn(
-    fn: Callable[..., object],
-    args: Sequence[Any] = (),
-    nprocs: int = 1,
-    join: bool = True,
-    daemon: bool = False,
-    start_method: str = "spawn",
-) -> ProcessContext | None:
-    """Start ``nprocs`` processes running ``fn(i, *args)`` (``torch.multiprocessing.spawn``).
-
-    ``fn`` must be importable by the children (a module-level function) with the default
-    start method, ``"spawn"``; ``"fork"`` and ``"forkserver"`` are accepted too.
-
-    Returns:
-        ``None`` once every process has ended successfully (``join=True``), else the
-        :class:`ProcessContext` at once.
-
-    Raises:
-        ProcessRaisedException: with ``join``, the first process that raised (its
-            traceback is the message); the others were stopped.
-        ProcessExitedException: with ``join``, the first that exited with a non-zero
-            status or a signal; the others were stopped.
-    """
-    return start_processes(fn, args, nprocs, join, daemon, start_method)
+#: torch's other name for :func:`spawn`.
+start_processes = spawn
