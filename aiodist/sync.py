@@ -14,7 +14,7 @@ Every blocking call goes through :func:`_run`, which
 
 A process that ends with its default group still open (most ``torch.distributed`` scripts
 never call ``destroy_process_group``) leaves the group as it exits, at interpreter exit and
-at the end of a ``multiprocessing`` child (fork or spawn, whose children skip ``atexit``):
+at the end of a ``multiprocessing`` child of any start method (which skips ``atexit``):
 it lets its operations in flight finish, then leaves as ``destroy_process_group`` would,
 telling its peers that it exited; a rank hosting the store keeps it up until the others
 have left. A process that ends on an exception aborts the group instead, so that its peers
@@ -1148,10 +1148,8 @@ def _leave_world_at_exit() -> None:
         return
     _group.set_current_world(None)
     failure = _exit_failure()
-    if failure is None:
-        _run(world.finish(EXIT_REASON))
-        return
-    _run(world.finish(EXIT_REASON, failure=DistError(f"rank {world.rank} {failure}")))
+    cause = None if failure is None else DistError(f"rank {world.rank} {failure}")
+    _run(world.finish(EXIT_REASON, failure=cause))
 
 
 def _close_all_at_exit() -> None:
