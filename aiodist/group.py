@@ -102,6 +102,8 @@ TWICE = (
 
 #: What the peers of a rank that destroyed its default group are told: "rank N ...".
 LEFT_REASON = "left the process group (destroy_process_group)"
+#: What they are told when its event loop ended with the group open.
+LOOP_ENDED_REASON = "left the process group as its event loop ended (no destroy_process_group)"
 
 #: Point-to-point messages of group ``g`` travel under group id ``g | P2P_GROUP_BIT`` with
 #: the user's tag as sequence number, so they never meet a collective's messages.
@@ -483,6 +485,8 @@ class World:
         # Operations a peer rejected before this rank issued them: (group, seq) -> error.
         self.rejected: dict[tuple[int, int], tuple[int, str]] = {}
         self.recorder = FlightRecorder(self.rank, self.size)
+        self._leaving = False
+        self._keeper: asyncio.Task[None] | None = None
         transport.mailbox.listener = self
         self.default_group = ProcessGroup(self, range(self.size), 0, backend, backends, timeout)
 
@@ -575,6 +579,25 @@ class World:
             # already, and which ended, needs no word: it rejected it too).
             self.rejected[group_id, seq] = (peer, reason)
 
+    def keep(self) -> None:
+        """Leave this world when the event loop that runs it shuts down with it still open.
+
+        ``asyncio.run`` cancels every task it leaves behind as it ends: a task waiting here
+        then leaves as a script's exit does (:meth:`finish`), so that what is in flight
+        ends and a store this process hosts stays up until the others have left.
+        Needs a running loop.
+        """
+        if self._keeper is None:
+            self._keeper = asyncio.get_running_loop().create_task(self._keep())
+
+    async def _keep(self) -> None:
+        try:
+            await asyncio.get_running_loop().create_future()
+        except asyncio.CancelledError:
+            if not self._leaving and not self.closed:
+                await self.finish(LOOP_ENDED_REASON)
+            raise
+
     async def __aenter__(self) -> World:
         return self
 
@@ -604,8 +627,12 @@ class World:
 
         The peers are told ``reason`` (it completes "rank N ...").
         """
-        if self.closed:
+        if self._leaving or self.closed:
             return
+        self._leaving = True
+        keeper = self._keeper
+        if keeper is not None and keeper is not asyncio.current_task():
+            keeper.cancel()
         cause = DistUsageError("the process group was destroyed while the operation ran")
         pending: list[asyncio.Task[None]] = []
         for group in list(self.groups.values()):
@@ -1375,6 +1402,7 @@ def start_world(
     )
     with contextlib.suppress(RuntimeError):  # no running loop: nothing to watch with
         world.domain.start()
+        world.keep()
     set_current_world(world)
     return world.default_group
 

@@ -312,3 +312,49 @@ def test_the_groups_timeout_bounds_the_shared_memory_workspace() -> None:
         for proc in procs:
             proc.kill()
             proc.communicate()
+
+
+# -- the async API: a world left open when its event loop ends ----------------------------------
+_ASYNC_HOST_FIRST = """
+import asyncio, json, sys, time
+import numpy as np
+import aiodist
+
+async def main(rank, port):
+    await aiodist.init_process_group("gloo", f"tcp://127.0.0.1:{port}", rank=rank, world_size=3)
+    pair = await aiodist.new_group([1, 2])
+    if rank == 0:
+        return  # rank 0 hosts the store and ends first, without destroy_process_group()
+    await asyncio.sleep(1.0)
+    x = np.array([float(rank)])
+    # Had rank 0's process ended with its loop, the store would be gone: "lost the store"
+    # would have aborted this world by now.
+    await aiodist.all_reduce(x, group=pair)
+    await aiodist.barrier(group=pair)
+    print(json.dumps({"value": float(x[0]), "t": time.time()}))
+
+asyncio.run(main(int(sys.argv[1]), sys.argv[2]))
+print(json.dumps({"ended": time.time()}))
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("env", TRANSPORTS)
+def test_an_async_rank_whose_loop_ends_leaves_and_keeps_the_store(env: dict[str, str]) -> None:
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _ASYNC_HOST_FIRST, str(r), port],
+            env={**os.environ, **env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(3)
+    ]
+    outs = [p.communicate(timeout=60) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [e for _, e in outs]
+    lines = [[json.loads(line) for line in out.splitlines()] for out, _ in outs]
+    assert lines[1][0]["value"] == lines[2][0]["value"] == 3.0, lines
+    # Rank 0's asyncio.run returned after the others had left: its loop kept the store.
+    assert lines[0][0]["ended"] >= max(lines[1][0]["t"], lines[2][0]["t"]), lines
