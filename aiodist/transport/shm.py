@@ -56,15 +56,7 @@ from ._frames import (
     control_frame,
     is_control,
 )
-from ._mailbox import (
-    Departure,
-    Inbound,
-    Mailbox,
-    as_bytes,
-    departure_of,
-    fail_future,
-    lost_peer_error,
-)
+from ._mailbox import Inbound, Mailbox, as_bytes, fail_future
 from ._shm_segment import (
     ProcessId,
     Segment,
@@ -76,7 +68,14 @@ from ._shm_segment import (
     unavailable_reason,
 )
 from ._shm_signal import SPIN_SECONDS, Bell, Doorbell, PeerWatch, fence, may_spin
-from .base import CLOSED_REASON, Tag, Transport
+from .base import (
+    CLOSED_REASON,
+    Departure,
+    Tag,
+    Transport,
+    departure_of,
+    lost_peer_error,
+)
 
 __all__ = ["DEFAULT_RING_BYTES", "ShmTransport", "default_job_key", "find_local_ranks"]
 

@@ -67,16 +67,16 @@ from ._frames import (
     control_frame,
     is_control,
 )
-from ._mailbox import (
+from ._mailbox import Inbound, Mailbox, as_bytes, fail_future
+from .base import (
+    CLOSED_REASON,
     Departure,
-    Inbound,
-    Mailbox,
-    as_bytes,
+    PeerDirectory,
+    Tag,
+    Transport,
     departure_of,
-    fail_future,
     lost_peer_error,
 )
-from .base import CLOSED_REASON, PeerDirectory, Tag, Transport
 
 __all__ = ["TCPTransport"]
 
