@@ -364,10 +364,8 @@ async def destroy_process_group(group: Group = None) -> None:
     if isinstance(group, NonGroupMember):
         return
     world = _group.current_world("destroy_process_group")
-    if group is None or group is world.default_group:
-        _group.set_current_world(None)
-        await world.aclose()
-        return
+    if group is None:
+        group = world.default_group
     if not isinstance(group, ProcessGroup) or group.world is not world:
         raise DistUsageError(f"destroy_process_group: invalid process group {group!r}")
     await group.destroy()

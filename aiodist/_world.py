@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 _ABORT_KEY = "abort"
 _DEPARTED_KEY = "departed"
+#: How a departure record (see _take_leases) starts: the rank it names.
 _GONE = re.compile(r"rank (\d+) is gone")
 
 #: Seconds an aborting rank waits for its reason to be recorded before closing the store.

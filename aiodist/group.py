@@ -715,14 +715,7 @@ class ProcessGroup:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        """Destroy the group; the default group takes its world (and default) with it."""
-        world = self._world
-        if self is world.default_group:
-            if peek_world() is world:
-                set_current_world(None)
-            await world.aclose()
-        else:
-            await self.destroy()
+        await self.destroy()
 
     @property
     def next_seq(self) -> int:
@@ -1197,8 +1190,15 @@ class ProcessGroup:
         """Destroy this group: later operations on it raise at once.
 
         Operations still running fail; since their peers may be waiting for them, the
-        world is then aborted too.
+        world is then aborted too. The default group takes its world with it (every group
+        of it, the connections, the stores the world made) and stops being the default.
         """
+        world = self._world
+        if self is world.default_group:
+            if peek_world() is world:
+                set_current_world(None)
+            await world.aclose()
+            return
         if self._destroyed:
             return
         self._destroyed = True

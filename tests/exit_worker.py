@@ -12,7 +12,9 @@ object per line for the test; none calls ``destroy_process_group()``:
     raise            rank 1 raises after an all_reduce; ranks 0 and 2 wait to receive from it
     host_first       rank 0 (the store's host) ends at once; ranks 1 and 2 run an all_reduce
                      a second later, on a group made before
-    barrier_gone     rank 1 arrives last at a barrier and ends with ``os._exit(0)`` at once
+    barrier_gone     rank 1 arrives last at a barrier, then runs a 32 MiB all_reduce and
+                     ends with ``os._exit(0)`` the moment its part is done, while rank 0 may
+                     still be copying its result out
 """
 
 from __future__ import annotations
@@ -86,8 +88,10 @@ elif scenario == "host_first":
 elif scenario == "barrier_gone":
     if rank == 1:
         time.sleep(0.3)
-        dist.barrier()
-        os._exit(0)
     dist.barrier()
-    emit("passed")
+    big = np.full(8 << 20, rank + 1.0, dtype=np.float32)
+    dist.all_reduce(big)
+    if rank == 1:
+        os._exit(0)
+    emit("passed", ok=bool((big == 3.0).all()))
 emit("end")
