@@ -40,6 +40,7 @@ from collections.abc import Callable
 
 from .errors import DistError, DistNetworkError, DistTimeoutError
 from .store import Store
+from .transport.base import abort_text
 
 __all__ = ["ARRIVAL_GRACE", "FailureDomain"]
 
@@ -178,7 +179,9 @@ class FailureDomain:
                     self.depart(error)
                     self._on_gone(int(gone[1]), error)
             elif not reason.startswith(f"rank {self.rank}:"):
-                self.abort(DistNetworkError(f"the group was aborted by {reason}"))
+                aborted = DistNetworkError(f"the group was aborted by {reason}")
+                aborted.origin = reason  # type: ignore[attr-defined]
+                self.abort(aborted)
             return
 
     def depart(self, cause: BaseException) -> None:
@@ -212,9 +215,12 @@ class FailureDomain:
             f"rank {self.rank}: process group aborted: {type(cause).__name__}: {cause}"
         )
         failure.__cause__ = cause
-        reason = f"rank {self.rank}: {type(cause).__name__}: {cause}"
+        # What the peers and the store are told: the failure that started it all (a cause
+        # heard from another rank is passed on as it came, so it names the first failure).
+        origin = getattr(cause, "origin", None) or f"rank {self.rank}: {abort_text(cause)}"
+        failure.origin = origin  # type: ignore[attr-defined]
         with contextlib.suppress(RuntimeError):  # no running loop: nobody to tell
-            self._recording = asyncio.get_running_loop().create_task(self._record(reason))
+            self._recording = asyncio.get_running_loop().create_task(self._record(origin))
         self._on_abort(failure)
 
     async def _record(self, reason: str) -> None:

@@ -330,7 +330,7 @@ async def test_closing_aborting_or_cancelling_fails_the_peers_by_name(job: str) 
     wss[1].abort(aiodist.DistNetworkError("the group was aborted"))
     with pytest.raises(
         aiodist.DistNetworkError,
-        match=r"lost connection to rank 9: it aborted: the group was aborted",
+        match=r"lost connection to rank 9: it aborted: DistNetworkError: the group was aborted",
     ):
         await shm.barrier(wss[0])
     await close(wss)

@@ -4,7 +4,7 @@ Each check gets a fresh world of three connected transports (global ranks 0, 1, 
 exercises what ``aiodist.transport.base.Transport`` promises: per-``(peer, tag)`` order,
 any-source receives, zero-size and large messages, sending to oneself, length mismatches,
 usage errors, rejections, an orderly close (a goodbye with its reason, messages sent before
-it still delivered), an abort (a failure, no departure) and a peer the store says is gone
+it still delivered), an abort (a failure, no departure; passed on, it names the first failure) and a peer the store says is gone
 (what it sent is still taken). ``test_transport_conformance.py``
 runs every check against the TCP, shared-memory, routed and in-process transports.
 """
@@ -135,6 +135,30 @@ async def an_abort_fails_everything_and_is_no_departure(w: World) -> None:
     assert await _recv(w[0], 2, T, 1) == b"z"
 
 
+async def an_abort_passed_on_names_the_first_failure(w: World) -> None:
+    # Connected: 2 -> 1 -> 0.
+    await w[2].send(1, T, memoryview(b"x"))
+    await _recv(w[1], 2, T, 1)
+    await w[1].send(0, T, memoryview(b"y"))
+    await _recv(w[0], 1, T, 1)
+    heard = w[1].recv_into(2, (1, 5, 0), _buf(1))
+    w[2].abort(aiodist.DistTimeoutError("rank 2 gave up"))
+    with pytest.raises(aiodist.DistNetworkError) as info:
+        await asyncio.wait_for(heard, 10)
+    assert (
+        str(info.value) == "lost connection to rank 2: it aborted: DistTimeoutError: rank 2 gave up"
+    )
+    # Rank 1 aborts because rank 2 did: rank 0 hears rank 2's cause, not a chain of causes.
+    theirs = w[0].recv_into(1, (1, 5, 0), _buf(1))
+    w[1].abort(info.value)
+    with pytest.raises(aiodist.DistNetworkError) as relayed:
+        await asyncio.wait_for(theirs, 10)
+    assert (
+        str(relayed.value)
+        == "lost connection to rank 1: it aborted: DistTimeoutError: rank 2 gave up"
+    )
+
+
 async def a_peer_the_store_says_is_gone_leaves_what_it_sent(w: World) -> None:
     await w[0].send(1, T, memoryview(b"hi"))  # connected both ways
     await w[1].send(0, T, memoryview(b"last"))  # perhaps still in the socket, unread
@@ -160,5 +184,6 @@ CHECKS: list[Check] = [
     a_rejection_fails_the_receives_of_that_operation,
     closing_says_goodbye_after_what_was_sent,
     an_abort_fails_everything_and_is_no_departure,
+    an_abort_passed_on_names_the_first_failure,
     a_peer_the_store_says_is_gone_leaves_what_it_sent,
 ]

@@ -74,7 +74,7 @@ from ..transport._shm_segment import (
     unavailable_reason,
 )
 from ..transport._shm_signal import SPIN_SECONDS, Bell, Doorbell, PeerWatch, fence, may_spin
-from ..transport.base import Departure, lost_peer_error
+from ..transport.base import Departure, abort_text, lost_peer_error, peer_aborted_error
 from ..transport.shm import default_job_key
 from ._common import split
 
@@ -113,7 +113,7 @@ DIRECT_MIN_BYTES = 64 << 10
 #: A long operation yields to the event loop once this much time has passed since the last.
 YIELD_SECONDS = 0.5e-3
 
-_VERSION = 1
+_VERSION = 2
 _MAGIC = int.from_bytes(b"AIODWS01", "little")
 # Byte offsets in a rank's control area. Words that different ranks write never share a
 # cache line.
@@ -121,9 +121,9 @@ _C_COUNT, _C_SLEEP, _C_STATE, _C_CANMAP = 0, 64, 128, 192
 _C_FREED = 256  # count, then a ring of _FREED_SLOTS allocation ids
 _FREED_SLOTS = 64
 _C_MAGIC = 784  # in rank 0's area: marks the segment as a workspace
-_C_REASON = 832  # why this rank gave up, UTF-8, zero-padded
-_REASON_BYTES = 128
-_C_RECORDS = 1024  # two call records
+_C_REASON = 1024  # why this rank gave up, UTF-8, zero-padded
+_REASON_BYTES = 1024
+_C_RECORDS = 2048  # two call records
 # A call record: fingerprint, size, flags (bit 0: inputs shared; bits 8+: input pieces);
 # then per input piece (allocation id, fd, allocation size, offset); then per rank the
 # bytes sent to it and expected from it (all_to_all).
@@ -492,7 +492,7 @@ class NodeWorkspace:
             self._error = exc
         if self._seg is not None:
             if state == _ABORTED:
-                reason = str(exc).encode(errors="replace")[: _REASON_BYTES - 1]
+                reason = abort_text(exc).encode(errors="replace")[: _REASON_BYTES - 1]
                 at = self.rank * self._ctrl + _C_REASON
                 self._buf[at : at + _REASON_BYTES] = reason.ljust(_REASON_BYTES, b"\0")
             self._words[self._state_w[self.rank]] = state
@@ -876,11 +876,7 @@ class NodeWorkspace:
             return
         at = j * self._ctrl + _C_REASON
         reason = bytes(self._buf[at : at + _REASON_BYTES]).rstrip(b"\0").decode(errors="replace")
-        # A peer that failed because a third rank was lost passes on that rank's name.
-        if reason.startswith("lost connection to rank "):
-            exc = DistNetworkError(reason)
-        else:
-            exc = DistNetworkError(f"lost connection to rank {name}: it aborted: {reason}")
+        exc = peer_aborted_error(name, reason)
         self._error = exc
         if waiter is not None and not waiter.done():
             waiter.set_exception(exc)

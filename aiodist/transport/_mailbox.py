@@ -668,3 +668,21 @@ def departure_of(exc: BaseException) -> Departure | None:
     """How the peer named by a :func:`lost_peer_error` went away (``None``: it failed)."""
     departure: Departure | None = getattr(exc, "departure", None)
     return departure
+
+
+def abort_text(exc: BaseException) -> str:
+    """What a rank aborting because of ``exc`` tells its peers: the failure that started it.
+
+    A rank that aborts because a peer did passes that peer's text on unchanged (the
+    ``origin`` :func:`peer_aborted_error` and the world layer attach), so the chain of aborts
+    across a whole world names the first failure and stays short.
+    """
+    origin: str | None = getattr(exc, "origin", None)
+    return origin if origin is not None else f"{type(exc).__name__}: {exc}"
+
+
+def peer_aborted_error(peer: int, text: str) -> DistNetworkError:
+    """Return the error for what depended on ``peer``, which aborted and said ``text``."""
+    error = lost_peer_error(peer, f"it aborted: {text}")
+    error.origin = text  # type: ignore[attr-defined]
+    return error

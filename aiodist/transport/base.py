@@ -20,7 +20,15 @@ import asyncio
 from collections.abc import Sequence
 
 from ..store import Store
-from ._mailbox import Departure, Mailbox, Tag, departure_of, lost_peer_error
+from ._mailbox import (
+    Departure,
+    Mailbox,
+    Tag,
+    abort_text,
+    departure_of,
+    lost_peer_error,
+    peer_aborted_error,
+)
 
 __all__ = [
     "CLOSED_REASON",
@@ -29,8 +37,10 @@ __all__ = [
     "PeerDirectory",
     "Tag",
     "Transport",
+    "abort_text",
     "departure_of",
     "lost_peer_error",
+    "peer_aborted_error",
 ]
 
 #: What the peers of a transport closed without a reason are told: "rank N closed its

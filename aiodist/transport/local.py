@@ -6,8 +6,16 @@ import asyncio
 import logging
 
 from ..errors import DistNetworkError, DistUsageError
-from ._mailbox import Departure, as_bytes, check_tag, fail_future, lost_peer_error
-from .base import CLOSED_REASON, Tag, Transport
+from ._mailbox import as_bytes, check_tag, fail_future
+from .base import (
+    CLOSED_REASON,
+    Departure,
+    Tag,
+    Transport,
+    abort_text,
+    lost_peer_error,
+    peer_aborted_error,
+)
 
 __all__ = ["LocalTransport"]
 
@@ -99,7 +107,7 @@ class LocalTransport(Transport):
         The other ranks' receives from this rank fail, naming ``exc`` as the cause, and so
         do their any-source receives.
         """
-        self._close(exc, f"it aborted: {type(exc).__name__}: {exc}", None)
+        self._close(exc, peer_aborted_error(self.rank, abort_text(exc)))
 
     async def aclose(self, reason: str | None = None) -> None:
         """Close this rank; its pending receives fail with ``DistNetworkError``.
@@ -109,14 +117,16 @@ class LocalTransport(Transport):
         that remain.
         """
         exc = DistNetworkError(f"the transport of rank {self.rank} was closed")
-        self._close(exc, f"it {reason or CLOSED_REASON}", Departure.LEFT)
+        self._close(
+            exc, lost_peer_error(self.rank, f"it {reason or CLOSED_REASON}", Departure.LEFT)
+        )
 
-    def _close(self, exc: BaseException, reason: str, departure: Departure | None) -> None:
+    def _close(self, exc: BaseException, lost: BaseException) -> None:
+        # ``exc`` fails this rank's receives; ``lost`` the other ranks' receives from it.
         if self._closed is not None:
             return
         self._closed = exc
         self.mailbox.abort(exc)
-        lost = lost_peer_error(self.rank, reason, departure)
         for other in self._world:
             if other is not self:
                 other.mailbox.fail_peer(self.rank, lost)

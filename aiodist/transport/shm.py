@@ -73,8 +73,10 @@ from .base import (
     Departure,
     Tag,
     Transport,
+    abort_text,
     departure_of,
     lost_peer_error,
+    peer_aborted_error,
 )
 
 __all__ = ["DEFAULT_RING_BYTES", "ShmTransport", "default_job_key", "find_local_ranks"]
@@ -437,7 +439,7 @@ class _Link:
         if kind == BYE:
             self.bye = text
         else:
-            self.owner._lose(self, lost_peer_error(self.peer, f"it aborted: {text}"))
+            self.owner._lose(self, peer_aborted_error(self.peer, text))
 
     def drain(self) -> None:
         """Take everything the peer wrote (it is gone): complete messages are delivered."""
@@ -840,7 +842,7 @@ class ShmTransport(Transport):
     def _shutdown(self, exc: BaseException, state: int, last: bytes | None = None) -> None:
         self._closed = exc
         if state == _ABORTED:
-            last = control_frame(ABORTING, 0, 0, f"{type(exc).__name__}: {exc}")
+            last = control_frame(ABORTING, 0, 0, abort_text(exc))
         if last is not None:
             # The peers read this before they see our state change: the cause, or the
             # goodbye, reaches them.

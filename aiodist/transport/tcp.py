@@ -74,8 +74,10 @@ from .base import (
     PeerDirectory,
     Tag,
     Transport,
+    abort_text,
     departure_of,
     lost_peer_error,
+    peer_aborted_error,
 )
 
 __all__ = ["TCPTransport"]
@@ -1006,7 +1008,7 @@ class TCPTransport(Transport):
                 fail_future(p.waiter, exc)
             p.conn = None
         # Connected peers learn why before their connection drops.
-        frame = control_frame(ABORTING, 0, 0, f"{type(exc).__name__}: {exc}")
+        frame = control_frame(ABORTING, 0, 0, abort_text(exc))
         for conn in list(self._live):
             conn.close_after(frame)
             conn._fail_sends(exc)
@@ -1221,7 +1223,7 @@ class TCPTransport(Transport):
 
     def _peer_aborted(self, peer: int, cause: str) -> None:
         """``peer`` said it is aborting, and why: it is lost, with that cause."""
-        self._lose(peer, f"it aborted: {cause}")
+        self._fail_peer(self._peers[peer], peer_aborted_error(peer, cause))
 
     def _lose(
         self,
