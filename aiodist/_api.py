@@ -35,7 +35,9 @@ import numpy.typing as npt
 
 from . import backends as _backends, group as _group
 from ._auth import resolve_token
+from ._operations import OPERATIONS
 from ._ops import PremulSum, ReduceOp
+from ._recorder import record_comm
 from ._timeouts import Timeout, to_seconds
 from .errors import DistNetworkError, DistUsageError
 from .group import (
@@ -58,6 +60,7 @@ __all__ = [
     "all_gather_coalesced",
     "all_gather_into_tensor",
     "all_gather_object",
+    "all_gather_single",
     "all_reduce",
     "all_reduce_coalesced",
     "all_to_all",
@@ -71,6 +74,7 @@ __all__ = [
     "gather",
     "gather_object",
     "get_backend",
+    "get_backend_config",
     "get_debug_level",
     "get_default_backend_for_device",
     "get_global_rank",
@@ -88,9 +92,11 @@ __all__ = [
     "new_subgroups",
     "new_subgroups_by_enumeration",
     "recv",
+    "record_comm",
     "recv_object_list",
     "reduce",
     "reduce_scatter",
+    "reduce_scatter_single",
     "reduce_scatter_tensor",
     "scatter",
     "scatter_object_list",
@@ -111,10 +117,11 @@ Op = ReduceOp | int | PremulSum
 
 
 def _collective(
-    name: str, group: Group, args: tuple[Any, ...], nseq: int = 1, timeout: Timeout = None
+    name: str, group: Group, args: tuple[Any, ...], timeout: Timeout = None
 ) -> Work[Any]:
     if isinstance(group, NonGroupMember):
         return _group.not_in_group(name, stacklevel=4)
+    nseq = OPERATIONS[name].nseq
     return resolve_group(group, name).issue(name, _backends.plan, args, nseq, timeout=timeout)
 
 
@@ -432,6 +439,17 @@ def get_backend(group: Group = None) -> str:
         DistUsageError: not initialized, or a non-member sentinel.
     """
     return resolve_group(group, "get_backend").backend
+
+
+def get_backend_config(group: Group = None) -> str:
+    """Return the backend serving each device kind of ``group``: ``"cpu:cpu"``, or
+    ``"cpu:cpu,cuda:cuda"`` (torch's ``get_backend_config``, in aiodist's backend names).
+
+    Raises:
+        DistUsageError: not initialized, or a non-member sentinel.
+    """
+    pg = resolve_group(group, "get_backend_config")
+    return ",".join(f"{device}:{name}" for device, name in pg.backends.items())
 
 
 def get_process_group_ranks(group: Group = None) -> list[int]:
@@ -793,7 +811,7 @@ def all_gather_coalesced(
     return _collective("all_gather_coalesced", group, args, timeout=timeout)
 
 
-def all_gather_into_tensor(
+def all_gather_single(
     output_tensor: Any, input_tensor: Any, group: Group = None, *, timeout: Timeout = None
 ) -> Work[Any]:
     """Gather ``input_tensor`` of every rank, concatenated in rank order, into ``output_tensor``.
@@ -806,6 +824,17 @@ def all_gather_into_tensor(
 
     Raises:
         DistUsageError: sizes or dtypes do not fit.
+    """
+    args = (output_tensor, input_tensor)
+    return _collective("all_gather_single", group, args, timeout=timeout)
+
+
+def all_gather_into_tensor(
+    output_tensor: Any, input_tensor: Any, group: Group = None, *, timeout: Timeout = None
+) -> Work[Any]:
+    """:func:`all_gather_single` under its older name (torch 2.13 deprecates this one).
+
+    A call matches a peer's call of :func:`all_gather_single` with the same arrays.
     """
     args = (output_tensor, input_tensor)
     return _collective("all_gather_into_tensor", group, args, timeout=timeout)
@@ -872,7 +901,7 @@ def reduce_scatter(
     return _collective("reduce_scatter", group, (output, input_list, op), timeout=timeout)
 
 
-def reduce_scatter_tensor(
+def reduce_scatter_single(
     output: Any,
     input: Any,
     op: Op = ReduceOp.SUM,
@@ -887,6 +916,21 @@ def reduce_scatter_tensor(
 
     Raises:
         DistUsageError: sizes or dtypes do not fit.
+    """
+    return _collective("reduce_scatter_single", group, (output, input, op), timeout=timeout)
+
+
+def reduce_scatter_tensor(
+    output: Any,
+    input: Any,
+    op: Op = ReduceOp.SUM,
+    group: Group = None,
+    *,
+    timeout: Timeout = None,
+) -> Work[Any]:
+    """:func:`reduce_scatter_single` under its older name (torch 2.13 deprecates this one).
+
+    A call matches a peer's call of :func:`reduce_scatter_single` with the same arrays.
     """
     return _collective("reduce_scatter_tensor", group, (output, input, op), timeout=timeout)
 
@@ -1215,7 +1259,7 @@ def broadcast_object_list(
         DistUsageError: not a non-empty list, or an object that cannot be pickled.
     """
     args = (object_list, src, group_src)
-    return _collective("broadcast_object_list", group, args, nseq=2, timeout=timeout)
+    return _collective("broadcast_object_list", group, args, timeout=timeout)
 
 
 def all_gather_object(
@@ -1229,7 +1273,7 @@ def all_gather_object(
     Raises:
         DistUsageError: the list length is not the group size, or ``obj`` cannot be pickled.
     """
-    return _collective("all_gather_object", group, (object_list, obj), nseq=2, timeout=timeout)
+    return _collective("all_gather_object", group, (object_list, obj), timeout=timeout)
 
 
 def gather_object(
@@ -1251,7 +1295,7 @@ def gather_object(
             cannot be pickled.
     """
     args = (obj, object_gather_list, dst, group_dst)
-    return _collective("gather_object", group, args, nseq=2, timeout=timeout)
+    return _collective("gather_object", group, args, timeout=timeout)
 
 
 def scatter_object_list(
@@ -1272,4 +1316,4 @@ def scatter_object_list(
         DistUsageError: bad lists, or an object that cannot be pickled.
     """
     args = (scatter_object_output_list, scatter_object_input_list, src, group_src)
-    return _collective("scatter_object_list", group, args, nseq=2, timeout=timeout)
+    return _collective("scatter_object_list", group, args, timeout=timeout)

@@ -32,11 +32,11 @@ _OPS = (
     "broadcast",
     "reduce",
     "all_gather",
-    "all_gather_into_tensor",
+    "all_gather_single",  # (also all_gather_into_tensor, its other name)
     "gather",
     "scatter",
     "reduce_scatter",
-    "reduce_scatter_tensor",
+    "reduce_scatter_single",  # (also reduce_scatter_tensor)
     "all_to_all",
     "all_to_all_single",
     "barrier",
@@ -91,7 +91,8 @@ def fingerprint(
     """Return the fingerprint of a call of collective ``op``.
 
     Args:
-        op: the collective's name, one of those the CPU backend runs.
+        op: the collective's name (an operation of :mod:`aiodist._operations`; an alias
+            fingerprints as the operation it names).
         dtype: the numpy dtype the ranks must agree on, or ``None``.
         shape: the shape the ranks must agree on, or ``None``.
         root: the root group rank of a rooted collective, else -1.

@@ -3,24 +3,35 @@
 Every world keeps one :class:`FlightRecorder` of its last ``AIODIST_FR_BUFFER_SIZE``
 operations (default 2000): operation, group, sequence number, the call (shape, dtype, root,
 reduce op), peers, state (``queued``, ``started``, ``completed``, ``failed``), timestamps and
-the error. Recording costs one small object per operation and no I/O. Writing the records
-out and reading them back is :mod:`aiodist.debug`'s.
+the error, and the name :func:`record_comm` gave it. Recording costs one small object per
+operation and no I/O. Writing the records out and reading them back is :mod:`aiodist.debug`'s.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
 from ._fingerprint import NO_FINGERPRINT, describe
+from .errors import DistUsageError
 
-__all__ = ["DEFAULT_BUFFER_SIZE", "DUMP_DIR_ENV", "FlightRecorder", "OpRecord", "live_recorders"]
+__all__ = [
+    "DEFAULT_BUFFER_SIZE",
+    "DUMP_DIR_ENV",
+    "FlightRecorder",
+    "OpRecord",
+    "comm_name",
+    "live_recorders",
+    "record_comm",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +50,34 @@ def live_recorders() -> list[FlightRecorder]:
     return list(_recorders)
 
 
+_comm_name: ContextVar[str | None] = ContextVar("aiodist_comm_name", default=None)
+
+
+@contextlib.contextmanager
+def record_comm(name: str) -> Iterator[None]:
+    """Give the operations issued inside the block the name ``name`` (torch's ``record_comm``).
+
+    The flight recorder keeps it with each of them (``"name"`` in :mod:`aiodist.debug`'s
+    dumps), so that a dump says which part of a program issued what. It applies to the
+    current task or thread (a context variable), across every group; blocks nest.
+
+    Raises:
+        DistUsageError: ``name`` is not a string.
+    """
+    if not isinstance(name, str):
+        raise DistUsageError(f"record_comm: name must be a string, got {type(name).__name__}")
+    token = _comm_name.set(name)
+    try:
+        yield
+    finally:
+        _comm_name.reset(token)
+
+
+def comm_name() -> str | None:
+    """The name :func:`record_comm` gives operations issued here now, if any."""
+    return _comm_name.get()
+
+
 class OpRecord:
     """One operation as the flight recorder keeps it."""
 
@@ -47,6 +86,7 @@ class OpRecord:
         "error",
         "fp",
         "group",
+        "name",
         "op",
         "p2p",
         "peers",
@@ -70,6 +110,7 @@ class OpRecord:
         self.started = 0.0
         self.ended = 0.0
         self.error: str | None = None
+        self.name = _comm_name.get()
 
     def __repr__(self) -> str:
         return f"<OpRecord {self.op} group={self.group} seq={self.seq} {self.state}>"
@@ -95,6 +136,7 @@ class OpRecord:
         start = self.started or self.queued
         return {
             "op": self.op,
+            "name": self.name,
             "group": self.group,
             "seq": self.seq,
             "p2p": self.p2p,

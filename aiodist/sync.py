@@ -50,7 +50,7 @@ from . import (
 )
 from ._loop import loop_factory
 from ._ops import PremulSum, ReduceOp, make_premul_sum, reduce_op
-from ._recorder import DUMP_DIR_ENV
+from ._recorder import DUMP_DIR_ENV, comm_name, record_comm
 from ._timeouts import DEFAULT_PG_TIMEOUT, DEFAULT_STORE_TIMEOUT, Timeout, to_seconds
 from .errors import (
     DistBackendError,
@@ -93,6 +93,7 @@ __all__ = [
     "all_gather_coalesced",
     "all_gather_into_tensor",
     "all_gather_object",
+    "all_gather_single",
     "all_reduce",
     "all_reduce_coalesced",
     "all_to_all",
@@ -102,10 +103,12 @@ __all__ = [
     "breakpoint",
     "broadcast",
     "broadcast_object_list",
+    "default_pg_timeout",
     "destroy_process_group",
     "gather",
     "gather_object",
     "get_backend",
+    "get_backend_config",
     "get_debug_level",
     "get_default_backend_for_device",
     "get_global_rank",
@@ -137,10 +140,12 @@ __all__ = [
     "new_subgroups",
     "new_subgroups_by_enumeration",
     "recv",
+    "record_comm",
     "recv_object_list",
     "reduce",
     "reduce_op",
     "reduce_scatter",
+    "reduce_scatter_single",
     "reduce_scatter_tensor",
     "register_rendezvous_handler",
     "rendezvous",
@@ -567,7 +572,8 @@ _init_lock = threading.Lock()
 Group = ProcessGroup | NonGroupMember | None
 
 #: torch's default process-group timeout.
-_DEFAULT_PG_TIMEOUT = timedelta(seconds=DEFAULT_PG_TIMEOUT)
+#: The process group timeout when none is given (torch's ``default_pg_timeout``): 30 min.
+default_pg_timeout = timedelta(seconds=DEFAULT_PG_TIMEOUT)
 
 
 def _abort_on_interrupt(op: str) -> None:
@@ -716,6 +722,19 @@ def _block(op: str, future: concurrent.futures.Future[T]) -> T:
         raise
 
 
+def _named(start: Callable[[], T]) -> Callable[[], T]:
+    """``start``, to be called on the loop thread under this thread's :func:`record_comm` name."""
+    name = comm_name()
+    if name is None:
+        return start
+
+    def named() -> T:
+        with record_comm(name):
+            return start()
+
+    return named
+
+
 def _twin(fn: Callable[..., _group.Work[Any]], mode: str) -> Callable[..., Any]:
     """Make the blocking twin of async operation ``fn``, with torch's signature.
 
@@ -739,10 +758,11 @@ def _twin(fn: Callable[..., _group.Work[Any]], mode: str) -> Callable[..., Any]:
             # As torch: a warning, nothing done, the members unaffected.
             _group.warn_not_in_group(twin.__name__, stacklevel=2)
             return -1 if mode == "result" else None
+        start = _named(lambda: fn(*bound.args, **bound.kwargs))
         # Made on the loop thread, which is where the async work's callbacks may be added.
         if mode == "work" or async_op:
-            return _on_loop(lambda: Work(fn(*bound.args, **bound.kwargs)))
-        result = _block(name, _start_on_loop(lambda: fn(*bound.args, **bound.kwargs)))
+            return _on_loop(lambda: Work(start()))
+        result = _block(name, _start_on_loop(start))
         return result if mode == "result" else None
 
     twin.__name__ = twin.__qualname__ = name
@@ -847,7 +867,7 @@ group = GroupMember
 def init_process_group(
     backend: str | None = None,
     init_method: str | None = None,
-    timeout: Timeout = _DEFAULT_PG_TIMEOUT,
+    timeout: Timeout = default_pg_timeout,
     world_size: int = -1,
     rank: int = -1,
     store: Store | None = None,
@@ -938,6 +958,7 @@ def is_initialized() -> bool:
 get_rank = _aio_api.get_rank
 get_world_size = _aio_api.get_world_size
 get_backend = _aio_api.get_backend
+get_backend_config = _aio_api.get_backend_config
 get_process_group_ranks = _aio_api.get_process_group_ranks
 get_group_rank = _aio_api.get_group_rank
 get_global_rank = _aio_api.get_global_rank
@@ -1006,10 +1027,12 @@ broadcast = _twin(_aio_api.broadcast, "async_op")
 reduce = _twin(_aio_api.reduce, "async_op")
 all_gather = _twin(_aio_api.all_gather, "async_op")
 all_gather_coalesced = _twin(_aio_api.all_gather_coalesced, "async_op")
+all_gather_single = _twin(_aio_api.all_gather_single, "async_op")
 all_gather_into_tensor = _twin(_aio_api.all_gather_into_tensor, "async_op")
 gather = _twin(_aio_api.gather, "async_op")
 scatter = _twin(_aio_api.scatter, "async_op")
 reduce_scatter = _twin(_aio_api.reduce_scatter, "async_op")
+reduce_scatter_single = _twin(_aio_api.reduce_scatter_single, "async_op")
 reduce_scatter_tensor = _twin(_aio_api.reduce_scatter_tensor, "async_op")
 all_to_all = _twin(_aio_api.all_to_all, "async_op")
 all_to_all_single = _twin(_aio_api.all_to_all_single, "async_op")

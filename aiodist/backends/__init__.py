@@ -3,7 +3,10 @@
 A :class:`Backend` maps each operation name to its *validate function*,
 ``validate(group, *args) -> Plan``: it checks the arguments as only this rank can, and
 returns the :class:`~aiodist.group.Plan` to run (the algorithm, its checked arguments and the
-call's fingerprint). A process group holds the name of the backend serving each device kind
+call's fingerprint). The built-in backends are made with :meth:`Backend.from_paths`: an
+array intake, and a data path per algorithm; every operation of
+:data:`aiodist._operations.OPERATIONS` whose algorithm has a path is then in the table, its
+argument rules written once above the backends. A process group holds the name of the backend serving each device kind
 (``{"cpu": "cpu"}`` for ``backend="gloo"``); :func:`plan` finds where a call's arrays live and
 hands the call to that backend. A backend plugs in with :func:`register_backend` (or is built
 in: ``"cpu"``, and ``"cuda"`` loaded on first use), without touching the public API.
@@ -19,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .._operations import OPERATIONS, Call, Intake
 from .._shared_array import check as check_shape_and_dtype
 from ..errors import DistUsageError
 
@@ -41,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 #: ``validate(group, *args) -> Plan``.
 Validate = Callable[..., "Plan"]
+#: ``path(group, call) -> Plan``: runs one algorithm's checked calls on a backend's data path.
+Path = Callable[["ProcessGroup", Call], "Plan"]
 
 # DLPack device types (dlpack.h, DLDeviceType): host memory, and CUDA device memory.
 HostArray = np.ndarray[Any, np.dtype[Any]]
@@ -82,6 +88,29 @@ class Backend:
     def __repr__(self) -> str:
         return f"<Backend {self.name} device={self.device} ops={len(self.ops)}>"
 
+    @classmethod
+    def from_paths(
+        cls,
+        name: str,
+        device: str,
+        intake: Intake,
+        paths: Mapping[str, Path],
+        setup: Callable[[ProcessGroup], Awaitable[None]] | None = None,
+        empty: Callable[[ProcessGroup, tuple[int, ...], np.dtype[Any], bool], HostArray]
+        | None = None,
+    ) -> Backend:
+        """A backend made of an array intake and a data path per algorithm.
+
+        Its table holds every operation whose algorithm has a path in ``paths``: a call is
+        checked by the operation (with ``intake``), then planned by the path.
+        """
+        backend = cls(name, device, setup=setup, empty=empty)
+        for operation in OPERATIONS.values():
+            path = paths.get(operation.algorithm)
+            if path is not None:
+                backend.ops[operation.name] = _validate(operation.check, intake, path)
+        return backend
+
     def op(self, name: str) -> Callable[[Validate], Validate]:
         """Decorator: register the decorated function as the validate function of ``name``."""
 
@@ -90,6 +119,13 @@ class Backend:
             return fn
 
         return register
+
+
+def _validate(check: Callable[..., Call], intake: Intake, path: Path) -> Validate:
+    def validate(group: ProcessGroup, *args: Any) -> Plan:
+        return path(group, check(intake, group, *args))
+
+    return validate
 
 
 # name -> module path that defines BACKEND, or the backend itself once loaded.

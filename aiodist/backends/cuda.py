@@ -1,10 +1,10 @@
 """The CUDA backend: cupy arrays (and CUDA DLPack tensors) over CUDA streams.
 
-Each validate function checks its arguments as only this rank can (device arrays, dtypes,
-shapes, list lengths; see :func:`~aiodist.backends._cuda_device.as_device_array`), records
-a *ready* event on the caller's current stream (the operation starts after the work queued
-there, as in torch), and returns a :class:`~aiodist.group.Plan` whose algorithm runs the
-operation on the group's data path:
+Its intake (:func:`~aiodist.backends._cuda_device.as_device_array`) takes device arrays;
+the operations' argument rules are in :mod:`aiodist._operations`. For each algorithm's
+checked call, its path records a *ready* event on the caller's current stream (the
+operation starts after the work queued there, as in torch) and returns a
+:class:`~aiodist.group.Plan` that runs it on the group's data path:
 
 * ``nccl``: one NCCL communicator per group, its unique id passed through the world's
   store; calls issued on the device's NCCL thread, in sequence order;
@@ -27,7 +27,7 @@ world; every rank's communicators are then aborted (the abort reaches the other 
 through the store).
 
 Barriers and object collectives run on the CPU (their objects travel over the CPU
-transport): the table uses the CPU backend's validate functions for them.
+transport): the backend takes the CPU backend's paths for them.
 
 bfloat16: cupy has no bfloat16 arithmetic, so the device reduces its uint16 bit patterns
 through float32 and rounds once to the nearest even bfloat16 (NCCL reduces it natively).
@@ -48,8 +48,8 @@ from typing import Any
 import cupy
 from cupy.cuda import runtime
 
-from .._fingerprint import NO_FINGERPRINT, fingerprint
-from .._ops import PremulSum, ReduceOp, check_reduce_op
+from .._operations import Call
+from .._ops import ReduceOp
 from .._progress import progress_thread
 from ..errors import DistBackendError, DistTimeoutError, DistUsageError
 from ..group import Plan, ProcessGroup
@@ -92,17 +92,13 @@ from ._cuda_staged import (
 )
 from ._cuda_tables import NcclCall, nccl_plan, reduce_many
 
-__all__ = ["BACKEND", "IPC_SLAB_BYTES", "data_path", "group_state"]
+__all__ = ["BACKEND", "IPC_SLAB_BYTES", "data_path", "group_state", "take"]
 
 logger = logging.getLogger(__name__)
-
-#: The CUDA backend's table.
-BACKEND = Backend("cuda", "cuda")
 
 #: Bytes of each rank's IPC exchange buffer (``AIODIST_CUDA_IPC_BYTES`` overrides it).
 IPC_SLAB_BYTES = 64 << 20
 _NCCL_UINT8 = 1
-_SRC, _DST = ("src", "group_src"), ("dst", "group_dst")
 
 NcclLaunch = Callable[[Any, int], None]
 IpcRun = Callable[[OpComm, CudaMover, Sequence[Any]], Awaitable[Any]]
@@ -390,8 +386,8 @@ class _Call:
         self.ipc: IpcRun | None = None
         self.staged: StagedRun | None = None
 
-    def plan(self, fp: bytes = NO_FINGERPRINT, output: Any = None) -> Plan:
-        return Plan(_run, (self,), fp, output, self.end.device_sync)
+    def plan(self, checked: Call) -> Plan:
+        return Plan(_run, (self,), checked.fingerprint, checked.output, self.end.device_sync)
 
 
 async def _run(comm: OpComm, call: _Call) -> Any:
@@ -442,56 +438,10 @@ def _issue_nccl(state: GroupState, call: _Call) -> EventDone:
     return call.end.record(stream)
 
 
-# -- helpers of the validate functions --------------------------------------------------------
-def _dev(x: object, name: str) -> Any:
+# -- data paths: each algorithm's checked call, as NCCL, IPC and staged steps -----------------
+def take(x: object, name: str, writable: bool) -> Any:
+    """The CUDA backend's intake (:data:`aiodist._operations.Intake`): device arrays."""
     return as_device_array(x, name)
-
-
-def _describe(a: Any) -> str:
-    return f"shape {tuple(a.shape)} and dtype {a.dtype}"
-
-
-def _check_like(a: Any, like: Any, name: str, like_name: str) -> None:
-    if a.dtype != like.dtype or a.shape != like.shape:
-        raise DistUsageError(
-            f"{name} has {_describe(a)} but {like_name} has {_describe(like)}; they must match"
-        )
-
-
-def _dev_list(arrays: object, size: int, name: str) -> list[Any]:
-    if not isinstance(arrays, list | tuple):
-        raise DistUsageError(
-            f"{name} must be a list of {size} arrays (one per rank), got {type(arrays).__name__}"
-        )
-    if len(arrays) != size:
-        what = "is empty" if not arrays else f"has {len(arrays)} entries"
-        raise DistUsageError(f"{name} {what}; it needs {size} arrays, one per rank")
-    out = [_dev(a, f"{name}[{i}]") for i, a in enumerate(arrays)]
-    for i, a in enumerate(out[1:], 1):
-        if a.dtype != out[0].dtype:
-            raise DistUsageError(
-                f"{name} mixes dtypes: {name}[0] is {out[0].dtype} but {name}[{i}] is "
-                f"{a.dtype}; every entry must have the same dtype"
-            )
-    return out
-
-
-def _check_concat(big: Any, small: Any, n: int, big_name: str, small_name: str) -> None:
-    if big.dtype != small.dtype or big.size != n * small.size:
-        raise DistUsageError(
-            f"{big_name} has {_describe(big)} but must hold {n} x {small_name} "
-            f"({_describe(small)}): {n * small.size} elements of {small.dtype}"
-        )
-
-
-def _root(pg: ProcessGroup, g: int | None, gr: int | None, names: tuple[str, str]) -> int:
-    root = pg.root(g, gr, names)
-    assert root is not None
-    return root
-
-
-def _factor(op: object) -> float | None:
-    return op.factor if isinstance(op, PremulSum) else None
 
 
 def _scaled(x: Any, factor: float | None, *, in_place: bool) -> Any:
@@ -501,12 +451,6 @@ def _scaled(x: Any, factor: float | None, *, in_place: bool) -> Any:
     out = x if in_place else cupy.empty_like(x)
     reduce_many(cupy, ReduceOp.PREMUL_SUM, x.dtype, flat_bytes(out), [flat_bytes(x)], factor=factor)
     return out
-
-
-def _rows(a: Any, n: int) -> list[Any]:
-    flat = flat_bytes(a)
-    width = flat.nbytes // n if n else 0
-    return [flat[i * width : (i + 1) * width] for i in range(n)]
 
 
 def _d2d(dst: Any, src: Any, stream: int) -> None:
@@ -525,14 +469,9 @@ def _concat(parts: Sequence[Any], stream: int) -> Any:
     return flat
 
 
-# -- reductions ------------------------------------------------------------------------------
-@BACKEND.op("all_reduce")
-def all_reduce(pg: ProcessGroup, tensor: object, op: object) -> Plan:
-    """Reduce ``tensor`` across the group in place; see :func:`aiodist.all_reduce`."""
-    x = _dev(tensor, "tensor")
-    rop = check_reduce_op(op, x.dtype)
-    factor, dt, b = _factor(op), x.dtype, flat_bytes(x)
-    fp = fingerprint("all_reduce", dtype=dt, shape=x.shape, reduce_op=rop)
+def _all_reduce(pg: ProcessGroup, checked: Call) -> Plan:
+    x, rop, factor = checked.args
+    dt, b = x.dtype, flat_bytes(x)
     call = _Call(pg, "all_reduce", [x])
     nc = nccl_plan(dt, rop)
     if isinstance(nc, NcclCall):
@@ -546,19 +485,13 @@ def all_reduce(pg: ProcessGroup, tensor: object, op: object) -> Plan:
         call.nccl = launch
     call.ipc = lambda c, m, s: ipc_all_reduce(c, m, s, b, dt, rop, factor)
     call.staged = lambda c, m: staged_all_reduce(c, m, b, dt, rop, factor)
-    return call.plan(fp, tensor)
+    return call.plan(checked)
 
 
-@BACKEND.op("all_reduce_coalesced")
-def all_reduce_coalesced(pg: ProcessGroup, tensors: object, op: object) -> Plan:
-    """Reduce every array of ``tensors`` in place, as one flat operation."""
-    if not isinstance(tensors, list | tuple) or not tensors:
-        raise DistUsageError("tensors must be a non-empty list of arrays")
-    xs = _dev_list(tensors, len(tensors), "tensors")
-    rop = check_reduce_op(op, xs[0].dtype)
-    factor, dt = _factor(op), xs[0].dtype
+def _all_reduce_coalesced(pg: ProcessGroup, checked: Call) -> Plan:
+    xs, rop, factor = checked.args
+    dt = xs[0].dtype
     total = sum(x.size for x in xs)
-    fp = fingerprint("all_reduce", dtype=dt, shape=(total,), reduce_op=rop)
     call = _Call(pg, "all_reduce_coalesced", xs)
     nc = nccl_plan(dt, rop)
     if isinstance(nc, NcclCall):
@@ -594,19 +527,12 @@ def all_reduce_coalesced(pg: ProcessGroup, tensors: object, op: object) -> Plan:
     call.staged = lambda c, m: flat_then(
         c, m, lambda f: staged_all_reduce(c, m, f, dt, rop, factor)
     )
-    return call.plan(fp, tensors)
+    return call.plan(checked)
 
 
-@BACKEND.op("reduce")
-def reduce(
-    pg: ProcessGroup, tensor: object, dst: int | None, op: object, group_dst: int | None
-) -> Plan:
-    """Reduce ``tensor`` into the root's; see :func:`aiodist.reduce`."""
-    root = _root(pg, dst, group_dst, _DST)
-    x = _dev(tensor, "tensor")
-    rop = check_reduce_op(op, x.dtype)
-    factor, dt, b = _factor(op), x.dtype, flat_bytes(x)
-    fp = fingerprint("reduce", dtype=dt, shape=x.shape, root=root, reduce_op=rop)
+def _reduce(pg: ProcessGroup, checked: Call) -> Plan:
+    x, root, rop, factor = checked.args
+    dt, b = x.dtype, flat_bytes(x)
     call = _Call(pg, "reduce", [x])
     nc = nccl_plan(dt, rop)
     is_root = pg.rank == root
@@ -622,16 +548,13 @@ def reduce(
         call.nccl = launch
     call.ipc = lambda c, m, s: ipc_reduce(c, m, s, b, dt, rop, root, factor)
     call.staged = lambda c, m: staged_reduce(c, m, b, dt, rop, root, factor)
-    return call.plan(fp, tensor)
+    return call.plan(checked)
 
 
-def _reduce_scatter_plan(
-    pg: ProcessGroup, name: str, out: Any, ins: list[Any], op: object, output: object
-) -> Plan:
-    rop = check_reduce_op(op, out.dtype)
-    factor, dt, b = _factor(op), out.dtype, flat_bytes(out)
-    fp = fingerprint(name, dtype=dt, shape=out.shape, reduce_op=rop)
-    call = _Call(pg, name, [out, *ins])
+def _reduce_scatter(pg: ProcessGroup, checked: Call) -> Plan:
+    out, ins, rop, factor = checked.args
+    dt, b = out.dtype, flat_bytes(out)
+    call = _Call(pg, "reduce_scatter", [out, *ins])
     nc = nccl_plan(dt, rop)
     parts = [flat_bytes(a) for a in ins]
     if isinstance(nc, NcclCall):
@@ -647,37 +570,12 @@ def _reduce_scatter_plan(
         call.nccl = launch
     call.ipc = lambda c, m, s: ipc_reduce_scatter(c, m, s, b, parts, dt, rop, factor)
     call.staged = lambda c, m: staged_reduce_scatter(c, m, b, parts, dt, rop, factor)
-    return call.plan(fp, output)
+    return call.plan(checked)
 
 
-@BACKEND.op("reduce_scatter")
-def reduce_scatter(pg: ProcessGroup, output: object, input_list: object, op: object) -> Plan:
-    """Reduce ``input_list[i]`` across ranks into rank ``i``'s ``output``."""
-    out = _dev(output, "output")
-    ins = _dev_list(input_list, pg.size, "input_list")
-    for i, a in enumerate(ins):
-        _check_like(a, out, f"input_list[{i}]", "output")
-    return _reduce_scatter_plan(pg, "reduce_scatter", out, ins, op, output)
-
-
-@BACKEND.op("reduce_scatter_tensor")
-def reduce_scatter_tensor(pg: ProcessGroup, output: object, input: object, op: object) -> Plan:
-    """Reduce-scatter one concatenated ``input`` into ``output``; see the public function."""
-    out = _dev(output, "output")
-    x = _dev(input, "input")
-    _check_concat(x, out, pg.size, "input", "output")
-    rows = [r.view(out.dtype) for r in _rows(x, pg.size)]
-    return _reduce_scatter_plan(pg, "reduce_scatter_tensor", out, rows, op, output)
-
-
-# -- data movement --------------------------------------------------------------------------
-@BACKEND.op("broadcast")
-def broadcast(pg: ProcessGroup, tensor: object, src: int | None, group_src: int | None) -> Plan:
-    """Copy the root's ``tensor`` into every rank's; see :func:`aiodist.broadcast`."""
-    root = _root(pg, src, group_src, _SRC)
-    x = _dev(tensor, "tensor")
+def _broadcast(pg: ProcessGroup, checked: Call) -> Plan:
+    x, root = checked.args
     b = flat_bytes(x)
-    fp = fingerprint("broadcast", dtype=x.dtype, shape=x.shape, root=root)
     call = _Call(pg, "broadcast", [x])
 
     def launch(comm: Any, stream: int) -> None:
@@ -687,15 +585,15 @@ def broadcast(pg: ProcessGroup, tensor: object, src: int | None, group_src: int 
     call.nccl = launch
     call.ipc = lambda c, m, s: ipc_broadcast(c, m, s, b, root)
     call.staged = lambda c, m: staged_broadcast(c, m, b, root)
-    return call.plan(fp, tensor)
+    return call.plan(checked)
 
 
-def _all_gather_plan(
-    pg: ProcessGroup, name: str, outs: list[Any], x: Any, output: object, direct: Any = None
-) -> Plan:
+def _all_gather(pg: ProcessGroup, checked: Call) -> Plan:
+    outs, x, whole = checked.args
     b, rows = flat_bytes(x), [flat_bytes(o) for o in outs]
-    fp = fingerprint(name, dtype=x.dtype, shape=x.shape)
-    call = _Call(pg, name, [x, *outs])
+    # NCCL gathers straight into one output array; into a list through scratch memory.
+    direct = None if whole is None else flat_bytes(whole)
+    call = _Call(pg, "all_gather", [x, *outs])
 
     def launch(comm: Any, stream: int) -> None:
         if not b.nbytes:
@@ -709,53 +607,12 @@ def _all_gather_plan(
     call.nccl = launch
     call.ipc = lambda c, m, s: ipc_all_gather(c, m, s, rows, b)
     call.staged = lambda c, m: staged_all_gather(c, m, rows, b)
-    return call.plan(fp, output)
+    return call.plan(checked)
 
 
-@BACKEND.op("all_gather")
-def all_gather(pg: ProcessGroup, tensor_list: object, tensor: object) -> Plan:
-    """Gather every rank's ``tensor`` into ``tensor_list``; see :func:`aiodist.all_gather`."""
-    x = _dev(tensor, "tensor")
-    outs = _dev_list(tensor_list, pg.size, "tensor_list")
-    for i, o in enumerate(outs):
-        _check_like(o, x, f"tensor_list[{i}]", "tensor")
-    return _all_gather_plan(pg, "all_gather", outs, x, tensor_list)
-
-
-@BACKEND.op("all_gather_into_tensor")
-def all_gather_into_tensor(pg: ProcessGroup, output: object, input: object) -> Plan:
-    """Gather every rank's ``input`` into one ``output``; see the public function."""
-    x = _dev(input, "input_tensor")
-    out = _dev(output, "output_tensor")
-    _check_concat(out, x, pg.size, "output_tensor", "input_tensor")
-    return _all_gather_plan(
-        pg, "all_gather_into_tensor", _rows(out, pg.size), x, output, flat_bytes(out)
-    )
-
-
-@BACKEND.op("all_gather_coalesced")
-def all_gather_coalesced(pg: ProcessGroup, output_lists: object, inputs: object) -> Plan:
-    """Gather each array of ``inputs`` into the matching list of ``output_lists``."""
-    if not isinstance(inputs, list | tuple) or not inputs:
-        raise DistUsageError("input_tensor_list must be a non-empty list of arrays")
-    if not isinstance(output_lists, list | tuple) or len(output_lists) != pg.size:
-        raise DistUsageError(
-            f"output_tensor_lists must be a list of {pg.size} lists (one per rank), one "
-            "array each per input"
-        )
-    xs = [_dev(x, f"input_tensor_list[{i}]") for i, x in enumerate(inputs)]
-    rows: list[list[Any]] = []
-    for r, row in enumerate(output_lists):
-        if not isinstance(row, list | tuple) or len(row) != len(xs):
-            raise DistUsageError(
-                f"output_tensor_lists[{r}] must be a list of {len(xs)} arrays, one per input"
-            )
-        outs = [_dev(o, f"output_tensor_lists[{r}][{i}]") for i, o in enumerate(row)]
-        for i, (o, x) in enumerate(zip(outs, xs, strict=True)):
-            _check_like(o, x, f"output_tensor_lists[{r}][{i}]", f"input_tensor_list[{i}]")
-        rows.append(outs)
+def _all_gather_coalesced(pg: ProcessGroup, checked: Call) -> Plan:
+    rows, xs = checked.args
     total = sum(x.nbytes for x in xs)
-    fp = fingerprint("all_gather", dtype=cupy.dtype(cupy.uint8), shape=(total,))
     call = _Call(pg, "all_gather_coalesced", [*xs, *(o for row in rows for o in row)])
     n = pg.size
 
@@ -794,26 +651,13 @@ def all_gather_coalesced(pg: ProcessGroup, output_lists: object, inputs: object)
     call.nccl = launch
     call.ipc = lambda c, m, s: moved(c, m, s)
     call.staged = lambda c, m: moved(c, m, None)
-    return call.plan(fp, output_lists)
+    return call.plan(checked)
 
 
-@BACKEND.op("gather")
-def gather(
-    pg: ProcessGroup, tensor: object, gather_list: object, dst: int | None, group_dst: int | None
-) -> Plan:
-    """Gather every rank's ``tensor`` on the root; see :func:`aiodist.gather`."""
-    root = _root(pg, dst, group_dst, _DST)
-    x = _dev(tensor, "tensor")
-    outs: list[Any] | None = None
-    if pg.rank == root:
-        outs = _dev_list(gather_list, pg.size, "gather_list")
-        for i, o in enumerate(outs):
-            _check_like(o, x, f"gather_list[{i}]", "tensor")
-    else:
-        cpu._absent_on_non_root(gather_list, "gather_list", root)
+def _gather(pg: ProcessGroup, checked: Call) -> Plan:
+    outs, x, root = checked.args
     b = flat_bytes(x)
     rows = None if outs is None else [flat_bytes(o) for o in outs]
-    fp = fingerprint("gather", dtype=x.dtype, shape=x.shape, root=root)
     call = _Call(pg, "gather", [x, *(outs or [])])
     me = pg.rank
 
@@ -837,26 +681,13 @@ def gather(
     call.nccl = launch
     call.ipc = lambda c, m, s: ipc_gather(c, m, s, rows, b, root)
     call.staged = lambda c, m: staged_gather(c, m, rows, b, root)
-    return call.plan(fp, gather_list)
+    return call.plan(checked)
 
 
-@BACKEND.op("scatter")
-def scatter(
-    pg: ProcessGroup, tensor: object, scatter_list: object, src: int | None, group_src: int | None
-) -> Plan:
-    """Send ``scatter_list[i]`` from the root to rank ``i``; see :func:`aiodist.scatter`."""
-    root = _root(pg, src, group_src, _SRC)
-    out = _dev(tensor, "tensor")
-    ins: list[Any] | None = None
-    if pg.rank == root:
-        ins = _dev_list(scatter_list, pg.size, "scatter_list")
-        for i, a in enumerate(ins):
-            _check_like(a, out, f"scatter_list[{i}]", "tensor")
-    else:
-        cpu._absent_on_non_root(scatter_list, "scatter_list", root)
+def _scatter(pg: ProcessGroup, checked: Call) -> Plan:
+    out, ins, root = checked.args
     b = flat_bytes(out)
     parts = None if ins is None else [flat_bytes(a) for a in ins]
-    fp = fingerprint("scatter", dtype=out.dtype, shape=out.shape, root=root)
     call = _Call(pg, "scatter", [out, *(ins or [])])
     me = pg.rank
 
@@ -880,14 +711,13 @@ def scatter(
     call.nccl = launch
     call.ipc = lambda c, m, s: ipc_scatter(c, m, s, b, parts, root)
     call.staged = lambda c, m: staged_scatter(c, m, b, parts, root)
-    return call.plan(fp, tensor)
+    return call.plan(checked)
 
 
-def _all_to_all_plan(
-    pg: ProcessGroup, name: str, outs: list[Any], ins: list[Any], dtype: Any, output: object
-) -> Plan:
-    fp = fingerprint(name, dtype=dtype)
-    call = _Call(pg, name, [*outs, *ins])
+def _all_to_all(pg: ProcessGroup, checked: Call) -> Plan:
+    outs = [flat_bytes(o) for o in checked.args[0]]
+    ins = [flat_bytes(i) for i in checked.args[1]]
+    call = _Call(pg, "all_to_all", [*outs, *ins])
     me = pg.rank
 
     def launch(comm: Any, stream: int) -> None:
@@ -908,103 +738,62 @@ def _all_to_all_plan(
     call.nccl = launch
     # Blocks may differ in size between ranks: the IPC path leaves this to staging.
     call.staged = lambda c, m: staged_all_to_all(c, m, outs, ins)
-    return call.plan(fp, output)
+    return call.plan(checked)
 
 
-@BACKEND.op("all_to_all")
-def all_to_all(pg: ProcessGroup, output_list: object, input_list: object) -> Plan:
-    """Send ``input_list[i]`` to rank ``i``, receive ``output_list[j]`` from rank ``j``."""
-    outs = _dev_list(output_list, pg.size, "output_tensor_list")
-    ins = _dev_list(input_list, pg.size, "input_tensor_list")
-    if outs[0].dtype != ins[0].dtype:
-        raise DistUsageError(
-            f"output_tensor_list has dtype {outs[0].dtype} but input_tensor_list has dtype "
-            f"{ins[0].dtype}; they must match"
-        )
-    return _all_to_all_plan(
-        pg,
-        "all_to_all",
-        [flat_bytes(o) for o in outs],
-        [flat_bytes(i) for i in ins],
-        ins[0].dtype,
-        output_list,
-    )
-
-
-@BACKEND.op("all_to_all_single")
-def all_to_all_single(
-    pg: ProcessGroup,
-    output: object,
-    input: object,
-    output_split_sizes: Sequence[int] | None,
-    input_split_sizes: Sequence[int] | None,
-) -> Plan:
-    """Exchange slices of ``input`` along dimension 0; see the public function."""
-    out = _dev(output, "output")
-    x = _dev(input, "input")
-    if out.dtype != x.dtype or 0 in (out.ndim, x.ndim) or out.shape[1:] != x.shape[1:]:
-        raise DistUsageError(
-            f"output has {_describe(out)} and input has {_describe(x)}; they need the same "
-            "dtype and the same trailing dimensions"
-        )
-    out_splits = cpu._splits(output_split_sizes, out.shape[0], pg.size, "output_split_sizes")
-    in_splits = cpu._splits(input_split_sizes, x.shape[0], pg.size, "input_split_sizes")
-    row_out = out.nbytes // out.shape[0] if out.shape[0] else 0
-    row_in = x.nbytes // x.shape[0] if x.shape[0] else 0
-    return _all_to_all_plan(
-        pg,
-        "all_to_all_single",
-        _split_bytes(flat_bytes(out), out_splits, row_out),
-        _split_bytes(flat_bytes(x), in_splits, row_in),
-        x.dtype,
-        output,
-    )
-
-
-def _split_bytes(flat: Any, splits: list[int], row: int) -> list[Any]:
-    parts, offset = [], 0
-    for s in splits:
-        parts.append(flat[offset : offset + s * row])
-        offset += s * row
-    return parts
-
-
-# -- point to point: staged on every path ------------------------------------------------------
-@BACKEND.op("send")
-def send(pg: ProcessGroup, peer: int, tensor: object) -> Plan:
-    """Send ``tensor`` to group rank ``peer``; see :func:`aiodist.send`."""
-    x = _dev(tensor, "tensor")
+# Point to point: staged on every path.
+def _send(pg: ProcessGroup, checked: Call) -> Plan:
+    peer, x = checked.args
     b = flat_bytes(x)
     call = _Call(pg, "send", [x])
     call.staged = lambda c, m: staged_send(c, m, peer, b)
-    return call.plan()
+    return call.plan(checked)
 
 
-@BACKEND.op("recv")
-def recv(pg: ProcessGroup, peer: int | None, tensor: object, group_ranks: bool) -> Plan:
-    """Receive into ``tensor`` from group rank ``peer`` (``None``: any); see :func:`aiodist.recv`."""
-    out = _dev(tensor, "tensor")
+def _recv(pg: ProcessGroup, checked: Call) -> Plan:
+    peer, out, ranks = checked.args
     b = flat_bytes(out)
     call = _Call(pg, "recv", [out])
-    ranks = pg.ranks
 
     async def run(c: OpComm, m: CudaMover) -> int:
         sender = await staged_recv(c, m, peer, b)
-        return ranks.index(sender) if group_ranks else sender
+        return sender if ranks is None else ranks.index(sender)
 
     call.staged = run
-    return call.plan()
+    return call.plan(checked)
 
 
-# -- on the CPU ------------------------------------------------------------------------------
-for _name in (
-    "barrier",
-    "monitored_barrier",
-    "broadcast_object_list",
-    "all_gather_object",
-    "gather_object",
-    "scatter_object_list",
-    "send_object_list",
-    "recv_object_list",
-):
-    BACKEND.ops[_name] = cpu.BACKEND.ops[_name]
+#: The CUDA backend. Barriers and object collectives run on the CPU (their bytes travel over
+#: the CPU transport): it takes the CPU backend's paths for them.
+BACKEND = Backend.from_paths(
+    "cuda",
+    "cuda",
+    take,
+    {
+        "all_reduce": _all_reduce,
+        "all_reduce_coalesced": _all_reduce_coalesced,
+        "reduce": _reduce,
+        "reduce_scatter": _reduce_scatter,
+        "broadcast": _broadcast,
+        "all_gather": _all_gather,
+        "all_gather_coalesced": _all_gather_coalesced,
+        "gather": _gather,
+        "scatter": _scatter,
+        "all_to_all": _all_to_all,
+        "send": _send,
+        "recv": _recv,
+        **{
+            name: cpu.PATHS[name]
+            for name in (
+                "barrier",
+                "monitored_barrier",
+                "broadcast_objects",
+                "all_gather_objects",
+                "gather_objects",
+                "scatter_objects",
+                "send_objects",
+                "recv_objects",
+            )
+        },
+    },
+)

@@ -15,7 +15,9 @@ Choices (details and measured crossovers in ``docs/architecture.md``):
 * :func:`all_gather`, :func:`reduce_scatter`: rings, chunked and pipelined.
 * :func:`gather`, :func:`scatter`: direct between the root and each rank.
 * :func:`all_to_all`: pairwise exchange.
-* :func:`barrier`: dissemination.
+* :func:`barrier`: dissemination; :func:`monitored_barrier`: through rank 0.
+
+Object collectives (pickled objects) are in :mod:`aiodist.collectives.objects`.
 """
 
 from .all_reduce import (
@@ -25,7 +27,7 @@ from .all_reduce import (
     ring_all_reduce,
 )
 from .all_to_all import all_to_all
-from .barrier import barrier
+from .barrier import barrier, monitored_barrier
 from .gather import all_gather, gather, scatter
 from .reduce_scatter import reduce_scatter
 from .tree import broadcast, reduce
@@ -38,6 +40,7 @@ __all__ = [
     "barrier",
     "broadcast",
     "gather",
+    "monitored_barrier",
     "pair_all_reduce_pipelined",
     "reduce",
     "reduce_scatter",

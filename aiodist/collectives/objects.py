@@ -1,0 +1,177 @@
+"""Object collectives: pickled Python objects between the ranks, sizes first.
+
+Each algorithm takes two ``OpComm`` (one per sequence number: the sizes, then the bytes) and
+the arguments :mod:`aiodist._operations` checked; it runs on the CPU, whatever devices the
+group's arrays live on. A peer's announced sizes are checked before anything is allocated
+(:data:`MAX_OBJECT_SIZE`), and received bytes are unpickled, which trusts the peers (as
+torch does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .._arrays import byte_view
+from ..errors import DistError, DistProtocolError
+from ..transport.base import OpComm
+from .gather import all_gather, gather, scatter
+from .tree import broadcast
+
+__all__ = [
+    "MAX_OBJECT_SIZE",
+    "all_gather_objects",
+    "broadcast_objects",
+    "gather_objects",
+    "recv_objects",
+    "scatter_objects",
+    "send_objects",
+]
+
+Array = npt.NDArray[Any]
+
+
+#: The largest pickled object an object collective takes from a peer. Sizes are announced by
+#: the peers before the bytes follow, so they are checked before anything is allocated.
+MAX_OBJECT_SIZE = 1 << 40
+
+
+def _checked_sizes(sizes: Array, op: str, root: int | None = None) -> list[int]:
+    """The announced sizes as ints, each in ``[0, MAX_OBJECT_SIZE]``.
+
+    Raises:
+        DistProtocolError: a peer announced a negative or oversized object.
+    """
+    out = sizes.tolist()
+    for i, n in enumerate(out):
+        if not 0 <= n <= MAX_OBJECT_SIZE:
+            who = f"rank {root}" if root is not None else f"group rank {i}"
+            raise DistProtocolError(
+                f"{op}: {who} announced a pickled object of {n} bytes (the limit is "
+                f"{MAX_OBJECT_SIZE}): a corrupted stream or a peer that is not aiodist"
+            )
+    return [int(n) for n in out]
+
+
+def _bytes(shape: int | tuple[int, int], op: str) -> Array:
+    """Zeroed receive memory for pickled objects; a clear error when it cannot be had.
+
+    Raises:
+        DistError: the memory cannot be allocated.
+    """
+    try:
+        return np.zeros(shape, np.uint8)
+    except (MemoryError, ValueError) as exc:
+        raise DistError(
+            f"{op}: cannot allocate {shape} bytes for the peers' objects: {exc}"
+        ) from exc
+
+
+def _loads(buf: Array, name: str) -> Any:
+    try:
+        return pickle.loads(buf.tobytes())
+    except Exception as exc:
+        raise DistError(f"{name}: received bytes did not unpickle: {exc}") from exc
+
+
+def _padded(rows: Sequence[Array], width: int) -> Array:
+    out = np.zeros((len(rows), width), np.uint8)
+    for i, r in enumerate(rows):
+        out[i, : r.size] = r
+    return out
+
+
+async def broadcast_objects(
+    c_sizes: OpComm, c_data: OpComm, objs: list[Any], payloads: list[Array], root: int
+) -> list[Any]:
+    """Unpickle the root's ``payloads`` into every rank's ``objs``; return ``objs``."""
+    mine = c_sizes.rank == root
+    sizes = np.array([p.size for p in payloads] if mine else [0] * len(objs), np.int64)
+    await broadcast(c_sizes, sizes, root)
+    if mine:
+        data = np.concatenate(payloads)
+    else:
+        total = sum(_checked_sizes(sizes, "broadcast_object_list", root))
+        data = _bytes(total, "broadcast_object_list")
+    await broadcast(c_data, data, root)
+    if not mine:
+        offsets = np.cumsum([0, *sizes.tolist()])
+        for i in range(len(objs)):
+            objs[i] = _loads(data[offsets[i] : offsets[i + 1]], f"object_list[{i}]")
+    return objs
+
+
+async def all_gather_objects(
+    c_sizes: OpComm, c_data: OpComm, objs: list[Any], mine: Array
+) -> list[Any]:
+    """Gather every rank's pickled object (``mine``) into ``objs``; return ``objs``."""
+    n = c_sizes.size
+    sizes = np.zeros(n, np.int64)
+    await all_gather(c_sizes, list(sizes.reshape(n, 1)), np.array([mine.size], np.int64))
+    width = max(_checked_sizes(sizes, "all_gather_object"))
+    rows = _bytes((n, width), "all_gather_object")
+    await all_gather(c_data, list(rows), _padded([mine], width)[0])
+    for i in range(n):
+        objs[i] = _loads(rows[i, : sizes[i]], f"object from group rank {i}")
+    return objs
+
+
+async def gather_objects(
+    c_sizes: OpComm, c_data: OpComm, objs: list[Any] | None, mine: Array, root: int
+) -> list[Any] | None:
+    """Gather every rank's pickled object into the root's ``objs``; return ``objs``."""
+    # Every rank learns the largest size, so all contributions pad to one width.
+    n = c_sizes.size
+    sizes = np.zeros(n, np.int64)
+    await all_gather(c_sizes, list(sizes.reshape(n, 1)), np.array([mine.size], np.int64))
+    width = max(_checked_sizes(sizes, "gather_object"))
+    rows = _bytes((n, width), "gather_object") if objs is not None else None
+    await gather(c_data, None if rows is None else list(rows), _padded([mine], width)[0], root)
+    if objs is not None and rows is not None:
+        for i in range(n):
+            objs[i] = _loads(rows[i, : sizes[i]], f"object from group rank {i}")
+    return objs
+
+
+async def scatter_objects(
+    c_sizes: OpComm, c_data: OpComm, outs: list[Any], payloads: list[Array], root: int
+) -> list[Any]:
+    """Unpickle the root's ``payloads[i]`` into rank ``i``'s ``outs[0]``; return ``outs``."""
+    mine = c_sizes.rank == root
+    sizes = np.array([p.size for p in payloads] if mine else [0] * c_sizes.size, np.int64)
+    await broadcast(c_sizes, sizes, root)
+    width = max(_checked_sizes(sizes, "scatter_object_list", root))
+    row = _bytes(width, "scatter_object_list")
+    rows = list(_padded(payloads, width)) if mine else None
+    await scatter(c_data, row, rows, root)
+    outs[0] = _loads(row[: sizes[c_sizes.rank]], "scattered object")
+    return outs
+
+
+async def send_objects(comm: OpComm, peer: int, sizes: Array, data: Array) -> None:
+    """Send pickled objects to ``peer``: their sizes, then their bytes."""
+    # The sizes travel as step 0, like a tensor sent with the same tag (as in torch).
+    await asyncio.gather(comm.send(peer, 0, byte_view(sizes)), comm.send(peer, 1, byte_view(data)))
+
+
+async def recv_objects(
+    comm: OpComm, peer: int | None, objs: list[Any], ranks: tuple[int, ...], group_ranks: bool
+) -> int:
+    """Receive objects sent by :func:`send_objects` into ``objs``; return the sender.
+
+    The sender is a group rank if ``group_ranks``, else a global rank (``ranks`` maps them).
+    """
+    sizes = np.zeros(len(objs), np.int64)
+    sender = await comm.recv_into(peer, 0, byte_view(sizes))
+    source = ranks.index(sender)
+    data = _bytes(sum(_checked_sizes(sizes, "recv_object_list", source)), "recv_object_list")
+    await comm.recv_into(source, 1, byte_view(data))
+    offsets = np.cumsum([0, *sizes.tolist()])
+    for i in range(len(objs)):
+        objs[i] = _loads(data[offsets[i] : offsets[i + 1]], f"object_list[{i}]")
+    return source if group_ranks else sender
