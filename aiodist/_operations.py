@@ -51,7 +51,7 @@ from .errors import DistUsageError
 if TYPE_CHECKING:
     from .group import ProcessGroup
 
-__all__ = ["ALGORITHMS", "OPERATIONS", "Call", "Intake", "Operation", "describe"]
+__all__ = ["ALGORITHMS", "HOST_ALGORITHMS", "OPERATIONS", "Call", "Intake", "Operation", "describe"]
 
 #: ``intake(value, name, writable) -> array``: a backend's way of taking one array argument
 #: (``name`` is the argument's name for errors; ``writable``: the operation writes into it).
@@ -62,23 +62,12 @@ Intake = Callable[[object, str, bool], Any]
 #: the sender; object collectives ``None`` once done.
 Returns = Literal["async_op", "work", "result", "none"]
 
-#: The algorithms an operation may need; a backend's data paths are keyed by these.
-ALGORITHMS = frozenset(
+#: The algorithms that run on the CPU whatever device a group's arrays live on: their
+#: bytes are the host's (a barrier's tokens, pickled objects).
+HOST_ALGORITHMS = frozenset(
     {
-        "all_reduce",
-        "all_reduce_coalesced",
-        "broadcast",
-        "reduce",
-        "all_gather",
-        "all_gather_coalesced",
-        "gather",
-        "scatter",
-        "reduce_scatter",
-        "all_to_all",
         "barrier",
         "monitored_barrier",
-        "send",
-        "recv",
         "broadcast_objects",
         "all_gather_objects",
         "gather_objects",
@@ -87,6 +76,22 @@ ALGORITHMS = frozenset(
         "recv_objects",
     }
 )
+
+#: The algorithms an operation may need; a backend's data paths are keyed by these.
+ALGORITHMS = HOST_ALGORITHMS | {
+    "all_reduce",
+    "all_reduce_coalesced",
+    "broadcast",
+    "reduce",
+    "all_gather",
+    "all_gather_coalesced",
+    "gather",
+    "scatter",
+    "reduce_scatter",
+    "all_to_all",
+    "send",
+    "recv",
+}
 
 
 @dataclass(frozen=True, slots=True)

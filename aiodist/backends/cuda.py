@@ -48,7 +48,7 @@ from typing import Any
 import cupy
 from cupy.cuda import runtime
 
-from .._operations import Call
+from .._operations import HOST_ALGORITHMS, Call
 from .._ops import ReduceOp
 from .._progress import progress_thread
 from ..errors import DistBackendError, DistTimeoutError, DistUsageError
@@ -782,18 +782,6 @@ BACKEND = Backend.from_paths(
         "all_to_all": _all_to_all,
         "send": _send,
         "recv": _recv,
-        **{
-            name: cpu.PATHS[name]
-            for name in (
-                "barrier",
-                "monitored_barrier",
-                "broadcast_objects",
-                "all_gather_objects",
-                "gather_objects",
-                "scatter_objects",
-                "send_objects",
-                "recv_objects",
-            )
-        },
+        **{name: cpu.PATHS[name] for name in HOST_ALGORITHMS},
     },
 )
