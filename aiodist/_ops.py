@@ -32,6 +32,7 @@ import numpy.typing as npt
 from .errors import DistUsageError
 
 __all__ = [
+    "UFUNCS",
     "PremulSum",
     "ReduceOp",
     "check_reduce_op",
@@ -127,8 +128,8 @@ def make_premul_sum(factor: float) -> PremulSum:
     return PremulSum(float(factor))
 
 
-# The numpy ufunc behind each op; AVG reduces as SUM and divides in finish_into.
-_UFUNCS: dict[ReduceOp, np.ufunc] = {
+#: The numpy ufunc behind each op; AVG reduces as SUM and divides in finish_into.
+UFUNCS: dict[ReduceOp, np.ufunc] = {
     ReduceOp.SUM: np.add,
     ReduceOp.AVG: np.add,
     ReduceOp.PRODUCT: np.multiply,
@@ -201,7 +202,7 @@ def reduce_into(op: ReduceOp, dst: npt.NDArray[Any], src: npt.NDArray[Any]) -> N
     Raises:
         TypeError: numpy cannot apply the op to the dtype (only if the check was skipped).
     """
-    _UFUNCS[op](dst, src, out=dst)
+    UFUNCS[op](dst, src, out=dst)
 
 
 def finish_into(op: ReduceOp, dst: npt.NDArray[Any], contributors: int) -> None:
