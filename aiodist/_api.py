@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 
 import numpy.typing as npt
 
-from . import backends as _backends, group as _group
+from . import _subgroups, backends as _backends, group as _group
 from ._auth import resolve_token
 from ._operations import OPERATIONS
 from ._ops import PremulSum, ReduceOp
@@ -588,7 +588,9 @@ async def new_group(
     else:
         name, devices = _backends.parse_backend(backend)
     seconds = world.timeout if timeout is None else to_seconds(timeout, None)
-    group = await _group.new_group(world, ranks, backend=name, backends=devices, timeout=seconds)
+    group = await _subgroups.new_group(
+        world, ranks, backend=name, backends=devices, timeout=seconds
+    )
     if isinstance(group, ProcessGroup):
         await _backends.setup(group)
     return group

@@ -26,38 +26,39 @@ alone, naming why the rank left. If it went without a goodbye (killed, or exited
 leaving), the world is marked broken at once (``is_aborted()``), and that operation aborts
 it.
 
-The default group is process-wide once initialised, as in torch: a group made in one task
-(a FastAPI lifespan) or thread is the default in every other. A context may hold a world of
-its own instead (:func:`isolate_context`), which is how ``aiodist.testing.run_world`` runs
-several ranks as tasks of one event loop.
+The operation's own objects (:class:`Operation`, :class:`Plan`, :class:`Work`) are in
+:mod:`aiodist._work`, the default world (process-wide, or a context's own) in
+:mod:`aiodist._default`, and the vote that makes a subgroup in :mod:`aiodist._subgroups`;
+this module re-exports what they offer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
-import enum
 import functools
 import logging
 import math
-import os
-import warnings
 from collections.abc import (
-    Awaitable,
     Callable,
     Coroutine,
-    Generator,
     Iterable,
     Mapping,
     Sequence,
 )
-from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
+from ._default import (
+    current_world,
+    isolate_context,
+    peek_world,
+    set_current_world,
+    warn_not_in_group,
+)
 from ._fingerprint import NO_FINGERPRINT
-from ._recorder import FlightRecorder, OpRecord
+from ._recorder import FlightRecorder
 from ._timeouts import DEFAULT_PG_TIMEOUT, Timeout, to_seconds
+from ._work import ANY_TAG, MAX_TAG, P2P_GROUP_BIT, Operation, OpKind, Plan, Work
 from ._world import FailureDomain
 from .errors import DistError, DistTimeoutError, DistUsageError
 from .store import PrefixStore, Store
@@ -77,8 +78,8 @@ __all__ = [
     "Work",
     "World",
     "current_world",
+    "check_int",
     "isolate_context",
-    "new_group",
     "not_in_group",
     "peek_world",
     "resolve_group",
@@ -104,46 +105,6 @@ TWICE = (
 LEFT_REASON = "left the process group (destroy_process_group)"
 #: What they are told when its event loop ended with the group open.
 LOOP_ENDED_REASON = "left the process group as its event loop ended (no destroy_process_group)"
-
-#: Point-to-point messages of group ``g`` travel under group id ``g | P2P_GROUP_BIT`` with
-#: the user's tag as sequence number, so they never meet a collective's messages.
-P2P_GROUP_BIT = 1 << 31
-#: The largest user tag of a point-to-point message.
-MAX_TAG = 2**63 - 1
-#: The tag of a point-to-point rejection whose sender could not name a valid tag.
-ANY_TAG = (1 << 64) - 1
-
-
-class OpKind(enum.Enum):
-    """What an operation is: a collective of the whole group, or point to point."""
-
-    COLLECTIVE = "collective"
-    P2P = "p2p"
-
-
-@dataclass(slots=True)
-class Plan:
-    """A checked operation, ready to run: ``await algorithm(*comms, *args)``.
-
-    Attributes:
-        algorithm: the coroutine function that moves the data (one ``OpComm`` per sequence
-            number of the operation, then ``args``).
-        args: its checked arguments.
-        fingerprint: the call's fingerprint, which every message of it carries.
-        output: the Work's result when the algorithm returns ``None`` (the output array).
-        device_sync: for an operation on a device (CUDA), makes a device stream wait for the
-            operation's end without blocking the host (:meth:`Work.wait_stream`).
-        sequenced: the algorithm runs in the group's :class:`Sequencer` (every rank takes
-            its turn in each operation it issued): a peer's rejection does not cancel it,
-            and a ``DistUsageError`` it raises is raised alike on every rank.
-    """
-
-    algorithm: Callable[..., Awaitable[Any]]
-    args: tuple[Any, ...] = ()
-    fingerprint: bytes = NO_FINGERPRINT
-    output: Any = None
-    device_sync: Callable[[Any], None] | None = None
-    sequenced: bool = False
 
 
 class Sequencer(Protocol):
@@ -195,248 +156,6 @@ class NonGroupMember:
 
 #: The sentinel handed to ranks that are not in a group they created together.
 NON_GROUP_MEMBER = NonGroupMember()
-
-
-class Work(Generic[T]):
-    """The handle of one operation, returned as soon as the operation is issued.
-
-    Await it (``await work``) or call ``await work.wait(timeout)`` to get the operation's
-    result; both can be done any number of times. The operation runs as a task on the event
-    loop whether or not anyone awaits it, and a caller that stops waiting (cancelled, or
-    ``asyncio.timeout`` around the await) leaves it running.
-
-    The result is the output the operation wrote (the array or list passed in, or the object
-    list), the sender's rank for a receive, and ``None`` for a barrier or a send.
-    """
-
-    __slots__ = ("_future", "_name", "_op")
-
-    def __init__(self, op: Operation | None, name: str = "") -> None:
-        self._op = op
-        self._name = op.name if op is not None else name
-        self._future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-
-    @staticmethod
-    def not_issued(name: str, result: Any = None) -> Work[Any]:
-        """The work of call ``name`` on a group this rank is not in: done with ``result``,
-        nothing ran."""
-        work: Work[Any] = Work(None, name)
-        work._future.set_result(result)
-        return work
-
-    @property
-    def op(self) -> str:
-        """The operation's name, e.g. ``"all_reduce"``."""
-        return self._name
-
-    @property
-    def seq(self) -> int:
-        """The group sequence number (the tag, for a point-to-point operation); ``-1`` for
-        a call that was not issued (see :meth:`not_issued`)."""
-        return -1 if self._op is None else self._op.seq
-
-    def __repr__(self) -> str:
-        if self._op is None:
-            return f"<Work {self._name} not issued: this rank is not in the group>"
-        fut = self._future
-        if not fut.done():
-            state = "pending"
-        elif fut.exception() is not None:
-            state = f"failed ({type(fut.exception()).__name__})"
-        else:
-            state = "completed"
-        op = self._op
-        key = op.label.replace(" ", "=")
-        return f"<Work {op.name} {key} group={op.group.group_id} {state}>"
-
-    def __await__(self) -> Generator[Any, None, T]:
-        return self.wait().__await__()
-
-    async def wait(self, timeout: Timeout = None) -> T:
-        """Wait for the operation to finish and return its result.
-
-        Args:
-            timeout: seconds (or ``timedelta``) to wait; ``None`` or ``0`` (torch's "no
-                timeout") waits until the group's own timeout ends the operation.
-
-        Returns:
-            The operation's result (see the class docstring).
-
-        Raises:
-            DistTimeoutError: ``timeout`` passed first. As in torch's gloo backend, this
-                fails the operation and aborts the process group, because the peers are
-                left part-way through it.
-            DistError: the operation failed (the same exception on every call).
-        """
-        fut = self._future
-        if fut.done():
-            return fut.result()
-        seconds = to_seconds(timeout, None)
-        if not seconds:
-            await _join(fut)
-        else:
-            # asyncio.wait never cancels what it waits on, so cancelling the caller leaves
-            # the operation running.
-            await asyncio.wait([fut], timeout=seconds)
-            if not fut.done():
-                op = self._op
-                assert op is not None  # (a work without one is born done)
-                op.group._fail(op, op.group._timeout_error(op, "wait", seconds, None))
-        return fut.result()
-
-    def is_completed(self) -> bool:
-        """Return whether the operation has finished, successfully or not."""
-        return self._future.done()
-
-    def is_success(self) -> bool:
-        """Return whether the operation has finished without an error."""
-        return self._future.done() and self._future.exception() is None
-
-    def exception(self) -> BaseException | None:
-        """Return the operation's exception, or ``None`` if it succeeded or is still running."""
-        return self._future.exception() if self._future.done() else None
-
-    def result(self) -> T:
-        """Return the result of a finished operation without waiting.
-
-        Raises:
-            DistUsageError: the operation has not finished yet.
-            DistError: the operation failed.
-        """
-        if not self._future.done():
-            raise DistUsageError(f"{self!r} has not completed yet; await it first")
-        return self._future.result()
-
-    def add_done_callback(self, fn: Callable[[Work[T]], object]) -> None:
-        """Call ``fn(work)`` on the loop once the operation has finished."""
-        self._future.add_done_callback(lambda _: fn(self))
-
-    def wait_stream(self, stream: Any = None) -> None:
-        """Make a device stream wait for this operation, without blocking the host.
-
-        For an operation on CUDA arrays: work queued on ``stream`` (default: the current
-        stream) after this call starts once the operation's device work is done.
-
-        Raises:
-            DistUsageError: the operation runs on the host (await it instead).
-        """
-        sync = None if self._op is None else self._op.device_sync
-        if sync is None:
-            raise DistUsageError(
-                f"wait_stream: {self!r} runs on the host, not on a device stream; await it"
-            )
-        sync(stream)
-
-
-async def _join(future: asyncio.Future[Any]) -> None:
-    """Wait for ``future`` without cancelling it if the waiting task is cancelled."""
-    waiter = future.get_loop().create_future()
-
-    def wake(_: asyncio.Future[Any]) -> None:
-        if not waiter.done():
-            waiter.set_result(None)
-
-    future.add_done_callback(wake)
-    try:
-        await waiter
-    finally:
-        future.remove_done_callback(wake)
-
-
-class Operation:
-    """One call on a process group, from the reservation of its number to its end.
-
-    It owns what the call is (name, kind, sequence number or tag, how many sequence
-    numbers), its fingerprint and flight-recorder entry once planned, its deadline and
-    task once started, the :class:`Work` handed to the caller, and its failure scope: the
-    peers told if it is rejected (every other member for a collective; the receiver for a
-    send; nobody for a receive).
-    """
-
-    __slots__ = (
-        "device_sync",
-        "group",
-        "kind",
-        "name",
-        "nseq",
-        "own_timeout",
-        "peer",
-        "record",
-        "sends",
-        "seq",
-        "sequenced",
-        "task",
-        "timeout",
-        "work",
-    )
-
-    def __init__(
-        self,
-        group: ProcessGroup,
-        name: str,
-        kind: OpKind,
-        seq: int,
-        *,
-        nseq: int = 1,
-        peer: int | None = None,
-        sends: bool = False,
-    ) -> None:
-        self.group = group
-        self.name = name
-        self.kind = kind
-        self.seq = seq
-        self.nseq = nseq
-        #: Point to point: the peer's group rank (``None``: any source).
-        self.peer = peer
-        #: Point to point: whether this is a send (whose receiver waits for it).
-        self.sends = sends
-        #: Seconds it may run (the group's timeout unless the call gave its own).
-        self.timeout = group.timeout
-        self.own_timeout = False
-        self.record: OpRecord | None = None
-        self.task: asyncio.Task[None] | None = None
-        self.device_sync: Callable[[Any], None] | None = None
-        self.sequenced = False
-        self.work: Work[Any] = Work(self)
-
-    def set_timeout(self, timeout: Timeout) -> None:
-        """Give the operation a deadline of its own instead of the group's.
-
-        Raises:
-            DistUsageError: not a number of seconds or a ``timedelta``.
-        """
-        if timeout is not None:
-            self.timeout = to_seconds(timeout)
-            self.own_timeout = True
-
-    def __repr__(self) -> str:
-        return f"<Operation {self.name} {self.label} group={self.group.group_id}>"
-
-    @property
-    def label(self) -> str:
-        """``"seq N"``, or ``"tag N"`` for a point-to-point operation."""
-        return f"{'tag' if self.kind is OpKind.P2P else 'seq'} {self.seq}"
-
-    @property
-    def wire_group(self) -> int:
-        """The group id its messages travel under."""
-        gid = self.group.group_id
-        return gid | P2P_GROUP_BIT if self.kind is OpKind.P2P else gid
-
-    def settle(self, exc: BaseException | None, result: Any = None) -> None:
-        """Resolve the work with ``result``, or fail it with ``exc``; the first outcome stays."""
-        fut = self.work._future
-        if fut.done():
-            return
-        if exc is None:
-            fut.set_result(result)
-        else:
-            # Work nobody awaits must not report "exception never retrieved": the failure
-            # is kept in the work (and in the world's state), so it is marked retrieved.
-            fut.set_exception(exc)
-            fut.exception()
-        if self.record is not None:
-            self.record.finish(exc)
 
 
 class World:
@@ -780,7 +499,7 @@ class ProcessGroup:
         Raises:
             DistUsageError: ``global_rank`` is not a member of this group.
         """
-        _check_int(global_rank, what)
+        check_int(global_rank, what)
         try:
             return self._group_rank_of[global_rank]
         except KeyError:
@@ -795,7 +514,7 @@ class ProcessGroup:
         Raises:
             DistUsageError: ``group_rank`` is outside ``0 .. size-1``.
         """
-        _check_int(group_rank, what)
+        check_int(group_rank, what)
         if not 0 <= group_rank < self.size:
             raise DistUsageError(
                 f"{what} {group_rank} is out of range for a group of size {self.size}"
@@ -1094,6 +813,11 @@ class ProcessGroup:
 
     # -- failing ---------------------------------------------------------------------------
 
+    def wait_expired(self, op: Operation, seconds: float) -> None:
+        """Fail ``op`` because a caller's ``work.wait(seconds)`` gave up on it (as gloo does:
+        its peers are left part-way through it, so the world is aborted)."""
+        self._fail(op, self._timeout_error(op, "wait", seconds, None))
+
     def _fail(self, op: Operation, exc: BaseException) -> None:
         """Fail ``op`` with a real failure: the world is aborted, every rank is told."""
         if op.work._future.done():
@@ -1259,85 +983,10 @@ def _named(op: str, exc: BaseException) -> DistUsageError:
     return error
 
 
-def _check_int(value: object, what: str) -> None:
+def check_int(value: object, what: str) -> None:
+    """Raise ``DistUsageError`` naming ``what`` unless ``value`` is an int (not a bool)."""
     if not isinstance(value, int) or isinstance(value, bool):
         raise DistUsageError(f"{what} must be an int, got {type(value).__name__}")
-
-
-# -- the default group ------------------------------------------------------------------------
-# The process-wide default world, and a per-context override: a context where
-# isolate_context() ran holds a world of its own (None until it initialises one); any other
-# context holds _PROCESS, meaning "the process-wide one". One context variable lookup.
-_PROCESS: Any = object()
-_process_world: World | None = None
-# Worlds a forked child inherited: kept, never used, so that nothing of them (sockets, the
-# parent's loop) is finalized in the child.
-_inherited: list[World] = []
-
-
-def _forget_after_fork() -> None:
-    # The parent's world is not the child's: its connections and loop thread are the
-    # parent's. The child starts uninitialized (and leaves nothing at exit).
-    global _process_world
-    if _process_world is not None:
-        _inherited.append(_process_world)
-        _process_world = None
-
-
-os.register_at_fork(after_in_child=_forget_after_fork)
-_context_world: contextvars.ContextVar[Any] = contextvars.ContextVar(
-    "aiodist_world", default=_PROCESS
-)
-
-
-def isolate_context() -> None:
-    """Give the current context a default world of its own, apart from the process's.
-
-    After this, ``init_process_group`` in this context (and the tasks it creates) sets this
-    context's default group, and the process-wide one is not seen here. This is how several
-    ranks live as tasks of one event loop (``aiodist.testing.run_world``).
-    """
-    _context_world.set(None)
-
-
-def peek_world() -> World | None:
-    """Return the default world seen here (the context's own, else the process's), or ``None``."""
-    world: World | None = _context_world.get()
-    return _process_world if world is _PROCESS else world
-
-
-def set_current_world(world: World | None) -> None:
-    """Make ``world`` the default seen here: this context's if it is isolated, else the process's."""
-    global _process_world
-    if _context_world.get() is _PROCESS:
-        _process_world = world
-    else:
-        _context_world.set(world)
-
-
-def current_world(op: str = "this operation") -> World:
-    """Return the default world seen here.
-
-    Raises:
-        DistUsageError: the default process group is not initialized.
-    """
-    world = peek_world()
-    if world is None:
-        raise DistUsageError(
-            f"{op} needs the default process group: call "
-            "`await aiodist.init_process_group(...)` first"
-        )
-    return world
-
-
-def warn_not_in_group(op: str, stacklevel: int) -> None:
-    """Warn, as torch does, that ``op`` was called on a group this rank is not in."""
-    world = peek_world()
-    warnings.warn(
-        f"Running {op} on global rank {-1 if world is None else world.rank} which does not "
-        "belong to the given group.",
-        stacklevel=stacklevel + 1,
-    )
 
 
 def not_in_group(op: str, result: Any = None, stacklevel: int = 3) -> Work[Any]:
@@ -1405,74 +1054,3 @@ def start_world(
         world.keep()
     set_current_world(world)
     return world.default_group
-
-
-async def new_group(
-    world: World,
-    ranks: Sequence[int] | None,
-    *,
-    backend: str,
-    backends: Mapping[str, Any],
-    timeout: float | None,
-) -> ProcessGroup | NonGroupMember:
-    """Create a process group of the given global ranks (see :func:`aiodist.new_group`).
-
-    The group id is reserved first, then every rank of the world votes through the store
-    with the ranks it was given; if any rank's list differs or fails its checks, every rank
-    raises the same ``DistUsageError`` and the world stays usable.
-
-    Raises:
-        DistUsageError: this rank's list, or another rank's, was rejected.
-        DistTimeoutError: some rank did not call ``new_group`` in time.
-    """
-    gid = world.allocate_group_id()
-    try:
-        members: list[int] | None = _check_ranks(ranks, world.size)
-        problem = None
-        vote = ",".join(map(str, members)) if members else ""
-    except DistUsageError as exc:
-        members, problem, vote = None, str(exc), "invalid"
-    store, key = world.store, f"group/{gid}"
-    agreed = (await store.compare_set(f"{key}/ranks", "", vote)).decode()
-    if problem is None and agreed != vote:
-        problem = (
-            f"new_group: group {gid} is ranks [{agreed}] on another rank but ranks [{vote}] on "
-            f"rank {world.rank}; every rank must call new_group with the same ranks in the "
-            "same order"
-        )
-    if problem is not None:
-        await store.compare_set(f"{key}/problem", "", f"rank {world.rank}: {problem}")
-    if await store.add(f"{key}/votes", 1) == world.size:
-        await store.set(f"{key}/done", b"1")
-    await store.wait([f"{key}/done"], timeout)
-    if await store.check([f"{key}/problem"]):
-        first = (await store.get(f"{key}/problem")).decode()
-        if problem is not None and first.startswith(f"rank {world.rank}:"):
-            raise DistUsageError(problem)
-        raise DistUsageError(f"new_group (group {gid}) was rejected by {first}")
-    assert members is not None
-    if world.rank not in members:
-        return NON_GROUP_MEMBER
-    return ProcessGroup(world, members, gid, backend, backends, timeout)
-
-
-def _check_ranks(ranks: Sequence[int] | None, world_size: int) -> list[int]:
-    if ranks is None:
-        return list(range(world_size))
-    try:
-        members = list(ranks)
-    except TypeError:
-        raise DistUsageError(
-            f"new_group: ranks must be a sequence of global ranks, got {type(ranks).__name__}"
-        ) from None
-    if not members:
-        raise DistUsageError("new_group: ranks must not be empty")
-    for r in members:
-        _check_int(r, "new_group: rank")
-        if not 0 <= r < world_size:
-            raise DistUsageError(
-                f"new_group: rank {r} is out of range for a world of size {world_size}"
-            )
-    if len(set(members)) != len(members):
-        raise DistUsageError(f"new_group: ranks {members} contain duplicates")
-    return sorted(members)
