@@ -63,7 +63,7 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from . import _api, group as _group
+from . import _api, _assembly, _subgroups, group as _group
 from ._arrays import as_array
 from ._timeouts import Timeout, to_seconds
 from .errors import DistError, DistProtocolError, DistTimeoutError, DistUsageError
@@ -341,7 +341,7 @@ async def _watching(pg: ProcessGroup, step: Awaitable[T]) -> T:
             # A rank that joined this world and left before the others came (or restarted
             # before the survivors had moved on) is in the next generation now: nobody
             # else can complete this one, so it is given up for the next.
-            who = await _api.left_by(pg.world.store)
+            who = await _assembly.left_by(pg.world.store)
             if who is not None:
                 pg.abort(
                     f"this generation of the process group can never be complete: {who} left it"
@@ -449,7 +449,7 @@ class Channel:
         # group's timeout: the vote is watched like the join.
         workers = await _watching(
             pg,
-            _group.new_group(
+            _subgroups.new_group(
                 world,
                 [r for r in range(world.size) if r != CONTROLLER_RANK],
                 backend=world.backend,

@@ -1,0 +1,194 @@
+"""How a rank joins a world: its namespace in the store, its transport, its backends.
+
+:func:`join_world` is what ``init_process_group`` does once it has a store, a rank and a
+world size (from the caller, or from the rendezvous): the rank counts its joins to find its
+generation's namespace, connects its transport (TCP, and shared memory to the ranks of its
+host), builds the world and lets each backend set up the default group. A rank that gives up
+while its world forms says so in the store (:func:`left_by`), so the others stop waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Coroutine, Mapping
+from typing import Any
+
+from . import backends as _backends, group as _group
+from .errors import DistNetworkError, DistUsageError
+from .group import ProcessGroup, start_world
+from .store import PrefixStore, Store
+from .transport.base import Transport
+
+__all__ = ["join_world", "left_by"]
+
+logger = logging.getLogger(__name__)
+
+
+async def join_world(
+    store: Store,
+    rank: int,
+    world_size: int,
+    owned: list[Store],
+    *,
+    name: str,
+    backend: str,
+    backends: Mapping[str, str],
+    timeout: float | None,
+    token: bytes | None,
+    shared_memory: bool | None,
+) -> ProcessGroup:
+    """Join the world of ``world_size`` ranks that ``store`` gathers, as ``rank``; return
+    its default group (now the default here).
+
+    ``name`` is the job's namespace in the store (``group_name``); ``owned`` are the stores
+    this rank made for it, closed with the world (or now, if joining fails).
+
+    Raises:
+        DistTimeoutError: the connections did not complete in time.
+        DistNetworkError: a peer could not be reached, or one left the world as it formed.
+        DistUsageError: shared memory was required and cannot be had.
+    """
+
+    try:
+        namespace = f"aiodist/{name or 'default_pg'}"
+        # Counted per rank: the n-th join of every rank meets in generation n, however the
+        # ranks restart (all of them, or only the failed one while the others rebuild).
+        generation = await store.add(f"{namespace}/joined/{world_size}/{rank}", 1) - 1
+        prefixed = PrefixStore(f"{namespace}/{world_size}/{generation}", store)
+        if generation:
+            # This rank left the previous generation for good: ranks still forming it
+            # learn that it can never be complete.
+            earlier = PrefixStore(f"{namespace}/{world_size}/{generation - 1}", store)
+            await earlier.set(_LEFT, f"rank {rank} (it joined a later generation)")
+        try:
+            transport = await _unless_left(
+                prefixed, _connect(prefixed, rank, world_size, timeout, token, shared_memory)
+            )
+        except BaseException as exc:
+            # Nor is this generation, once this rank stops joining it.
+            why = "cancelled" if isinstance(exc, asyncio.CancelledError) else repr(exc)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(
+                    prefixed.set(_LEFT, f"rank {rank} (it stopped joining: {why})"), 5
+                )
+            raise
+    except BaseException:
+        for s in owned:
+            await s.aclose()
+        raise
+    logger.debug("rank %d/%d joined %s", rank, world_size, prefixed.prefix)
+    if os.environ.get("AIODIST_FR_DUMP_DIR"):
+        # Opted in through the environment (aiodist-run passes it on to its workers).
+        from .debug import install_signal_handler
+
+        install_signal_handler()
+    pg = start_world(
+        transport, prefixed, backend=backend, backends=backends, timeout=timeout, owned=owned
+    )
+    try:
+        await _backends.setup(pg)
+    except BaseException:
+        _group.set_current_world(None)
+        await pg.world.aclose()
+        raise
+    return pg
+
+
+#: The key set in a world's namespace when one of its ranks leaves it before it formed.
+_LEFT = "left_by"
+#: How often ranks forming a world check that it is still possible (seconds).
+_LEFT_POLL = 0.5
+
+
+async def left_by(store: Store) -> str | None:
+    """Which rank of the world whose keys ``store`` holds left it while it formed, if any.
+
+    Such a world can never have every rank: the rank joined a later generation, or its
+    ``init_process_group`` failed or was cancelled. ``store`` is the world's (``World.store``).
+    """
+    if not await store.check([_LEFT]):
+        return None
+    return (await store.get(_LEFT)).decode()
+
+
+async def _unless_left(store: Store, joining: Coroutine[Any, Any, Transport]) -> Transport:
+    """Await ``joining`` a world, unless one of its ranks leaves it meanwhile.
+
+    Raises:
+        DistNetworkError: naming that rank; joining again joins the next generation.
+    """
+    task = asyncio.ensure_future(joining)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=_LEFT_POLL)
+            if done:
+                return task.result()
+            who = await left_by(store)
+            if who is not None:
+                raise DistNetworkError(
+                    f"init_process_group: this generation of the process group can never be "
+                    f"complete: {who} left it; call init_process_group again to join the next"
+                )
+    except BaseException:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        if not task.cancelled() and task.exception() is None:
+            # Connected in the same turn this rank gave up (cancelled, or the world was
+            # left): nobody else will close the listener and connections.
+            await task.result().aclose()
+        raise
+
+
+async def _connect(
+    store: Store,
+    rank: int,
+    world_size: int,
+    timeout: float | None,
+    token: bytes | None,
+    shared_memory: bool | None,
+) -> Transport:
+    from .transport._address import listen_host
+    from .transport._shm_segment import SharedMemoryError
+    from .transport.base import PeerDirectory
+    from .transport.routed import RoutedTransport
+    from .transport.shm import ShmTransport, plan_shared_memory
+    from .transport.tcp import TCPTransport
+
+    host = listen_host(store.local_address())
+    tcp = await TCPTransport.create(
+        PeerDirectory(store), rank, world_size, host=host, timeout=timeout, auth_token=token
+    )
+    if world_size == 1 or shared_memory is False:
+        return tcp
+    try:
+        # Ranks on one host talk through shared memory, the others over TCP: every rank of a
+        # host makes the same choice, from one list in the store.
+        local, refused = await plan_shared_memory(store, rank, world_size, timeout=timeout)
+        if len(local) == 1:
+            return tcp
+        if refused is not None:
+            if shared_memory:
+                raise DistUsageError(
+                    f"init_process_group: shared_memory=True, but ranks {local} of this host "
+                    f"cannot share memory: {refused}"
+                )
+            logger.info("rank %d: ranks %s talk over TCP: %s", rank, local, refused)
+            return tcp
+        try:
+            shm = await ShmTransport.create(
+                store, rank, world_size, local, mailbox=tcp.mailbox, timeout=timeout
+            )
+        except SharedMemoryError as exc:
+            # Only this rank could not, after every rank of the host agreed: it leaves this
+            # generation, and its peers hear why (see _unless_left) instead of waiting.
+            raise DistUsageError(
+                f"rank {rank}: shared memory with ranks {local} failed after they agreed to "
+                f"use it: {exc}; set AIODIST_SHM=0 on every rank to use TCP only"
+            ) from exc
+        return RoutedTransport(tcp, shm)
+    except BaseException:
+        await tcp.aclose()
+        raise
