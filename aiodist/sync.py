@@ -49,6 +49,7 @@ from . import (
     store as _aio,
 )
 from ._loop import loop_factory
+from ._operations import OPERATIONS
 from ._ops import PremulSum, ReduceOp, make_premul_sum, reduce_op
 from ._recorder import DUMP_DIR_ENV, comm_name, record_comm
 from ._timeouts import DEFAULT_PG_TIMEOUT, DEFAULT_STORE_TIMEOUT, Timeout, to_seconds
@@ -735,15 +736,21 @@ def _named(start: Callable[[], T]) -> Callable[[], T]:
     return named
 
 
-def _twin(fn: Callable[..., _group.Work[Any]], mode: str) -> Callable[..., Any]:
-    """Make the blocking twin of async operation ``fn``, with torch's signature.
+#: What each operation's blocking twin returns, as its declaration says.
+_RETURNS = {name: how for op in OPERATIONS.values() for name, how in op.public.items()}
 
-    ``mode`` says what the twin returns: ``"async_op"`` (torch's collectives: ``None``, or a
-    :class:`Work` with ``async_op=True``, the parameter placed right after ``group`` as in
-    torch), ``"work"`` (``isend``/``irecv``: a :class:`Work` at once), ``"result"`` (the
-    operation's result once done: ``recv``'s sender) or ``"none"`` (blocks, returns ``None``).
+
+def _twin(name: str) -> Callable[..., Any]:
+    """Make the blocking twin of the async operation ``aiodist.<name>``, with torch's signature.
+
+    What it returns is declared with the operation (:mod:`aiodist._operations`):
+    ``"async_op"`` (torch's collectives: ``None``, or a :class:`Work` with ``async_op=True``,
+    the parameter placed right after ``group`` as in torch), ``"work"`` (``isend``/``irecv``:
+    a :class:`Work` at once), ``"result"`` (the operation's result once done: ``recv``'s
+    sender) or ``"none"`` (blocks, returns ``None``).
     """
-    name = fn.__name__
+    fn: Callable[..., _group.Work[Any]] = getattr(_aio_api, name)
+    mode = _RETURNS[name]
     signature = inspect.signature(fn)
     params = list(signature.parameters.values())
     if mode == "async_op":
@@ -1021,35 +1028,33 @@ init_device_mesh = _sync_group_call(_device_mesh.init_device_mesh)
 DeviceMesh = _device_mesh.DeviceMesh
 
 # -- collectives and point to point: torch's signatures -----------------------------------
-all_reduce = _twin(_aio_api.all_reduce, "async_op")
-all_reduce_coalesced = _twin(_aio_api.all_reduce_coalesced, "async_op")
-broadcast = _twin(_aio_api.broadcast, "async_op")
-reduce = _twin(_aio_api.reduce, "async_op")
-all_gather = _twin(_aio_api.all_gather, "async_op")
-all_gather_coalesced = _twin(_aio_api.all_gather_coalesced, "async_op")
-all_gather_single = _twin(_aio_api.all_gather_single, "async_op")
-all_gather_into_tensor = _twin(_aio_api.all_gather_into_tensor, "async_op")
-gather = _twin(_aio_api.gather, "async_op")
-scatter = _twin(_aio_api.scatter, "async_op")
-reduce_scatter = _twin(_aio_api.reduce_scatter, "async_op")
-reduce_scatter_single = _twin(_aio_api.reduce_scatter_single, "async_op")
-reduce_scatter_tensor = _twin(_aio_api.reduce_scatter_tensor, "async_op")
-all_to_all = _twin(_aio_api.all_to_all, "async_op")
-all_to_all_single = _twin(_aio_api.all_to_all_single, "async_op")
-barrier = _twin(_aio_api.barrier, "async_op")
-monitored_barrier = _twin(_aio_api.monitored_barrier, "none")
-isend = _twin(_aio_api.isend, "work")
-irecv = _twin(_aio_api.irecv, "work")
-send = _twin(_aio_api.isend, "none")
-send.__name__ = send.__qualname__ = "send"
-recv = _twin(_aio_api.irecv, "result")
-recv.__name__ = recv.__qualname__ = "recv"
-broadcast_object_list = _twin(_aio_api.broadcast_object_list, "none")
-all_gather_object = _twin(_aio_api.all_gather_object, "none")
-gather_object = _twin(_aio_api.gather_object, "none")
-scatter_object_list = _twin(_aio_api.scatter_object_list, "none")
-send_object_list = _twin(_aio_api.send_object_list, "none")
-recv_object_list = _twin(_aio_api.recv_object_list, "result")
+all_reduce = _twin("all_reduce")
+all_reduce_coalesced = _twin("all_reduce_coalesced")
+broadcast = _twin("broadcast")
+reduce = _twin("reduce")
+all_gather = _twin("all_gather")
+all_gather_coalesced = _twin("all_gather_coalesced")
+all_gather_single = _twin("all_gather_single")
+all_gather_into_tensor = _twin("all_gather_into_tensor")
+gather = _twin("gather")
+scatter = _twin("scatter")
+reduce_scatter = _twin("reduce_scatter")
+reduce_scatter_single = _twin("reduce_scatter_single")
+reduce_scatter_tensor = _twin("reduce_scatter_tensor")
+all_to_all = _twin("all_to_all")
+all_to_all_single = _twin("all_to_all_single")
+barrier = _twin("barrier")
+monitored_barrier = _twin("monitored_barrier")
+isend = _twin("isend")
+irecv = _twin("irecv")
+send = _twin("send")
+recv = _twin("recv")
+broadcast_object_list = _twin("broadcast_object_list")
+all_gather_object = _twin("all_gather_object")
+gather_object = _twin("gather_object")
+scatter_object_list = _twin("scatter_object_list")
+send_object_list = _twin("send_object_list")
+recv_object_list = _twin("recv_object_list")
 
 
 class P2POp:
