@@ -39,7 +39,7 @@ from __future__ import annotations
 import pickle
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import numpy as np
 
@@ -94,8 +94,7 @@ ALGORITHMS = HOST_ALGORITHMS | {
 }
 
 
-@dataclass(frozen=True, slots=True)
-class Call:
+class Call(NamedTuple):
     """One call, checked: what its operation's algorithm takes.
 
     Attributes:
