@@ -486,7 +486,7 @@ async def test_a_killed_peer_fails_its_receives_at_once(job: str, tmp_path: Any)
 async def test_a_sender_waiting_for_room_is_woken_whenever_the_receiver_frees_it(
     job: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from aiodist.transport import shm as shm_module
+    from aiodist.transport import _shm_link as shm_module
 
     t0, t1 = await shm_world(2, job, ring_bytes=1 << 16, spin=0)
     try:

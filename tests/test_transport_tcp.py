@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 
 import aiodist
+from aiodist.transport._tcp_connection import _VERSION
 from aiodist.transport.base import Departure, PeerDirectory, departure_of
-from aiodist.transport.tcp import _VERSION, TCPTransport
+from aiodist.transport.tcp import TCPTransport
 
 pytestmark = pytest.mark.both_loops  # the standard loop (asyncio.run, uvicorn) too
 
@@ -484,7 +485,7 @@ async def test_abort_and_aclose_leave_no_socket_or_task_behind() -> None:
 async def test_abort_while_a_connect_completes(monkeypatch: pytest.MonkeyPatch) -> None:
     # Aborting inside connection_made cancels create_connection just as it completes;
     # uvloop then closes the transport without ever calling connection_lost.
-    from aiodist.transport.tcp import _Conn
+    from aiodist.transport._tcp_connection import TCPConnection as _Conn
 
     original = _Conn.connection_made
 

@@ -1,31 +1,19 @@
 """The shared-memory transport: ranks on one host exchange messages through ring buffers.
 
-Layout. Every rank creates one segment in ``/dev/shm`` holding a control page and one
-single-producer single-consumer ring per local peer *sending to it*; every peer maps it.
-The control page holds the owner's state (open, closed in order, aborted) and its sleeping
-flag; a ring's header holds ``head`` (bytes written, stored only by the sender), ``tail``
-(bytes consumed, stored only by the receiver) and ``want`` (the sender waits for space),
-each on a cache line of its own. Both counters only grow; ``pos & (size - 1)`` is the
-offset in the ring. A message is the TCP transport's 64-byte header (group, seq, step,
-length, the operation's fingerprint) followed by the payload, padded to 64 bytes, so a
-header never wraps around the end of the ring.
-
-Data path. ``send`` copies the header and payload into the ring at once when there is
-room (a small send's future is resolved before ``send`` returns); a large payload is
-streamed in ``CHUNK_BYTES`` pieces, ``head`` published after each, so the receiver copies
-out while the sender copies in. The receiver asks the mailbox where a message goes when
-its header arrives (``Mailbox.incoming``): the posted receive's own memory, or a staging
-buffer, and copies straight there. At most ``TURN_BYTES`` are moved per loop turn, so a
+Every rank creates one segment and one doorbell in ``/dev/shm`` and maps those of its local
+peers (:meth:`ShmTransport.create`). Between two ranks, a
+:class:`~aiodist.transport._shm_link.ShmLink` moves the messages: its module describes the
+segment's layout, how a message is written and read, and how a sender waits for room. This
+module sets the links up and runs them: at most ``TURN_BYTES`` are moved per loop turn, so a
 64 MiB message never stalls the loop.
 
 Waiting. See ``_shm_signal`` for the doorbell, the sleeping flag and why they cannot lose a
-wake-up. A sender waiting for room pairs its ``want`` flag with the receiver's ``tail`` the
-same way: it stores ``want``, fences, and loads ``tail`` once more; the receiver stores
-``tail``, fences, and loads ``want`` (and rings only if it is set). A rank whose receive is not satisfied polls its rings for up to ``SPIN_SECONDS``
+wake-up. A rank whose receive is not satisfied polls its rings for up to ``SPIN_SECONDS``
 after the posting task has yielded (only when the host's ranks fit on the usable CPUs and
 no peer shares this process), then sleeps on its doorbell; while it polls, or while a
-pass over its rings is already scheduled, its flag tells peers not to ring. Peer processes are watched through pidfds, so a peer that dies fails everything that
-depends on it at once; messages it wrote completely before are still delivered.
+pass over its rings is already scheduled, its flag tells peers not to ring. Peer processes
+are watched through pidfds, so a peer that dies fails everything that depends on it at
+once; messages it wrote completely before are still delivered.
 """
 
 from __future__ import annotations
@@ -37,7 +25,6 @@ import logging
 import os
 import struct
 import time
-from collections import deque
 from collections.abc import Collection
 from typing import Any
 
@@ -46,17 +33,22 @@ from .._timeouts import DEFAULT_SETUP_TIMEOUT, Timeout, to_seconds
 from ..errors import DistNetworkError, DistProtocolError, DistUsageError
 from ..store import Store
 from . import _shm_setup
-from ._frames import (
-    ABORTING,
-    BYE,
-    HEADER,
-    MAX_MESSAGE,
-    REJECTION,
-    ControlText,
-    control_frame,
-    is_control,
+from ._frames import ABORTING, BYE, HEADER, REJECTION, control_frame
+from ._mailbox import Mailbox, as_bytes, fail_future
+from ._shm_link import (
+    ABORTED,
+    CHUNK_BYTES as CHUNK_BYTES,  # the link's now; still importable from here
+    CLOSED,
+    CTRL_BYTES,
+    OPEN,
+    RING_HDR_BYTES,
+    W_MAGIC,
+    W_SLEEP,
+    W_STATE,
+    QueuedSend,
+    ShmLink,
+    control_send,
 )
-from ._mailbox import Inbound, Mailbox, as_bytes, fail_future
 from ._shm_segment import (
     ProcessId,
     Segment,
@@ -76,7 +68,6 @@ from .base import (
     abort_text,
     departure_of,
     lost_peer_error,
-    peer_aborted_error,
 )
 
 __all__ = ["DEFAULT_RING_BYTES", "ShmTransport", "default_job_key", "find_local_ranks"]
@@ -86,17 +77,6 @@ logger = logging.getLogger(__name__)
 _VERSION = 1
 _MAGIC = int.from_bytes(b"AIODSHM1", "little")
 _HEADER = HEADER
-_HDR = _HEADER.size
-_ALIGN_MASK = 63
-_CTRL_BYTES = 4096
-# Word indices in the control page (each on a cache line of its own).
-_W_MAGIC, _W_STATE, _W_SLEEP = 0, 8, 16
-_RING_HDR_BYTES = 256
-# Word indices in a ring's header, relative to its first word.
-_R_HEAD, _R_TAIL, _R_WANT = 0, 8, 16
-# Owner states; 0 while setting up.
-_OPEN, _CLOSED, _ABORTED = 1, 2, 3
-_EMPTY = memoryview(b"")
 
 #: Bytes of ring per ordered pair of ranks (a power of two). With many local ranks the
 #: rings shrink so that a rank's segment stays within 64 MiB (down to 256 KiB per ring).
@@ -104,8 +84,6 @@ DEFAULT_RING_BYTES = 4 << 20
 _MIN_RING_BYTES = 4096
 #: Bytes moved (both directions together) per loop turn.
 TURN_BYTES = 1 << 20
-#: A large payload is published to the receiver in pieces of this size.
-CHUNK_BYTES = 256 << 10
 #: How long ``aclose`` lets queued sends drain before closing.
 CLOSE_DRAIN_SECONDS = 5.0
 #: A sleeping rank with work pending re-checks its rings after this long, doubling up to
@@ -188,265 +166,6 @@ def _default_ring_bytes(peers: int) -> int:
     return size
 
 
-class _Send:
-    """A queued send: its header, payload, future and how far it has been written."""
-
-    __slots__ = ("data", "fut", "header", "off")
-
-    def __init__(self, header: bytes, data: memoryview, fut: asyncio.Future[None]) -> None:
-        self.header = header
-        self.data = data
-        self.fut = fut
-        self.off = -1  # -1: the header is not written yet
-
-
-def _control_send(frame: bytes, fut: asyncio.Future[None]) -> _Send:
-    """A control message as a send: its header, then its text as the payload."""
-    return _Send(frame[:_HDR], memoryview(frame)[_HDR:], fut)
-
-
-class _Link:
-    """Everything between this rank and one local peer: both rings, its doorbell, its pid."""
-
-    def __init__(
-        self,
-        owner: ShmTransport,
-        peer: int,
-        proc: ProcessId,
-        peer_seg: Segment,
-        out_ring: int,
-        in_ring: int,
-        cap: int,
-        bell: Bell,
-    ) -> None:
-        self.owner = owner
-        self.peer = peer
-        self.proc = proc
-        self.peer_seg = peer_seg
-        self.cap = cap
-        self.mask = cap - 1
-        self.bell = bell
-        self.watch: PeerWatch | None = None
-        self.error: BaseException | None = None
-        # What the peer said when it said goodbye (it closes in order).
-        self.bye: str | None = None
-        # Sending: our ring in the peer's segment; the peer's control words are there too.
-        self.tx_buf = peer_seg.buf
-        self.tx_words = peer_seg.words
-        self.tx_data = out_ring + _RING_HDR_BYTES
-        w = out_ring // 8
-        self.tx_head_w, self.tx_tail_w, self.tx_want_w = w + _R_HEAD, w + _R_TAIL, w + _R_WANT
-        self.head = 0
-        self.want = False
-        self.queue: deque[_Send] = deque()
-        # Receiving: the peer's ring in our own segment.
-        seg = owner._seg
-        assert seg is not None
-        self.rx_buf = seg.buf
-        self.rx_words = seg.words
-        self.rx_data = in_ring + _RING_HDR_BYTES
-        w = in_ring // 8
-        self.rx_head_w, self.rx_tail_w, self.rx_want_w = w + _R_HEAD, w + _R_TAIL, w + _R_WANT
-        self.tail = 0
-        # The message whose payload is arriving: a data message, or a control text.
-        self.inbound: Inbound | ControlText | None = None
-        self.doff = 0
-        self.drem = 0
-
-    def __repr__(self) -> str:
-        return (
-            f"<_Link rank {self.owner.rank} <-> {self.peer} queued={len(self.queue)} "
-            f"receiving={self.inbound is not None} error={self.error!r}>"
-        )
-
-    def peer_state(self) -> int:
-        return self.tx_words[_W_STATE]
-
-    # -- sending ---------------------------------------------------------------------------
-
-    def tx(self, budget: int) -> int:
-        """Copy queued sends into the ring; return the bytes moved (at most ``budget``)."""
-        if budget <= 0:
-            # Nothing can move, so nothing is learnt: in particular the want flag of a
-            # sender still waiting for room must stay set, or the receiver never rings.
-            return 0
-        queue = self.queue
-        words = self.tx_words
-        buf = self.tx_buf
-        cap, mask, base = self.cap, self.mask, self.tx_data
-        head = self.head
-        tail = words[self.tx_tail_w]
-        moved = 0
-        blocked = False
-        while queue and budget > 0:
-            s = queue[0]
-            free = cap - (head - tail)
-            if s.off < 0:
-                if free < _HDR:
-                    blocked = True
-                    break
-                pos = base + (head & mask)
-                buf[pos : pos + _HDR] = s.header
-                head += _HDR
-                free -= _HDR
-                moved += _HDR
-                budget -= _HDR
-                s.off = 0
-            data = s.data
-            off = s.off
-            left = len(data) - off
-            if left:
-                take = min(left, free, budget, CHUNK_BYTES)
-                if take <= 0:
-                    blocked = free <= 0
-                    break
-                start = head & mask
-                first = min(take, cap - start)
-                buf[base + start : base + start + first] = data[off : off + first]
-                if first < take:
-                    buf[base : base + take - first] = data[off + first : off + take]
-                head += take
-                moved += take
-                budget -= take
-                s.off = off = off + take
-                if off < len(data):
-                    # Publish this piece, so the receiver copies it out while we go on.
-                    words[self.tx_head_w] = head
-                    self._ring_if_sleeping()
-                    tail = words[self.tx_tail_w]
-                    continue
-            head = (head + _ALIGN_MASK) & ~_ALIGN_MASK
-            queue.popleft()
-            if not s.fut.done():
-                s.fut.set_result(None)
-            self.owner._completions += 1
-        if moved:
-            self.head = head
-            words[self.tx_head_w] = head
-            self._ring_if_sleeping()
-        if blocked != self.want:
-            self.want = blocked
-            words[self.tx_want_w] = int(blocked)
-            if blocked:
-                # Our store of want, a barrier, then one more load of tail (see
-                # _shm_signal): a receiver that freed space before it could see the flag
-                # did not ring, and we would sleep on a ring that has room.
-                fence()
-                if words[self.tx_tail_w] != tail:
-                    return moved + self.tx(budget)
-        return moved
-
-    def _ring_if_sleeping(self) -> None:
-        # Our store of head, a barrier, then the load of the peer's flag (see _shm_signal).
-        fence()
-        if self.tx_words[_W_SLEEP] and not self.bell.ring():
-            self.owner._loop.call_soon(self.owner._peer_exited, self)
-
-    # -- receiving -------------------------------------------------------------------------
-
-    def rx(self, budget: int) -> int:
-        """Copy arrived bytes to where the mailbox says; return the bytes moved."""
-        words = self.rx_words
-        head = words[self.rx_head_w]
-        tail = self.tail
-        if head == tail:
-            return 0
-        buf = self.rx_buf
-        cap, mask, base = self.cap, self.mask, self.rx_data
-        mailbox = self.owner.mailbox
-        moved = 0
-        done: list[Inbound | ControlText] = []
-        while tail != head and budget > 0:
-            if self.inbound is None:
-                group, seq, step, nbytes, fp = _HEADER.unpack_from(buf, base + (tail & mask))
-                tail += _HDR
-                moved += _HDR
-                budget -= _HDR
-                if is_control(nbytes, step):
-                    self.inbound = ControlText(
-                        nbytes, group, seq, step, self.peer, mailbox, self._said
-                    )
-                    self.doff = 0
-                    self.drem = step
-                    if not step:
-                        done.append(self.inbound)
-                        self.inbound = None
-                    continue
-                if nbytes >= MAX_MESSAGE:
-                    self._publish_tail(tail)
-                    self.owner._lose(
-                        self,
-                        DistProtocolError(
-                            f"rank {self.peer} wrote a message header announcing {nbytes} "
-                            "bytes into shared memory: a corrupted ring"
-                        ),
-                    )
-                    return moved
-                try:
-                    inbound = mailbox.incoming(self.peer, (group, seq, step), nbytes, fp)
-                except MemoryError:
-                    self._publish_tail(tail)
-                    self.owner._lose(
-                        self,
-                        DistProtocolError(
-                            f"rank {self.peer} sent a message of {nbytes} bytes, more than "
-                            "this rank can allocate to hold it"
-                        ),
-                    )
-                    return moved
-                if nbytes:
-                    self.inbound = inbound
-                    self.doff = 0
-                    self.drem = nbytes
-                continue
-            take = min(head - tail, self.drem, budget)
-            start = tail & mask
-            first = min(take, cap - start)
-            # Read the destination each time: a rejected operation's message is switched
-            # to scratch memory while it arrives.
-            assert self.inbound is not None
-            dest, doff = self.inbound.buffer, self.doff
-            dest[doff : doff + first] = buf[base + start : base + start + first]
-            if first < take:
-                dest[doff + first : doff + take] = buf[base : base + take - first]
-            tail += take
-            moved += take
-            budget -= take
-            self.doff = doff + take
-            self.drem -= take
-            if not self.drem:
-                tail = (tail + _ALIGN_MASK) & ~_ALIGN_MASK
-                done.append(self.inbound)
-                self.inbound = None
-        self._publish_tail(tail)
-        if done:
-            self.owner._completions += len(done)
-            for arrived in done:
-                arrived.done()
-        return moved
-
-    def _publish_tail(self, tail: int) -> None:
-        self.tail = tail
-        words = self.rx_words
-        words[self.rx_tail_w] = tail
-        # Our store of tail, a barrier, then the loads of the sender's flags.
-        fence()
-        if words[self.rx_want_w] and self.tx_words[_W_SLEEP] and not self.bell.ring():
-            self.owner._loop.call_soon(self.owner._peer_exited, self)
-
-    def _said(self, kind: int, text: str) -> None:
-        # A goodbye (the peer's state says closed next) or the cause it aborts for.
-        if kind == BYE:
-            self.bye = text
-        else:
-            self.owner._lose(self, peer_aborted_error(self.peer, text))
-
-    def drain(self) -> None:
-        """Take everything the peer wrote (it is gone): complete messages are delivered."""
-        while self.rx(1 << 62):
-            pass
-
-
 class ShmTransport(Transport):
     """A transport between ranks on one host, through ring buffers in shared memory.
 
@@ -482,8 +201,8 @@ class ShmTransport(Transport):
         self._seg = seg
         self._doorbell = doorbell
         self._spin = spin
-        self._links: list[_Link] = []
-        self._by_peer: dict[int, _Link] = {}
+        self._links: list[ShmLink] = []
+        self._by_peer: dict[int, ShmLink] = {}
         self._closed: BaseException | None = None
         self._scheduled = False
         self._timer: asyncio.TimerHandle | None = None
@@ -620,7 +339,7 @@ class ShmTransport(Transport):
         deadline: float | None,
     ) -> ShmTransport:
         me = this_process()
-        size = _CTRL_BYTES + len(peers) * (_RING_HDR_BYTES + cap)
+        size = CTRL_BYTES + len(peers) * (RING_HDR_BYTES + cap)
         what = f"setting up shared memory for rank {rank}"
         seg: Segment | None = None
         doorbell: Doorbell | None = None
@@ -634,8 +353,8 @@ class ShmTransport(Transport):
                 size,
                 f"the rings of rank {rank} ({len(peers)} x {cap} bytes)",
             )
-            seg.words[_W_MAGIC] = _MAGIC
-            seg.words[_W_SLEEP] = 1  # a rank that is not polling wants its doorbell rung
+            seg.words[W_MAGIC] = _MAGIC
+            seg.words[W_SLEEP] = 1  # a rank that is not polling wants its doorbell rung
             doorbell = Doorbell(segment_path(job, "tb", rank))
             record = {
                 "v": _VERSION,
@@ -666,7 +385,7 @@ class ShmTransport(Transport):
             for r in peers:
                 peer_seg = Segment.attach(str(records[r]["seg"]), int(records[r]["size"]))
                 attached.append(peer_seg)
-                if peer_seg.words[_W_MAGIC] != _MAGIC:
+                if peer_seg.words[W_MAGIC] != _MAGIC:
                     raise DistProtocolError(
                         f"rank {r}'s shared-memory segment {peer_seg.path} is not an aiodist one"
                     )
@@ -681,9 +400,9 @@ class ShmTransport(Transport):
             self = cls(rank, world_size, local, mailbox, seg, doorbell, spin)
             for i, r in enumerate(peers):
                 senders_of_r = [s for s in local if s != r]
-                out_ring = _CTRL_BYTES + senders_of_r.index(rank) * (_RING_HDR_BYTES + cap)
-                in_ring = _CTRL_BYTES + i * (_RING_HDR_BYTES + cap)
-                link = _Link(self, r, procs[r], attached[i], out_ring, in_ring, cap, bells[i])
+                out_ring = CTRL_BYTES + senders_of_r.index(rank) * (RING_HDR_BYTES + cap)
+                in_ring = CTRL_BYTES + i * (RING_HDR_BYTES + cap)
+                link = ShmLink(self, r, procs[r], attached[i], out_ring, in_ring, cap, bells[i])
                 self._links.append(link)
                 self._by_peer[r] = link
             doorbell.listen(self._loop, self._on_bell)
@@ -691,7 +410,7 @@ class ShmTransport(Transport):
                 link.watch = PeerWatch(
                     self._loop, link.proc, functools.partial(self._peer_exited, link)
                 )
-            seg.words[_W_STATE] = _OPEN
+            seg.words[W_STATE] = OPEN
         except BaseException:
             if self is not None:
                 self._release()
@@ -748,7 +467,7 @@ class ShmTransport(Transport):
         elif link.error is not None:
             fail_future(fut, link.error)
         else:
-            link.queue.append(_Send(header, data, fut))
+            link.queue.append(QueuedSend(header, data, fut))
             if len(link.queue) == 1:
                 link.tx(TURN_BYTES)
             if link.queue:
@@ -798,13 +517,13 @@ class ShmTransport(Transport):
             return  # a peer that is gone needs no rejection
         fut: asyncio.Future[None] = self._loop.create_future()
         fut.add_done_callback(lambda f: f.cancelled() or f.exception())
-        link.queue.append(_control_send(control_frame(REJECTION, group, seq, reason), fut))
+        link.queue.append(control_send(control_frame(REJECTION, group, seq, reason), fut))
         if len(link.queue) == 1:
             link.tx(TURN_BYTES)
         if link.queue:
             self._schedule()
 
-    def _link_for(self, peer: int) -> _Link | None:
+    def _link_for(self, peer: int) -> ShmLink | None:
         """The link to ``peer``; ``None`` for this rank itself."""
         if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < self.world_size:
             raise DistUsageError(f"peer must be a rank in [0, {self.world_size}), got {peer!r}")
@@ -821,7 +540,7 @@ class ShmTransport(Transport):
     def abort(self, exc: BaseException) -> None:
         """Fail every pending send and receive with ``exc``; peers see this rank as lost."""
         if self._closed is None:
-            self._shutdown(exc, _ABORTED)
+            self._shutdown(exc, ABORTED)
 
     async def aclose(self, reason: str | None = None) -> None:
         """Let queued sends drain (up to 5 s), tell the peers this rank closes, and close.
@@ -837,21 +556,21 @@ class ShmTransport(Transport):
                 await asyncio.wait(queued, timeout=CLOSE_DRAIN_SECONDS)
             if self._closed is None:
                 exc = DistNetworkError(f"the transport of rank {self.rank} was closed")
-                self._shutdown(exc, _CLOSED, control_frame(BYE, 0, 0, reason or CLOSED_REASON))
+                self._shutdown(exc, CLOSED, control_frame(BYE, 0, 0, reason or CLOSED_REASON))
 
     def _shutdown(self, exc: BaseException, state: int, last: bytes | None = None) -> None:
         self._closed = exc
-        if state == _ABORTED:
+        if state == ABORTED:
             last = control_frame(ABORTING, 0, 0, abort_text(exc))
         if last is not None:
             # The peers read this before they see our state change: the cause, or the
             # goodbye, reaches them.
             for link in self._links:
                 if link.error is None and not link.queue:
-                    link.queue.append(_control_send(last, self._loop.create_future()))
+                    link.queue.append(control_send(last, self._loop.create_future()))
                     link.tx(len(last))
         if self._seg is not None:
-            self._seg.words[_W_STATE] = state
+            self._seg.words[W_STATE] = state
             fence()
         for link in self._links:
             if link.error is None:
@@ -868,11 +587,7 @@ class ShmTransport(Transport):
             self._timer.cancel()
             self._timer = None
         for link in self._links:
-            if link.watch is not None:
-                link.watch.close()
-            link.bell.close()
-            link.tx_buf = link.rx_buf = _EMPTY
-            link.peer_seg.close()
+            link.close()
         if self._doorbell is not None:
             self._doorbell.close()
         if self._seg is not None:
@@ -887,7 +602,7 @@ class ShmTransport(Transport):
             # the flag again and looks once more: until then peers need not ring (in a
             # 2-rank exchange both would, each while the other is about to look anyway).
             if self._seg is not None:
-                self._seg.words[_W_SLEEP] = 0
+                self._seg.words[W_SLEEP] = 0
             self._loop.call_soon(self._service)
 
     def _pump(self, budget: int) -> int:
@@ -930,7 +645,7 @@ class ShmTransport(Transport):
 
     def _poll(self) -> None:
         words = self._seg.words  # type: ignore[union-attr]
-        words[_W_SLEEP] = 0  # peers need not ring while we look ourselves
+        words[W_SLEEP] = 0  # peers need not ring while we look ourselves
         completions = self._completions
         moved_total = 0
         now = time.perf_counter
@@ -959,7 +674,7 @@ class ShmTransport(Transport):
                     os.sched_yield()
         except BaseException:
             if self._closed is None:
-                words[_W_SLEEP] = 1  # never leave peers believing we look
+                words[W_SLEEP] = 1  # never leave peers believing we look
             raise
         self._sleep()
 
@@ -968,7 +683,7 @@ class ShmTransport(Transport):
         # look once more before relying on the doorbell (see _shm_signal).
         if self._seg is None or self._closed is not None:
             return
-        self._seg.words[_W_SLEEP] = 1
+        self._seg.words[W_SLEEP] = 1
         fence()
         if self._pump(TURN_BYTES):
             self._recheck = _RECHECK_FIRST
@@ -993,7 +708,7 @@ class ShmTransport(Transport):
 
     def _check_peers(self) -> None:
         for link in self._links:
-            if link.error is None and link.peer_state() in (_CLOSED, _ABORTED):
+            if link.error is None and link.peer_state() in (CLOSED, ABORTED):
                 self._peer_exited(link)
 
     def peer_gone(self, peer: int, exc: BaseException) -> None:
@@ -1004,23 +719,23 @@ class ShmTransport(Transport):
                 link.drain()
                 self._lose(link, exc)
 
-    def _peer_exited(self, link: _Link) -> None:
+    def _peer_exited(self, link: ShmLink) -> None:
         """The peer closed, aborted or its process ended: deliver what it wrote, then fail
         what depends on it."""
         if link.error is not None or self._closed is not None:
             return
         link.drain()  # (its goodbye, if it said one, is the last thing it wrote)
         state = link.peer_state()
-        if state == _CLOSED:
+        if state == CLOSED:
             error = lost_peer_error(link.peer, f"it {link.bye or CLOSED_REASON}", Departure.LEFT)
-        elif state == _ABORTED:
+        elif state == ABORTED:
             error = lost_peer_error(link.peer, "its transport was aborted")
         else:
             reason = f"its process (pid {link.proc.pid}) exited"
             error = lost_peer_error(link.peer, reason, Departure.GONE)
         self._lose(link, error)
 
-    def _lose(self, link: _Link, exc: BaseException) -> None:
+    def _lose(self, link: ShmLink, exc: BaseException) -> None:
         if link.error is not None or self._closed is not None:
             return
         link.error = exc

@@ -1,0 +1,346 @@
+"""One shared-memory link: the two rings between this rank and one local peer.
+
+A :class:`ShmLink` writes this rank's messages into its ring in the peer's segment, reads the
+peer's messages from the peer's ring in this rank's segment, and rings the peer's doorbell
+when the peer sleeps. It belongs to a :class:`~aiodist.transport.shm.ShmTransport`, which
+sets the links up, decides when and how many bytes they move, and fails what depends on a
+peer that is lost.
+
+Layout. Every rank creates one segment in ``/dev/shm`` holding a control page and one
+single-producer single-consumer ring per local peer *sending to it*; every peer maps it.
+The control page holds the owner's state (open, closed in order, aborted) and its sleeping
+flag; a ring's header holds ``head`` (bytes written, stored only by the sender), ``tail``
+(bytes consumed, stored only by the receiver) and ``want`` (the sender waits for space),
+each on a cache line of its own. Both counters only grow; ``pos & (size - 1)`` is the
+offset in the ring. A message is the TCP transport's 64-byte header (group, seq, step,
+length, the operation's fingerprint) followed by the payload, padded to 64 bytes, so a
+header never wraps around the end of the ring.
+
+Data path. ``ShmTransport.send`` queues a message on its link, which copies the header and
+payload into the ring at once when there is room (a small send's future is resolved before
+``send`` returns); a large payload is streamed in ``CHUNK_BYTES`` pieces, ``head`` published
+after each, so the receiver copies out while the sender copies in. The receiver asks the
+mailbox where a message goes when its header arrives (``Mailbox.incoming``): the posted
+receive's own memory, or a staging buffer, and copies straight there.
+
+Waiting for room. A sender waiting for room pairs its ``want`` flag with the receiver's
+``tail`` as the doorbell pairs ``head`` with the sleeping flag (``_shm_signal`` has the
+argument): it stores ``want``, fences, and loads ``tail`` once more; the receiver stores
+``tail``, fences, and loads ``want`` (and rings only if it is set).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import TYPE_CHECKING
+
+from ..errors import DistProtocolError
+from ._frames import BYE, HEADER, MAX_MESSAGE, ControlText, is_control
+from ._mailbox import Inbound
+from ._shm_segment import ProcessId, Segment
+from ._shm_signal import Bell, PeerWatch, fence
+from .base import peer_aborted_error
+
+if TYPE_CHECKING:
+    from .shm import ShmTransport
+
+__all__ = [
+    "ABORTED",
+    "CHUNK_BYTES",
+    "CLOSED",
+    "CTRL_BYTES",
+    "OPEN",
+    "RING_HDR_BYTES",
+    "W_MAGIC",
+    "W_SLEEP",
+    "W_STATE",
+    "QueuedSend",
+    "ShmLink",
+    "control_send",
+]
+
+_HEADER = HEADER
+_HDR = _HEADER.size
+_ALIGN_MASK = 63
+# The segment's layout is named for the transport too: it lays segments out, checks their
+# magic and publishes its own state.
+CTRL_BYTES = 4096
+# Word indices in the control page (each on a cache line of its own).
+W_MAGIC, W_STATE, W_SLEEP = 0, 8, 16
+RING_HDR_BYTES = 256
+# Word indices in a ring's header, relative to its first word.
+_R_HEAD, _R_TAIL, _R_WANT = 0, 8, 16
+# Owner states; 0 while setting up.
+OPEN, CLOSED, ABORTED = 1, 2, 3
+_EMPTY = memoryview(b"")
+
+#: A large payload is published to the receiver in pieces of this size.
+CHUNK_BYTES = 256 << 10
+
+
+class QueuedSend:
+    """A queued send: its header, payload, future and how far it has been written."""
+
+    __slots__ = ("data", "fut", "header", "off")
+
+    def __init__(self, header: bytes, data: memoryview, fut: asyncio.Future[None]) -> None:
+        self.header = header
+        self.data = data
+        self.fut = fut
+        self.off = -1  # -1: the header is not written yet
+
+
+def control_send(frame: bytes, fut: asyncio.Future[None]) -> QueuedSend:
+    """A control message as a send: its header, then its text as the payload."""
+    return QueuedSend(frame[:_HDR], memoryview(frame)[_HDR:], fut)
+
+
+class ShmLink:
+    """Everything between this rank and one local peer: both rings, its doorbell, its pid."""
+
+    def __init__(
+        self,
+        owner: ShmTransport,
+        peer: int,
+        proc: ProcessId,
+        peer_seg: Segment,
+        out_ring: int,
+        in_ring: int,
+        cap: int,
+        bell: Bell,
+    ) -> None:
+        self.owner = owner
+        self.peer = peer
+        self.proc = proc
+        self.peer_seg = peer_seg
+        self.cap = cap
+        self.mask = cap - 1
+        self.bell = bell
+        self.watch: PeerWatch | None = None
+        self.error: BaseException | None = None
+        # What the peer said when it said goodbye (it closes in order).
+        self.bye: str | None = None
+        # Sending: our ring in the peer's segment; the peer's control words are there too.
+        self.tx_buf = peer_seg.buf
+        self.tx_words = peer_seg.words
+        self.tx_data = out_ring + RING_HDR_BYTES
+        w = out_ring // 8
+        self.tx_head_w, self.tx_tail_w, self.tx_want_w = w + _R_HEAD, w + _R_TAIL, w + _R_WANT
+        self.head = 0
+        self.want = False
+        self.queue: deque[QueuedSend] = deque()
+        # Receiving: the peer's ring in our own segment.
+        seg = owner._seg
+        assert seg is not None
+        self.rx_buf = seg.buf
+        self.rx_words = seg.words
+        self.rx_data = in_ring + RING_HDR_BYTES
+        w = in_ring // 8
+        self.rx_head_w, self.rx_tail_w, self.rx_want_w = w + _R_HEAD, w + _R_TAIL, w + _R_WANT
+        self.tail = 0
+        # The message whose payload is arriving: a data message, or a control text.
+        self.inbound: Inbound | ControlText | None = None
+        self.doff = 0
+        self.drem = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"<ShmLink rank {self.owner.rank} <-> {self.peer} queued={len(self.queue)} "
+            f"receiving={self.inbound is not None} error={self.error!r}>"
+        )
+
+    def peer_state(self) -> int:
+        return self.tx_words[W_STATE]
+
+    # -- sending ---------------------------------------------------------------------------
+
+    def tx(self, budget: int) -> int:
+        """Copy queued sends into the ring; return the bytes moved (at most ``budget``)."""
+        if budget <= 0:
+            # Nothing can move, so nothing is learnt: in particular the want flag of a
+            # sender still waiting for room must stay set, or the receiver never rings.
+            return 0
+        queue = self.queue
+        words = self.tx_words
+        buf = self.tx_buf
+        cap, mask, base = self.cap, self.mask, self.tx_data
+        head = self.head
+        tail = words[self.tx_tail_w]
+        moved = 0
+        blocked = False
+        while queue and budget > 0:
+            s = queue[0]
+            free = cap - (head - tail)
+            if s.off < 0:
+                if free < _HDR:
+                    blocked = True
+                    break
+                pos = base + (head & mask)
+                buf[pos : pos + _HDR] = s.header
+                head += _HDR
+                free -= _HDR
+                moved += _HDR
+                budget -= _HDR
+                s.off = 0
+            data = s.data
+            off = s.off
+            left = len(data) - off
+            if left:
+                take = min(left, free, budget, CHUNK_BYTES)
+                if take <= 0:
+                    blocked = free <= 0
+                    break
+                start = head & mask
+                first = min(take, cap - start)
+                buf[base + start : base + start + first] = data[off : off + first]
+                if first < take:
+                    buf[base : base + take - first] = data[off + first : off + take]
+                head += take
+                moved += take
+                budget -= take
+                s.off = off = off + take
+                if off < len(data):
+                    # Publish this piece, so the receiver copies it out while we go on.
+                    words[self.tx_head_w] = head
+                    self._ring_if_sleeping()
+                    tail = words[self.tx_tail_w]
+                    continue
+            head = (head + _ALIGN_MASK) & ~_ALIGN_MASK
+            queue.popleft()
+            if not s.fut.done():
+                s.fut.set_result(None)
+            self.owner._completions += 1
+        if moved:
+            self.head = head
+            words[self.tx_head_w] = head
+            self._ring_if_sleeping()
+        if blocked != self.want:
+            self.want = blocked
+            words[self.tx_want_w] = int(blocked)
+            if blocked:
+                # Our store of want, a barrier, then one more load of tail (see
+                # _shm_signal): a receiver that freed space before it could see the flag
+                # did not ring, and we would sleep on a ring that has room.
+                fence()
+                if words[self.tx_tail_w] != tail:
+                    return moved + self.tx(budget)
+        return moved
+
+    def _ring_if_sleeping(self) -> None:
+        # Our store of head, a barrier, then the load of the peer's flag (see _shm_signal).
+        fence()
+        if self.tx_words[W_SLEEP] and not self.bell.ring():
+            self.owner._loop.call_soon(self.owner._peer_exited, self)
+
+    # -- receiving -------------------------------------------------------------------------
+
+    def rx(self, budget: int) -> int:
+        """Copy arrived bytes to where the mailbox says; return the bytes moved."""
+        words = self.rx_words
+        head = words[self.rx_head_w]
+        tail = self.tail
+        if head == tail:
+            return 0
+        buf = self.rx_buf
+        cap, mask, base = self.cap, self.mask, self.rx_data
+        mailbox = self.owner.mailbox
+        moved = 0
+        done: list[Inbound | ControlText] = []
+        while tail != head and budget > 0:
+            if self.inbound is None:
+                group, seq, step, nbytes, fp = _HEADER.unpack_from(buf, base + (tail & mask))
+                tail += _HDR
+                moved += _HDR
+                budget -= _HDR
+                if is_control(nbytes, step):
+                    self.inbound = ControlText(
+                        nbytes, group, seq, step, self.peer, mailbox, self._said
+                    )
+                    self.doff = 0
+                    self.drem = step
+                    if not step:
+                        done.append(self.inbound)
+                        self.inbound = None
+                    continue
+                if nbytes >= MAX_MESSAGE:
+                    self._publish_tail(tail)
+                    self.owner._lose(
+                        self,
+                        DistProtocolError(
+                            f"rank {self.peer} wrote a message header announcing {nbytes} "
+                            "bytes into shared memory: a corrupted ring"
+                        ),
+                    )
+                    return moved
+                try:
+                    inbound = mailbox.incoming(self.peer, (group, seq, step), nbytes, fp)
+                except MemoryError:
+                    self._publish_tail(tail)
+                    self.owner._lose(
+                        self,
+                        DistProtocolError(
+                            f"rank {self.peer} sent a message of {nbytes} bytes, more than "
+                            "this rank can allocate to hold it"
+                        ),
+                    )
+                    return moved
+                if nbytes:
+                    self.inbound = inbound
+                    self.doff = 0
+                    self.drem = nbytes
+                continue
+            take = min(head - tail, self.drem, budget)
+            start = tail & mask
+            first = min(take, cap - start)
+            # Read the destination each time: a rejected operation's message is switched
+            # to scratch memory while it arrives.
+            assert self.inbound is not None
+            dest, doff = self.inbound.buffer, self.doff
+            dest[doff : doff + first] = buf[base + start : base + start + first]
+            if first < take:
+                dest[doff + first : doff + take] = buf[base : base + take - first]
+            tail += take
+            moved += take
+            budget -= take
+            self.doff = doff + take
+            self.drem -= take
+            if not self.drem:
+                tail = (tail + _ALIGN_MASK) & ~_ALIGN_MASK
+                done.append(self.inbound)
+                self.inbound = None
+        self._publish_tail(tail)
+        if done:
+            self.owner._completions += len(done)
+            for arrived in done:
+                arrived.done()
+        return moved
+
+    def _publish_tail(self, tail: int) -> None:
+        self.tail = tail
+        words = self.rx_words
+        words[self.rx_tail_w] = tail
+        # Our store of tail, a barrier, then the loads of the sender's flags.
+        fence()
+        if words[self.rx_want_w] and self.tx_words[W_SLEEP] and not self.bell.ring():
+            self.owner._loop.call_soon(self.owner._peer_exited, self)
+
+    def _said(self, kind: int, text: str) -> None:
+        # A goodbye (the peer's state says closed next) or the cause it aborts for.
+        if kind == BYE:
+            self.bye = text
+        else:
+            self.owner._lose(self, peer_aborted_error(self.peer, text))
+
+    def drain(self) -> None:
+        """Take everything the peer wrote (it is gone): complete messages are delivered."""
+        while self.rx(1 << 62):
+            pass
+
+    def close(self) -> None:
+        """Let go of the peer's segment, doorbell and process watch."""
+        if self.watch is not None:
+            self.watch.close()
+        self.bell.close()
+        self.tx_buf = self.rx_buf = _EMPTY
+        self.peer_seg.close()
