@@ -4,8 +4,10 @@ Everything here runs the async core on one event loop that lives in a daemon thr
 process (``aiodist-loop``; uvloop when installed, or as ``$AIODIST_LOOP`` says: ``auto``,
 ``uvloop``, ``asyncio``). The thread starts on the first blocking call and stops at interpreter
 exit. No global event-loop policy is touched, so the caller's own asyncio code is unaffected.
+The thread and the hand-offs to it live in :mod:`aiodist._loop_thread`, the blocking stores
+in :mod:`aiodist._sync_stores`; this module is the API and re-exports them.
 
-Every blocking call goes through :func:`_run`, which
+Every blocking call goes through one of those hand-offs, each of which
 
 * refuses to run on the loop thread itself (that would deadlock) with a ``DistUsageError``,
 * on Ctrl-C (``KeyboardInterrupt`` in the calling thread) cancels the operation on the loop
@@ -23,7 +25,6 @@ fail at once, naming it, rather than wait for it.
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import concurrent.futures
 import inspect
@@ -33,12 +34,9 @@ import multiprocessing.util
 import os
 import sys
 import threading
-import time
-import weakref
 from collections.abc import Callable, Coroutine, Iterator
 from datetime import timedelta
-from types import TracebackType
-from typing import Any, Concatenate, Generic, ParamSpec, Self, TypeVar, overload
+from typing import Any, Generic, Self, TypeVar
 
 from . import (
     _api as _aio_api,
@@ -46,13 +44,21 @@ from . import (
     device_mesh as _device_mesh,
     group as _group,
     rendezvous as _rendezvous,
-    store as _aio,
 )
-from ._loop import loop_factory
+from ._loop_thread import block, loop_thread, on_loop, run, start_on_loop, wait
 from ._operations import OPERATIONS
 from ._ops import PremulSum, ReduceOp, make_premul_sum, reduce_op
 from ._recorder import DUMP_DIR_ENV, comm_name, record_comm
-from ._timeouts import DEFAULT_PG_TIMEOUT, DEFAULT_STORE_TIMEOUT, Timeout, to_seconds
+from ._sync_stores import (
+    FileStore,
+    HashStore,
+    PrefixStore,
+    Store,
+    TCPStore,
+    any_store_open,
+    close_all_stores,
+)
+from ._timeouts import DEFAULT_PG_TIMEOUT, Timeout, to_seconds
 from .errors import (
     DistBackendError,
     DistError,
@@ -163,407 +169,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-P = ParamSpec("P")
-
-#: torch's default store timeout.
-_DEFAULT_STORE_TIMEOUT = timedelta(seconds=DEFAULT_STORE_TIMEOUT)
-
-#: How long interpreter exit waits for the loop thread to close stores and stop (seconds).
-_SHUTDOWN_TIMEOUT = 5.0
-
-
-class _LoopThread:
-    """The process's event loop thread, started on first use."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._stopping: asyncio.Event | None = None
-
-    def __repr__(self) -> str:
-        state = "running" if self._thread is not None and self._thread.is_alive() else "stopped"
-        return f"<aiodist loop thread {state} loop={self._loop!r}>"
-
-    @property
-    def ident(self) -> int | None:
-        """The loop thread's id, or ``None`` when it is not running."""
-        thread = self._thread
-        return thread.ident if thread is not None else None
-
-    def loop(self) -> asyncio.AbstractEventLoop:
-        """Return the running loop, starting the thread if needed."""
-        loop = self._loop
-        if loop is not None:
-            return loop
-        with self._lock:
-            if self._loop is None:
-                self._start()
-            assert self._loop is not None
-            return self._loop
-
-    def _start(self) -> None:
-        factory = loop_factory(os.environ.get("AIODIST_LOOP", "auto"))
-        ready = threading.Event()
-        failure: list[BaseException] = []
-
-        async def serve() -> None:
-            self._stopping = asyncio.Event()
-            self._loop = asyncio.get_running_loop()
-            ready.set()
-            await self._stopping.wait()
-
-        def main() -> None:
-            try:
-                with asyncio.Runner(loop_factory=factory) as runner:
-                    runner.run(serve())
-            except BaseException as exc:  # reported to the starting thread, or logged
-                failure.append(exc)
-                ready.set()
-                logger.exception("aiodist's event-loop thread failed")
-
-        thread = threading.Thread(target=main, name="aiodist-loop", daemon=True)
-        thread.start()
-        ready.wait()
-        if failure:
-            raise DistUsageError(f"cannot start aiodist's event-loop thread: {failure[0]}")
-        self._thread = thread
-        logger.debug("started the event-loop thread %r", self)
-
-    def stop(self, timeout: float = _SHUTDOWN_TIMEOUT) -> None:
-        """Stop the loop and wait (up to ``timeout``) for the thread to end."""
-        with self._lock:
-            loop, thread, stopping = self._loop, self._thread, self._stopping
-            self._loop = self._thread = self._stopping = None
-        if loop is None or thread is None or stopping is None:
-            return
-        if threading.get_ident() == thread.ident:
-            raise DistUsageError("the aiodist event loop cannot be stopped from its own thread")
-        loop.call_soon_threadsafe(stopping.set)
-        thread.join(timeout)
-        if thread.is_alive():
-            logger.warning("aiodist's event-loop thread did not stop within %.1f s", timeout)
-
-    def forget(self) -> None:
-        """Drop the state inherited by a forked child: its loop thread does not exist there."""
-        self._lock = threading.Lock()
-        self._loop = self._thread = self._stopping = None
-
-
-_loop_thread = _LoopThread()
-os.register_at_fork(after_in_child=_loop_thread.forget)
-
-
-#: Seconds a blocking call polls for its result before it sleeps on the future. Sleeping
-#: means the loop thread must wake this thread when the result is set: on a VM waking a
-#: sleeping thread costs tens of microseconds, as much as a small operation itself.
-SPIN_SECONDS = 40e-6
-
-_usable_cpus: int | None = None
-
-
-def _may_spin() -> bool:
-    """Whether this process's ranks fit on its usable CPUs, so a polling caller costs
-    nobody a CPU; with more ranks than CPUs every poll takes one from a rank that works."""
-    global _usable_cpus
-    if _usable_cpus is None:
-        _usable_cpus = len(os.sched_getaffinity(0))
-    world = _group.peek_world()
-    ranks = os.environ.get("LOCAL_WORLD_SIZE") or (world.size if world is not None else 1)
-    try:
-        return int(ranks) <= _usable_cpus
-    except ValueError:
-        return False
-
-
-def _wait(future: concurrent.futures.Future[T], timeout: float | None = None) -> T:
-    """``future.result(timeout)``, polling for up to :data:`SPIN_SECONDS` before sleeping.
-
-    Each round yields the CPU and the GIL (``os.sched_yield``), so the loop thread runs
-    the operation meanwhile and, finding nobody asleep on the future, sets its result
-    without a wake-up.
-    """
-    if not future.done() and _may_spin():
-        deadline = time.perf_counter() + SPIN_SECONDS
-        while not future.done() and time.perf_counter() < deadline:
-            os.sched_yield()
-    return future.result(timeout)
-
-
-def _run(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-    """Run ``coro`` on the loop thread and block until it finishes; return its result.
-
-    Args:
-        coro: the coroutine to run.
-        timeout: seconds to wait; ``None`` waits as long as the coroutine runs.
-
-    Raises:
-        DistUsageError: called from the loop thread (it would wait for itself forever).
-        DistTimeoutError: ``timeout`` passed; the coroutine was cancelled.
-        KeyboardInterrupt: Ctrl-C while waiting; the coroutine was cancelled.
-    """
-    if threading.get_ident() == _loop_thread.ident:
-        coro.close()
-        raise DistUsageError(
-            "a blocking aiodist.sync call was made on aiodist's event-loop thread (from a "
-            "coroutine or callback running there), where it would wait for itself forever; "
-            "await the async API (import aiodist) there instead"
-        )
-    future = asyncio.run_coroutine_threadsafe(coro, _loop_thread.loop())
-    try:
-        return _wait(future, timeout)
-    except concurrent.futures.TimeoutError:
-        # The builtin TimeoutError is this class: a DistTimeoutError the coroutine raised
-        # arrives here too, with the future done.
-        if future.done():
-            raise
-        future.cancel()
-        raise DistTimeoutError(f"blocking call did not finish within {timeout} s") from None
-    except BaseException:
-        # KeyboardInterrupt (or SystemExit) in this thread: stop the operation on the loop.
-        future.cancel()
-        raise
-
-
-# -- stores ---------------------------------------------------------------------------------
-class _Blocking(Generic[P, T]):
-    """A blocking method that runs the async store method of the same name on the loop."""
-
-    def __init__(self, method: Callable[Concatenate[_aio.Store, P], Coroutine[Any, Any, T]]):
-        self._name = method.__name__
-        self.__doc__ = method.__doc__
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self._name = name
-
-    @overload
-    def __get__(self, obj: None, owner: type | None = None) -> Self: ...
-    @overload
-    def __get__(self, obj: Store, owner: type | None = None) -> Callable[P, T]: ...
-    def __get__(self, obj: Store | None, owner: type | None = None) -> Self | Callable[P, T]:
-        if obj is None:
-            return self
-        method = getattr(obj.async_store, self._name)
-
-        def call(*args: P.args, **kwargs: P.kwargs) -> T:
-            result: T = _run(method(*args, **kwargs))
-            return result
-
-        call.__name__ = self._name
-        call.__doc__ = self.__doc__
-        return call
-
-
-_live_stores: weakref.WeakSet[Store] = weakref.WeakSet()
-
-
-class Store:
-    """A blocking store: the methods of an async :class:`aiodist.Store`, as in torch.
-
-    Each method runs the async store's method of the same name on aiodist's loop thread and
-    returns its result; errors are the async store's (``DistTimeoutError`` naming the keys,
-    ``DistStoreError``, ``QueueEmptyError``, ...). Usable from several threads at once.
-    Stores still open at interpreter exit are closed then.
-
-    Args:
-        store: the async store to drive.
-
-    Raises:
-        DistUsageError: ``store`` is not an async aiodist store.
-    """
-
-    def __init__(self, store: _aio.Store) -> None:
-        if not isinstance(store, _aio.Store):
-            raise DistUsageError(f"expected an aiodist Store, got {type(store).__name__}")
-        self._store = store
-        self._closed = False
-        _live_stores.add(self)
-
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__} (blocking) {self._store!r}>"
-
-    @property
-    def async_store(self) -> _aio.Store:
-        """The async store this one drives (use it from coroutines on the loop thread)."""
-        return self._store
-
-    @property
-    def timeout(self) -> timedelta | None:
-        """How long ``get``, ``wait`` and blocking ``queue_pop`` wait; ``None``: forever."""
-        seconds = self._store.timeout
-        return None if seconds is None else timedelta(seconds=seconds)
-
-    def set_timeout(self, timeout: Timeout) -> None:
-        """Set the wait deadline (``timedelta`` or seconds; ``None`` waits forever).
-
-        Raises:
-            DistUsageError: the timeout is negative or of the wrong type.
-        """
-        self._store.set_timeout(timeout)
-
-    set = _Blocking(_aio.Store.set)
-    get = _Blocking(_aio.Store.get)
-    add = _Blocking(_aio.Store.add)
-    compare_set = _Blocking(_aio.Store.compare_set)
-    wait = _Blocking(_aio.Store.wait)
-    check = _Blocking(_aio.Store.check)
-    delete_key = _Blocking(_aio.Store.delete_key)
-    num_keys = _Blocking(_aio.Store.num_keys)
-    list_keys = _Blocking(_aio.Store.list_keys)
-    multi_get = _Blocking(_aio.Store.multi_get)
-    multi_set = _Blocking(_aio.Store.multi_set)
-    append = _Blocking(_aio.Store.append)
-    queue_push = _Blocking(_aio.Store.queue_push)
-    queue_pop = _Blocking(_aio.Store.queue_pop)
-    queue_len = _Blocking(_aio.Store.queue_len)
-    barrier = _Blocking(_aio.Store.barrier)
-
-    def clone(self) -> Store:
-        """Return a new, independent handle to the same store (a new connection, if any)."""
-        return Store(_run(self._store.clone()))
-
-    def close(self) -> None:
-        """Release the store's resources. Closing twice is harmless."""
-        if self._closed:
-            return
-        self._closed = True
-        _live_stores.discard(self)
-        _run(self._store.aclose())
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-
-class HashStore(Store):
-    """A blocking in-process store (``torch.distributed.HashStore``)."""
-
-    def __init__(self) -> None:
-        super().__init__(_aio.HashStore())
-
-
-class FileStore(Store):
-    """A blocking store in a shared file (``torch.distributed.FileStore``).
-
-    Args:
-        file_name: path of the file (created if missing).
-        world_size: the number of processes using the file, or ``-1`` if unknown; when known,
-            the last of them to close removes the file.
-
-    Raises:
-        DistUsageError: ``file_name`` is empty or ``world_size`` is neither -1 nor positive.
-    """
-
-    def __init__(self, file_name: str | os.PathLike[str], world_size: int = -1) -> None:
-        super().__init__(_aio.FileStore(file_name, world_size))
-
-
-class PrefixStore(Store):
-    """A blocking view of ``store`` in which each key ``k`` is ``prefix + "/" + k``.
-
-    Args:
-        prefix: the namespace.
-        store: the blocking store to wrap (it stays open when this one is closed).
-
-    Raises:
-        DistUsageError: ``store`` is ``None`` or not a blocking aiodist store.
-    """
-
-    def __init__(self, prefix: str, store: Store) -> None:
-        if not isinstance(store, Store):
-            raise DistUsageError(
-                "PrefixStore needs an aiodist.sync store, got "
-                f"{'None' if store is None else type(store).__name__}"
-            )
-        super().__init__(_aio.PrefixStore(prefix, store.async_store))
-        self._underlying = store
-
-    @property
-    def underlying_store(self) -> Store:
-        """The store this one writes into."""
-        return self._underlying
-
-
-# Masters created with multi_tenant=True, by port: later instances on that port join them.
-_tenants: weakref.WeakValueDictionary[int, TCPStore] = weakref.WeakValueDictionary()
-
-
-class TCPStore(Store):
-    """A blocking TCP store with ``torch.distributed.TCPStore``'s constructor.
-
-    The master (``is_master=True``) serves the store from aiodist's loop thread, so it keeps
-    serving while the calling thread blocks or computes.
-
-    Args:
-        host_name: the server's address (the master listens on exactly this address).
-        port: the server's port; a master may pass 0 and read :attr:`port` afterwards.
-        world_size: the number of store instances of the job (``None``: not known).
-        is_master: start the server in this process.
-        timeout: connect, join and wait deadline (``timedelta`` or seconds).
-        wait_for_workers: the master waits until ``world_size`` instances have joined.
-        multi_tenant: a master on a port this process already serves joins that server
-            instead of starting another.
-        master_listen_fd: not supported (must be ``None``).
-        use_libuv: accepted for torch compatibility; the server is always asyncio's.
-        **options: further keyword arguments of :meth:`aiodist.TCPStore.create`
-            (``auth_token``, ``wire``, ``max_key_size``, ...).
-
-    Raises:
-        DistUsageError: bad arguments, or ``master_listen_fd`` given.
-        DistNetworkError: the port is in use, or the server cannot be reached in time.
-        DistTimeoutError: the master's workers did not all join in time.
-    """
-
-    def __init__(
-        self,
-        host_name: str,
-        port: int,
-        world_size: int | None = None,
-        is_master: bool = False,
-        timeout: Timeout = _DEFAULT_STORE_TIMEOUT,
-        wait_for_workers: bool = True,
-        multi_tenant: bool = False,
-        master_listen_fd: int | None = None,
-        use_libuv: bool = True,
-        **options: Any,
-    ) -> None:
-        if master_listen_fd is not None:
-            raise DistUsageError("TCPStore(master_listen_fd=...) is not supported by aiodist")
-        if is_master and multi_tenant and port != 0 and port in _tenants:
-            is_master = False
-        store = _run(
-            _aio.TCPStore.create(
-                host_name, port, world_size, is_master, timeout, wait_for_workers, **options
-            )
-        )
-        super().__init__(store)
-        self._tcp = store
-        if is_master and multi_tenant:
-            _tenants[store.port] = self
-
-    @property
-    def host(self) -> str:
-        """The host name the store was created with."""
-        return self._tcp.host
-
-    @property
-    def port(self) -> int:
-        """The server's port (the one picked, for a master created with port 0)."""
-        return self._tcp.port
-
-    def close(self) -> None:
-        """Close the connection, and the server if this instance hosts it."""
-        if _tenants.get(self.port) is self:
-            del _tenants[self.port]
-        super().close()
-
 
 # -- process groups ---------------------------------------------------------------------------
 # The default group is process-wide (see aiodist.group): the world initialised here is the
@@ -575,59 +180,6 @@ Group = ProcessGroup | NonGroupMember | None
 #: torch's default process-group timeout.
 #: The process group timeout when none is given (torch's ``default_pg_timeout``): 30 min.
 default_pg_timeout = timedelta(seconds=DEFAULT_PG_TIMEOUT)
-
-
-def _abort_on_interrupt(op: str) -> None:
-    # The peers are part-way through the operation and this rank will not finish it: abort
-    # the group so they fail at once (with the reason) instead of waiting for its timeout.
-    # Recover with destroy_process_group() and init_process_group().
-    world = _group.peek_world()
-    if world is not None:
-        cause = DistError(f"rank {world.rank}: {op} interrupted by KeyboardInterrupt")
-        _loop_thread.loop().call_soon_threadsafe(world.abort, cause)
-
-
-def _not_on_the_loop_thread() -> None:
-    if threading.get_ident() == _loop_thread.ident:
-        raise DistUsageError(
-            "a blocking aiodist.sync call was made on aiodist's event-loop thread, where it "
-            "would wait for itself forever; await the async API (import aiodist) there instead"
-        )
-
-
-def _on_loop(fn: Callable[..., T], *args: Any) -> T:
-    """Call ``fn(*args)`` on the loop thread and return its result (one hop, no task)."""
-    _not_on_the_loop_thread()
-    done: concurrent.futures.Future[T] = concurrent.futures.Future()
-
-    def call() -> None:
-        try:
-            done.set_result(fn(*args))
-        except BaseException as exc:
-            done.set_exception(exc)
-
-    _loop_thread.loop().call_soon_threadsafe(call)
-    return _wait(done)
-
-
-def _start_on_loop(start: Callable[[], _group.Work[T]]) -> concurrent.futures.Future[T]:
-    """Start an operation on the loop thread; return a future of its result at once.
-
-    The caller waits once, for the end, instead of first for the start and then for the
-    end (each wait that sleeps costs a wake-up from the loop thread).
-    """
-    _not_on_the_loop_thread()
-    done: concurrent.futures.Future[T] = concurrent.futures.Future()
-    done.set_running_or_notify_cancel()
-
-    def call() -> None:
-        try:
-            Work(start(), done)
-        except BaseException as exc:
-            done.set_exception(exc)
-
-    _loop_thread.loop().call_soon_threadsafe(call)
-    return done
 
 
 class Work(Generic[T]):
@@ -674,10 +226,10 @@ class Work(Generic[T]):
             KeyboardInterrupt: Ctrl-C; the operation itself keeps running.
         """
         if to_seconds(timeout) is None:
-            _wait(self._future)
+            wait(self._future)
             return True
         # A deadline fails the operation when it passes: the async Work does that.
-        _run(self._work.wait(timeout))
+        run(self._work.wait(timeout))
         self._future.result()
         return True
 
@@ -712,15 +264,7 @@ class Work(Generic[T]):
         Raises:
             DistUsageError: the operation runs on the host.
         """
-        _on_loop(self._work.wait_stream, stream)
-
-
-def _block(op: str, future: concurrent.futures.Future[T]) -> T:
-    try:
-        return _wait(future)
-    except KeyboardInterrupt:
-        _abort_on_interrupt(op)
-        raise
+        on_loop(self._work.wait_stream, stream)
 
 
 def _named(start: Callable[[], T]) -> Callable[[], T]:
@@ -768,8 +312,8 @@ def _twin(name: str) -> Callable[..., Any]:
         start = _named(lambda: fn(*bound.args, **bound.kwargs))
         # Made on the loop thread, which is where the async work's callbacks may be added.
         if mode == "work" or async_op:
-            return _on_loop(lambda: Work(start()))
-        result = _block(name, _start_on_loop(start))
+            return on_loop(lambda: Work(start()))
+        result = block(name, start_on_loop(start, Work))
         return result if mode == "result" else None
 
     twin.__name__ = twin.__qualname__ = name
@@ -922,7 +466,7 @@ def init_process_group(
     with _init_lock:
         if _group.peek_world() is not None:
             raise DistUsageError(_group.TWICE)
-        _run(
+        run(
             _aio_api.init_process_group(
                 backend, init_method, timeout, world_size, rank,
                 None if store is None else store.async_store, group_name,
@@ -950,10 +494,10 @@ def destroy_process_group(group: Group = None) -> None:
     """
     with _init_lock:
         world = _group.peek_world()
-        _run(_aio_api.destroy_process_group(group))
+        run(_aio_api.destroy_process_group(group))
         ended = world is not None and (group is None or group is world.default_group)
-        if ended and not any(not s._closed for s in list(_live_stores)):
-            _loop_thread.stop()
+        if ended and not any_store_open():
+            loop_thread.stop()
 
 
 def is_initialized() -> bool:
@@ -999,7 +543,7 @@ def rendezvous(
         DistUsageError: a malformed URL or missing parameters (named).
         DistTimeoutError: the other ranks did not arrive in time.
     """
-    store, r, n = _run(_rendezvous.rendezvous(url, rank, world_size, **kwargs))
+    store, r, n = run(_rendezvous.rendezvous(url, rank, world_size, **kwargs))
     yield Store(store), r, n
 
 
@@ -1010,7 +554,7 @@ def _sync_group_call(fn: Callable[..., Coroutine[Any, Any, T]]) -> Callable[...,
     def twin(*args: Any, **kwargs: Any) -> T:
         for extra in ("pg_options", "use_local_synchronization", "group_desc"):
             kwargs.pop(extra, None)
-        result: T = _run(fn(*args, **kwargs))
+        result: T = run(fn(*args, **kwargs))
         return result
 
     twin.__name__ = twin.__qualname__ = fn.__name__
@@ -1122,7 +666,7 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work[Any]]:
         )
         for p in p2p_op_list
     ]
-    return _on_loop(lambda: [Work(w) for w in _aio_api.batch_isend_irecv(ops)])
+    return on_loop(lambda: [Work(w) for w in _aio_api.batch_isend_irecv(ops)])
 
 
 def breakpoint(rank: int = 0, skip: int = 0) -> None:
@@ -1177,28 +721,21 @@ def _leave_world_at_exit() -> None:
     _group.set_current_world(None)
     failure = _exit_failure()
     cause = None if failure is None else DistError(f"rank {world.rank} {failure}")
-    _run(world.finish(EXIT_REASON, failure=cause))
+    run(world.finish(EXIT_REASON, failure=cause))
 
 
 def _close_all_at_exit() -> None:
     # Leave the default group and close what is still open (a hosted server, FileStore
     # reference counts) so that peers see an orderly end, then stop the loop. Bounded:
     # exit must not hang on a dead peer.
-    if _loop_thread.ident is None:
+    if loop_thread.ident is None:
         return  # (also in a forked child: the parent's loop thread is not here)
     try:
         _leave_world_at_exit()
     except BaseException as exc:  # exit goes on: a Ctrl-C here stops only the leaving
         logger.warning("leaving the process group at exit failed: %r", exc)
-    for store in list(_live_stores):
-        if store._closed:
-            continue
-        store._closed = True
-        try:
-            _run(store.async_store.aclose(), timeout=_SHUTDOWN_TIMEOUT)
-        except Exception as exc:
-            logger.debug("closing %r at exit failed: %s", store, exc)
-    _loop_thread.stop()
+    close_all_stores()
+    loop_thread.stop()
 
 
 atexit.register(_close_all_at_exit)

@@ -14,12 +14,12 @@ in one process).
 
 Where the microseconds go (2-vCPU VM shared with other work, medians of 3000 hops of an
 empty coroutine from a caller thread to the loop thread and back, ``run_coroutine_threadsafe``
-as ``sync._run`` does it):
+as ``_loop_thread.run`` does it):
 
 * to the loop thread, 10 us: ``call_soon_threadsafe`` writes the loop's self-pipe, the loop
   thread wakes from ``epoll_wait`` and takes the GIL;
 * back to the caller, 16 us when it sleeps on the future (the loop thread's ``set_result``
-  wakes it through a futex), 7 us when it polls (``sync._wait``: ``future.done()`` and
+  wakes it through a futex), 7 us when it polls (``_loop_thread.wait``: ``future.done()`` and
   ``os.sched_yield()``, which drops the GIL, for up to ``SPIN_SECONDS``);
 * but a polling caller holds the GIL between its yields, so the loop thread waits for it:
   to the loop thread 20 us instead of 10. A busy poll that never drops the GIL: 73 us.

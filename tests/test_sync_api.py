@@ -20,6 +20,7 @@ import pytest
 
 import aiodist
 import aiodist.sync as dist
+from aiodist._loop_thread import run
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -114,7 +115,7 @@ def test_async_op_work_single_rank(clean_world: None) -> None:
     # A blocking call on the loop thread is refused instead of deadlocking.
     with pytest.raises(aiodist.DistUsageError, match="event-loop thread"):
         future.add_done_callback(lambda _: None)  # runs here, not on the loop: fine
-        dist._run(_call_blocking_inside())
+        run(_call_blocking_inside())
     dist.destroy_process_group()
     store.close()
 

@@ -17,7 +17,7 @@ import pytest
 
 import aiodist
 import aiodist.sync as dist
-from aiodist.sync import _loop_thread, _run
+from aiodist._loop_thread import loop_thread as _loop_thread, run as _run
 from aiodist.testing import check_sync_store
 
 _counter = itertools.count()
@@ -181,7 +181,7 @@ def test_ctrl_c_cancels_a_blocking_call() -> None:
         """
         import os, signal, threading, time
         import aiodist.sync as dist
-        from aiodist.sync import _run
+        from aiodist._loop_thread import run as _run
 
         store = dist.HashStore()
         threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
@@ -270,7 +270,7 @@ def test_loop_kind_from_the_environment() -> None:
     code = """
 import asyncio
 import aiodist.sync as dist
-from aiodist.sync import _run
+from aiodist._loop_thread import run as _run
 async def kind():
     return type(asyncio.get_running_loop()).__module__
 dist.HashStore().set("k", b"v")

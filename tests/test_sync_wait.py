@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import aiodist.sync as dist
-from aiodist import sync
+from aiodist import _loop_thread
 from aiodist.errors import DistError, DistUsageError
 
 
@@ -31,10 +31,10 @@ def test_wait_returns_a_result_set_during_or_after_the_poll(
 ) -> None:
     # Within the poll (delay 0) the result is found by polling; after it (20 ms), by sleeping.
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1" if spin else "100000")
-    assert sync._may_spin() is spin
+    assert _loop_thread.may_spin() is spin
     future: concurrent.futures.Future[int] = concurrent.futures.Future()
     thread = _resolve_later(delay, lambda: future.set_result(7))
-    assert sync._wait(future) == 7
+    assert _loop_thread.wait(future) == 7
     thread.join()
 
 
@@ -43,25 +43,25 @@ def test_wait_raises_the_failure_and_honours_the_timeout(monkeypatch: pytest.Mon
     failed: concurrent.futures.Future[int] = concurrent.futures.Future()
     thread = _resolve_later(0.0, lambda: failed.set_exception(DistError("rank 1 went away")))
     with pytest.raises(DistError, match="rank 1 went away"):
-        sync._wait(failed)
+        _loop_thread.wait(failed)
     thread.join()
     pending: concurrent.futures.Future[int] = concurrent.futures.Future()
     start = time.perf_counter()
     with pytest.raises(concurrent.futures.TimeoutError):
-        sync._wait(pending, 0.05)
+        _loop_thread.wait(pending, 0.05)
     assert time.perf_counter() - start >= 0.05
 
 
 def test_may_spin_counts_the_ranks_of_this_machine(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sync, "_usable_cpus", 2)
+    monkeypatch.setattr(_loop_thread, "_usable_cpus", 2)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert sync._may_spin()
+    assert _loop_thread.may_spin()
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
-    assert not sync._may_spin()
+    assert not _loop_thread.may_spin()
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "many")
-    assert not sync._may_spin()
+    assert not _loop_thread.may_spin()
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    assert sync._may_spin()  # no world, no variable: this process is the only rank
+    assert _loop_thread.may_spin()  # no world, no variable: this process is the only rank
 
 
 @pytest.mark.parametrize("local_world_size", ["1", "100000"])

@@ -1,0 +1,295 @@
+"""The blocking facade's event-loop thread, and the hand-offs that run work on it.
+
+``aiodist.sync`` runs the async core on one event loop that lives in a daemon thread of this
+process (``aiodist-loop``; uvloop when installed, or as ``$AIODIST_LOOP`` says: ``auto``,
+``uvloop``, ``asyncio``). The thread starts on the first blocking call; a forked child starts
+without one. No global event-loop policy is touched, so the caller's own asyncio code is
+unaffected.
+
+What this module offers the rest of the package:
+
+* :data:`loop_thread`: the thread itself (its loop, its id, ``stop()``);
+* :func:`run`: run a coroutine there and block for its result (with a timeout, cancelling it
+  on Ctrl-C);
+* :func:`on_loop`: call a function there and block for its result (one hop, no task);
+* :func:`start_on_loop` and :func:`block`: start an operation there, then block for its end,
+  aborting the default group if Ctrl-C interrupts the wait;
+* :func:`wait`: ``future.result()`` with a short poll first (:data:`SPIN_SECONDS`, when
+  :func:`may_spin`), which spares the loop thread a wake-up of the caller.
+
+Each refuses to run on the loop thread itself (it would wait for itself forever) with a
+``DistUsageError``, and may be used from any number of threads at the same time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+from ._default import peek_world
+from ._loop import loop_factory
+from .errors import DistError, DistTimeoutError, DistUsageError
+
+__all__ = [
+    "SHUTDOWN_TIMEOUT",
+    "SPIN_SECONDS",
+    "block",
+    "loop_thread",
+    "may_spin",
+    "on_loop",
+    "run",
+    "start_on_loop",
+    "wait",
+]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+W = TypeVar("W")
+
+#: How long interpreter exit waits for the loop thread to close stores and stop (seconds).
+SHUTDOWN_TIMEOUT = 5.0
+
+
+class _LoopThread:
+    """The process's event loop thread, started on first use."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping: asyncio.Event | None = None
+
+    def __repr__(self) -> str:
+        state = "running" if self._thread is not None and self._thread.is_alive() else "stopped"
+        return f"<aiodist loop thread {state} loop={self._loop!r}>"
+
+    @property
+    def ident(self) -> int | None:
+        """The loop thread's id, or ``None`` when it is not running."""
+        thread = self._thread
+        return thread.ident if thread is not None else None
+
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """Return the running loop, starting the thread if needed."""
+        loop = self._loop
+        if loop is not None:
+            return loop
+        with self._lock:
+            if self._loop is None:
+                self._start()
+            assert self._loop is not None
+            return self._loop
+
+    def _start(self) -> None:
+        factory = loop_factory(os.environ.get("AIODIST_LOOP", "auto"))
+        ready = threading.Event()
+        failure: list[BaseException] = []
+
+        async def serve() -> None:
+            self._stopping = asyncio.Event()
+            self._loop = asyncio.get_running_loop()
+            ready.set()
+            await self._stopping.wait()
+
+        def main() -> None:
+            try:
+                with asyncio.Runner(loop_factory=factory) as runner:
+                    runner.run(serve())
+            except BaseException as exc:  # reported to the starting thread, or logged
+                failure.append(exc)
+                ready.set()
+                logger.exception("aiodist's event-loop thread failed")
+
+        thread = threading.Thread(target=main, name="aiodist-loop", daemon=True)
+        thread.start()
+        ready.wait()
+        if failure:
+            raise DistUsageError(f"cannot start aiodist's event-loop thread: {failure[0]}")
+        self._thread = thread
+        logger.debug("started the event-loop thread %r", self)
+
+    def stop(self, timeout: float = SHUTDOWN_TIMEOUT) -> None:
+        """Stop the loop and wait (up to ``timeout``) for the thread to end."""
+        with self._lock:
+            loop, thread, stopping = self._loop, self._thread, self._stopping
+            self._loop = self._thread = self._stopping = None
+        if loop is None or thread is None or stopping is None:
+            return
+        if threading.get_ident() == thread.ident:
+            raise DistUsageError("the aiodist event loop cannot be stopped from its own thread")
+        loop.call_soon_threadsafe(stopping.set)
+        thread.join(timeout)
+        if thread.is_alive():
+            logger.warning("aiodist's event-loop thread did not stop within %.1f s", timeout)
+
+    def forget(self) -> None:
+        """Drop the state inherited by a forked child: its loop thread does not exist there."""
+        self._lock = threading.Lock()
+        self._loop = self._thread = self._stopping = None
+
+
+#: The process's one loop thread (see :class:`_LoopThread`).
+loop_thread = _LoopThread()
+os.register_at_fork(after_in_child=loop_thread.forget)
+
+
+#: Seconds a blocking call polls for its result before it sleeps on the future. Sleeping
+#: means the loop thread must wake this thread when the result is set: on a VM waking a
+#: sleeping thread costs tens of microseconds, as much as a small operation itself.
+SPIN_SECONDS = 40e-6
+
+_usable_cpus: int | None = None
+
+
+def may_spin() -> bool:
+    """Whether this process's ranks fit on its usable CPUs, so a polling caller costs
+    nobody a CPU; with more ranks than CPUs every poll takes one from a rank that works."""
+    global _usable_cpus
+    if _usable_cpus is None:
+        _usable_cpus = len(os.sched_getaffinity(0))
+    world = peek_world()
+    ranks = os.environ.get("LOCAL_WORLD_SIZE") or (world.size if world is not None else 1)
+    try:
+        return int(ranks) <= _usable_cpus
+    except ValueError:
+        return False
+
+
+def wait(future: concurrent.futures.Future[T], timeout: float | None = None) -> T:
+    """``future.result(timeout)``, polling for up to :data:`SPIN_SECONDS` before sleeping.
+
+    Each round yields the CPU and the GIL (``os.sched_yield``), so the loop thread runs
+    the operation meanwhile and, finding nobody asleep on the future, sets its result
+    without a wake-up.
+    """
+    if not future.done() and may_spin():
+        deadline = time.perf_counter() + SPIN_SECONDS
+        while not future.done() and time.perf_counter() < deadline:
+            os.sched_yield()
+    return future.result(timeout)
+
+
+def run(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+    """Run ``coro`` on the loop thread and block until it finishes; return its result.
+
+    Args:
+        coro: the coroutine to run.
+        timeout: seconds to wait; ``None`` waits as long as the coroutine runs.
+
+    Raises:
+        DistUsageError: called from the loop thread (it would wait for itself forever).
+        DistTimeoutError: ``timeout`` passed; the coroutine was cancelled.
+        KeyboardInterrupt: Ctrl-C while waiting; the coroutine was cancelled.
+    """
+    if threading.get_ident() == loop_thread.ident:
+        coro.close()
+        raise DistUsageError(
+            "a blocking aiodist.sync call was made on aiodist's event-loop thread (from a "
+            "coroutine or callback running there), where it would wait for itself forever; "
+            "await the async API (import aiodist) there instead"
+        )
+    future = asyncio.run_coroutine_threadsafe(coro, loop_thread.loop())
+    try:
+        return wait(future, timeout)
+    except concurrent.futures.TimeoutError:
+        # The builtin TimeoutError is this class: a DistTimeoutError the coroutine raised
+        # arrives here too, with the future done.
+        if future.done():
+            raise
+        future.cancel()
+        raise DistTimeoutError(f"blocking call did not finish within {timeout} s") from None
+    except BaseException:
+        # KeyboardInterrupt (or SystemExit) in this thread: stop the operation on the loop.
+        future.cancel()
+        raise
+
+
+def _abort_on_interrupt(op: str) -> None:
+    # The peers are part-way through the operation and this rank will not finish it: abort
+    # the group so they fail at once (with the reason) instead of waiting for its timeout.
+    # Recover with destroy_process_group() and init_process_group().
+    world = peek_world()
+    if world is not None:
+        cause = DistError(f"rank {world.rank}: {op} interrupted by KeyboardInterrupt")
+        loop_thread.loop().call_soon_threadsafe(world.abort, cause)
+
+
+def _not_on_the_loop_thread() -> None:
+    if threading.get_ident() == loop_thread.ident:
+        raise DistUsageError(
+            "a blocking aiodist.sync call was made on aiodist's event-loop thread, where it "
+            "would wait for itself forever; await the async API (import aiodist) there instead"
+        )
+
+
+def on_loop(fn: Callable[..., T], *args: Any) -> T:
+    """Call ``fn(*args)`` on the loop thread and return its result (one hop, no task).
+
+    Raises:
+        DistUsageError: called from the loop thread.
+        BaseException: what ``fn`` raised.
+    """
+    _not_on_the_loop_thread()
+    done: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+    def call() -> None:
+        try:
+            done.set_result(fn(*args))
+        except BaseException as exc:
+            done.set_exception(exc)
+
+    loop_thread.loop().call_soon_threadsafe(call)
+    return wait(done)
+
+
+def start_on_loop(
+    start: Callable[[], W], track: Callable[[W, concurrent.futures.Future[T]], object]
+) -> concurrent.futures.Future[T]:
+    """Start an operation on the loop thread; return a future of its result at once.
+
+    The caller waits once, for the end, instead of first for the start and then for the
+    end (each wait that sleeps costs a wake-up from the loop thread).
+
+    Args:
+        start: starts the operation on the loop thread and returns its async work.
+        track: called there with that work and the returned future, which it settles with
+            the operation's outcome (``aiodist.sync.Work``, which this module cannot import:
+            the API sits above it).
+
+    Raises:
+        DistUsageError: called from the loop thread. What ``start`` raises is set on the
+            future instead.
+    """
+    _not_on_the_loop_thread()
+    done: concurrent.futures.Future[T] = concurrent.futures.Future()
+    done.set_running_or_notify_cancel()
+
+    def call() -> None:
+        try:
+            track(start(), done)
+        except BaseException as exc:
+            done.set_exception(exc)
+
+    loop_thread.loop().call_soon_threadsafe(call)
+    return done
+
+
+def block(op: str, future: concurrent.futures.Future[T]) -> T:
+    """Wait for ``future`` (operation ``op``'s); on Ctrl-C abort the default group, re-raise.
+
+    Raises:
+        KeyboardInterrupt: Ctrl-C while waiting; the peers fail at once, naming ``op``.
+        BaseException: the operation's failure.
+    """
+    try:
+        return wait(future)
+    except KeyboardInterrupt:
+        _abort_on_interrupt(op)
+        raise

@@ -1,0 +1,302 @@
+"""The blocking stores of ``aiodist.sync``: torch's store classes over the async stores.
+
+:class:`Store` drives an async :class:`aiodist.Store` from any thread: each method runs the
+async method of the same name on aiodist's loop thread (:mod:`aiodist._loop_thread`) and
+blocks for its result. :class:`HashStore`, :class:`FileStore`, :class:`PrefixStore` and
+:class:`TCPStore` take torch's constructor arguments. ``aiodist.sync`` re-exports and
+documents them; it asks :func:`any_store_open` whether the loop thread may stop with the
+default group, and :func:`close_all_stores` closes what is left at exit.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from collections.abc import Callable, Coroutine
+from datetime import timedelta
+from types import TracebackType
+from typing import Any, Concatenate, Generic, ParamSpec, Self, TypeVar, overload
+
+from . import store as _aio
+from ._loop_thread import SHUTDOWN_TIMEOUT, run
+from ._timeouts import DEFAULT_STORE_TIMEOUT, Timeout
+from .errors import DistUsageError
+
+__all__ = [
+    "FileStore",
+    "HashStore",
+    "PrefixStore",
+    "Store",
+    "TCPStore",
+    "any_store_open",
+    "close_all_stores",
+]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+P = ParamSpec("P")
+
+#: torch's default store timeout.
+_DEFAULT_STORE_TIMEOUT = timedelta(seconds=DEFAULT_STORE_TIMEOUT)
+
+
+class _Blocking(Generic[P, T]):
+    """A blocking method that runs the async store method of the same name on the loop."""
+
+    def __init__(self, method: Callable[Concatenate[_aio.Store, P], Coroutine[Any, Any, T]]):
+        self._name = method.__name__
+        self.__doc__ = method.__doc__
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> Self: ...
+    @overload
+    def __get__(self, obj: Store, owner: type | None = None) -> Callable[P, T]: ...
+    def __get__(self, obj: Store | None, owner: type | None = None) -> Self | Callable[P, T]:
+        if obj is None:
+            return self
+        method = getattr(obj.async_store, self._name)
+
+        def call(*args: P.args, **kwargs: P.kwargs) -> T:
+            result: T = run(method(*args, **kwargs))
+            return result
+
+        call.__name__ = self._name
+        call.__doc__ = self.__doc__
+        return call
+
+
+_live_stores: weakref.WeakSet[Store] = weakref.WeakSet()
+
+
+class Store:
+    """A blocking store: the methods of an async :class:`aiodist.Store`, as in torch.
+
+    Each method runs the async store's method of the same name on aiodist's loop thread and
+    returns its result; errors are the async store's (``DistTimeoutError`` naming the keys,
+    ``DistStoreError``, ``QueueEmptyError``, ...). Usable from several threads at once.
+    Stores still open at interpreter exit are closed then.
+
+    Args:
+        store: the async store to drive.
+
+    Raises:
+        DistUsageError: ``store`` is not an async aiodist store.
+    """
+
+    def __init__(self, store: _aio.Store) -> None:
+        if not isinstance(store, _aio.Store):
+            raise DistUsageError(f"expected an aiodist Store, got {type(store).__name__}")
+        self._store = store
+        self._closed = False
+        _live_stores.add(self)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} (blocking) {self._store!r}>"
+
+    @property
+    def async_store(self) -> _aio.Store:
+        """The async store this one drives (use it from coroutines on the loop thread)."""
+        return self._store
+
+    @property
+    def timeout(self) -> timedelta | None:
+        """How long ``get``, ``wait`` and blocking ``queue_pop`` wait; ``None``: forever."""
+        seconds = self._store.timeout
+        return None if seconds is None else timedelta(seconds=seconds)
+
+    def set_timeout(self, timeout: Timeout) -> None:
+        """Set the wait deadline (``timedelta`` or seconds; ``None`` waits forever).
+
+        Raises:
+            DistUsageError: the timeout is negative or of the wrong type.
+        """
+        self._store.set_timeout(timeout)
+
+    set = _Blocking(_aio.Store.set)
+    get = _Blocking(_aio.Store.get)
+    add = _Blocking(_aio.Store.add)
+    compare_set = _Blocking(_aio.Store.compare_set)
+    wait = _Blocking(_aio.Store.wait)
+    check = _Blocking(_aio.Store.check)
+    delete_key = _Blocking(_aio.Store.delete_key)
+    num_keys = _Blocking(_aio.Store.num_keys)
+    list_keys = _Blocking(_aio.Store.list_keys)
+    multi_get = _Blocking(_aio.Store.multi_get)
+    multi_set = _Blocking(_aio.Store.multi_set)
+    append = _Blocking(_aio.Store.append)
+    queue_push = _Blocking(_aio.Store.queue_push)
+    queue_pop = _Blocking(_aio.Store.queue_pop)
+    queue_len = _Blocking(_aio.Store.queue_len)
+    barrier = _Blocking(_aio.Store.barrier)
+
+    def clone(self) -> Store:
+        """Return a new, independent handle to the same store (a new connection, if any)."""
+        return Store(run(self._store.clone()))
+
+    def close(self) -> None:
+        """Release the store's resources. Closing twice is harmless."""
+        if self._closed:
+            return
+        self._closed = True
+        _live_stores.discard(self)
+        run(self._store.aclose())
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class HashStore(Store):
+    """A blocking in-process store (``torch.distributed.HashStore``)."""
+
+    def __init__(self) -> None:
+        super().__init__(_aio.HashStore())
+
+
+class FileStore(Store):
+    """A blocking store in a shared file (``torch.distributed.FileStore``).
+
+    Args:
+        file_name: path of the file (created if missing).
+        world_size: the number of processes using the file, or ``-1`` if unknown; when known,
+            the last of them to close removes the file.
+
+    Raises:
+        DistUsageError: ``file_name`` is empty or ``world_size`` is neither -1 nor positive.
+    """
+
+    def __init__(self, file_name: str | os.PathLike[str], world_size: int = -1) -> None:
+        super().__init__(_aio.FileStore(file_name, world_size))
+
+
+class PrefixStore(Store):
+    """A blocking view of ``store`` in which each key ``k`` is ``prefix + "/" + k``.
+
+    Args:
+        prefix: the namespace.
+        store: the blocking store to wrap (it stays open when this one is closed).
+
+    Raises:
+        DistUsageError: ``store`` is ``None`` or not a blocking aiodist store.
+    """
+
+    def __init__(self, prefix: str, store: Store) -> None:
+        if not isinstance(store, Store):
+            raise DistUsageError(
+                "PrefixStore needs an aiodist.sync store, got "
+                f"{'None' if store is None else type(store).__name__}"
+            )
+        super().__init__(_aio.PrefixStore(prefix, store.async_store))
+        self._underlying = store
+
+    @property
+    def underlying_store(self) -> Store:
+        """The store this one writes into."""
+        return self._underlying
+
+
+# Masters created with multi_tenant=True, by port: later instances on that port join them.
+_tenants: weakref.WeakValueDictionary[int, TCPStore] = weakref.WeakValueDictionary()
+
+
+class TCPStore(Store):
+    """A blocking TCP store with ``torch.distributed.TCPStore``'s constructor.
+
+    The master (``is_master=True``) serves the store from aiodist's loop thread, so it keeps
+    serving while the calling thread blocks or computes.
+
+    Args:
+        host_name: the server's address (the master listens on exactly this address).
+        port: the server's port; a master may pass 0 and read :attr:`port` afterwards.
+        world_size: the number of store instances of the job (``None``: not known).
+        is_master: start the server in this process.
+        timeout: connect, join and wait deadline (``timedelta`` or seconds).
+        wait_for_workers: the master waits until ``world_size`` instances have joined.
+        multi_tenant: a master on a port this process already serves joins that server
+            instead of starting another.
+        master_listen_fd: not supported (must be ``None``).
+        use_libuv: accepted for torch compatibility; the server is always asyncio's.
+        **options: further keyword arguments of :meth:`aiodist.TCPStore.create`
+            (``auth_token``, ``wire``, ``max_key_size``, ...).
+
+    Raises:
+        DistUsageError: bad arguments, or ``master_listen_fd`` given.
+        DistNetworkError: the port is in use, or the server cannot be reached in time.
+        DistTimeoutError: the master's workers did not all join in time.
+    """
+
+    def __init__(
+        self,
+        host_name: str,
+        port: int,
+        world_size: int | None = None,
+        is_master: bool = False,
+        timeout: Timeout = _DEFAULT_STORE_TIMEOUT,
+        wait_for_workers: bool = True,
+        multi_tenant: bool = False,
+        master_listen_fd: int | None = None,
+        use_libuv: bool = True,
+        **options: Any,
+    ) -> None:
+        if master_listen_fd is not None:
+            raise DistUsageError("TCPStore(master_listen_fd=...) is not supported by aiodist")
+        if is_master and multi_tenant and port != 0 and port in _tenants:
+            is_master = False
+        store = run(
+            _aio.TCPStore.create(
+                host_name, port, world_size, is_master, timeout, wait_for_workers, **options
+            )
+        )
+        super().__init__(store)
+        self._tcp = store
+        if is_master and multi_tenant:
+            _tenants[store.port] = self
+
+    @property
+    def host(self) -> str:
+        """The host name the store was created with."""
+        return self._tcp.host
+
+    @property
+    def port(self) -> int:
+        """The server's port (the one picked, for a master created with port 0)."""
+        return self._tcp.port
+
+    def close(self) -> None:
+        """Close the connection, and the server if this instance hosts it."""
+        if _tenants.get(self.port) is self:
+            del _tenants[self.port]
+        super().close()
+
+
+def any_store_open() -> bool:
+    """Return whether a blocking store of this process is still open."""
+    return any(not s._closed for s in list(_live_stores))
+
+
+def close_all_stores() -> None:
+    """Close every blocking store still open, each within :data:`SHUTDOWN_TIMEOUT` (at exit).
+
+    A failure to close one is logged and the others are closed still: exit must not hang on
+    a dead peer.
+    """
+    for store in list(_live_stores):
+        if store._closed:
+            continue
+        store._closed = True
+        try:
+            run(store.async_store.aclose(), timeout=SHUTDOWN_TIMEOUT)
+        except Exception as exc:
+            logger.debug("closing %r at exit failed: %s", store, exc)
