@@ -124,13 +124,13 @@ async def rank_main(rank: int, n: int, tmp: str, args: argparse.Namespace) -> di
     from aiodist.collectives import shm
     from aiodist.collectives.shm import NodeWorkspace
     from aiodist.store import FileStore, PrefixStore
-    from aiodist.transport.base import OpComm
+    from aiodist.transport.base import OpComm, PeerDirectory
     from aiodist.transport.shm import ShmTransport
     from aiodist.transport.tcp import TCPTransport
 
     store = FileStore(os.path.join(tmp, "store"))
     job = f"bench-{os.path.basename(tmp)}"
-    tcp = await TCPTransport.create(PrefixStore("tcp", store), rank, n, timeout=60)
+    tcp = await TCPTransport.create(PeerDirectory(PrefixStore("tcp", store)), rank, n, timeout=60)
     shmt = await ShmTransport.create(PrefixStore("shm", store), rank, n, timeout=60, job_key=job)
     ws = await NodeWorkspace.create(PrefixStore("ws", store), rank, n, timeout=60, job_key=job)
     ranks = list(range(n))
