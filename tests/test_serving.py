@@ -19,7 +19,7 @@ import pytest
 from serving_helpers import joins
 
 import aiodist
-from aiodist import serving
+from aiodist import _serving_wire as wire, serving
 from aiodist.serving import Channel, Controller, RemoteError, Unavailable
 from aiodist.testing import run_world
 
@@ -213,19 +213,19 @@ async def test_headers_longer_than_one_message_and_large_arrays() -> None:
 @pytest.mark.parametrize("over", [-1, 0, 1])
 def test_arrays_travel_inside_the_header_exactly_when_they_fit(over: int) -> None:
     message = {"op": "call", "arrays": [["|u1", [0]]]}
-    room = serving._ROOM - len(json.dumps(message, separators=(",", ":")))
+    room = wire.ROOM - len(json.dumps(message, separators=(",", ":")))
     a = np.arange(room + over, dtype=np.uint8)
     message["arrays"] = [["|u1", [len(a)]]]
-    room = serving._ROOM - len(json.dumps(message, separators=(",", ":")))
-    parts, inside = serving._encode(message, [a])
+    room = wire.ROOM - len(json.dumps(message, separators=(",", ":")))
+    parts, inside = wire.encode(message, [a])
     assert inside == (len(a) <= room)
-    assert parts[0].shape == (serving._FIRST,)
-    assert serving._overflow(parts[0]) == 0
-    decoded, carried = serving._decode(parts[0], None)
+    assert parts[0].shape == (wire.FIRST,)
+    assert wire.overflow(parts[0]) == 0
+    decoded, carried = wire.decode(parts[0], None)
     assert decoded == message
     if inside:
         assert len(parts) == 1 and carried is not None
-        (back,) = serving._unpack(carried, decoded["arrays"])
+        (back,) = wire.unpack(carried, decoded["arrays"])
     else:
         assert carried is None and len(parts) == 2
         back = parts[1]
