@@ -1,0 +1,491 @@
+"""The command line of ``aiodist-run``: torchrun's flags, parsed into a :class:`LaunchConfig`.
+
+:func:`get_args_parser` declares the flags (each also read from ``PET_<DEST>``, as torchrun's
+are, and the node rank from the cluster); :func:`parse_args` validates them into a frozen
+:class:`LaunchConfig`, the only thing the rest of the launcher reads. :mod:`aiodist.launcher`
+re-exports the public names defined here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ._cluster import launcher_default
+from ._workers import Std
+from .errors import DistUsageError
+
+_DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+_TRUE = ("1", "true", "yes", "on")
+
+
+class _EnvDefault(argparse.Action):
+    """An option whose default may come from ``PET_<DEST>`` as in torchrun, or the cluster.
+
+    The node rank also comes from a Kubernetes Indexed Job's ``JOB_COMPLETION_INDEX``, or
+    an elastic PyTorchJob's pod name (:func:`aiodist._cluster.launcher_default`).
+    """
+
+    def __init__(self, option_strings: list[str], dest: str, default: Any = None, **kw: Any):
+        env = launcher_default(dest)
+        super().__init__(option_strings, dest, default=env if env is not None else default, **kw)
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        setattr(namespace, self.dest, values)
+
+
+class _EnvFlag(argparse.Action):
+    """A boolean switch that ``PET_<DEST>=1`` also turns on."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kw: Any):
+        env = os.environ.get(f"PET_{dest.upper()}", "")
+        kw.pop("default", None)
+        super().__init__(option_strings, dest, nargs=0, default=env.lower() in _TRUE, **kw)
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        setattr(namespace, self.dest, True)
+
+
+def _flag(name: str) -> list[str]:
+    """Both spellings of a long option: ``--nproc-per-node`` and ``--nproc_per_node``."""
+    under = "--" + name[2:].replace("-", "_")
+    return [name] if under == name else [name, under]
+
+
+def get_args_parser() -> argparse.ArgumentParser:
+    """Return the parser for ``aiodist-run``: torchrun's flags, names and defaults.
+
+    Every option also reads its default from the environment variable ``PET_<DEST>``
+    (``PET_NPROC_PER_NODE=4``), as torchrun's do.
+    """
+    p = argparse.ArgumentParser(
+        prog="aiodist-run",
+        description="Start and supervise the worker processes of an aiodist (or torch) job, "
+        "with torchrun's command line.",
+    )
+    add = p.add_argument
+    add(
+        *_flag("--nnodes"),
+        action=_EnvDefault,
+        default="1:1",
+        help="number of nodes, N or MIN:MAX with MIN == MAX (default 1:1)",
+    )
+    add(
+        *_flag("--nproc-per-node"),
+        action=_EnvDefault,
+        default="1",
+        help="workers per node: an integer, or auto/cpu for one per CPU (default 1)",
+    )
+    add(
+        *_flag("--node-rank"),
+        action=_EnvDefault,
+        type=int,
+        default=0,
+        help="rank of this node, 0 <= K < nnodes; node 0 hosts the store (default "
+        "PET_NODE_RANK, else a Kubernetes Indexed Job's JOB_COMPLETION_INDEX, else 0)",
+    )
+    add(
+        *_flag("--master-addr"),
+        action=_EnvDefault,
+        default="127.0.0.1",
+        help="address of node 0: node 0's store binds it, the others connect to it",
+    )
+    add(
+        *_flag("--master-port"),
+        action=_EnvDefault,
+        type=int,
+        default=None,
+        help="port of node 0's store (default: a free port on one node, 29500 on several)",
+    )
+    add(
+        *_flag("--local-addr"),
+        action=_EnvDefault,
+        default=None,
+        help="this node's address, exported to the workers as AIODIST_HOST (the address "
+        "their transport listens on and publishes); default with several nodes: the "
+        "address this node uses to reach node 0",
+    )
+    add(
+        *_flag("--rdzv-backend"),
+        action=_EnvDefault,
+        default="static",
+        choices=["static", "c10d"],
+        help="accepted for torchrun compatibility: both use node 0's store",
+    )
+    add(
+        *_flag("--rdzv-endpoint"),
+        action=_EnvDefault,
+        default="",
+        help="HOST[:PORT] of node 0's store; overrides --master-addr/--master-port",
+    )
+    add(
+        *_flag("--rdzv-id"),
+        action=_EnvDefault,
+        default="none",
+        help="job id, exported as TORCHELASTIC_RUN_ID and AIODIST_RUN_ID",
+    )
+    add(
+        *_flag("--rdzv-conf"),
+        action=_EnvDefault,
+        default="",
+        help="k=v,... with join_timeout (s, default 600), keep_alive_interval (s, 5) and "
+        "keep_alive_max_attempt (3): a node silent for interval*attempts is lost",
+    )
+    add(
+        "--standalone",
+        action=_EnvFlag,
+        help="single node; the store takes a free port on 127.0.0.1",
+    )
+    add(
+        *_flag("--max-restarts"),
+        action=_EnvDefault,
+        type=int,
+        default=0,
+        help="restarts allowed after a failure (default 0): of the whole worker group "
+        "(--restart-policy=all), or of each rank on its own (--restart-policy=failed)",
+    )
+    add(
+        *_flag("--restart-policy"),
+        action=_EnvDefault,
+        default="all",
+        choices=["all", "failed"],
+        help="all: a failure stops every worker and restarts the group, as torchrun does; "
+        "failed: only the failed worker is restarted (same rank, same store), the others "
+        "keep running and must rebuild their process group themselves (default all)",
+    )
+    add(
+        *_flag("--monitor-interval"),
+        action=_EnvDefault,
+        type=float,
+        default=0.1,
+        help="seconds between checks of the other nodes (default 0.1)",
+    )
+    add(
+        *_flag("--start-method"),
+        action=_EnvDefault,
+        default="spawn",
+        choices=["spawn", "fork", "forkserver"],
+        help="accepted for torchrun compatibility: a script always runs as a new process",
+    )
+    add("--role", action=_EnvDefault, default="default", help="exported as ROLE_NAME")
+    add("-m", "--module", action=_EnvFlag, help="run the script as a module, like python -m")
+    add(
+        *_flag("--no-python"),
+        action=_EnvFlag,
+        help="run the script as an executable, without python",
+    )
+    add(
+        *_flag("--log-dir"),
+        action=_EnvDefault,
+        default=None,
+        help="base directory of the per-rank logs: LOG_DIR/RUN_ID/attempt_K/RANK/",
+    )
+    add(
+        "-r",
+        "--redirects",
+        action=_EnvDefault,
+        default="0",
+        help="send output to the log files only: 0 none, 1 stdout, 2 stderr, 3 both, "
+        "or per local rank as 0:1,1:2",
+    )
+    add(
+        "-t",
+        "--tee",
+        action=_EnvDefault,
+        default="0",
+        help="send output to the log files and the console (same values as --redirects)",
+    )
+    add(
+        *_flag("--local-ranks-filter"),
+        action=_EnvDefault,
+        default="",
+        help="show only these local ranks on the console, e.g. 0,3",
+    )
+    add(
+        *_flag("--signals-to-handle"),
+        action=_EnvDefault,
+        default=_DEFAULT_SIGNALS,
+        help="signals forwarded to the workers (default SIGTERM,SIGINT,SIGHUP,SIGQUIT)",
+    )
+    add(
+        *_flag("--shutdown-grace"),
+        *_flag("--shutdown-timeout"),
+        dest="shutdown_timeout",
+        action=_EnvDefault,
+        type=float,
+        default=float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")),
+        help="seconds a worker has to exit after SIGTERM (or the signal the launcher "
+        "received) before it gets SIGKILL (default TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30); "
+        "--shutdown-timeout is torchrun's name",
+    )
+    add("training_script", help="the script (or module, or executable) every worker runs")
+    add("training_script_args", nargs=argparse.REMAINDER, help="its arguments")
+    return p
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """A validated ``aiodist-run`` command line.
+
+    Attributes:
+        nnodes: number of nodes.
+        nproc_per_node: workers on this node.
+        node_rank: this node's rank.
+        master_addr: node 0's address.
+        master_port: node 0's store port; 0 picks a free one (single node only).
+        local_addr: this node's address for the workers' transport, if given.
+        run_id: the job id.
+        max_restarts: restarts allowed after a failure: of the group (policy ``all``) or
+            of each rank (policy ``failed``).
+        restart_policy: ``"all"`` restarts every worker, ``"failed"`` only the failed one.
+        monitor_interval: seconds between checks of the other nodes.
+        join_timeout: seconds to wait for every node to join.
+        lost_after: seconds of silence after which a node counts as lost.
+        role: the role name.
+        cmd: the command every worker runs.
+        log_dir: base directory for logs (``None``: a temporary directory).
+        redirects: per local rank, streams sent to the log files only.
+        tees: per local rank, streams sent to the log files and the console.
+        local_ranks_filter: local ranks shown on the console (``None``: all).
+        signals: signals forwarded to the workers.
+        shutdown_timeout: the grace period between the stop signal and SIGKILL.
+    """
+
+    nnodes: int
+    nproc_per_node: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+    local_addr: str | None
+    run_id: str
+    max_restarts: int
+    restart_policy: str
+    monitor_interval: float
+    join_timeout: float
+    lost_after: float
+    role: str
+    cmd: tuple[str, ...]
+    log_dir: Path | None
+    redirects: tuple[Std, ...]
+    tees: tuple[Std, ...]
+    local_ranks_filter: frozenset[int] | None
+    signals: tuple[signal.Signals, ...]
+    shutdown_timeout: float
+
+
+def _parse_std(text: str, what: str, nproc: int) -> tuple[Std, ...]:
+    """Parse ``3`` or ``0:1,1:2`` into one :class:`Std` per local rank."""
+    text = text.strip()
+
+    def std(value: str) -> Std:
+        if value.strip() not in ("0", "1", "2", "3"):
+            raise ValueError(value)
+        return Std(int(value))
+
+    try:
+        if ":" not in text:
+            return (std(text),) * nproc
+        per_rank = [Std.NONE] * nproc
+        for item in text.split(","):
+            rank, value = item.split(":")
+            if not 0 <= int(rank) < nproc:
+                raise DistUsageError(
+                    f"--{what}={text!r} names local rank {int(rank)}, but there are only "
+                    f"{nproc} workers per node"
+                )
+            per_rank[int(rank)] = std(value)
+        return tuple(per_rank)
+    except ValueError as exc:
+        if isinstance(exc, DistUsageError):
+            raise
+        raise DistUsageError(
+            f"--{what}={text!r} is not valid: expected 0 (none), 1 (stdout), 2 (stderr), "
+            "3 (both), or per local rank like 0:1,1:2"
+        ) from None
+
+
+def _parse_nnodes(text: str) -> int:
+    parts = text.split(":")
+    try:
+        sizes = [int(p) for p in parts]
+    except ValueError:
+        raise DistUsageError(f"--nnodes={text!r} is not valid: expected N or MIN:MAX") from None
+    if len(sizes) > 2 or min(sizes) < 1:
+        raise DistUsageError(f"--nnodes={text!r} is not valid: expected N >= 1 or MIN:MAX")
+    if len(sizes) == 2 and sizes[0] != sizes[1]:
+        raise DistUsageError(
+            f"--nnodes={text!r}: elastic node counts are not supported, give a fixed count "
+            "(N or N:N)"
+        )
+    return sizes[0]
+
+
+def _parse_nproc(text: str) -> int:
+    if text in ("auto", "cpu"):
+        return os.cpu_count() or 1
+    try:
+        nproc = int(text)
+    except ValueError:
+        raise DistUsageError(
+            f"--nproc-per-node={text!r} is not valid: expected a positive integer, auto or cpu"
+        ) from None
+    if nproc < 1:
+        raise DistUsageError(f"--nproc-per-node={text!r} is not valid: expected at least 1")
+    return nproc
+
+
+def _parse_endpoint(text: str, default_port: int) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or "]" in port:
+        host, port = text, ""
+    host = host.strip("[]")
+    if not host:
+        raise DistUsageError(f"--rdzv-endpoint={text!r} is not valid: expected HOST[:PORT]")
+    try:
+        return host, int(port) if port else default_port
+    except ValueError:
+        raise DistUsageError(f"--rdzv-endpoint={text!r} has an invalid port {port!r}") from None
+
+
+def _parse_rdzv_conf(text: str) -> dict[str, float]:
+    known = {
+        "join_timeout": 600.0,
+        "timeout": 600.0,
+        "keep_alive_interval": 5.0,
+        "keep_alive_max_attempt": 3.0,
+    }
+    conf: dict[str, float] = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key not in known:
+            raise DistUsageError(
+                f"--rdzv-conf item {item!r} is not valid: expected k=v with k one of "
+                f"{', '.join(sorted(known))}"
+            )
+        try:
+            conf[key] = float(value)
+        except ValueError:
+            raise DistUsageError(f"--rdzv-conf {key}={value!r} is not a number") from None
+        if conf[key] <= 0:
+            raise DistUsageError(f"--rdzv-conf {key}={value!r} must be positive")
+    conf.setdefault("join_timeout", conf.get("timeout", known["join_timeout"]))
+    for key in ("keep_alive_interval", "keep_alive_max_attempt"):
+        conf.setdefault(key, known[key])
+    return conf
+
+
+def _parse_signals(text: str) -> tuple[signal.Signals, ...]:
+    result = []
+    for name in filter(None, (s.strip() for s in text.split(","))):
+        try:
+            result.append(signal.Signals[name if name.startswith("SIG") else "SIG" + name])
+        except KeyError:
+            raise DistUsageError(f"--signals-to-handle names an unknown signal {name!r}") from None
+        if result[-1] in (signal.SIGKILL, signal.SIGSTOP):
+            raise DistUsageError(f"--signals-to-handle: {name} cannot be caught")
+    return tuple(result)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
+    """Parse and validate an ``aiodist-run`` command line.
+
+    Raises:
+        DistUsageError: a flag has an invalid value or flags contradict each other.
+        SystemExit: argparse rejected the command line (unknown flag, missing script).
+    """
+    ns = get_args_parser().parse_args(argv)
+    nnodes = _parse_nnodes(str(ns.nnodes))
+    nproc = _parse_nproc(str(ns.nproc_per_node))
+    conf = _parse_rdzv_conf(str(ns.rdzv_conf))
+    node_rank = int(ns.node_rank)
+    if not 0 <= node_rank < nnodes:
+        raise DistUsageError(f"--node-rank={node_rank} is not valid with --nnodes={nnodes}")
+    master_addr, master_port = str(ns.master_addr), ns.master_port
+    run_id = str(ns.rdzv_id)
+    if ns.standalone:
+        if nnodes != 1:
+            raise DistUsageError(f"--standalone runs one node, but --nnodes={nnodes}")
+        master_addr, master_port, run_id = "127.0.0.1", 0, uuid.uuid4().hex[:12]
+    elif ns.rdzv_endpoint:
+        master_addr, master_port = _parse_endpoint(str(ns.rdzv_endpoint), 29400)
+    elif master_port is None:
+        # torchrun does the same switch: one node and no port asked for means any free port.
+        master_port = 0 if nnodes == 1 else 29500
+    master_port = int(master_port)
+    if not 0 <= master_port < 65536 or (master_port == 0 and nnodes > 1):
+        raise DistUsageError(
+            f"--master-port={master_port} is not valid"
+            + (": several nodes need a fixed port" if master_port == 0 else "")
+        )
+    if int(ns.max_restarts) < 0:
+        raise DistUsageError(f"--max-restarts={ns.max_restarts} must not be negative")
+    if ns.restart_policy not in ("all", "failed"):
+        raise DistUsageError(
+            f"--restart-policy={ns.restart_policy!r} is not valid: expected all or failed"
+        )
+    if float(ns.monitor_interval) <= 0:
+        raise DistUsageError(f"--monitor-interval={ns.monitor_interval} must be positive")
+    if float(ns.shutdown_timeout) < 0:
+        raise DistUsageError(f"--shutdown-grace={ns.shutdown_timeout} must not be negative")
+    if ns.module and ns.no_python:
+        raise DistUsageError("--module and --no-python cannot be used together")
+    filt: frozenset[int] | None = None
+    if str(ns.local_ranks_filter).strip():
+        try:
+            filt = frozenset(int(r) for r in str(ns.local_ranks_filter).split(","))
+        except ValueError:
+            raise DistUsageError(
+                f"--local-ranks-filter={ns.local_ranks_filter!r} is not valid: expected "
+                "comma-separated local ranks like 0,2"
+            ) from None
+        if not filt <= set(range(nproc)):
+            raise DistUsageError(
+                f"--local-ranks-filter={ns.local_ranks_filter!r} names ranks outside 0..{nproc - 1}"
+            )
+    if ns.no_python:
+        cmd = [ns.training_script]
+    elif ns.module:
+        cmd = [sys.executable, "-u", "-m", ns.training_script]
+    else:
+        cmd = [sys.executable, "-u", ns.training_script]
+    return LaunchConfig(
+        nnodes=nnodes,
+        nproc_per_node=nproc,
+        node_rank=node_rank,
+        master_addr=master_addr,
+        master_port=master_port,
+        local_addr=str(ns.local_addr) if ns.local_addr else None,
+        run_id=run_id,
+        max_restarts=int(ns.max_restarts),
+        restart_policy=str(ns.restart_policy),
+        monitor_interval=float(ns.monitor_interval),
+        join_timeout=conf["join_timeout"],
+        lost_after=conf["keep_alive_interval"] * conf["keep_alive_max_attempt"],
+        role=str(ns.role),
+        cmd=(*cmd, *ns.training_script_args),
+        log_dir=Path(ns.log_dir) if ns.log_dir else None,
+        redirects=_parse_std(str(ns.redirects), "redirects", nproc),
+        tees=_parse_std(str(ns.tee), "tee", nproc),
+        local_ranks_filter=filt,
+        signals=_parse_signals(str(ns.signals_to_handle)),
+        shutdown_timeout=float(ns.shutdown_timeout),
+    )

@@ -1,0 +1,206 @@
+"""The agreement between the launchers of a multi-node ``aiodist-run`` job, through node 0's store.
+
+Node 0's launcher hosts the store (:func:`open_store`), which its workers use too; the other
+launchers connect to it. A :class:`Coordinator` holds what they agree on there: each node's
+claim and so the global ranks, heartbeats (a silent node raises :class:`NodeLostError`), when
+an attempt may start, its first failure, and the counters of the nodes done with it. The
+supervision of the local workers that uses it is in :mod:`aiodist.launcher`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+import uuid
+from typing import Any
+
+from ._launch_cli import LaunchConfig
+from ._workers import WorkerFailure
+from .errors import DistError, DistNetworkError, DistTimeoutError, DistUsageError
+from .store import Store
+from .store.tcp import TCPStore
+
+logger = logging.getLogger(__name__)
+
+#: Keys of the launchers themselves live under this prefix; everything else in the store
+#: belongs to the workers and is deleted between attempts.
+LAUNCHER_PREFIX = "aiodist-run/"
+
+
+class NodeLostError(DistNetworkError):
+    """Another node's launcher, or node 0's store, stopped answering."""
+
+    # Re-exported by aiodist.launcher, where it is public: tracebacks and pickles keep naming
+    # the module it was always in.
+    __module__ = "aiodist.launcher"
+
+
+class Coordinator:
+    """What the launchers of a job agree on through node 0's store.
+
+    Keys (under ``aiodist-run/<run_id>/``): ``hb/<node>`` heartbeat counters; ``node/<node>``
+    a node's claim (token and worker count); ``a<k>/go`` attempt ``k`` may start (set by
+    node 0); ``a<k>/failure`` the first failure of attempt ``k`` (compare-and-set, so every node
+    reports the same one); ``a<k>/done``, ``a<k>/stopped``, ``a<k>/acks`` counters.
+    Every request is bounded by the lost-node timeout, so a vanished store is an error, not a
+    hang; the supervisor is the only task using the store, so requests never overlap.
+    """
+
+    def __init__(self, store: Store, cfg: LaunchConfig) -> None:
+        self._store = store
+        self._cfg = cfg
+        self._p = f"{LAUNCHER_PREFIX}{cfg.run_id}/"
+        self._token = uuid.uuid4().hex
+        self._beats: dict[int, tuple[int, float]] = {}
+
+    def __repr__(self) -> str:
+        return f"<Coordinator node={self._cfg.node_rank}/{self._cfg.nnodes} run={self._cfg.run_id}>"
+
+    async def _op(self, what: str, coro: Any) -> Any:
+        try:
+            async with asyncio.timeout(self._cfg.lost_after):
+                return await coro
+        except TimeoutError:
+            raise NodeLostError(
+                f"the store at {self._cfg.master_addr}:{self._cfg.master_port} (node 0) did "
+                f"not answer {what} within {self._cfg.lost_after:g} s"
+            ) from None
+        except (DistError, OSError) as exc:
+            if isinstance(exc, DistUsageError):
+                raise
+            raise NodeLostError(
+                f"lost the store at {self._cfg.master_addr}:{self._cfg.master_port} (node 0) "
+                f"during {what}: {exc}"
+            ) from exc
+
+    async def join(self) -> tuple[int, int]:
+        """Register this node; return (its first global rank, the world size).
+
+        Raises:
+            DistUsageError: another launcher already joined with this node rank.
+            DistTimeoutError: not every node joined within the join timeout.
+            NodeLostError: the store stopped answering.
+        """
+        cfg, s = self._cfg, self._store
+        await self._op("the heartbeat", s.add(f"{self._p}hb/{cfg.node_rank}", 1))
+        mine = f"{self._token} {cfg.nproc_per_node}".encode()
+        got = await self._op("the join", s.compare_set(f"{self._p}node/{cfg.node_rank}", b"", mine))
+        if got != mine:
+            raise DistUsageError(
+                f"another launcher already joined run {cfg.run_id!r} as node {cfg.node_rank}: "
+                "give every node a different --node-rank"
+            )
+        keys = [f"{self._p}node/{i}" for i in range(cfg.nnodes)]
+        deadline = time.monotonic() + cfg.join_timeout
+        while not await self._op("the join", s.check(keys)):
+            if time.monotonic() > deadline:
+                missing = [i for i, k in enumerate(keys) if not await s.check([k])]
+                raise DistTimeoutError(
+                    f"nodes {missing} did not join run {cfg.run_id!r} at "
+                    f"{cfg.master_addr}:{cfg.master_port} within {cfg.join_timeout:g} s"
+                )
+            await asyncio.sleep(cfg.monitor_interval)
+        sizes = [int(v.split()[1]) for v in await self._op("the join", s.multi_get(keys))]
+        now = time.monotonic()
+        self._beats = {i: (0, now) for i in range(cfg.nnodes) if i != cfg.node_rank}
+        return sum(sizes[: cfg.node_rank]), sum(sizes)
+
+    async def beat(self) -> None:
+        """Send this node's heartbeat and check everyone else's.
+
+        Raises:
+            NodeLostError: a node's heartbeat did not move for the lost-node timeout.
+        """
+        cfg, s = self._cfg, self._store
+        await self._op("a heartbeat", s.add(f"{self._p}hb/{cfg.node_rank}", 1))
+        others = sorted(self._beats)
+        values = await self._op("a heartbeat", s.multi_get([f"{self._p}hb/{i}" for i in others]))
+        now = time.monotonic()
+        for node, raw in zip(others, values, strict=True):
+            count, since = self._beats[node]
+            if int(raw) != count:
+                self._beats[node] = (int(raw), now)
+            elif now - since > cfg.lost_after:
+                raise NodeLostError(
+                    f"node {node} stopped sending heartbeats {now - since:.1f} s ago: its "
+                    "launcher died or the network to it failed"
+                )
+
+    async def count(self, attempt: int, name: str) -> int:
+        """Read the counter ``a<attempt>/<name>``."""
+        return int(await self._op(name, self._store.add(f"{self._p}a{attempt}/{name}", 0)))
+
+    async def increment(self, attempt: int, name: str) -> None:
+        """Add one to the counter ``a<attempt>/<name>``."""
+        await self._op(name, self._store.add(f"{self._p}a{attempt}/{name}", 1))
+
+    async def publish_failure(self, attempt: int, failure: WorkerFailure) -> WorkerFailure:
+        """Record ``failure`` unless another was first; return the one recorded."""
+        mine = failure.to_json().encode()
+        got = await self._op(
+            "the failure report",
+            self._store.compare_set(f"{self._p}a{attempt}/failure", b"", mine),
+        )
+        return WorkerFailure.from_json(got)
+
+    async def failure(self, attempt: int) -> WorkerFailure | None:
+        """The failure recorded for ``attempt``, if any."""
+        key = f"{self._p}a{attempt}/failure"
+        if not await self._op("the failure check", self._store.check([key])):
+            return None
+        return WorkerFailure.from_json(await self._op("the failure check", self._store.get(key)))
+
+    async def released(self, attempt: int) -> bool:
+        """Whether node 0 let ``attempt`` start."""
+        return bool(await self._op("the start", self._store.check([f"{self._p}a{attempt}/go"])))
+
+    async def release(self, attempt: int) -> None:
+        """Node 0: let ``attempt`` start, after emptying the store of the workers' keys.
+
+        The workers of the previous attempt are all dead by now (every node reported them
+        stopped), so nothing writes worker keys while they are deleted. Emptying the store
+        protects torch workers too, whose keys (``/default_pg/...``) cannot be namespaced.
+        """
+        if attempt > 0:
+            stale = [
+                k
+                for k in await self._op("the cleanup", self._store.list_keys())
+                if not k.startswith(LAUNCHER_PREFIX)
+            ]
+            for key in stale:
+                await self._op("the cleanup", self._store.delete_key(key))
+            logger.debug("deleted %d keys of attempt %d", len(stale), attempt - 1)
+        await self._op("the start", self._store.set(f"{self._p}a{attempt}/go", b"1"))
+
+
+# -- hosting and joining the store ----------------------------------------------------------
+async def open_store(cfg: LaunchConfig) -> TCPStore:
+    """Node 0 hosts the store (its server also serves the workers); others connect to it.
+
+    Raises:
+        DistNetworkError: node 0 cannot listen on the address (e.g. the port is in use), or
+            node 0's store could not be reached within the join timeout.
+    """
+    return await TCPStore.create(
+        cfg.master_addr, cfg.master_port, is_master=cfg.node_rank == 0, timeout=cfg.join_timeout
+    )
+
+
+def route_to(host: str, port: int) -> str | None:
+    """The local address this machine uses to reach ``host`` (no packet is sent).
+
+    With several nodes, the workers' transport must listen on and publish an address the
+    other nodes can reach; the one that reaches node 0 is the best guess without asking,
+    and it avoids relying on the host name resolving to the right interface.
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+        family, _type, _proto, _canon, addr = infos[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(addr)
+            return str(probe.getsockname()[0])
+    except OSError as exc:
+        logger.warning("cannot tell which local address reaches %s: %s", host, exc)
+        return None
