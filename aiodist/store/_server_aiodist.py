@@ -11,7 +11,7 @@ the connection ends) are this wire's too.
 :class:`AiodistWire` holds all of it, as methods of the server's connection class (which joins
 it with :class:`~aiodist.store._server_torch.TorchWire` over the shared
 :class:`~aiodist.store._server_connection.ServerConnection`); the client side of this wire is
-``tcp.py``'s ``_AiodistChannel``.
+``_client_aiodist.py``'s ``AiodistChannel``.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ aiodist's wire. A torch client that lives in the server's own process needs care
 :class:`TorchWire` holds all of it, as methods of the server's connection class (which joins
 it with :class:`~aiodist.store._server_aiodist.AiodistWire` over the shared
 :class:`~aiodist.store._server_connection.ServerConnection`); the client side of this wire is
-``tcp.py``'s ``_TorchChannel``.
+``_client_torch.py``'s ``TorchChannel``.
 """
 
 from __future__ import annotations
