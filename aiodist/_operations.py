@@ -39,7 +39,7 @@ from __future__ import annotations
 import pickle
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol
 
 import numpy as np
 
@@ -53,9 +53,14 @@ if TYPE_CHECKING:
 
 __all__ = ["ALGORITHMS", "HOST_ALGORITHMS", "OPERATIONS", "Call", "Intake", "Operation", "describe"]
 
-#: ``intake(value, name, writable) -> array``: a backend's way of taking one array argument
-#: (``name`` is the argument's name for errors; ``writable``: the operation writes into it).
-Intake = Callable[[object, str, bool], Any]
+
+class Intake(Protocol):
+    """A backend's way of taking one array argument: ``intake(value, writable=, name=)``
+    returns the backend's array, or raises ``DistUsageError`` naming the argument (``name``);
+    ``writable``: the operation writes into it."""
+
+    def __call__(self, value: object, /, *, writable: bool, name: str) -> Any: ...
+
 
 #: How an operation's blocking twin (``aiodist.sync``) returns: torch's collectives return
 #: ``None`` or, with ``async_op=True``, a Work; ``isend``/``irecv`` a Work at once; ``recv``
@@ -182,7 +187,7 @@ def _array_list(intake: Intake, arrays: object, size: int, name: str, writable: 
     if len(arrays) != size:
         what = "is empty" if not arrays else f"has {len(arrays)} entries"
         raise DistUsageError(f"{name} {what}; it needs {size} arrays, one per rank")
-    out = [intake(a, f"{name}[{i}]", writable) for i, a in enumerate(arrays)]
+    out = [intake(a, writable=writable, name=f"{name}[{i}]") for i, a in enumerate(arrays)]
     for i, a in enumerate(out[1:], 1):
         if a.dtype != out[0].dtype:
             raise DistUsageError(
@@ -259,7 +264,7 @@ def _split_rows(a: Any, splits: list[int]) -> list[Any]:
 # -- reductions ------------------------------------------------------------------------------
 @_operation("all_reduce")
 def _all_reduce(intake: Intake, pg: ProcessGroup, tensor: object, op: object) -> Call:
-    x = intake(tensor, "tensor", True)
+    x = intake(tensor, writable=True, name="tensor")
     rop = check_reduce_op(op, x.dtype)
     fp = fingerprint("all_reduce", dtype=x.dtype, shape=x.shape, reduce_op=rop)
     return Call((x, rop, _factor(op)), fp, tensor)
@@ -288,7 +293,7 @@ def _reduce(
 ) -> Call:
     root = _root(pg, dst, group_dst, _DST)
     # The other ranks' arrays are only read.
-    x = intake(tensor, "tensor", pg.rank == root)
+    x = intake(tensor, writable=pg.rank == root, name="tensor")
     rop = check_reduce_op(op, x.dtype)
     fp = fingerprint("reduce", dtype=x.dtype, shape=x.shape, root=root, reduce_op=rop)
     return Call((x, root, rop, _factor(op)), fp, tensor)
@@ -298,7 +303,7 @@ def _reduce(
 def _reduce_scatter(
     intake: Intake, pg: ProcessGroup, output: object, input_list: object, op: object
 ) -> Call:
-    out = intake(output, "output", True)
+    out = intake(output, writable=True, name="output")
     ins = _like_list(intake, input_list, pg.size, "input_list", False, out, "output")
     rop = check_reduce_op(op, out.dtype)
     fp = fingerprint("reduce_scatter", dtype=out.dtype, shape=out.shape, reduce_op=rop)
@@ -309,8 +314,8 @@ def _reduce_scatter(
 def _reduce_scatter_single(
     intake: Intake, pg: ProcessGroup, output: object, input: object, op: object
 ) -> Call:
-    out = intake(output, "output", True)
-    x = intake(input, "input", False)
+    out = intake(output, writable=True, name="output")
+    x = intake(input, writable=False, name="input")
     _check_concat(x, out, pg.size, "input", "output")
     rop = check_reduce_op(op, out.dtype)
     fp = fingerprint("reduce_scatter_single", dtype=out.dtype, shape=out.shape, reduce_op=rop)
@@ -324,14 +329,14 @@ def _broadcast(
     intake: Intake, pg: ProcessGroup, tensor: object, src: int | None, group_src: int | None
 ) -> Call:
     root = _root(pg, src, group_src, _SRC)
-    x = intake(tensor, "tensor", pg.rank != root)
+    x = intake(tensor, writable=pg.rank != root, name="tensor")
     fp = fingerprint("broadcast", dtype=x.dtype, shape=x.shape, root=root)
     return Call((x, root), fp, tensor)
 
 
 @_operation("all_gather")
 def _all_gather(intake: Intake, pg: ProcessGroup, tensor_list: object, tensor: object) -> Call:
-    x = intake(tensor, "tensor", False)
+    x = intake(tensor, writable=False, name="tensor")
     outs = _like_list(intake, tensor_list, pg.size, "tensor_list", True, x, "tensor")
     fp = fingerprint("all_gather", dtype=x.dtype, shape=x.shape)
     return Call((outs, x, None), fp, tensor_list)
@@ -339,8 +344,8 @@ def _all_gather(intake: Intake, pg: ProcessGroup, tensor_list: object, tensor: o
 
 @_operation("all_gather_single", algorithm="all_gather", aliases=("all_gather_into_tensor",))
 def _all_gather_single(intake: Intake, pg: ProcessGroup, output: object, input: object) -> Call:
-    x = intake(input, "input_tensor", False)
-    out = intake(output, "output_tensor", True)
+    x = intake(input, writable=False, name="input_tensor")
+    out = intake(output, writable=True, name="output_tensor")
     _check_concat(out, x, pg.size, "output_tensor", "input_tensor")
     fp = fingerprint("all_gather_single", dtype=x.dtype, shape=x.shape)
     return Call((_rows(out, pg.size), x.reshape(-1), out), fp, output)
@@ -357,14 +362,17 @@ def _all_gather_coalesced(
             f"output_tensor_lists must be a list of {pg.size} lists (one per rank), one "
             "array each per input"
         )
-    xs = [intake(x, f"input_tensor_list[{i}]", False) for i, x in enumerate(inputs)]
+    xs = [intake(x, writable=False, name=f"input_tensor_list[{i}]") for i, x in enumerate(inputs)]
     rows = []
     for r, row in enumerate(output_lists):
         if not isinstance(row, list | tuple) or len(row) != len(xs):
             raise DistUsageError(
                 f"output_tensor_lists[{r}] must be a list of {len(xs)} arrays, one per input"
             )
-        outs = [intake(o, f"output_tensor_lists[{r}][{i}]", True) for i, o in enumerate(row)]
+        outs = [
+            intake(o, writable=True, name=f"output_tensor_lists[{r}][{i}]")
+            for i, o in enumerate(row)
+        ]
         for i, (o, x) in enumerate(zip(outs, xs, strict=True)):
             _check_like(o, x, f"output_tensor_lists[{r}][{i}]", f"input_tensor_list[{i}]")
         rows.append(outs)
@@ -384,7 +392,7 @@ def _gather(
     group_dst: int | None,
 ) -> Call:
     root = _root(pg, dst, group_dst, _DST)
-    x = intake(tensor, "tensor", False)
+    x = intake(tensor, writable=False, name="tensor")
     outs = None
     if pg.rank == root:
         outs = _like_list(intake, gather_list, pg.size, "gather_list", True, x, "tensor")
@@ -404,7 +412,7 @@ def _scatter(
     group_src: int | None,
 ) -> Call:
     root = _root(pg, src, group_src, _SRC)
-    out = intake(tensor, "tensor", True)
+    out = intake(tensor, writable=True, name="tensor")
     ins = None
     if pg.rank == root:
         ins = _like_list(intake, scatter_list, pg.size, "scatter_list", False, out, "tensor")
@@ -436,8 +444,8 @@ def _all_to_all_single(
     output_split_sizes: Sequence[int] | None,
     input_split_sizes: Sequence[int] | None,
 ) -> Call:
-    out = intake(output, "output", True)
-    x = intake(input, "input", False)
+    out = intake(output, writable=True, name="output")
+    x = intake(input, writable=False, name="input")
     if out.dtype != x.dtype or 0 in (out.ndim, x.ndim) or out.shape[1:] != x.shape[1:]:
         raise DistUsageError(
             f"output has {describe(out)} and input has {describe(x)}; they need the same "
@@ -471,14 +479,16 @@ def _monitored_barrier(
 # -- point to point (the peer comes as a group rank, already checked) ------------------------
 @_operation("send", public={"isend": "work", "send": "none"})
 def _send(intake: Intake, pg: ProcessGroup, peer: int, tensor: object) -> Call:
-    return Call((peer, intake(tensor, "tensor", False)))
+    return Call((peer, intake(tensor, writable=False, name="tensor")))
 
 
 @_operation("recv", public={"irecv": "work", "recv": "result"})
 def _recv(
     intake: Intake, pg: ProcessGroup, peer: int | None, tensor: object, group_ranks: bool
 ) -> Call:
-    return Call((peer, intake(tensor, "tensor", True), pg.ranks if group_ranks else None))
+    return Call(
+        (peer, intake(tensor, writable=True, name="tensor"), pg.ranks if group_ranks else None)
+    )
 
 
 # -- object collectives: pickled, sizes first, on the CPU -----------------------------------

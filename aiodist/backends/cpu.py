@@ -30,7 +30,7 @@ from ..transport.base import OpComm
 from ..transport.shm import default_job_key
 from . import Backend, Path
 
-__all__ = ["BACKEND", "PATHS", "on_transport", "take"]
+__all__ = ["BACKEND", "PATHS", "on_transport"]
 
 logger = logging.getLogger(__name__)
 
@@ -153,11 +153,6 @@ def _empty(group: ProcessGroup, dims: tuple[int, ...], dt: np.dtype[Any], zeroed
 
 
 # -- data paths ------------------------------------------------------------------------------
-def take(x: object, name: str, writable: bool) -> Array:
-    """The CPU backend's intake (:data:`aiodist._operations.Intake`): :func:`as_array`."""
-    return as_array(x, writable=writable, name=name)
-
-
 def on_transport(algorithm: Callable[..., Coroutine[Any, Any, Any]]) -> Path:
     """The path that runs ``algorithm(*comms, *call.args)`` over the group's transport."""
 
@@ -303,4 +298,4 @@ _DIRECT_ALGORITHMS = frozenset(
 _DIRECT_OPS = frozenset(op.name for op in OPERATIONS.values() if op.algorithm in _DIRECT_ALGORITHMS)
 
 #: The CPU backend.
-BACKEND = Backend.from_paths("cpu", "cpu", take, PATHS, setup=_setup, empty=_empty)
+BACKEND = Backend.from_paths("cpu", "cpu", as_array, PATHS, setup=_setup, empty=_empty)

@@ -439,8 +439,9 @@ def _issue_nccl(state: GroupState, call: _Call) -> EventDone:
 
 
 # -- data paths: each algorithm's checked call, as NCCL, IPC and staged steps -----------------
-def take(x: object, name: str, writable: bool) -> Any:
-    """The CUDA backend's intake (:data:`aiodist._operations.Intake`): device arrays."""
+def take(x: object, *, writable: bool, name: str) -> Any:
+    """The CUDA backend's intake (:class:`aiodist._operations.Intake`): device arrays (always
+    writable)."""
     return as_device_array(x, name)
 
 
