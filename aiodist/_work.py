@@ -53,7 +53,7 @@ class Plan:
         output: the Work's result when the algorithm returns ``None`` (the output array).
         device_sync: for an operation on a device (CUDA), makes a device stream wait for the
             operation's end without blocking the host (:meth:`Work.wait_stream`).
-        sequenced: the algorithm runs in the group's :class:`Sequencer` (every rank takes
+        sequenced: the algorithm takes a turn on one of the group's data paths (every rank takes
             its turn in each operation it issued): a peer's rejection does not cancel it,
             and a ``DistUsageError`` it raises is raised alike on every rank.
     """

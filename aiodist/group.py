@@ -107,16 +107,18 @@ LEFT_REASON = "left the process group (destroy_process_group)"
 LOOP_ENDED_REASON = "left the process group as its event loop ended (no destroy_process_group)"
 
 
-class Sequencer(Protocol):
-    """An order of a group's operations kept by a backend (a shared-memory workspace).
+class DataPath(Protocol):
+    """What a backend keeps for one group: the state of its data path (a shared-memory
+    workspace, a communicator), in :attr:`ProcessGroup.paths` under the backend's name.
 
-    Every rank takes a turn in each operation the sequencer covers, rejected or not: a rank
-    that rejects one runs :meth:`skip` in its place, so that the peers' turns of it fail
-    alike and the order stays the same on every rank.
+    The group aborts and closes it with itself. A path may also keep an order of the
+    group's operations (the workspace does): every rank takes a turn in each operation the
+    path covers, rejected or not; a rank that rejects one runs :meth:`skip` in its place, so
+    that the peers' turns of it fail alike and the order stays the same on every rank.
     """
 
     def covers(self, name: str) -> bool:
-        """Whether operation ``name`` takes a turn in this order."""
+        """Whether operation ``name`` takes a turn in an order this path keeps."""
 
     def waiting_for(self) -> list[int]:
         """The group ranks the operation in its turn now waits for (for timeout messages)."""
@@ -124,15 +126,15 @@ class Sequencer(Protocol):
     def skip(self, reason: str) -> Coroutine[Any, Any, None]:
         """Take this rank's turn for an operation it rejected, giving ``reason``.
 
-        Called when the operation is rejected, in issue order: the turn is reserved then,
-        and taken when the returned coroutine runs.
+        Called when a covered operation is rejected, in issue order: the turn is reserved
+        then, and taken when the returned coroutine runs.
         """
 
     def abort(self, cause: BaseException) -> None:
-        """Fail the turn in progress and every later one with ``cause``; tell the peers."""
+        """Fail what runs on the path now, and later, with ``cause``; tell the peers."""
 
     async def aclose(self) -> None:
-        """Release what the sequencer holds (the group is destroyed)."""
+        """Release what the path holds (the group is destroyed)."""
 
 
 #: A backend's entry point for one call: ``planner(group, op_name, args) -> Plan``.
@@ -233,10 +235,10 @@ class World:
         self.transport.peer_gone(peer, lost_peer_error(peer, str(cause), Departure.GONE))
 
     def _aborted(self, failure: BaseException) -> None:
-        # The peers learn the cause from whatever they wait on: a sequencer's turn or a message.
+        # The peers learn the cause from whatever they wait on: a data path's turn or a message.
         for group in self.groups.values():
-            if group.sequencer is not None:
-                group.sequencer.abort(failure)
+            for path in group.paths.values():
+                path.abort(failure)
         self.transport.abort(failure)
 
     @property
@@ -360,7 +362,7 @@ class World:
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
         for group in list(self.groups.values()):
-            await group._close_sequencer()
+            await group._close_paths()
         await self.transport.aclose(reason)
         await self.domain.aclose(reason)
         for store in self._owned:
@@ -413,8 +415,8 @@ class ProcessGroup:
         self._expiring: dict[Operation, asyncio.Task[None]] = {}
         self._destroyed = False
         self._order: asyncio.Lock | None = None
-        #: Set by a backend whose operations on this group run in an order of its own.
-        self.sequencer: Sequencer | None = None
+        #: What each backend keeps for this group, by backend name (:class:`DataPath`).
+        self.paths: dict[str, DataPath] = {}
         world.groups[group_id] = self
 
     def __repr__(self) -> str:
@@ -715,10 +717,11 @@ class ProcessGroup:
                 for r in self.ranks:
                     if r != self._world.rank:
                         transport.send_reject(r, self.group_id, op.seq + i, reason)
-            sequencer = self.sequencer
-            if sequencer is not None and sequencer.covers(op.name):
+            for path in self.paths.values():
+                if not path.covers(op.name):
+                    continue
                 # Take this rank's turn anyway, so the peers' turns fail alike.
-                skipping = asyncio.get_running_loop().create_task(sequencer.skip(reason))
+                skipping = asyncio.get_running_loop().create_task(path.skip(reason))
                 skipping.add_done_callback(_log_skip_failure)
         elif op.sends and op.peer is not None:
             transport.send_reject(self.ranks[op.peer], op.wire_group, op.seq, reason)
@@ -786,9 +789,9 @@ class ProcessGroup:
             if isinstance(exc, DistUsageError) and (op.kind is OpKind.P2P or op.sequenced):
                 # A receive whose sender rejected its send, or whose message had another
                 # size (point-to-point messages keep no order across the group); or a turn
-                # of a sequencer that every rank failed alike: only this operation fails.
+                # on a data path that every rank failed alike: only this operation fails.
                 peer = getattr(exc, "rejected_by", None)
-                if peer is not None:  # a sequencer's word for a peer's rejection
+                if peer is not None:  # a data path's word for a peer's rejection
                     exc = self._rejection(op, peer, getattr(exc, "reason", ""))
                 op.settle(exc)
             elif departure_of(exc) is Departure.LEFT:
@@ -836,7 +839,7 @@ class ProcessGroup:
         """Fail ``op`` because a rank it needs left in order, which breaks nothing else.
 
         The members it exchanges data with hear why, as for a rejection, so that none of
-        them waits for this rank's part (a turn of a sequencer fails alike everywhere).
+        them waits for this rank's part (a turn on a data path fails alike everywhere).
         """
         if op.kind is OpKind.COLLECTIVE and not op.sequenced:
             world = self._world
@@ -851,7 +854,7 @@ class ProcessGroup:
     def _fail_rejected(self, op: Operation, exc: DistUsageError) -> None:
         """Fail ``op`` because a peer rejected it: only this operation ends."""
         op.settle(exc)
-        if not op.sequenced:  # (a sequencer's turn ends on its own, alike on every rank)
+        if not op.sequenced:  # (a data path's turn ends on its own, alike on every rank)
             self._cancel_task(op)
 
     def _cancel_task(self, op: Operation) -> None:
@@ -898,8 +901,9 @@ class ProcessGroup:
         )
         if missing is not None:
             text += f"; ranks that did not arrive: {missing or 'none'}"
-        if op.sequenced and self.sequencer is not None:
-            waiting = self.sequencer.waiting_for()
+        turns = [p for p in self.paths.values() if p.covers(op.name)] if op.sequenced else []
+        if turns:
+            waiting = turns[0].waiting_for()
         else:
             waiting = [
                 self._group_rank_of[p]
@@ -931,15 +935,16 @@ class ProcessGroup:
         if tasks:
             self._world.abort(cause)
             await asyncio.gather(*tasks, return_exceptions=True)
-        await self._close_sequencer()
+        await self._close_paths()
         self._world.groups.pop(self.group_id, None)
 
-    async def _close_sequencer(self) -> None:
-        if self.sequencer is not None:
+    async def _close_paths(self) -> None:
+        for name, path in list(self.paths.items()):
             try:
-                await self.sequencer.aclose()
+                await path.aclose()
             except DistError as exc:
-                logger.warning("%r: closing its sequencer: %s", self, exc)
+                logger.warning("%r: closing its %s data path: %s", self, name, exc)
+        self.paths.clear()
 
     def _cancel_all(self, cause: BaseException) -> list[asyncio.Task[None]]:
         tasks = []

@@ -16,10 +16,10 @@ from aiodist.testing import run_world
 
 def shared(x: np.ndarray[Any, Any], group: ProcessGroup) -> bool:
     """Whether ``x`` lives in the shared memory of ``group``'s workspace."""
-    sequencer: Any = group.sequencer
-    if not hasattr(sequencer, "get"):
+    workspace: Any = group.paths.get("cpu")
+    if workspace is None:
         return False
-    return _shared_array.locate(x, sequencer.get().result()) is not None
+    return _shared_array.locate(x, workspace.get().result()) is not None
 
 
 @pytest.mark.both_loops

@@ -186,3 +186,56 @@ async def test_abort_watch_survives_a_store_error() -> None:
     finally:
         for w in worlds:
             await w.aclose()
+
+
+class _RecordingPath:
+    """A backend's per-group state that records what the group does to it."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def covers(self, name: str) -> bool:
+        return False
+
+    def waiting_for(self) -> list[int]:
+        return []
+
+    async def skip(self, reason: str) -> None:
+        raise AssertionError("covers nothing: never asked to skip")
+
+    def abort(self, cause: BaseException) -> None:
+        self.events.append(f"abort: {cause}")
+
+    async def aclose(self) -> None:
+        self.events.append("aclose")
+
+
+async def _keep_a_path(group: ProcessGroup) -> None:
+    group.paths["keeping"] = _RecordingPath()
+
+
+aiodist.register_backend(
+    "keeping", aiodist.Backend("keeping", "cpu", dict(cpu.BACKEND.ops), setup=_keep_a_path)
+)
+
+
+async def test_a_backends_per_group_state_is_closed_and_aborted_with_its_group() -> None:
+    async def fn(rank: int, size: int) -> None:
+        default = aiodist.group.resolve_group(None, "test")
+        world_path = default.paths["keeping"]
+        sub = await aiodist.new_group([0, 1])
+        assert isinstance(sub, ProcessGroup)
+        sub_path = sub.paths["keeping"]
+        assert sub_path is not world_path
+        x = np.ones(2)
+        await aiodist.all_reduce(x, group=sub)
+        assert x.tolist() == [2.0, 2.0]
+        await sub.destroy()
+        assert sub_path.events == ["aclose"] and sub.paths == {}
+        assert world_path.events == []
+        default.world.abort(aiodist.DistNetworkError("the test aborts"))
+        assert len(world_path.events) == 1
+        assert world_path.events[0].startswith(f"abort: rank {rank}: process group aborted")
+        assert "the test aborts" in world_path.events[0]
+
+    await run_world(fn, 2, backend="keeping")

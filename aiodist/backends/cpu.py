@@ -34,6 +34,8 @@ __all__ = ["BACKEND", "PATHS", "on_transport"]
 
 logger = logging.getLogger(__name__)
 
+_NAME = "cpu"  # the backend's name, which keys its workspace in a group's paths
+
 Array = npt.NDArray[Any]
 
 
@@ -46,14 +48,15 @@ async def _setup(group: ProcessGroup) -> None:
     if group.size > 1 and len(group.backends) == 1 and set(group.ranks) <= set(local):
         workspace = _Workspace(group, len(local))
         await workspace.get()
-        group.sequencer = workspace
+        group.paths[_NAME] = workspace
 
 
 _Turn = tuple["asyncio.Future[None] | None", "asyncio.Future[None]"]
 
 
 class _Workspace:
-    """A group's shared-memory workspace, created when the group is set up (a :class:`Sequencer`).
+    """A group's shared-memory workspace, created when the group is set up (its
+    :class:`~aiodist.group.DataPath`, which keeps the order of the group's operations).
 
     Turns are reserved when operations are issued (in issue order, the same on every rank),
     and each enters the workspace only after the one before it did: the order in which
@@ -140,7 +143,7 @@ class _Workspace:
 def _empty(group: ProcessGroup, dims: tuple[int, ...], dt: np.dtype[Any], zeroed: bool) -> Array:
     # In shared memory when the group has a workspace (its ranks all share this host);
     # a /dev/shm that cannot hold it is logged and gives an ordinary array.
-    ws = group.sequencer
+    ws = group.paths.get(_NAME)
     ready = ws.get() if isinstance(ws, _Workspace) else None
     if ready is not None and ready.done() and not ready.cancelled() and not ready.exception():
         workspace = ready.result()
@@ -167,7 +170,7 @@ def _direct(
 ) -> Plan:
     """``algorithm(*args)`` over the transport, or its direct twin in the group's
     shared-memory workspace when the group has one."""
-    ws = group.sequencer
+    ws = group.paths.get(_NAME)
     if isinstance(ws, _Workspace):
         turn = (ws, ws.reserve(), _DIRECT[algorithm], call.fingerprint, *args)
         return Plan(_in_workspace, turn, call.fingerprint, call.output, sequenced=True)
@@ -298,4 +301,4 @@ _DIRECT_ALGORITHMS = frozenset(
 _DIRECT_OPS = frozenset(op.name for op in OPERATIONS.values() if op.algorithm in _DIRECT_ALGORITHMS)
 
 #: The CPU backend.
-BACKEND = Backend.from_paths("cpu", "cpu", as_array, PATHS, setup=_setup, empty=_empty)
+BACKEND = Backend.from_paths(_NAME, "cpu", as_array, PATHS, setup=_setup, empty=_empty)

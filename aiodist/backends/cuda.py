@@ -41,7 +41,6 @@ import json
 import logging
 import os
 import threading
-import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -99,6 +98,7 @@ logger = logging.getLogger(__name__)
 #: Bytes of each rank's IPC exchange buffer (``AIODIST_CUDA_IPC_BYTES`` overrides it).
 IPC_SLAB_BYTES = 64 << 20
 _NCCL_UINT8 = 1
+_NAME = "cuda"  # the backend's name, which keys its state in a group's paths
 
 NcclLaunch = Callable[[Any, int], None]
 IpcRun = Callable[[OpComm, CudaMover, Sequence[Any]], Awaitable[Any]]
@@ -107,7 +107,9 @@ StagedRun = Callable[[OpComm, CudaMover], Awaitable[Any]]
 
 # -- per-group state -------------------------------------------------------------------------------
 class GroupState:
-    """One group's CUDA side on this rank: its device, data path and path resources."""
+    """One group's CUDA side on this rank: its device, data path and path resources (the
+    group's :class:`~aiodist.group.DataPath` for the CUDA backend, made at its first CUDA
+    operation)."""
 
     def __init__(self, group: ProcessGroup, dev: Device) -> None:
         self.group = group
@@ -310,24 +312,52 @@ class GroupState:
 
     async def _watch(self) -> None:
         cause = await self.group.world.domain.wait_ended()
-        if self._ended is not None and not self._ended.done():
-            self._ended.set_result(cause)
-        if self._remove_check is not None:
-            self._remove_check()
-        comm, self.comm = self.comm, None
         if cause is not None:
-            if comm is not None:
-                # ncclCommAbort must run on every rank (each does on its world's abort) and
-                # can hang: a throwaway thread, never the loop or the issue thread.
-                threading.Thread(
-                    target=_abort_comm, args=(comm,), name="aiodist-nccl-abort", daemon=True
-                ).start()
-            return
+            self.abort(cause)
+        else:
+            await self.aclose()
+
+    # -- the group's data path (``group.paths["cuda"]``) -------------------------------------
+    def covers(self, name: str) -> bool:
+        """``False``: device operations keep the group's order on the issue thread, not in
+        turns that a rank rejecting a call must still take."""
+        return False
+
+    def waiting_for(self) -> list[int]:
+        """No ranks are named: what a device operation waits for is on the device."""
+        return []
+
+    async def skip(self, reason: str) -> None:
+        """Nothing to do: no operation takes a turn here (see :meth:`covers`)."""
+
+    def abort(self, cause: BaseException) -> None:
+        """Fail what waits for the device and abort the communicator (every rank does, as
+        its world aborts)."""
+        self._end(cause)
+        comm, self.comm = self.comm, None
+        if comm is not None:
+            # ncclCommAbort can hang: a throwaway thread, never the loop or the issue thread.
+            threading.Thread(
+                target=_abort_comm, args=(comm,), name="aiodist-nccl-abort", daemon=True
+            ).start()
+
+    async def aclose(self) -> None:
+        """Destroy the communicator and unmap the IPC buffers (the group is destroyed, or its
+        world closed)."""
+        self._end(None)
+        comm, self.comm = self.comm, None
         if comm is not None:
             # Destroy on the issue thread: it flushes issued work and may block.
             self.device.issuer.submit(comm.destroy)
         if self.slabs:
             await self._close_ipc()
+
+    def _end(self, cause: BaseException | None) -> None:
+        if self._ended is not None and not self._ended.done():
+            self._ended.set_result(cause)
+        remove, self._remove_check = self._remove_check, None
+        if remove is not None:
+            remove()
 
 
 def _nccl_and_version() -> tuple[Any, int | None]:
@@ -342,17 +372,15 @@ def _abort_comm(comm: Any) -> None:
         logger.warning("ncclCommAbort failed: %s", exc)
 
 
-_states: weakref.WeakKeyDictionary[ProcessGroup, GroupState] = weakref.WeakKeyDictionary()
-
-
 def group_state(group: ProcessGroup) -> GroupState | None:
     """The group's CUDA state on this rank (``None`` before its first CUDA operation)."""
-    return _states.get(group)
+    state = group.paths.get(_NAME)
+    return state if isinstance(state, GroupState) else None
 
 
 def data_path(group: ProcessGroup) -> str | None:
     """The group's CUDA data path (``"nccl"``, ``"ipc"``, ``"staged"``), once agreed."""
-    state = _states.get(group)
+    state = group_state(group)
     return None if state is None else state.path
 
 
@@ -368,9 +396,10 @@ class _Call:
                 "every array of one call must be on the same device"
             )
         index = devices[0] if devices else cupy.cuda.Device().id
-        state = _states.get(pg)
+        state = group_state(pg)
         if state is None:
-            state = _states[pg] = GroupState(pg, device(index))
+            state = GroupState(pg, device(index))
+            pg.paths[_NAME] = state
         elif state.device.index != index:
             raise DistUsageError(
                 f"the arrays live on cuda:{index}, but this rank's operations on the group run "
@@ -767,7 +796,7 @@ def _recv(pg: ProcessGroup, checked: Call) -> Plan:
 #: The CUDA backend. Barriers and object collectives run on the CPU (their bytes travel over
 #: the CPU transport): it takes the CPU backend's paths for them.
 BACKEND = Backend.from_paths(
-    "cuda",
+    _NAME,
     "cuda",
     take,
     {
