@@ -35,7 +35,7 @@ import socket
 import struct
 import time
 from collections.abc import Coroutine, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 from .._auth import resolve_token
 from .._fingerprint import NO_FINGERPRINT
@@ -75,6 +75,8 @@ __all__ = ["TCPTransport"]
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 _HEADER = HEADER
 
 #: Seconds a rank polls its sockets without sleeping when a receive is not yet satisfied.
@@ -88,6 +90,9 @@ CLOSE_DRAIN_SECONDS = 5.0
 #: How long leaving waits for the store to record it, and a failed connect for the store to
 #: say whether the peer left meanwhile.
 LEFT_CHECK_SECONDS = 1.0
+#: How often a rank whose connection to a peer is still forming looks whether the peer
+#: left meanwhile.
+TIE_RECHECK_SECONDS = 0.2
 
 
 def _format_address(host: str, port: int) -> str:
@@ -532,10 +537,11 @@ class TCPTransport(Transport):
                 except BaseException:
                     conn.orphaned()
                     raise
-                accepted = await conn.handshake
+                accepted = await self._unless_left(peer, conn.handshake)
                 p.connecting = None
                 if not accepted:
-                    await asyncio.shield(waiter)
+                    # The peer's own connection won the tie-break: it comes next.
+                    await self._unless_left(peer, waiter)
         except asyncio.CancelledError:
             if conn.transport is not None and conn.state != OPEN:
                 conn.transport.abort()
@@ -551,6 +557,8 @@ class TCPTransport(Transport):
                 ),
             )
         except Exception as exc:
+            if conn.transport is not None and conn.state != OPEN:
+                conn.transport.abort()
             # Connected meanwhile through the peer's own connection: this attempt lost the
             # tie-break (the peer may reset it mid-handshake) and the pair is fine.
             if p.conn is None:
@@ -562,6 +570,26 @@ class TCPTransport(Transport):
                     self._fail_peer(p, exc)
         finally:
             p.connecting = None
+
+    async def _unless_left(self, peer: int, fut: asyncio.Future[T]) -> T:
+        """Wait for ``fut`` (a handshake, the peer's own connection), unless ``peer`` leaves.
+
+        A peer that leaves while both ranks' connections form may close them before they
+        can fail here (the kernel took them, its loop never did): its goodbye, which
+        replaces its address, is looked for meanwhile.
+
+        Raises:
+            DistNetworkError: the peer left (a departure).
+        """
+        while True:
+            done, _ = await asyncio.wait([fut], timeout=TIE_RECHECK_SECONDS)
+            if done:
+                return fut.result()
+            try:
+                await self._directory.lookup(peer)
+            except DistNetworkError as left:
+                if departure_of(left) is not None:
+                    raise
 
     async def _left_since(self, peer: int, exc: DistNetworkError) -> DistNetworkError:
         """``exc``, or the peer's goodbye if it has left the world since it published its
