@@ -25,7 +25,7 @@ The algorithms and their arguments (``x`` an array, ``op`` a :class:`~aiodist.Re
 ``gather``                  ``(outs or None, x, root)``
 ``scatter``                 ``(out, ins or None, root)``
 ``reduce_scatter``          ``(out, ins, op, factor)``
-``all_to_all``              ``(outs, ins, dtype)``: blocks may differ in size
+``all_to_all``              ``(outs, ins)``: blocks may differ in size
 ``barrier``                 ``()``
 ``monitored_barrier``       ``(ranks, seconds, wait_all_ranks)``
 ``send`` / ``recv``         ``(peer, x)`` / ``(peer or None, out, ranks or None)``: the
@@ -51,7 +51,7 @@ from .errors import DistUsageError
 if TYPE_CHECKING:
     from .group import ProcessGroup
 
-__all__ = ["ALGORITHMS", "HOST_ALGORITHMS", "OPERATIONS", "Call", "Intake", "Operation", "describe"]
+__all__ = ["ALGORITHMS", "HOST_ALGORITHMS", "OPERATIONS", "Call", "Intake", "Operation"]
 
 
 class Intake(Protocol):
@@ -166,15 +166,15 @@ def _operation(
 _SRC, _DST = ("src", "group_src"), ("dst", "group_dst")
 
 
-def describe(a: Any) -> str:
-    """``"shape (2, 3) and dtype float32"``: an array, in error messages."""
+def _describe(a: Any) -> str:
+    # "shape (2, 3) and dtype float32": an array, in error messages.
     return f"shape {tuple(a.shape)} and dtype {a.dtype}"
 
 
 def _check_like(a: Any, like: Any, name: str, like_name: str) -> None:
     if a.dtype != like.dtype or a.shape != like.shape:
         raise DistUsageError(
-            f"{name} has {describe(a)} but {like_name} has {describe(like)}; they must match"
+            f"{name} has {_describe(a)} but {like_name} has {_describe(like)}; they must match"
         )
 
 
@@ -214,8 +214,8 @@ def _absent_on_non_root(value: object, name: str, root: int) -> None:
 def _check_concat(big: Any, small: Any, n: int, big_name: str, small_name: str) -> None:
     if big.dtype != small.dtype or big.size != n * small.size:
         raise DistUsageError(
-            f"{big_name} has {describe(big)} but must hold {n} x {small_name} "
-            f"({describe(small)}): {n * small.size} elements of {small.dtype}"
+            f"{big_name} has {_describe(big)} but must hold {n} x {small_name} "
+            f"({_describe(small)}): {n * small.size} elements of {small.dtype}"
         )
 
 
@@ -432,7 +432,7 @@ def _all_to_all(intake: Intake, pg: ProcessGroup, output_list: object, input_lis
             f"{ins[0].dtype}; they must match"
         )
     fp = fingerprint("all_to_all", dtype=ins[0].dtype)
-    return Call((outs, ins, ins[0].dtype), fp, output_list)
+    return Call((outs, ins), fp, output_list)
 
 
 @_operation("all_to_all_single", algorithm="all_to_all")
@@ -448,14 +448,14 @@ def _all_to_all_single(
     x = intake(input, writable=False, name="input")
     if out.dtype != x.dtype or 0 in (out.ndim, x.ndim) or out.shape[1:] != x.shape[1:]:
         raise DistUsageError(
-            f"output has {describe(out)} and input has {describe(x)}; they need the same "
+            f"output has {_describe(out)} and input has {_describe(x)}; they need the same "
             "dtype and the same trailing dimensions"
         )
     n = pg.size
     outs = _split_rows(out, _splits(output_split_sizes, out.shape[0], n, "output_split_sizes"))
     ins = _split_rows(x, _splits(input_split_sizes, x.shape[0], n, "input_split_sizes"))
     fp = fingerprint("all_to_all_single", dtype=x.dtype)
-    return Call((outs, ins, x.dtype), fp, output)
+    return Call((outs, ins), fp, output)
 
 
 # -- synchronisation -------------------------------------------------------------------------

@@ -165,16 +165,15 @@ def on_transport(algorithm: Callable[..., Coroutine[Any, Any, Any]]) -> Path:
     return path
 
 
-def _direct(
-    group: ProcessGroup, call: Call, algorithm: Callable[..., Any], args: tuple[Any, ...]
-) -> Plan:
+def _direct(group: ProcessGroup, call: Call, algorithm: str, args: tuple[Any, ...]) -> Plan:
     """``algorithm(*args)`` over the transport, or its direct twin in the group's
     shared-memory workspace when the group has one."""
+    transport, direct = _DIRECT[algorithm]
     ws = group.paths.get(_NAME)
     if isinstance(ws, _Workspace):
-        turn = (ws, ws.reserve(), _DIRECT[algorithm], call.fingerprint, *args)
+        turn = (ws, ws.reserve(), direct, call.fingerprint, *args)
         return Plan(_in_workspace, turn, call.fingerprint, call.output, sequenced=True)
-    return Plan(algorithm, args, call.fingerprint, call.output)
+    return Plan(transport, args, call.fingerprint, call.output)
 
 
 async def _in_workspace(
@@ -187,7 +186,7 @@ def _all_reduce(group: ProcessGroup, call: Call) -> Plan:
     x, op, factor = call.args
     if factor is not None:  # (premultiplied: over the transport, in every group)
         return Plan(_premul_all_reduce, (x, factor), call.fingerprint, call.output)
-    return _direct(group, call, collectives.all_reduce, (x, op))
+    return _direct(group, call, "all_reduce", (x, op))
 
 
 async def _premul_all_reduce(comm: OpComm, x: Array, factor: float) -> None:
@@ -199,7 +198,7 @@ def _reduce(group: ProcessGroup, call: Call) -> Plan:
     x, root, op, factor = call.args
     if factor is not None:
         return Plan(_premul_reduce, (x, root, factor), call.fingerprint, call.output)
-    return _direct(group, call, collectives.reduce, (x, root, op))
+    return _direct(group, call, "reduce", (x, root, op))
 
 
 async def _premul_reduce(comm: OpComm, x: Array, root: int, factor: float) -> None:
@@ -212,7 +211,7 @@ def _reduce_scatter(group: ProcessGroup, call: Call) -> Plan:
     out, ins, op, factor = call.args
     if factor is not None:
         return Plan(_premul_reduce_scatter, (out, ins, factor), call.fingerprint, call.output)
-    return _direct(group, call, collectives.reduce_scatter, (out, ins, op))
+    return _direct(group, call, "reduce_scatter", (out, ins, op))
 
 
 async def _premul_reduce_scatter(comm: OpComm, out: Array, ins: list[Array], factor: float) -> None:
@@ -255,32 +254,32 @@ async def _recv(comm: OpComm, peer: int | None, out: Array, ranks: tuple[int, ..
     return sender if ranks is None else ranks.index(sender)
 
 
-# The direct shared-memory algorithm of each transport algorithm.
-_DIRECT: dict[Callable[..., Any], Callable[..., Any]] = {
-    collectives.all_reduce: shm.all_reduce,
-    collectives.broadcast: shm.broadcast,
-    collectives.reduce: shm.reduce,
-    collectives.all_gather: shm.all_gather,
-    collectives.gather: shm.gather,
-    collectives.scatter: shm.scatter,
-    collectives.reduce_scatter: shm.reduce_scatter,
-    collectives.all_to_all: shm.all_to_all,
-    collectives.barrier: shm.barrier,
+# The algorithms a workspace runs directly: their transport version and their direct one.
+_DIRECT: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
+    "all_reduce": (collectives.all_reduce, shm.all_reduce),
+    "broadcast": (collectives.broadcast, shm.broadcast),
+    "reduce": (collectives.reduce, shm.reduce),
+    "all_gather": (collectives.all_gather, shm.all_gather),
+    "gather": (collectives.gather, shm.gather),
+    "scatter": (collectives.scatter, shm.scatter),
+    "reduce_scatter": (collectives.reduce_scatter, shm.reduce_scatter),
+    "all_to_all": (collectives.all_to_all, shm.all_to_all),
+    "barrier": (collectives.barrier, shm.barrier),
 }
 
 #: Algorithm -> the CPU backend's data path.
 PATHS: dict[str, Path] = {
     "all_reduce": _all_reduce,
     "all_reduce_coalesced": on_transport(_all_reduce_coalesced),
-    "broadcast": lambda g, c: _direct(g, c, collectives.broadcast, c.args),
+    "broadcast": lambda g, c: _direct(g, c, "broadcast", c.args),
     "reduce": _reduce,
-    "all_gather": lambda g, c: _direct(g, c, collectives.all_gather, c.args[:2]),
+    "all_gather": lambda g, c: _direct(g, c, "all_gather", c.args[:2]),
     "all_gather_coalesced": on_transport(_all_gather_coalesced),
-    "gather": lambda g, c: _direct(g, c, collectives.gather, c.args),
-    "scatter": lambda g, c: _direct(g, c, collectives.scatter, c.args),
+    "gather": lambda g, c: _direct(g, c, "gather", c.args),
+    "scatter": lambda g, c: _direct(g, c, "scatter", c.args),
     "reduce_scatter": _reduce_scatter,
-    "all_to_all": lambda g, c: _direct(g, c, collectives.all_to_all, c.args[:2]),
-    "barrier": lambda g, c: _direct(g, c, collectives.barrier, ()),
+    "all_to_all": lambda g, c: _direct(g, c, "all_to_all", c.args),
+    "barrier": lambda g, c: _direct(g, c, "barrier", ()),
     "monitored_barrier": on_transport(collectives.monitored_barrier),
     "send": on_transport(_send),
     "recv": on_transport(_recv),
@@ -294,11 +293,7 @@ PATHS: dict[str, Path] = {
 
 # The operations that take a turn in a workspace (the group layer asks, through the
 # workspace's ``covers``, when one of them is rejected).
-_DIRECT_ALGORITHMS = frozenset(
-    {"all_reduce", "broadcast", "reduce", "all_gather", "gather", "scatter"}
-    | {"reduce_scatter", "all_to_all", "barrier"}
-)
-_DIRECT_OPS = frozenset(op.name for op in OPERATIONS.values() if op.algorithm in _DIRECT_ALGORITHMS)
+_DIRECT_OPS = frozenset(op.name for op in OPERATIONS.values() if op.algorithm in _DIRECT)
 
 #: The CPU backend.
 BACKEND = Backend.from_paths(_NAME, "cpu", as_array, PATHS, setup=_setup, empty=_empty)
