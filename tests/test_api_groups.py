@@ -258,7 +258,7 @@ async def test_destroy_leaves_no_socket_or_task_behind() -> None:
             await aiodist.barrier(group=g)
 
     # A first world lets the loop create what it keeps for its lifetime (libuv, under
-    # uvloop, reserves a spare descriptor on /dev/null at its first listening socket).
+    # uvloop, reserves a spare descriptor on /dev/null at its first accepted connection).
     await run_world(fn, 3)
     before_fds, before_tasks = fds(), asyncio.all_tasks()
     await run_world(fn, 3)

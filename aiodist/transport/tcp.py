@@ -29,6 +29,7 @@ the peer's kernel drop the frame before the peer reads it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import socket
@@ -93,6 +94,15 @@ LEFT_CHECK_SECONDS = 1.0
 #: How often a rank whose connection to a peer is still forming looks whether the peer
 #: left meanwhile.
 TIE_RECHECK_SECONDS = 0.2
+#: How long accepting pauses after the listening socket failed (out of file descriptors).
+ACCEPT_RETRY_SECONDS = 0.5
+
+
+def _close_unless_adopted(sock: socket.socket, task: asyncio.Task[None]) -> None:
+    # An accepted socket whose transport was never made (the task was cancelled, even
+    # before its first step, or failed) is closed here; a transport that was made owns it.
+    if task.cancelled() or task.exception() is not None:
+        sock.close()
 
 
 def _format_address(host: str, port: int) -> str:
@@ -163,7 +173,8 @@ class TCPTransport(Transport):
         self.address = address
         self._directory = directory
         self._loop = asyncio.get_running_loop()
-        self._server: asyncio.Server | None = None
+        # The listening socket, accepted from by _accept while the transport is open.
+        self._listener: socket.socket | None = None
         self._timeout = timeout
         self._spin = spin
         self._spin_auto = auto_spin
@@ -263,14 +274,12 @@ class TCPTransport(Transport):
             directory, rank, world_size, address, seconds, float(spin), auto_spin, token, mailbox
         )
         try:
-            self._server = await loop.create_server(
-                lambda: TCPConnection(self, None),
-                sock=listener,
-                backlog=min(max(world_size, 128), 4096),
-            )
+            self._listener = listener
+            listener.listen(min(max(world_size, 128), 4096))
+            listener.setblocking(False)
+            loop.add_reader(listener, self._accept)
             await directory.publish(rank, _format_address(public, address[1]))
         except BaseException:
-            listener.close()
             await self.aclose()
             raise
         logger.debug("rank %d listening on %s:%d", rank, public, address[1])
@@ -386,8 +395,7 @@ class TCPTransport(Transport):
             return
         self._closed = exc
         TCPTransport._open_count -= 1
-        if self._server is not None:
-            self._server.close()
+        self._stop_listening()
         for task in self._tasks:
             task.cancel()
         for p in self._peers:
@@ -439,8 +447,6 @@ class TCPTransport(Transport):
                     len(late),
                     CLOSE_DRAIN_SECONDS,
                 )
-        if self._server is not None:
-            await self._server.wait_closed()
 
     async def _withdraw(self, reason: str) -> None:
         # Bounded, and never fatal: a store that is gone or slow must not hold up leaving.
@@ -489,6 +495,39 @@ class TCPTransport(Transport):
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+    def _accept(self) -> None:
+        # Accepting is done here rather than by an asyncio.Server: a server closed while a
+        # connection it accepted waits for its first step leaks that connection (CPython
+        # 3.11), whereas each connection accepted here belongs to a task that abort cancels
+        # and that closes the socket unless its transport took it.
+        assert self._listener is not None
+        for _ in range(64):  # then let the loop run
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+                return
+            except OSError as exc:
+                logger.warning("rank %d cannot accept connections: %s; retrying", self.rank, exc)
+                self._loop.remove_reader(self._listener)
+                self._loop.call_later(ACCEPT_RETRY_SECONDS, self._resume_accepting)
+                return
+            sock.setblocking(False)
+            task = self._spawn(self._adopt(sock))
+            task.add_done_callback(functools.partial(_close_unless_adopted, sock))
+
+    def _resume_accepting(self) -> None:
+        if self._closed is None and self._listener is not None:
+            self._loop.add_reader(self._listener, self._accept)
+
+    async def _adopt(self, sock: socket.socket) -> None:
+        await self._loop.connect_accepted_socket(lambda: TCPConnection(self, None), sock)
+
+    def _stop_listening(self) -> None:
+        if self._listener is not None:
+            self._loop.remove_reader(self._listener)
+            self._listener.close()
+            self._listener = None
 
     def _connect_soon(self, p: _Peer) -> None:
         if p.connecting is None and p.waiter is None:
