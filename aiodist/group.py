@@ -103,6 +103,10 @@ TWICE = (
 
 #: What the peers of a rank that destroyed its default group are told: "rank N ...".
 LEFT_REASON = "left the process group (destroy_process_group)"
+#: How many operations of a group may end inline, one after another, before the event loop
+#: must run again: an operation that ends inline never yields to the loop, so ranks in
+#: lockstep would otherwise keep every other task (leases, servers) waiting.
+EAGER_STREAK = 16
 #: What they are told when its event loop ended with the group open.
 LOOP_ENDED_REASON = "left the process group as its event loop ended (no destroy_process_group)"
 
@@ -417,6 +421,8 @@ class ProcessGroup:
         self._order: asyncio.Lock | None = None
         #: What each backend keeps for this group, by backend name (:class:`DataPath`).
         self.paths: dict[str, DataPath] = {}
+        # Operations that may still end inline before the loop must run (see _start).
+        self._eager, self._refilling = EAGER_STREAK, False
         world.groups[group_id] = self
 
     def __repr__(self) -> str:
@@ -757,6 +763,26 @@ class ProcessGroup:
         )
         op.device_sync = plan.device_sync
         op.sequenced = plan.sequenced
+        coro = self._run(op, plan, comms)
+        if self._eager:
+            # Run it here, up to where it would wait: an operation whose data can move at
+            # once (its peers' messages are in, its turn in the workspace is free) ends
+            # without a task or a turn of the loop, and its work is born done.
+            try:
+                yielded = coro.send(None)
+            except StopIteration:
+                self._eager -= 1
+                if not self._refilling:
+                    self._refilling = True
+                    loop.call_soon(self._refill_eager)
+                self._finished(op)
+                return op.work
+            except BaseException:  # (_run keeps every Exception; KeyboardInterrupt and such)
+                self._finished(op)
+                raise
+            task = loop.create_task(_resume(coro, yielded))
+        else:
+            task = loop.create_task(coro)
         if op.timeout is None:
             self._inflight[op] = math.inf
         else:
@@ -768,12 +794,13 @@ class ProcessGroup:
                     self._watchdog.cancel()
                 self._watchdog = loop.call_at(deadline, self._check_deadlines)
                 self._watchdog_at = deadline
-        # The coroutine is made inside the task: a task cancelled before its first step
-        # (destroy right after issuing) then leaves no never-awaited coroutine behind.
-        task = loop.create_task(self._run(op, plan, comms))
         task.add_done_callback(functools.partial(self._finished, op))
         op.task = task
         return op.work
+
+    def _refill_eager(self) -> None:
+        # The loop ran: other tasks had their turn since the last operation ended inline.
+        self._eager, self._refilling = EAGER_STREAK, False
 
     async def _run(self, op: Operation, plan: Plan, comms: list[OpComm]) -> None:
         if op.record is not None:
@@ -961,6 +988,32 @@ class ProcessGroup:
                 op.task.cancel()
                 tasks.append(op.task)
         return tasks
+
+
+async def _resume(coro: Coroutine[Any, Any, None], yielded: Any) -> None:
+    """Run the rest of ``coro``, started inline and now waiting on ``yielded`` (what a
+    coroutine hands its task: a future, or ``None`` to let the loop run once).
+
+    This task stands in for the one ``coro`` would have had: a cancellation reaches ``coro``
+    as it would have (through the future it waits on, else thrown in).
+    """
+    while True:
+        cancelled: BaseException | None = None
+        try:
+            if yielded is None:
+                await asyncio.sleep(0)
+            else:
+                yielded._asyncio_future_blocking = False
+                await yielded
+        except asyncio.CancelledError as exc:
+            if yielded is None or not yielded.cancelled():
+                cancelled = exc
+        except BaseException:
+            pass  # ``coro`` reads its future's outcome itself as it resumes
+        try:
+            yielded = coro.send(None) if cancelled is None else coro.throw(cancelled)
+        except StopIteration:
+            return
 
 
 def _hosts_server(store: Store) -> bool:
