@@ -1,18 +1,26 @@
 """The blocking facade's event-loop thread, and the hand-offs that run work on it.
 
 ``aiodist.sync`` runs the async core on one event loop that lives in a daemon thread of this
-process (``aiodist-loop``; uvloop when installed, or as ``$AIODIST_LOOP`` says: ``auto``,
-``uvloop``, ``asyncio``). The thread starts on the first blocking call; a forked child starts
-without one. No global event-loop policy is touched, so the caller's own asyncio code is
-unaffected.
+process (``aiodist-loop``). The thread starts on the first blocking call; a forked child
+starts without one. No global event-loop policy is touched, so the caller's own asyncio code
+is unaffected.
+
+A blocking call stands in for the loop thread when it can (:class:`HandOverLoop`): while
+the loop thread waits for events, a caller that takes the loop's turn starts the operation
+on its own thread, and an operation that can finish at once (see ``ProcessGroup._start``)
+costs no hand-off between threads at all. Otherwise it hands the call to the loop thread.
+The loop is the standard one with a turn (``$AIODIST_LOOP`` unset, ``auto`` or
+``asyncio``), or uvloop, which has no such hook, when ``$AIODIST_LOOP=uvloop``: every call
+is then handed to the loop thread.
 
 What this module offers the rest of the package:
 
 * :data:`loop_thread`: the thread itself (its loop, its id, ``stop()``);
 * :func:`run`: run a coroutine there and block for its result (with a timeout, cancelling it
   on Ctrl-C);
-* :func:`on_loop`: call a function there and block for its result (one hop, no task);
-* :func:`start_on_loop` and :func:`block`: start an operation there, then block for its end,
+* :func:`on_loop`: call a function there, or standing in for it, and return its result;
+* :func:`start_on_loop` and :func:`block`: start an operation there (or standing in for it),
+  then block for its end,
   aborting the default group if Ctrl-C interrupts the wait;
 * :func:`wait`: ``future.result()`` with a short poll first (:data:`SPIN_SECONDS`, when
   :func:`may_spin`), which spares the loop thread a wake-up of the caller.
@@ -27,6 +35,7 @@ import asyncio
 import concurrent.futures
 import logging
 import os
+import selectors
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -55,6 +64,77 @@ W = TypeVar("W")
 
 #: How long interpreter exit waits for the loop thread to close stores and stop (seconds).
 SHUTDOWN_TIMEOUT = 5.0
+
+
+class _TurnSelector(selectors.DefaultSelector):
+    """The hand-over loop's selector: the loop's thread gives up the turn while it waits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        #: Held by whoever acts as the loop: its thread, except while it waits for events.
+        self.turn = threading.Lock()
+        #: Whether the loop's thread waits in :meth:`select` (then a holder of the turn may
+        #: stand in for it).
+        self.waiting = False
+
+    def select(self, timeout: float | None = None) -> list[tuple[Any, int]]:
+        self.waiting = True
+        self.turn.release()
+        try:
+            return super().select(timeout)
+        finally:
+            self.turn.acquire()
+            self.waiting = False
+
+
+class HandOverLoop(asyncio.SelectorEventLoop):
+    """The standard event loop, which another thread may stand in for while it waits.
+
+    The loop's thread holds a lock, the turn, while it runs callbacks, and gives it up only
+    while it waits for events. A thread that takes the turn then (:meth:`stand_in`) may do
+    what a callback does (start operations, make futures, tasks and timers) with the same
+    safety: the two never run the loop's code at once, and the lock orders their memory.
+    """
+
+    def __init__(self) -> None:
+        self._turns = _TurnSelector()
+        super().__init__(self._turns)
+
+    def run_forever(self) -> None:
+        with self._turns.turn:
+            super().run_forever()
+
+    def stand_in(self, call: Callable[[], None]) -> bool:
+        """Run ``call()`` on this thread as the loop's thread would, if it waits for events
+        now; return whether it ran. ``call`` must not raise or block."""
+        turns = self._turns
+        if self.get_debug() or not turns.turn.acquire(blocking=False):
+            return False
+        try:
+            if not turns.waiting:  # (the loop is starting or stopping)
+                return False
+            inner: Any = self  # (the standard loop's internals, which typeshed leaves out)
+            timers = len(inner._scheduled)
+            caller_loop = asyncio.events._get_running_loop()  # (a caller's own loop)
+            asyncio.events._set_running_loop(self)
+            try:
+                call()
+            finally:
+                asyncio.events._set_running_loop(caller_loop)
+            # The loop's thread sleeps in select with a timeout computed before: wake it if
+            # the call left it callbacks to run or timers to arm.
+            wake = bool(inner._ready) or len(inner._scheduled) != timers
+        finally:
+            turns.turn.release()
+        if wake:
+            inner._write_to_self()
+        return True
+
+
+def _hand_over_or(prefer: str) -> Callable[[], asyncio.AbstractEventLoop]:
+    """The loop thread's loop factory: the hand-over loop unless uvloop is insisted on."""
+    factory = loop_factory(prefer)  # (which checks ``prefer``)
+    return factory if prefer == "uvloop" else HandOverLoop
 
 
 class _LoopThread:
@@ -88,7 +168,7 @@ class _LoopThread:
             return self._loop
 
     def _start(self) -> None:
-        factory = loop_factory(os.environ.get("AIODIST_LOOP", "auto"))
+        factory = _hand_over_or(os.environ.get("AIODIST_LOOP", "auto"))
         ready = threading.Event()
         failure: list[BaseException] = []
 
@@ -245,8 +325,15 @@ def on_loop(fn: Callable[..., T], *args: Any) -> T:
         except BaseException as exc:
             done.set_exception(exc)
 
-    loop_thread.loop().call_soon_threadsafe(call)
+    _call_soon(call)
     return wait(done)
+
+
+def _call_soon(call: Callable[[], None]) -> None:
+    # Standing in for the loop thread costs no hand-off; otherwise hand the call over.
+    loop = loop_thread.loop()
+    if not (isinstance(loop, HandOverLoop) and loop.stand_in(call)):
+        loop.call_soon_threadsafe(call)
 
 
 def start_on_loop(
@@ -277,7 +364,7 @@ def start_on_loop(
         except BaseException as exc:
             done.set_exception(exc)
 
-    loop_thread.loop().call_soon_threadsafe(call)
+    _call_soon(call)
     return done
 
 

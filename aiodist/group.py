@@ -39,6 +39,7 @@ import contextlib
 import functools
 import logging
 import math
+import threading
 from collections.abc import (
     Callable,
     Coroutine,
@@ -194,6 +195,9 @@ class World:
         self.backend = backend
         self.backends = backends
         self.timeout = timeout
+        #: The thread of the event loop the world runs on (another thread may stand in for
+        #: it: see ``aiodist._loop_thread.HandOverLoop``).
+        self.loop_thread = threading.get_ident()
         self._owned = list(owned)
         hosting = any(getattr(s, "server", None) is not None for s in self._owned)
         self.domain = FailureDomain(
@@ -764,17 +768,20 @@ class ProcessGroup:
         op.device_sync = plan.device_sync
         op.sequenced = plan.sequenced
         coro = self._run(op, plan, comms)
-        if self._eager:
+        # (A thread standing in for the loop's holds up no task of the loop: no streak.)
+        standing_in = threading.get_ident() != self._world.loop_thread
+        if standing_in or self._eager:
             # Run it here, up to where it would wait: an operation whose data can move at
             # once (its peers' messages are in, its turn in the workspace is free) ends
             # without a task or a turn of the loop, and its work is born done.
             try:
                 yielded = coro.send(None)
             except StopIteration:
-                self._eager -= 1
-                if not self._refilling:
-                    self._refilling = True
-                    loop.call_soon(self._refill_eager)
+                if not standing_in:
+                    self._eager -= 1
+                    if not self._refilling:
+                        self._refilling = True
+                        loop.call_soon(self._refill_eager)
                 self._finished(op)
                 return op.work
             except BaseException:  # (_run keeps every Exception; KeyboardInterrupt and such)

@@ -193,15 +193,18 @@ class Work(Generic[T]):
     def __init__(
         self, work: _group.Work[T], future: concurrent.futures.Future[T] | None = None
     ) -> None:
-        # Made on the loop thread (the done callback is added there). ``future``: a running
-        # future the caller already waits on, to settle with the operation's outcome.
+        # Made on the loop thread, or by a thread standing in for it (the done callback is
+        # added there). ``future``: a running future the caller already waits on, to settle
+        # with the operation's outcome.
         self._work = work
         if future is None:
             future = concurrent.futures.Future()
             future.set_running_or_notify_cancel()
         self._future = future
-        # Runs on the loop thread (where the work was made), once the operation ends.
-        work.add_done_callback(self._settle)
+        if work.is_completed():  # (ended as it started: no callback, no hand-off)
+            self._settle(work)
+        else:  # runs on the loop thread once the operation ends
+            work.add_done_callback(self._settle)
 
     def _settle(self, work: _group.Work[T]) -> None:
         exc = work.exception()
@@ -297,19 +300,32 @@ def _twin(name: str) -> Callable[..., Any]:
     mode = _RETURNS[name]
     signature = inspect.signature(fn)
     params = list(signature.parameters.values())
+    names = [p.name for p in params]
+    group_at = names.index("group") if "group" in names else None
+    async_op_at = None
     if mode == "async_op":
-        at = [p.name for p in params].index("group") + 1
-        params.insert(at, inspect.Parameter("async_op", _POSITIONAL, default=False))
+        assert group_at is not None
+        async_op_at = group_at + 1
+        params.insert(async_op_at, inspect.Parameter("async_op", _POSITIONAL, default=False))
     signature = signature.replace(parameters=params, return_annotation=inspect.Signature.empty)
 
     def twin(*args: Any, **kwargs: Any) -> Any:
-        bound = signature.bind(*args, **kwargs)
-        async_op = bound.arguments.pop("async_op", False)
-        if isinstance(bound.arguments.get("group"), NonGroupMember):
-            # As torch: a warning, nothing done, the members unaffected.
-            _group.warn_not_in_group(twin.__name__, stacklevel=2)
-            return -1 if mode == "result" else None
-        start = _named(lambda: fn(*bound.args, **bound.kwargs))
+        # (By position rather than through signature.bind, which costs more than a small
+        # operation; the async function checks the arguments.)
+        async_op = False
+        if async_op_at is not None:
+            if len(args) > async_op_at:
+                async_op = args[async_op_at]
+                args = args[:async_op_at] + args[async_op_at + 1 :]
+            else:
+                async_op = kwargs.pop("async_op", False)
+        if group_at is not None:
+            group = args[group_at] if len(args) > group_at else kwargs.get("group")
+            if isinstance(group, NonGroupMember):
+                # As torch: a warning, nothing done, the members unaffected.
+                _group.warn_not_in_group(twin.__name__, stacklevel=2)
+                return -1 if mode == "result" else None
+        start = _named(lambda: fn(*args, **kwargs))
         # Made on the loop thread, which is where the async work's callbacks may be added.
         if mode == "work" or async_op:
             return on_loop(lambda: Work(start()))

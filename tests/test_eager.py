@@ -1,0 +1,170 @@
+"""Operations that end as they start (eager), and blocking calls that stand in for the loop
+thread: the same results, order and errors as the queued path, whichever one a call takes."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+import aiodist
+import aiodist.sync as dist
+from aiodist import _loop_thread
+from aiodist.group import EAGER_STREAK
+from aiodist.testing import run_world, run_world_processes
+
+pytestmark = pytest.mark.both_loops  # the standard loop (asyncio.run, uvicorn) too
+
+
+async def test_an_operation_that_can_end_at_once_is_born_done_and_the_loop_still_runs() -> None:
+    async def fn(rank: int, size: int) -> tuple[bool, int, float]:
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        x = np.arange(4.0)
+        work = aiodist.all_reduce(x)
+        born_done = work.is_completed()
+        await work
+        task = asyncio.create_task(ticker())
+        await asyncio.sleep(0)
+        start = ticks
+        for _ in range(10 * (EAGER_STREAK + 1)):
+            await aiodist.all_reduce(x)
+        task.cancel()
+        return born_done, ticks - start, float(x[1])
+
+    [(born_done, ticks, value)] = await run_world(fn, 1)
+    assert born_done
+    # However many end inline, every EAGER_STREAK + 1st lets the loop run the other tasks.
+    assert ticks >= 10
+    assert value == 1.0
+
+
+def _expected(i: int, size: int) -> float:
+    return float(sum(r * 10 + i for r in range(size)))
+
+
+async def _mixed(rank: int, size: int) -> list[str]:
+    """Sixty all_reduces of three sizes, some awaited at once and some left in flight, from
+    two tasks on two groups, with a rejected one in the middle; every result checked."""
+    rng = np.random.default_rng(11)  # the same choices on every rank
+    plan = [(int(rng.choice([1, 64, 70_000])), bool(rng.random() < 0.5)) for _ in range(60)]
+    pair = await aiodist.new_group(list(range(size)))
+    outcomes: list[str] = []
+
+    async def issue(group: Any, offset: int) -> None:
+        in_flight = []
+        for i, (n, now) in enumerate(plan):
+            x = np.full(n, float(rank * 10 + i + offset))
+            if i == 30 and group is None:
+                bad = aiodist.ReduceOp.BAND if rank == 0 else aiodist.ReduceOp.SUM
+                try:
+                    await aiodist.all_reduce(np.ones(4, np.float32), op=bad)
+                except aiodist.DistUsageError as exc:
+                    outcomes.append(str(exc))
+            work = aiodist.all_reduce(x, group=group)
+            if now:
+                await work
+                assert np.array_equal(x, np.full(n, _expected(i + offset, size))), i
+            else:
+                in_flight.append((work, x, i))
+        for work, x, i in in_flight:
+            await work
+            assert np.array_equal(x, np.full(x.size, _expected(i + offset, size))), i
+
+    await asyncio.gather(issue(None, 0), issue(pair, 1000))
+    return outcomes
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+async def test_eager_and_queued_operations_mix(size: int, transport: Any) -> None:
+    outcomes = await run_world(_mixed, size, transport=transport)
+    assert "all_reduce: ReduceOp.BAND is not supported for dtype float32" in outcomes[0][0]
+    for rank in range(1, size):
+        [text] = outcomes[rank]
+        assert "was rejected by rank 0" in text and "ReduceOp.BAND" in text
+
+
+def test_a_blocking_call_stands_in_for_an_idle_loop_thread_and_hands_over_to_a_busy_one() -> None:
+    dist.HashStore().set("k", b"v")  # the loop thread runs
+    loop = _loop_thread.loop_thread.loop()
+    assert isinstance(loop, _loop_thread.HandOverLoop)
+    here = threading.get_ident()
+    assert _loop_thread.on_loop(threading.get_ident) == here
+    # While a callback runs there, the loop thread holds its turn: the call is handed over.
+    running, release = threading.Event(), threading.Event()
+
+    def busy() -> None:
+        running.set()
+        release.wait(30)
+
+    loop.call_soon_threadsafe(busy)
+    assert running.wait(30)
+    result: list[int] = []
+    caller = threading.Thread(
+        target=lambda: result.append(_loop_thread.on_loop(threading.get_ident))
+    )
+    caller.start()
+    release.set()
+    caller.join(30)
+    assert result == [_loop_thread.loop_thread.ident]
+    # A call that schedules work for the loop wakes it, although it slept with no deadline.
+    woke = threading.Event()
+    _loop_thread.on_loop(lambda: loop.call_soon(woke.set))
+    assert woke.wait(30)
+
+
+def _sync_mixed(rank: int, size: int) -> list[float]:
+    # Blocking calls, some ending as they start, others queued (async_op, p2p round trips),
+    # from the main thread and a second thread on a group of its own.
+    pair = dist.new_group(list(range(size)))
+    sums: list[float] = []
+
+    def other() -> None:
+        for i in range(200):
+            y = np.full(3, float(rank + i))
+            dist.all_reduce(y, group=pair)
+            assert y[0] == sum(r + i for r in range(size))
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    works = []
+    for i in range(200):
+        x = np.full(1 if i % 3 else 50_000, float(rank))
+        if i % 7 == 0:
+            works.append((dist.all_reduce(x, async_op=True), x))
+        else:
+            dist.all_reduce(x)
+            sums.append(float(x[0]))
+        if i % 50 == 0:
+            peer = (rank + 1) % size
+            token = np.array([float(rank)])
+            dist.send(token, dst=peer)
+            dist.recv(token, src=(rank - 1) % size)
+            assert token[0] == (rank - 1) % size
+    for work, x in works:
+        work.wait()
+        sums.append(float(x[0]))
+    thread.join(60)
+    assert not thread.is_alive()
+    return sums
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("size", "loop"), [(2, "auto"), (3, "uvloop"), (4, "asyncio")])
+def test_blocking_calls_standing_in_or_handed_over_give_the_same_results(
+    size: int, loop: str
+) -> None:
+    results = run_world_processes(_sync_mixed, size, env={"AIODIST_LOOP": loop})
+    total = float(sum(range(size)))
+    for sums in results:
+        assert sums == [total] * 200
