@@ -78,7 +78,7 @@ def _calls(rank: int, comm: Any, aio: Any) -> dict[str, dict[str, Any]]:
 
     table: dict[str, dict[str, Any]] = {}
     for row, (op, size) in ROWS.items():
-        x = np.ones(max(size // 8, 1), np.float64)
+        x = np.zeros(max(size // 8, 1), np.float64)  # (zeros: sums never overflow)
         t = torch.from_numpy(x)
         if op == "all_reduce":
             table[row] = {
@@ -200,12 +200,10 @@ def worker(tmp: str) -> None:
     def run(coro: Any) -> Any:
         return loop.run_until_complete(loop.create_task(coro, context=ctx))
 
-    run(
-        aiodist.init_process_group(
-            "cpu", init_method=f"file://{tmp}/async", rank=rank, world_size=n
-        )
-    )
-    sync.init_process_group("cpu", init_method=f"file://{tmp}/sync", rank=rank, world_size=n)
+    # (TCPStore rendezvous, the usual one: a FileStore's polling would count as idle CPU.)
+    async_url, sync_url = (f"tcp://127.0.0.1:{port}" for port in cfg["ports"])
+    run(aiodist.init_process_group("cpu", init_method=async_url, rank=rank, world_size=n))
+    sync.init_process_group("cpu", init_method=sync_url, rank=rank, world_size=n)
     table = _calls(rank, comm, aiodist)
     samples: dict[tuple[str, str], list[np.ndarray]] = {}
     for row, libs in table.items():
@@ -249,12 +247,15 @@ def worker(tmp: str) -> None:
 
 def run_world(n: int, transport: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Launch one world under mpirun and return each rank's samples."""
+    from aiodist.testing import free_port
+
     with tempfile.TemporaryDirectory(prefix="aiodist-latency-") as tmp:
         cfg = {
             "transport": transport,
             "calls": args.calls,
             "rounds": args.rounds,
             "loop": args.loop,
+            "ports": [free_port(), free_port()],
         }
         Path(tmp, "config.json").write_text(json.dumps(cfg))
         mpirun = ["mpirun", "-n", str(n), "--bind-to", "none"]

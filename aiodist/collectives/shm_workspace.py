@@ -111,6 +111,12 @@ _OPEN, _CLOSED, _ABORTED = 1, 2, 3
 _RECHECK_FIRST, _RECHECK_MAX = 1e-3, 50e-3
 # Pure polling before sched_yield is mixed in (a barrier usually completes within this).
 _HOT_SPIN_SECONDS = 5e-6
+#: Seconds a barrier polls before sleeping when the host has more ranks than CPUs. Each
+#: round past the first 5 µs gives the CPU away (sched_yield), so a peer that needs it gets
+#: it, and a wait that ends meanwhile costs no sleep and wake-up: on such a host each is a
+#: trip through the scheduler (4 ranks on 2 CPUs: all_reduce 8 B 140-210 µs without, 76 µs
+#: with, bench/latency.py). An idle rank still sleeps.
+OVERSUBSCRIBED_SPIN_SECONDS = 200e-6
 
 Array = npt.NDArray[Any]
 Bytes = npt.NDArray[np.uint8]
@@ -277,8 +283,9 @@ class NodeWorkspace:
             block_bytes: bytes per slot buffer (a multiple of 4096, at least 64 per rank);
                 ``None``: 1 MiB.
             spin: seconds a barrier polls before sleeping; ``None``: 50 µs when the
-                host's ranks fit on this process's CPUs and none shares this process,
-                else 0 (never poll).
+                host's ranks fit on this process's CPUs, else 200 µs giving the CPU away
+                at each round (:data:`OVERSUBSCRIBED_SPIN_SECONDS`); 0 (never poll) when
+                another rank shares this process.
             local_world_size: how many ranks run on this host, of every group (for the
                 polling decision); ``None``: ``$LOCAL_WORLD_SIZE``, else ``size``.
             job_key: the job's identity for segment names (see
@@ -418,7 +425,9 @@ class NodeWorkspace:
             doorbell.unlink()
             if spin is None:
                 same_process = any(p.pid == me.pid for p in procs.values())
-                spin = SPIN_SECONDS if may_spin(local) and not same_process else 0.0
+                spin = SPIN_SECONDS if may_spin(local) else OVERSUBSCRIBED_SPIN_SECONDS
+                if same_process:  # (polling would only keep the others off the loop)
+                    spin = 0.0
             self = cls(rank, size, block, seg, doorbell, float(spin), names)
             self._bells = bells
             self._procs = procs
