@@ -386,9 +386,10 @@ def plot(worlds: dict[tuple[int, str], dict[str, Any]], path: str) -> None:
     except ImportError:
         print("no plot: matplotlib is not installed (pip install matplotlib)")
         return
-    fig, axes = plt.subplots(1, len(worlds), figsize=(5.5 * len(worlds), 5), squeeze=False)
+    rows = (len(worlds) + 1) // 2
+    fig, axes = plt.subplots(rows, 2, figsize=(12, 5 * rows), squeeze=False)
     width = 0.2
-    for ax, ((n, transport), s) in zip(axes[0], worlds.items(), strict=True):
+    for ax, ((n, transport), s) in zip(axes.flat, worlds.items(), strict=False):
         for i, lib in enumerate(LIBS):
             values = [s["cells"][(row, lib)]["median"] * 1e6 for row in ROWS]
             ax.bar(np.arange(len(ROWS)) + (i - 1.5) * width, values, width, label=lib)
@@ -404,6 +405,8 @@ def plot(worlds: dict[tuple[int, str], dict[str, Any]], path: str) -> None:
         ax.set_ylabel("median µs per call (log)", fontsize=11)
         ax.grid(axis="y", alpha=0.3)
     axes[0][0].legend(fontsize=11)
+    for ax in list(axes.flat)[len(worlds) :]:
+        ax.set_visible(False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
@@ -442,7 +445,8 @@ def main() -> None:
         "# Latency of small operations",
         "",
         f"`{' '.join(['python', *sys.argv])}` on {time.strftime('%Y-%m-%d')}: "
-        f"{len(os.sched_getaffinity(0))} CPUs, aiodist {info['aiodist']} ({info['loop']}), "
+        f"{len(os.sched_getaffinity(0))} CPUs, aiodist {info['aiodist']} (async API on "
+        f"{info['loop']}), "
         f"torch {info['torch']} (gloo), {info['mpi']} (mpi4py); {args.rounds} rounds of "
         f"{args.calls} calls per cell. How it measures: the docstring of `bench/latency.py`.",
         "",
