@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing as mp
-import socket
 import sys
 import threading
 from typing import Any
@@ -24,6 +23,7 @@ import numpy as np
 
 import aiodist.sync as dist
 from aiodist._progress import progress_thread
+from aiodist.testing import free_port
 
 
 class Flag:
@@ -64,9 +64,7 @@ def main() -> None:
     if hold:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         asyncio.run(watched())  # the progress thread runs in the parent now
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context(method)
     queue = ctx.Queue()
     children = [ctx.Process(target=child, args=(r, port, queue)) for r in range(2)]

@@ -10,7 +10,7 @@ import pytest
 
 import aiodist
 from aiodist.backends import parse_backend
-from aiodist.testing import run_world
+from aiodist.testing import free_port, run_world
 
 pytestmark = pytest.mark.both_loops
 
@@ -217,11 +217,7 @@ async def test_new_group_called_differently_is_detected() -> None:
 
 
 async def test_init_method_tcp_url_with_ranks_as_tasks() -> None:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
 
     async def rank_main(rank: int) -> tuple[float, str]:
         aiodist.group.isolate_context()  # two ranks in one process: each its own default

@@ -6,12 +6,13 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from aiodist.testing import free_port
 
 pytest.importorskip("torch", reason="torch is not installed: the interoperability tests need it")
 
@@ -59,9 +60,7 @@ def test_aiodist_workers_under_torchrun(mode: str) -> None:
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     if torchrun is None:
         pytest.skip("torch's torchrun script is not installed next to this python")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     # torchrun hosts its own (torch) TCPStore; the aiodist workers join it as clients.
     result = run([torchrun, "--nproc-per-node=2", f"--master-port={port}", WORKER, mode])
     assert result.returncode == 0, result.stderr[-3000:]

@@ -15,7 +15,7 @@ import pytest
 
 import aiodist
 from aiodist.store import _wire
-from aiodist.testing import check_store
+from aiodist.testing import check_store, free_port
 
 
 async def _master(**kwargs: object) -> aiodist.TCPStore:
@@ -199,10 +199,7 @@ async def test_request_ids_wrap_past_zero_and_past_ids_still_waiting(
 
 # -- world size join ------------------------------------------------------------------------
 async def test_master_waits_for_workers_to_join() -> None:
-    probe = socket.socket()
-    probe.bind(("127.0.0.1", 0))
-    port = probe.getsockname()[1]
-    probe.close()
+    port = free_port()
     master = asyncio.ensure_future(
         aiodist.TCPStore.create("127.0.0.1", port, world_size=3, is_master=True, timeout=5)
     )

@@ -15,6 +15,7 @@ import pytest
 
 import aiodist
 from aiodist.store import _wire
+from aiodist.testing import free_port
 
 
 @pytest.fixture
@@ -259,10 +260,7 @@ async def test_killed_server_process_gives_network_error_within_seconds(wire: st
 
 @pytest.mark.both_loops
 async def test_connect_gives_up_after_the_timeout_naming_the_address() -> None:
-    probe = socket.socket()
-    probe.bind(("127.0.0.1", 0))
-    port = probe.getsockname()[1]
-    probe.close()
+    port = free_port()
     start = time.monotonic()
     # The message says what was tried and the last error the OS gave (it once ended in an
     # empty cause: "... within 0.5 s: ").
@@ -299,10 +297,7 @@ async def test_connect_to_a_host_that_never_answers_says_so() -> None:
 
 
 async def test_connect_retries_until_the_server_appears() -> None:
-    probe = socket.socket()
-    probe.bind(("127.0.0.1", 0))
-    port = probe.getsockname()[1]
-    probe.close()
+    port = free_port()
     client = asyncio.ensure_future(aiodist.TCPStore.create("127.0.0.1", port, timeout=10))
     await asyncio.sleep(0.3)
     assert not client.done()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import multiprocessing
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -21,6 +20,7 @@ import pytest
 import aiodist
 import aiodist.sync as dist
 from aiodist._loop_thread import run
+from aiodist.testing import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -75,9 +75,7 @@ def test_init_rules_single_rank(clean_world: None, tmp_path: Path) -> None:
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/f", rank=0, world_size=1)
     assert dist.get_world_size() == 1
     dist.destroy_process_group()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1"}
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
@@ -191,9 +189,7 @@ def _rank_main(rank: int, world_size: int, port: int) -> None:
 
 @pytest.mark.multiprocess
 def test_blocking_api_across_four_processes() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_rank_main, args=(r, 4, port)) for r in range(4)]
     for p in procs:
@@ -223,9 +219,7 @@ def test_torch_documentation_listings(listing: str) -> None:
 
 @pytest.mark.multiprocess
 def test_ctrl_c_during_a_blocking_collective() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     code = textwrap.dedent(
         f"""
         import os, signal, sys, threading, time

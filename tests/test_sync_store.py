@@ -18,7 +18,7 @@ import pytest
 import aiodist
 import aiodist.sync as dist
 from aiodist._loop_thread import HandOverLoop, loop_thread as _loop_thread, run as _run
-from aiodist.testing import check_sync_store
+from aiodist.testing import check_sync_store, free_port
 
 _counter = itertools.count()
 
@@ -44,9 +44,7 @@ def test_sync_prefix_store_conformance() -> None:
 def test_torch_style_tcp_store_usage() -> None:
     # The torch.distributed documentation's TCPStore listing, with this import; the master
     # waits in its constructor until the client has joined, so it is built in a thread.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     made: list[dist.TCPStore] = []
     maker = threading.Thread(
         target=lambda: made.append(dist.TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=30)))
