@@ -5,8 +5,9 @@ Run (in a private network namespace: torch's store does reverse DNS):
     unshare -n bash -c 'ip link set lo up && .venv/bin/python bench/latency.py'
 
 Options: ``--ranks 2,4``, ``--transports shm,tcp``, ``--calls 2000`` (per round), ``--rounds
-5``, ``--loop auto|asyncio``, ``--out bench/results/latency.md``, ``--plot
-docs/images/latency.png`` (``''``: none). Needs ``mpirun`` and ``pip install mpi4py torch``;
+5``, ``--loop auto|asyncio``; the results go to a temporary folder, or with ``--write`` to
+``bench/results/latency.md`` and ``docs/images/latency.png`` (``--out``, ``--plot``: other
+paths; ``--plot ''``: none). Needs ``mpirun`` and ``pip install mpi4py torch``;
 the plot needs matplotlib.
 
 Every world of the run is one ``mpirun`` launch (one process per rank, all on this host) in
@@ -421,12 +422,27 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--loop", default="auto", choices=("auto", "asyncio"))
     parser.add_argument("--world-timeout", type=float, default=900)
-    parser.add_argument("--out", default="bench/results/latency.md")
-    parser.add_argument("--plot", default="docs/images/latency.png")
+    parser.add_argument(
+        "--write",
+        action="store_true",
+        help="write bench/results/latency.md and docs/images/latency.png (else a temp folder)",
+    )
+    parser.add_argument("--out", help="the results file (overrides --write's)")
+    parser.add_argument("--plot", help="the plot ('' for none; overrides --write's)")
     args = parser.parse_args()
     if args.worker:
         worker(args.worker)
         return
+    if args.out is None or args.plot is None:
+        folder = Path("." if args.write else tempfile.mkdtemp(prefix="aiodist-bench-"))
+        if args.out is None:
+            args.out = str(
+                folder / "bench/results/latency.md" if args.write else folder / "latency.md"
+            )
+        if args.plot is None:
+            args.plot = str(
+                folder / "docs/images/latency.png" if args.write else folder / "latency.png"
+            )
     if shutil.which("mpirun") is None:
         sys.exit("needs mpirun: apt-get install -y openmpi-bin libopenmpi-dev")
     for module in ("mpi4py", "torch"):
