@@ -1,7 +1,11 @@
 """Every collective, aiodist against torch's gloo, in the same processes and the same run.
 
-Run:  python bench/collectives.py [--quick] [--ranks 2,4] [--out bench/results/collectives.md]
+Run:  python bench/collectives.py [--quick] [--ranks 2,4] [--write] [--out FILE]
       [--only all_reduce,broadcast] [--sizes 64K,4M] [--profile DIR]
+
+The tables are printed and written to a temporary folder, or with ``--write`` to
+``bench/results/collectives.md`` (``--out``: another path). Without torch
+(``pip install torch==2.13.0``) only aiodist's columns are measured.
 
 One process per rank on this machine. Each process joins an aiodist group (uvloop, TCP over
 loopback) and a torch gloo group; for every collective and size it times aiodist, then gloo,
@@ -15,7 +19,8 @@ scatter and all_to_all), ``algbw = size / time``, ``busbw = algbw * factor`` wit
 and all_to_all, and 1 for broadcast and reduce.
 
 Run it inside a private network namespace so nothing leaves the machine:
-``unshare -n bash -c 'ip link set lo up && .venv/bin/python bench/collectives.py --quick'``.
+``unshare -n bash -c 'ip link set lo up && .venv/bin/python bench/collectives.py --quick'``
+(``unshare -n`` needs root; ``unshare -rn`` works without).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import os
 import socket
 import statistics
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -176,22 +182,23 @@ def batch_torch(op: Callable[[], Any], iters: int) -> float:
 async def rank_main(
     rank: int, n: int, ports: tuple[int, int], args: argparse.Namespace
 ) -> dict[Any, Any]:
-    import torch
-    import torch.distributed as dist
-
     import aiodist
 
-    torch.set_num_threads(1)
-    # torch 2.13 marks the *_tensor collectives deprecated; they are still gloo's fast path.
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    # Each library's own TCPStore, hosted by rank 0, as env:// jobs have. (With file://,
-    # aiodist's world keeps polling the file for its abort key, about 100 us of CPU per
-    # 4 MiB operation here, while gloo never reads its file store again after setup.)
-    # gloo first: its blocking setup would stall rank 0's loop, where aiodist's store
-    # server runs, while the other ranks still need it to join.
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{ports[1]}", world_size=n, rank=rank
-    )
+    if args.gloo:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        # torch 2.13 marks the *_tensor collectives deprecated; they are still gloo's fast path.
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        # Each library's own TCPStore, hosted by rank 0, as env:// jobs have. (With file://,
+        # aiodist's world keeps polling the file for its abort key, about 100 us of CPU per
+        # 4 MiB operation here, while gloo never reads its file store again after setup.)
+        # gloo first: its blocking setup would stall rank 0's loop, where aiodist's store
+        # server runs, while the other ranks still need it to join.
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{ports[1]}", world_size=n, rank=rank
+        )
     await aiodist.init_process_group(
         "cpu", init_method=f"tcp://127.0.0.1:{ports[0]}", world_size=n, rank=rank
     )
@@ -206,11 +213,13 @@ async def rank_main(
             iters = iters_for(size, args.quick)
             if rank == 0 and args.verbose:
                 print(f"  {n} ranks: {name} {size} B", file=sys.stderr, flush=True)
-            ours_op, theirs_op = aiodist_op(name, b), torch_op(name, b)
+            ours_op = aiodist_op(name, b)
+            theirs_op = torch_op(name, b) if args.gloo else None
             # A warm-up batch each (connections, scratch buffers), then repetitions that alternate
             # between the libraries, so a change in the machine's load hits both alike.
             await batch_aiodist(ours_op, iters)
-            batch_torch(theirs_op, iters)
+            if theirs_op:
+                batch_torch(theirs_op, iters)
             ours, theirs = [], []
             for _ in range(reps):
                 if profiler:
@@ -218,11 +227,13 @@ async def rank_main(
                 ours.append(await batch_aiodist(ours_op, iters))
                 if profiler:
                     profiler.disable()
-                theirs.append(batch_torch(theirs_op, iters))
+                if theirs_op:
+                    theirs.append(batch_torch(theirs_op, iters))
             results[name, size] = (count, ours, theirs)
     if profiler:
         profiler.dump_stats(os.path.join(args.profile, f"aiodist-n{n}-rank{rank}.prof"))
-    dist.destroy_process_group()
+    if args.gloo:
+        dist.destroy_process_group()
     await aiodist.destroy_process_group()
     return results
 
@@ -282,7 +293,7 @@ def run_world(n: int, args: argparse.Namespace) -> dict[Any, Any]:
         theirs = [
             max(per_rank[r][key][2][i] for r in range(n)) for i in range(len(per_rank[0][key][2]))
         ]
-        merged[key] = (count, statistics.median(ours), statistics.median(theirs))
+        merged[key] = (count, statistics.median(ours), statistics.median(theirs) if theirs else 0)
     return merged
 
 
@@ -302,36 +313,30 @@ def fmt_size(size: int) -> str:
     return f"{size} B"
 
 
-def table(name: str, n: int, rows: dict[Any, Any]) -> list[str]:
+def table(name: str, n: int, rows: dict[Any, Any], gloo: bool) -> list[str]:
     op = "sum" if name in ("all_reduce", "reduce", "reduce_scatter") else "-"
-    lines = [
-        f"### {name}, {n} ranks",
-        "",
-        "| size | count | dtype | op | aiodist time (us) | algbw (GB/s) | busbw (GB/s) "
-        "| gloo time (us) | algbw (GB/s) | busbw (GB/s) | busbw ratio | time ratio |",
-        "| ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
+    head = "| size | count | dtype | op | aiodist time (us) | algbw (GB/s) | busbw (GB/s) "
+    if gloo:
+        head += "| gloo time (us) | algbw (GB/s) | busbw (GB/s) | busbw ratio | time ratio "
+    lines = [f"### {name}, {n} ranks", "", head + "|"]
+    lines.append("| ---: | ---: | --- | --- " + "| ---: " * (8 if gloo else 3) + "|")
     factor = bus_factor(name, n)
     for (coll, _size), (count, ours, theirs) in sorted(rows.items(), key=lambda kv: kv[0][1]):
         if coll != name:
             continue
         nbytes = count * np.dtype(DTYPE).itemsize
-        if nbytes:
-            a_alg, g_alg = nbytes / ours / 1e9, nbytes / theirs / 1e9
-            cells = [
-                f"{a_alg:.3f}",
-                f"{a_alg * factor:.3f}",
-                f"{theirs * 1e6:.1f}",
-                f"{g_alg:.3f}",
-                f"{g_alg * factor:.3f}",
-                f"{a_alg / g_alg:.2f}x",
-            ]
-        else:
-            cells = ["-", "-", f"{theirs * 1e6:.1f}", "-", "-", "-"]
+        a_alg = nbytes / ours / 1e9
+        cells = [f"{a_alg:.3f}", f"{a_alg * factor:.3f}"] if nbytes else ["-", "-"]
+        if gloo:
+            g_alg = nbytes / theirs / 1e9
+            cells.append(f"{theirs * 1e6:.1f}")
+            cells += [f"{g_alg:.3f}", f"{g_alg * factor:.3f}"] if nbytes else ["-", "-"]
+            cells.append(f"{a_alg / g_alg:.2f}x" if nbytes else "-")
+            cells.append(f"{ours / theirs:.3f}x")
         lines.append(
             f"| {fmt_size(nbytes)} | {count} | float32 | {op} | {ours * 1e6:.1f} | "
             + " | ".join(cells)
-            + f" | {ours / theirs:.3f}x |"
+            + " |"
         )
     lines.append("")
     return lines
@@ -343,8 +348,11 @@ def main() -> None:
     parser.add_argument("--ranks", default="2,4", help="world sizes, comma-separated")
     parser.add_argument("--only", default=",".join(COLLECTIVES), help="collectives to run")
     parser.add_argument(
-        "--out", default=os.path.join(os.path.dirname(__file__), "results", "collectives.md")
+        "--write",
+        action="store_true",
+        help="write bench/results/collectives.md (else a temp folder)",
     )
+    parser.add_argument("--out", help="the results file (overrides --write's)")
     parser.add_argument("--sizes", default="", help="sizes instead of the default list: 8,64K,4M")
     parser.add_argument("--verbose", action="store_true", help="progress on stderr")
     parser.add_argument("--profile", default=None, help="directory for per-rank cProfile dumps")
@@ -354,13 +362,28 @@ def main() -> None:
     unknown = set(args.only) - set(COLLECTIVES)
     if unknown:
         parser.error(f"unknown collectives: {sorted(unknown)}")
-    import torch
+    # Committed results change only on purpose: without --write they go to a fresh folder.
+    if args.out is None:
+        args.out = (
+            os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "collectives.md")
+            if args.write
+            else os.path.join(tempfile.mkdtemp(prefix="aiodist-bench-"), "collectives.md")
+        )
+    try:
+        import torch
+
+        args.gloo = True
+        against = f"torch {torch.__version__}"
+    except ImportError:
+        print("torch is not installed (pip install torch==2.13.0): the gloo columns are left out")
+        args.gloo = False
+        against = "no torch (aiodist only)"
 
     out = [
         "# Collectives: aiodist vs torch gloo",
         "",
         f"`python bench/collectives.py {' '.join(sys.argv[1:])}` on {os.cpu_count()} CPUs, "
-        f"loopback TCP, torch {torch.__version__}, numpy {np.__version__}. Times are medians "
+        f"loopback TCP, {against}, numpy {np.__version__}. Times are medians "
         "(slowest rank per repetition); busbw ratio = aiodist busbw / gloo busbw (higher is "
         "better), time ratio = aiodist time / gloo time (lower is better).",
         "",
@@ -368,13 +391,13 @@ def main() -> None:
     for n in [int(x) for x in args.ranks.split(",")]:
         rows = run_world(n, args)
         for name in args.only:
-            lines = table(name, n, rows)
+            lines = table(name, n, rows, args.gloo)
             print("\n".join(lines), flush=True)
             out.extend(lines)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         f.write("\n".join(out))
-    print(f"written to {args.out}")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

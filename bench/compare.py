@@ -1,16 +1,18 @@
 """aiodist against torch's gloo and MPI on this machine, side by side, in one run.
 
 Run (in a private network namespace: torch's store does reverse DNS, and nothing leaves the
-machine):
+machine; ``unshare -n`` needs root, ``unshare -rn`` works without):
 
     unshare -n bash -c 'ip link set lo up && .venv/bin/python bench/compare.py'
 
 That is 2 and 4 ranks, every operation, 8 B .. 64 MiB, 5 repetitions; it prints the tables
-and writes ``bench/results/compare.md`` and ``docs/images/compare_all_reduce.png``. A short
-run: ``--ranks 2 --ops all_reduce,barrier --sizes 8,1M,64M --reps 3 --out /tmp/c.md --plot
-''``. MPI needs ``mpirun`` (Debian: ``apt-get install -y openmpi-bin libopenmpi-dev``) and
-``pip install mpi4py`` in this environment; without either its columns are left out, with the
-reason printed.
+and writes ``compare.md`` and ``compare_all_reduce.png`` to a temporary folder, or with
+``--write`` to ``bench/results/compare.md`` and ``docs/images/compare_all_reduce.png``
+(``--out``, ``--plot``: other paths; ``--plot ''``: none; the plot needs matplotlib). A
+short run: ``--ranks 2 --ops all_reduce,barrier --sizes 8,1M,64M --reps 3``. MPI needs
+``mpirun`` (Debian: ``apt-get install -y openmpi-bin libopenmpi-dev``) and ``pip install
+mpi4py`` in this environment, gloo needs ``pip install torch==2.13.0``; without them their
+columns are left out, with the reason printed.
 
 One process per rank, all on this host. Every process joins every library, and every row
 times them batch after batch in turn, so a change in the machine's load hits all alike:
@@ -423,8 +425,6 @@ class SharedArrays:
 
 
 async def rank_main(rank: int, n: int, tmp: str, cfg: dict[str, Any], comm: Any) -> dict[str, Any]:
-    import torch.distributed as dist
-
     import aiodist
     from aiodist.group import isolate_context
 
@@ -476,7 +476,10 @@ async def rank_main(rank: int, n: int, tmp: str, cfg: dict[str, Any], comm: Any)
             }
             if name == "all_reduce" and shared is not None:
                 libs["shared"] = shared.lib(shared.zeros(count))
-            libs["gloo"] = Lib(torch_op(name, b, rank, n), dist.barrier, is_async=False)
+            if cfg["gloo"]:
+                import torch.distributed as dist
+
+                libs["gloo"] = Lib(torch_op(name, b, rank, n), dist.barrier, is_async=False)
             if comm is not None:
                 libs["mpi"] = Lib(mpi_op(name, b, comm, rank, n), comm.Barrier, is_async=False)
             if rank == 0 and cfg["verbose"]:
@@ -578,23 +581,25 @@ def worker(tmp: str) -> None:
         from mpi4py import MPI
 
         comm = MPI.COMM_WORLD
-    import torch
-    import torch.distributed as dist
+    if cfg["gloo"]:
+        import torch
+        import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    # torch 2.13 marks the *_tensor collectives deprecated; they are still gloo's fast path.
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp}/gloo.store",
-        world_size=n,
-        rank=rank,
-        timeout=timedelta(seconds=120),
-    )
+        torch.set_num_threads(1)
+        # torch 2.13 marks the *_tensor collectives deprecated; they are still gloo's fast path.
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{tmp}/gloo.store",
+            world_size=n,
+            rank=rank,
+            timeout=timedelta(seconds=120),
+        )
     with asyncio.Runner(loop_factory=loop_factory("auto")) as runner:
         result = runner.run(rank_main(rank, n, tmp, cfg, comm))
     result["times"].update(sync_phase(rank, n, tmp, cfg))
-    dist.destroy_process_group()
+    if cfg["gloo"]:
+        dist.destroy_process_group()
     with open(os.path.join(tmp, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
 
@@ -668,11 +673,12 @@ def mpi_available() -> tuple[bool, str]:
     return True, probe.stdout.replace("\0", "").strip().splitlines()[0].split(",")[0]
 
 
-def run_world(n: int, args: argparse.Namespace, use_mpi: bool) -> dict[str, Any]:
+def run_world(n: int, args: argparse.Namespace, use_mpi: bool, use_gloo: bool) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="aiodist-compare-") as tmp:
         cfg = {
             "n": n,
             "mpi": use_mpi,
+            "gloo": use_gloo,
             "ops": args.ops,
             "sizes": args.sizes,
             "reps": args.reps,
@@ -889,6 +895,9 @@ def targets(worlds: dict[int, dict[str, Any]], cpus: int) -> list[str]:
     if not any("mpi" in {k[2] for k in w["times"]} for w in worlds.values()):
         checks["mpi"].notes.append("no MPI in this run")
         checks["shared"].notes.append("no MPI in this run")
+    if not any("gloo" in {k[2] for k in w["times"]} for w in worlds.values()):
+        checks["gloo"].notes.append("no gloo in this run")
+        checks["off"].notes.append("no gloo in this run")
     checks["stall1"].notes.append(
         "wall time with ranks <= CPUs, the loop thread's CPU time with more"
     )
@@ -896,11 +905,14 @@ def targets(worlds: dict[int, dict[str, Any]], cpus: int) -> list[str]:
 
 
 def plot(worlds: dict[int, dict[str, Any]], path: str) -> None:
-    import matplotlib
+    try:
+        import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no plot: matplotlib is not installed (pip install matplotlib)")
+        return
     ns = sorted(n for n, w in worlds.items() if any(k[0] == "all_reduce" for k in w["times"]))
     if not ns:
         return
@@ -934,11 +946,13 @@ def plot(worlds: dict[int, dict[str, Any]], path: str) -> None:
         ax.set_ylabel("busbw (GB/s)")
         ax.set_title(f"all_reduce float32, {n} ranks, one host")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize="small")
+        if ax.lines:  # (none where every size was under 1 KiB)
+            ax.legend(fontsize="small")
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    print(f"wrote {path}")
 
 
 def main() -> None:
@@ -953,12 +967,14 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5, help="timed batches per library and row")
     parser.add_argument("--batch-ms", type=float, default=20.0, help="length of a timed batch")
     parser.add_argument("--no-mpi", action="store_true", help="leave MPI out")
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "compare.md"))
     parser.add_argument(
-        "--plot",
-        default=str(ROOT / "docs" / "images" / "compare_all_reduce.png"),
-        help="PNG of all_reduce busbw ('' for none)",
+        "--write",
+        action="store_true",
+        help="write bench/results/compare.md and docs/images/compare_all_reduce.png "
+        "(else a temp folder)",
     )
+    parser.add_argument("--out", help="the results file (overrides --write's)")
+    parser.add_argument("--plot", help="PNG of all_reduce busbw ('' for none; overrides --write's)")
     parser.add_argument("--world-timeout", type=float, default=1800, help="seconds per world")
     parser.add_argument("--verbose", action="store_true", help="progress on stderr")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -988,7 +1004,26 @@ def main() -> None:
         parser.error("--ranks: every world needs at least 2 ranks")
     if args.reps < 1:
         parser.error("--reps must be at least 1")
-    import torch
+    # Committed results change only on purpose: without --write they go to a fresh folder.
+    if args.out is None or args.plot is None:
+        folder = ROOT if args.write else Path(tempfile.mkdtemp(prefix="aiodist-bench-"))
+        if args.out is None:
+            args.out = str(
+                folder / "bench/results/compare.md" if args.write else folder / "compare.md"
+            )
+        if args.plot is None:
+            args.plot = str(
+                folder / "docs/images/compare_all_reduce.png"
+                if args.write
+                else folder / "compare_all_reduce.png"
+            )
+    try:
+        import torch
+
+        use_gloo, torch_note = True, f"torch {torch.__version__}"
+    except ImportError:
+        use_gloo, torch_note = False, "no torch"
+        print("gloo skipped: torch is not installed (pip install torch==2.13.0)", flush=True)
 
     started = time.monotonic()
     cpus = len(os.sched_getaffinity(0))
@@ -1012,7 +1047,7 @@ def main() -> None:
         "",
         f"Command: `unshare -n bash -c 'ip link set lo up && .venv/bin/{command}'`, "
         f"{time.strftime('%Y-%m-%d %H:%M %Z')}, {cpus} CPUs, at commit `{commit}`; "
-        f"torch {torch.__version__}, numpy {np.__version__}, "
+        f"{torch_note}, numpy {np.__version__}, "
         f"MPI: {mpi_note if use_mpi else 'none (' + mpi_note + ')'}. "
         "Times are medians over the repetitions of the slowest rank's batch average; "
         "busbw in GB/s; `a / b` is b's time over a's (above 1: a is faster); stall in ms, "
@@ -1030,7 +1065,7 @@ def main() -> None:
     worlds: dict[int, dict[str, Any]] = {}
     body: list[str] = []
     for n in ranks:
-        w = worlds[n] = run_world(n, args, use_mpi)
+        w = worlds[n] = run_world(n, args, use_mpi, use_gloo)
         block = [f"## {n} ranks", ""]
         block += [f"- {k}: {v}" for k, v in w["info"].items() if v] + [""]
         for name in args.ops:
@@ -1050,9 +1085,10 @@ def main() -> None:
         "",
     ]
     print("\n".join(summary), flush=True)
+    # The results first, so that a failing plot cannot lose them; the report links the
+    # plot only where one can be made.
     picture = []
-    if args.plot:
-        plot(worlds, args.plot)
+    if args.plot and importlib.util.find_spec("matplotlib") is not None:
         rel = os.path.relpath(args.plot, os.path.dirname(os.path.abspath(args.out)))
         picture = [
             "## all_reduce bus bandwidth",
@@ -1064,7 +1100,9 @@ def main() -> None:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             f.write("\n".join(head + summary + picture + body).rstrip() + "\n")
-        print(f"written to {args.out}" + (f" and {args.plot}" if args.plot else ""))
+        print(f"wrote {args.out}")
+    if args.plot:
+        plot(worlds, args.plot)
 
 
 if __name__ == "__main__":

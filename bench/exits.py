@@ -12,10 +12,11 @@ finished and exited used to be taken for a crash):
   handler leaves); the cost is the time from that note to the end of its process as the
   parent sees it, per rank; the same script on torch's gloo when torch is installed.
 
-``python bench/exits.py [--runs 50] [--write]``: results are printed, and written to
-``bench/results/exits.md`` with ``--write``. torch starts a TCPStore that reverse-resolves
-its clients: run it in a private network namespace
-(``unshare -n bash -c 'ip link set lo up && .venv/bin/python bench/exits.py'``).
+``python bench/exits.py [--runs 50] [--write]``: results are printed, and written to a
+temporary folder, or with ``--write`` to ``bench/results/exits.md``. torch starts a TCPStore
+that reverse-resolves its clients: run it in a private network namespace
+(``unshare -n bash -c 'ip link set lo up && .venv/bin/python bench/exits.py'``; ``unshare -n``
+needs root, ``unshare -rn`` works without).
 """
 
 from __future__ import annotations
@@ -178,14 +179,25 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=50, help="runs of each program (default 50)")
     parser.add_argument("--exit-runs", type=int, default=10, help="runs of the exit-cost script")
     parser.add_argument("--ranks", type=int, default=4, help="ranks of the exit-cost script")
-    parser.add_argument("--write", action="store_true", help="write bench/results/exits.md")
+    parser.add_argument(
+        "--write", action="store_true", help="write bench/results/exits.md (else a temp folder)"
+    )
     args = parser.parse_args()
+    # Committed results change only on purpose: without --write they go to a fresh folder.
+    out = (
+        ROOT / "bench" / "results" / "exits.md"
+        if args.write
+        else Path(tempfile.mkdtemp(prefix="aiodist-bench-"), "exits.md")
+    )
     try:
         import torch  # noqa: F401
 
         libs = ["aiodist", "torch"]
     except ImportError:
-        print("torch is not installed: the exit cost is measured for aiodist only")
+        print(
+            "torch is not installed (pip install torch==2.13.0): "
+            "the exit cost is measured for aiodist only"
+        )
         libs = ["aiodist"]
     hogs = start_hogs()
     started = time.strftime("%Y-%m-%d %H:%M")
@@ -216,8 +228,8 @@ def main() -> None:
         ]
     )
     print(report)
-    if args.write:
-        Path(ROOT, "bench", "results", "exits.md").write_text(report)
+    out.write_text(report)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -19,13 +19,18 @@ Configurations (one fresh server process per run):
 Per run it records the phase times, store calls per second during the rendezvous (4 per
 rank), the server's CPU time and peak RSS (``VmHWM``), descriptors open in the server and per
 rank in the workers. Cost per rank (server CPU, server memory, time) should stay flat as N
-grows. Needs torch for the torch configurations and matplotlib for the plot.
+grows. Needs torch for the torch configurations (``pip install torch==2.13.0``; without it
+they are left out) and matplotlib for the plot.
 
 Usage::
 
     python bench/scale.py [--ranks 256,1024,4096] [--procs 8] [--repeat 3]
-                          [--configs aiodist,torch,aiodist-torch]
-                          [--out bench/results/scale.md] [--plot docs/images/scale.png]
+                          [--configs aiodist,torch,aiodist-torch] [--write]
+                          [--out FILE] [--plot FILE]
+
+The table goes to ``scale.md`` and the plot to ``scale.png`` in a temporary folder, or with
+``--write`` to ``bench/results/scale.md`` and ``docs/images/scale.png`` (``--out``,
+``--plot``: other paths; ``--plot ''``: none).
 """
 
 from __future__ import annotations
@@ -38,12 +43,14 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+ROOT = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
 STORE_TIMEOUT = 600.0
 
@@ -360,11 +367,14 @@ def _raise_open_files() -> None:
 
 
 def _plot(rows: list[tuple[str, int, dict[str, float]]], path: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no plot: matplotlib is not installed (pip install matplotlib)")
+        return
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
     styles = {"aiodist": "o-", "torch": "s-", "aiodist-torch": "^--"}
     for config in CONFIGS:
@@ -383,6 +393,7 @@ def _plot(rows: list[tuple[str, int, dict[str, float]]], path: Path) -> None:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
+    print(f"wrote {path}")
 
 
 def main() -> None:
@@ -392,16 +403,34 @@ def main() -> None:
     parser.add_argument("--procs", type=int, default=8, help="worker processes")
     parser.add_argument("--repeat", type=int, default=3, help="runs per cell (median kept)")
     parser.add_argument("--configs", default=",".join(CONFIGS))
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "scale.md"))
     parser.add_argument(
-        "--plot", default=str(Path(__file__).parent.parent / "docs" / "images" / "scale.png")
+        "--write",
+        action="store_true",
+        help="write bench/results/scale.md and docs/images/scale.png (else a temp folder)",
     )
+    parser.add_argument("--out", help="the results file (overrides --write's)")
+    parser.add_argument("--plot", help="the plot ('' for none; overrides --write's)")
     args = parser.parse_args()
     if args.worker:
         _worker_main()
         return
     _raise_open_files()
+    # Committed results change only on purpose: without --write they go to a fresh folder.
+    if args.out is None or args.plot is None:
+        folder = ROOT if args.write else Path(tempfile.mkdtemp(prefix="aiodist-bench-"))
+        if args.out is None:
+            args.out = str(folder / "bench/results/scale.md" if args.write else folder / "scale.md")
+        if args.plot is None:
+            args.plot = str(
+                folder / "docs/images/scale.png" if args.write else folder / "scale.png"
+            )
     configs = args.configs.split(",")
+    if any("torch" in CONFIGS.get(c, ()) for c in configs):
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            print("torch is not installed (pip install torch==2.13.0): the torch rows are left out")
+            configs = [c for c in configs if "torch" not in CONFIGS.get(c, ())]
     worlds = [int(x) for x in args.ranks.split(",")]
     workers = _Workers(args.procs)
     rows: list[tuple[str, int, dict[str, float]]] = []
@@ -458,9 +487,9 @@ def main() -> None:
     print(table)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(table)
+    print(f"wrote {args.out}")
     if args.plot:
         _plot(rows, Path(args.plot))
-        print(f"plot written to {args.plot}")
 
 
 if __name__ == "__main__":

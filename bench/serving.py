@@ -16,7 +16,11 @@ Each example (``examples/serving_aiohttp.py``, ``examples/serving_fastapi.py``) 
   sent, rank 1 SIGKILLed; seconds from the kill to the request's 503 and to /health's
   503, and from starting rank 1 again to the next correct answer.
 
-    unshare -n bash -c 'ip link set lo up && .venv/bin/python bench/serving.py --out bench/results/serving.md'
+    unshare -n bash -c 'ip link set lo up && .venv/bin/python bench/serving.py'
+
+(``unshare -n`` needs root; ``unshare -rn`` works without.) The tables are printed and written
+to a temporary folder, or with ``--write`` to ``bench/results/serving.md`` (``--out``: another
+path).
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ import aiohttp
 import numpy as np
 import uvloop
 
+from aiodist.testing import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
@@ -47,7 +53,6 @@ from serving_helpers import (  # noqa: E402  (the path above)
     Launched,
     Ranks,
     descendants,
-    free_port,
     load_example,
     ready,
     reference,
@@ -256,8 +261,18 @@ async def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="jobs per example and loop")
     parser.add_argument("--stall", type=float, default=2.0, help="seconds rank 2 is stopped")
     parser.add_argument("--faults", type=int, default=5, help="kill/restart rounds per example")
-    parser.add_argument("--out", type=Path, help="write the tables to this Markdown file")
+    parser.add_argument(
+        "--write", action="store_true", help="write bench/results/serving.md (else a temp folder)"
+    )
+    parser.add_argument("--out", type=Path, help="the results file (overrides --write's)")
     args = parser.parse_args()
+    # Committed results change only on purpose: without --write they go to a fresh folder.
+    if args.out is None:
+        args.out = (
+            ROOT / "bench" / "results" / "serving.md"
+            if args.write
+            else Path(tempfile.mkdtemp(prefix="aiodist-bench-"), "serving.md")
+        )
     concurrency = [int(c) for c in args.concurrency.split(",")]
     clients = {"aiohttp": "aiohttp", "fastapi": "httpx"}
     names, loops = args.examples.split(","), args.loops.split(",")
@@ -305,8 +320,8 @@ async def main() -> None:
     args.load_after = os.getloadavg()[0]
     text = report(args, load_rows, stall_rows, fault_rows)
     print(text)
-    if args.out:
-        args.out.write_text(text)
+    args.out.write_text(text)
+    print(f"wrote {args.out}")
 
 
 def report(

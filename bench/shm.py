@@ -1,7 +1,10 @@
 """Shared memory against loopback TCP, in the same processes and the same run.
 
 Run:  python bench/shm.py [--quick] [--ranks 2,4] [--sizes 8,1048576] [--reps 5]
-      [--out bench/results/shm.md] [--profile]
+      [--write] [--out FILE] [--profile]
+
+The tables are printed and written to a temporary folder, or with ``--write`` to
+``bench/results/shm.md`` (``--out``: another path).
 
 One process per rank on this machine, meeting through a FileStore. Every process holds a
 ``TCPTransport``, a ``ShmTransport`` and a ``NodeWorkspace`` at once, and every size is
@@ -30,7 +33,8 @@ machine's limits are measured in the same run: numpy copy (bytes copied per seco
 where the time goes.
 
 Run it inside a private network namespace so nothing leaves the machine:
-``unshare -n bash -c 'ip link set lo up && .venv/bin/python bench/shm.py --quick'``.
+``unshare -n bash -c 'ip link set lo up && .venv/bin/python bench/shm.py --quick'``
+(``unshare -n`` needs root; ``unshare -rn`` works without).
 """
 
 from __future__ import annotations
@@ -338,9 +342,19 @@ def main() -> None:
         type=lambda text: [int(v) for v in text.split(",")],
         help="message sizes in bytes, comma separated (instead of the default list)",
     )
-    parser.add_argument("--out", help="also write the tables to this markdown file")
+    parser.add_argument(
+        "--write", action="store_true", help="write bench/results/shm.md (else a temp folder)"
+    )
+    parser.add_argument("--out", help="the results file (overrides --write's)")
     parser.add_argument("--profile", action="store_true", help="profile the 8-byte direct path")
     args = parser.parse_args()
+    # Committed results change only on purpose: without --write they go to a fresh folder.
+    if args.out is None:
+        args.out = (
+            os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "shm.md")
+            if args.write
+            else os.path.join(tempfile.mkdtemp(prefix="aiodist-bench-"), "shm.md")
+        )
     lines = [
         f"# bench/shm.py ({'quick' if args.quick else 'full'}), {os.cpu_count()} CPUs, "
         f"{time.strftime('%Y-%m-%d %H:%M')}",
@@ -363,9 +377,9 @@ def main() -> None:
         lines += block
     for text in profiles:
         print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+    with open(args.out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"wrote {args.out}")
     sys.exit(0)
 
 

@@ -15,7 +15,12 @@ client returns.
 Usage::
 
     python bench/store.py [--duration 1.0] [--clients 1,8,64,256] [--rendezvous 64,256]
-                          [--procs 4] [--repeat 3] [--out bench/results/store.md]
+                          [--procs 4] [--repeat 3] [--write] [--out FILE]
+
+The tables are printed and written to a temporary folder, or with ``--write`` to
+``bench/results/store.md`` (``--out``: another path). Without torch
+(``pip install torch==2.13.0``) the rows of torch's server are left out; the torch-wire rows
+against aiodist's server need no torch.
 """
 
 from __future__ import annotations
@@ -253,13 +258,29 @@ def main() -> None:
     parser.add_argument("--procs", type=int, default=4)
     parser.add_argument("--repeat", type=int, default=3, help="runs per cell (median kept)")
     parser.add_argument("--profile-server", help="write a cProfile of aiodist's server here")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "store.md"))
+    parser.add_argument(
+        "--write", action="store_true", help="write bench/results/store.md (else a temp folder)"
+    )
+    parser.add_argument("--out", help="the results file (overrides --write's)")
     args = parser.parse_args()
     if args.worker:
         _worker_main()
         return
+    # Committed results change only on purpose: without --write they go to a fresh folder.
+    if args.out is None:
+        args.out = str(
+            Path(__file__).resolve().parent / "results" / "store.md"
+            if args.write
+            else Path(tempfile.mkdtemp(prefix="aiodist-bench-"), "store.md")
+        )
     configs = [("aiodist", "aiodist"), ("aiodist", "torch"), ("torch", "torch")]
-    servers = {kind: _start_server(kind, args.profile_server) for kind in ("aiodist", "torch")}
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        print("torch is not installed (pip install torch==2.13.0): torch's server is left out")
+        configs.remove(("torch", "torch"))
+    kinds = dict.fromkeys(server for server, _ in configs)
+    servers = {kind: _start_server(kind, args.profile_server) for kind in kinds}
     workers = _Workers(args.procs)
     rows = []
     rdv_rows = []
@@ -332,6 +353,7 @@ def main() -> None:
     print(table)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(table)
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
