@@ -70,6 +70,72 @@ def test_world_marker_runs_the_body_once_per_rank(pytester: pytest.Pytester, mod
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_world_marker_over_shared_memory(pytester: pytest.Pytester, mode: str) -> None:
+    _ini(pytester, mode)
+    pytester.makepyfile(
+        """
+        import numpy as np
+        import pytest
+        import aiodist
+        from aiodist.group import peek_world
+
+        def inputs(rank):
+            rng = np.random.default_rng(rank)
+            return rng.integers(-1000, 1000, 5000), rng.standard_normal(5000)
+
+        @pytest.mark.aiodist_world(3, transport="shm")
+        async def test_all_reduce(rank, world_size):
+            # The default group runs its collectives in a shared-memory workspace.
+            assert sorted(peek_world().groups[0].paths) == ["cpu"]
+            ints, floats = inputs(rank)
+            await aiodist.all_reduce(ints)
+            await aiodist.all_reduce(floats, op=aiodist.ReduceOp.MAX)
+            every = [inputs(r) for r in range(world_size)]
+            np.testing.assert_array_equal(ints, np.sum([i for i, _ in every], axis=0))
+            np.testing.assert_array_equal(floats, np.max([f for _, f in every], axis=0))
+            assert ints.dtype == np.int64 and floats.dtype == np.float64
+        """
+    )
+    result = pytester.runpytest("-v")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*::test_all_reduce PASSED*"])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_rank_that_returned_early_is_named(pytester: pytest.Pytester, mode: str) -> None:
+    _ini(pytester, mode)
+    pytester.makepyfile(
+        test_early="""
+        import numpy as np
+        import pytest
+        import aiodist
+
+        @pytest.mark.aiodist_world(2, transport="local")
+        async def test_rank_one_returns(rank):
+            if rank == 1:
+                return
+            await aiodist.all_reduce(np.ones(3))
+        """
+    )
+    result = pytester.runpytest()
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            # The operation's own error first, then the one that names the rank.
+            "E*aiodist.errors.DistNetworkError: lost connection to rank 1: it left the process "
+            "group (destroy_process_group)",
+            "The above exception was the direct cause of the following exception:",
+            "rank = 0",
+            ">*await aiodist.all_reduce(np.ones(3))",
+            "E*aiodist.errors.DistNetworkError: rank 1 already returned (its function ended) "
+            "while rank 0 waited for it in all_reduce",
+            "E*run_world: raised on rank 0 of 2",
+            "test_early.py:9: DistNetworkError",
+        ]
+    )
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_failing_rank_is_named_with_its_traceback(pytester: pytest.Pytester, mode: str) -> None:
     # In-process transport: over TCP, a rank that fails while its peers are still connecting
     # to it can hit CPython's Server.close() race (gh-109564) on the standard loop, whose
@@ -125,6 +191,10 @@ def test_marker_errors_fail_only_that_test(pytester: pytest.Pytester) -> None:
         async def test_local_transport_in_processes():
             pass
 
+        @pytest.mark.aiodist_world(2, transport="udp")
+        async def test_unknown_transport():
+            pass
+
         @pytest.mark.aiodist_world(2, colour="blue")
         async def test_unknown_argument():
             pass
@@ -139,7 +209,7 @@ def test_marker_errors_fail_only_that_test(pytester: pytest.Pytester) -> None:
         """
     )
     result = pytester.runpytest()
-    result.assert_outcomes(errors=5, passed=1)
+    result.assert_outcomes(errors=6, passed=1)
     result.stdout.fnmatch_lines_random(
         [
             "*test_blocking_body_as_tasks: @pytest.mark.aiodist_world runs the ranks as tasks of "
@@ -148,6 +218,8 @@ def test_marker_errors_fail_only_that_test(pytester: pytest.Pytester) -> None:
             "*test_no_ranks: @pytest.mark.aiodist_world: world_size must be a positive integer, got 0",
             "*test_local_transport_in_processes: @pytest.mark.aiodist_world: transport applies to "
             "ranks run as tasks, not with processes=True",
+            "*test_unknown_transport: @pytest.mark.aiodist_world: transport must be 'tcp', 'shm' "
+            "or 'local', got 'udp'",
             "*test_unknown_argument: @pytest.mark.aiodist_world: *unexpected keyword argument 'colour'",
             "*test_fixture_wants_rank: @pytest.mark.aiodist_world: a fixture requests 'rank', but "
             "only the test function gets one value per rank*",
@@ -224,6 +296,35 @@ def test_failing_process_rank_is_named_with_its_traceback(pytester: pytest.Pytes
     )
     # The child's traceback starts at the test's frame: the plumbing is left out.
     assert "testing/_world.py" not in result.stdout.str()
+
+
+@pytest.mark.multiprocess
+def test_process_rank_that_returned_early_is_named(pytester: pytest.Pytester) -> None:
+    _ini(pytester, "auto")
+    pytester.makepyfile(
+        test_proc_early="""
+        import numpy as np
+        import pytest
+        import aiodist.sync as dist
+
+        @pytest.mark.aiodist_world(2, processes=True)
+        def test_rank_one_returns(rank):
+            if rank == 1:
+                return
+            dist.all_reduce(np.ones(3))
+        """
+    )
+    result = pytester.runpytest()
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "rank 0 failed: rank 1 already returned (its function ended) while rank 0 waited "
+            "for it in all_reduce",
+            "Traceback (most recent call last):",
+            '  File "*test_proc_early.py", line 9, in test_rank_one_returns',
+            "    dist.all_reduce(np.ones(3))",
+        ]
+    )
 
 
 # -- the tcp_store fixture ----------------------------------------------------------------------

@@ -7,6 +7,8 @@ import asyncio
 import functools
 import gc
 import os
+import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -14,6 +16,7 @@ import pytest
 
 import aiodist
 import aiodist.sync as dist
+from aiodist.errors import DistNetworkError, DistTimeoutError
 from aiodist.testing import WorldProcessError, run_world, run_world_processes
 
 pytestmark = pytest.mark.both_loops  # the standard loop (asyncio.run, uvicorn) too
@@ -59,6 +62,75 @@ async def test_run_world_names_the_rank_that_failed_first() -> None:
     with pytest.raises(KeyError) as info:
         await run_world(one_rank_fails, 3, timeout=30, transport="local")
     assert info.value.__notes__[0] == "run_world: raised on rank 1 of 3"
+
+
+async def _rank_one_returns_early(rank: int, world_size: int) -> float | None:
+    if rank == 1:
+        return None  # before rank 0's all_reduce, which needs it
+    x = np.arange(4, dtype=np.float64)
+    await aiodist.all_reduce(x)
+    return float(x.sum())
+
+
+#: What rank 0's all_reduce raised when rank 1 had left, by transport.
+_LEFT = {
+    "tcp": "lost connection to rank 1: it left the process group (destroy_process_group)",
+    "local": "lost connection to rank 1: it left the process group (destroy_process_group)",
+    "shm": "lost connection to rank 1: it closed the shared-memory workspace",
+}
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm", "local"])
+async def test_run_world_names_the_rank_that_returned_early(transport: Any) -> None:
+    with pytest.raises(DistNetworkError) as info:
+        await run_world(_rank_one_returns_early, 2, timeout=30, transport=transport)
+    assert str(info.value) == (
+        "rank 1 already returned (its function ended) while rank 0 waited for it in all_reduce"
+    )
+    assert info.value.__notes__ == ["run_world: raised on rank 0 of 2"]
+    # The operation's own error stays the cause.
+    cause = info.value.__cause__
+    assert isinstance(cause, DistNetworkError) and str(cause) == _LEFT[transport]
+
+
+async def test_run_world_names_every_rank_that_returned_early() -> None:
+    async def two_return_early(rank: int, world_size: int) -> None:
+        if rank in (1, 2):
+            return
+        await aiodist.barrier()
+
+    with pytest.raises(DistNetworkError) as info:
+        await run_world(two_return_early, 3, timeout=30, transport="local")
+    assert str(info.value) == (
+        "ranks [1, 2] already returned (their functions ended) while rank 0 waited for them "
+        "in barrier"
+    )
+
+
+async def test_run_world_timeout_names_the_ranks_that_returned() -> None:
+    async def rank_zero_hangs(rank: int, world_size: int) -> None:
+        if rank == 0:
+            await asyncio.Event().wait()
+
+    with pytest.raises(DistTimeoutError) as info:
+        await run_world(rank_zero_hangs, 3, timeout=0.5, transport="local")
+    assert str(info.value) == (
+        "run_world: ranks [0] did not finish within 0.5 s; "
+        "ranks [1, 2] already returned (their functions ended)"
+    )
+
+
+async def test_a_failure_after_an_early_return_keeps_its_own_error() -> None:
+    # Rank 1 returned, but rank 0's failure is its own: it is not blamed on rank 1.
+    async def own_failure(rank: int, world_size: int) -> None:
+        if rank == 0:
+            await asyncio.sleep(0.05)
+            raise KeyError("rank 0's own")
+
+    with pytest.raises(KeyError) as info:
+        await run_world(own_failure, 2, timeout=30, transport="local")
+    assert str(info.value) == '"rank 0\'s own"'
+    assert info.value.__notes__ == ["run_world: raised on rank 0 of 2"]
 
 
 # -- run_world_processes --------------------------------------------------------------------------
@@ -116,6 +188,55 @@ def test_run_world_processes_reports_a_blocking_rank_failure() -> None:
     ]
     # The traceback starts at the rank's own code, not in the runner.
     assert "testing/_world.py" not in message
+
+
+def _blocking_rank_one_returns_early(rank: int, world_size: int) -> None:
+    if rank == 1:
+        return
+    dist.all_reduce(np.ones(3))
+
+
+def _rank_zero_hangs(flag: str, rank: int, world_size: int) -> None:
+    if rank == 1:
+        Path(flag).touch()
+        return
+    while not os.path.exists(flag):  # rank 1 is about to return
+        time.sleep(0.01)
+    time.sleep(60)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("body", "call"),
+    [
+        (_rank_one_returns_early, "await aiodist.all_reduce(x)"),
+        (_blocking_rank_one_returns_early, "dist.all_reduce(np.ones(3))"),
+    ],
+)
+def test_run_world_processes_names_the_rank_that_returned_early(body: Any, call: str) -> None:
+    with pytest.raises(WorldProcessError) as info:
+        run_world_processes(body, 2, timeout=60)
+    assert info.value.rank == 0
+    lines = str(info.value).splitlines()
+    assert lines[:2] == [
+        "rank 0 failed: rank 1 already returned (its function ended) while rank 0 waited "
+        "for it in all_reduce",
+        "Traceback (most recent call last):",
+    ]
+    # Below it, rank 0's own traceback, from its call on (ranks of one host share memory).
+    assert f"    {call}" in lines
+    assert lines[-1] == f"aiodist.errors.DistNetworkError: {_LEFT['shm']}"
+
+
+@pytest.mark.multiprocess
+def test_run_world_processes_timeout_names_the_rank_that_returned(tmp_path: Path) -> None:
+    hangs = functools.partial(_rank_zero_hangs, str(tmp_path / "rank1-returns"))
+    with pytest.raises(DistTimeoutError) as info:
+        run_world_processes(hangs, 2, timeout=8)
+    assert str(info.value) == (
+        "run_world_processes: ranks [0] did not finish within 8 s; "
+        "rank 1 already returned (its function ended)"
+    )
 
 
 @pytest.mark.multiprocess

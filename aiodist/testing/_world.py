@@ -12,12 +12,13 @@ import os
 import socket
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Sequence
+import types
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import Any, Literal, TypeVar
 
 from .._loop import loop_factory
 from .._timeouts import Timeout, to_seconds
-from ..errors import DistError, DistTimeoutError, DistUsageError
+from ..errors import DistError, DistNetworkError, DistTimeoutError, DistUsageError
 
 __all__ = ["WorldProcessError", "free_port", "run_world", "run_world_processes"]
 
@@ -30,6 +31,57 @@ BlockingRankFn = Callable[[int, int], T]
 
 #: Seconds to wait, after a rank failed, for the others to report how they failed.
 _FAILURE_GRACE = 2.0
+
+#: The operation a rank's failure happened in: its name and the global ranks of its group.
+_WaitedIn = tuple[str, tuple[int, ...]]
+
+
+def _waited_in(exc: BaseException) -> _WaitedIn | None:
+    """The operation of this rank's default world that failed with ``exc``, if one did.
+
+    Read from the world's flight recorder, before the world is destroyed; the earliest
+    such operation is the one a caller awaiting its works in order saw fail.
+    """
+    from .._default import peek_world
+
+    world = peek_world()
+    if world is None or not isinstance(exc, DistError):
+        return None
+    text = f"{type(exc).__name__}: {exc}"
+    for record in world.recorder.records():
+        if record.state == "failed" and record.error == text:
+            return record.op, tuple(record.peers)
+    return None
+
+
+def _returned_text(ranks: Collection[int]) -> str:
+    """``"rank 1 already returned (its function ended)"``, or the plural for several."""
+    if len(ranks) == 1:
+        return f"rank {next(iter(ranks))} already returned (its function ended)"
+    return f"ranks {sorted(ranks)} already returned (their functions ended)"
+
+
+def _early_return(rank: int, waited: _WaitedIn | None, returned: Collection[int]) -> str | None:
+    """Why ``rank`` failed, when ranks of the operation it waited in had already returned:
+    ``"rank 1 already returned (its function ended) while rank 0 waited for it in
+    all_reduce"``; ``None`` when none had."""
+    if waited is None:
+        return None
+    op, members = waited
+    early = sorted(set(returned) & set(members) - {rank})
+    if not early:
+        return None
+    them = "it" if len(early) == 1 else "them"
+    return f"{_returned_text(early)} while rank {rank} waited for {them} in {op}"
+
+
+def _still_running(
+    what: str, missing: list[int], seconds: float | None, returned: Collection[int]
+) -> str:
+    """The timeout message of a runner, naming the ranks that had returned meanwhile."""
+    limit = "" if seconds is None else f" within {seconds:g} s"
+    text = f"{what}: ranks {missing} did not finish{limit}"
+    return f"{text}; {_returned_text(returned)}" if returned else text
 
 
 async def run_world(
@@ -63,7 +115,13 @@ async def run_world(
 
     Raises:
         DistUsageError: ``world_size`` is not a positive integer or ``transport`` is unknown.
-        DistTimeoutError: some rank did not finish within ``timeout`` (they are named).
+        DistTimeoutError: some rank did not finish within ``timeout`` (they are named, and
+            so are the ranks that had already returned).
+        DistNetworkError: an operation of a rank failed because ranks it waited for had
+            already returned (their function ended and their group was destroyed): the
+            message names them and the operation, e.g. ``"rank 1 already returned (its
+            function ended) while rank 0 waited for it in all_reduce"``; the error the
+            operation raised is its ``__cause__``.
         BaseException: the first exception a rank raised, with notes naming its rank and
             every other rank that failed too (their exceptions are retrieved, so the loop
             reports none of them as never retrieved); the other ranks are cancelled.
@@ -99,10 +157,18 @@ async def run_world(
                     shared_memory=None if transport == "shm" else False,
                 )
             try:
-                return await fn(rank, world_size)
-            except BaseException:
+                result = await fn(rank, world_size)
+            except BaseException as exc:
                 failed_at[rank] = time.monotonic()  # before teardown makes the peers fail
-                raise
+                why = _early_return(rank, _waited_in(exc), returned_at)
+                if why is None:
+                    raise
+                # Raised where fn awaited the operation (the line a test report shows); its
+                # own error, the cause, has every frame.
+                raise DistNetworkError(why).with_traceback(_to_own_code(exc.__traceback__)) from exc
+            else:
+                returned_at[rank] = time.monotonic()  # before teardown makes the peers fail
+                return result
             finally:
                 if _api.is_initialized():
                     await _api.destroy_process_group()
@@ -113,6 +179,8 @@ async def run_world(
     # rank -> when its fn raised: the earliest failure is the root cause, the others
     # usually follow from it (their group was aborted).
     failed_at: dict[int, float] = {}
+    # rank -> when its fn returned: a peer that fails after that waited for it in vain.
+    returned_at: dict[int, float] = {}
     tasks = [asyncio.create_task(one(r), name=f"aiodist-rank-{r}") for r in range(world_size)]
     try:
         _, pending = await asyncio.wait(tasks, timeout=seconds, return_when=asyncio.FIRST_EXCEPTION)
@@ -139,7 +207,7 @@ async def run_world(
         raise _with_notes(failures, first, world_size)
     if pending:
         missing = [r for r, t in enumerate(tasks) if t in pending]
-        raise DistTimeoutError(f"run_world: ranks {missing} did not finish within {seconds:g} s")
+        raise DistTimeoutError(_still_running("run_world", missing, seconds, returned_at))
     return [t.result() for t in tasks]
 
 
@@ -191,21 +259,40 @@ def _is_async(fn: Callable[..., Any]) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(call)
 
 
+def _is_plumbing(tb: types.TracebackType) -> bool:
+    """Whether ``tb``'s frame is aiodist's or the event loop's, not the rank's own code."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    event_loop = os.path.dirname(os.path.abspath(asyncio.__file__)) + os.sep
+    path = tb.tb_frame.f_code.co_filename
+    # Not an absolute path: compiled frames such as uvloop's "uvloop/loop.pyx".
+    return path.startswith((package, event_loop)) or not os.path.isabs(path)
+
+
+def _to_own_code(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """``tb`` without its first frame (the runner's), ending at its last frame in the rank's
+    own code: the line that awaited the operation. ``tb`` itself when none is its own."""
+    frames = []
+    entry = tb.tb_next if tb is not None else None
+    while entry is not None:
+        frames.append(entry)
+        entry = entry.tb_next
+    own = [i for i, entry in enumerate(frames) if not _is_plumbing(entry)]
+    if not own:
+        return tb
+    cut = None
+    for entry in reversed(frames[: own[-1] + 1]):
+        cut = types.TracebackType(cut, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
+    return cut
+
+
 def _format_failure(exc: BaseException) -> str:
     """``exc``'s traceback, from the rank's own code on when it passed through that code.
 
     The frames before it (this runner, the event loop) are left out; a failure that never
     reached the rank's code (in ``init_process_group``, say) keeps every frame.
     """
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-    event_loop = os.path.dirname(os.path.abspath(asyncio.__file__)) + os.sep
-
-    def plumbing(path: str) -> bool:
-        # Not an absolute path: compiled frames such as uvloop's "uvloop/loop.pyx".
-        return path.startswith((package, event_loop)) or not os.path.isabs(path)
-
     tb = exc.__traceback__
-    while tb is not None and plumbing(tb.tb_frame.f_code.co_filename):
+    while tb is not None and _is_plumbing(tb):
         tb = tb.tb_next
     return "".join(traceback.format_exception(type(exc), exc, tb or exc.__traceback__))
 
@@ -220,22 +307,29 @@ def _child(
     conn: multiprocessing.connection.Connection,
 ) -> None:
     os.environ.update(env)
-    # When the failure happened, before tearing down (which makes the peers fail too).
+    # When the failure happened, before tearing down (which makes the peers fail too), and
+    # the operation it happened in; or when fn returned, before tearing down.
     failed_at: list[float] = []
+    waited: list[_WaitedIn | None] = []
+    returned_at: list[float] = []
 
-    def note_failure() -> None:
+    def note_failure(exc: BaseException | None = None) -> None:
         if not failed_at:
             failed_at.append(time.time())
+            waited.append(None if exc is None else _waited_in(exc))
 
     async def run_async() -> Any:
         from .. import _api
 
         await _api.init_process_group(backend, timeout=timeout)
         try:
-            return await fn(rank, world_size)
-        except BaseException:
-            note_failure()
+            result = await fn(rank, world_size)
+        except BaseException as exc:
+            note_failure(exc)
             raise
+        else:
+            returned_at.append(time.time())
+            return result
         finally:
             await _api.destroy_process_group()
 
@@ -246,10 +340,13 @@ def _child(
 
         sync.init_process_group(backend, timeout=timeout)
         try:
-            return fn(rank, world_size)
-        except BaseException:
-            note_failure()
+            result = fn(rank, world_size)
+        except BaseException as exc:
+            note_failure(exc)
             raise
+        else:
+            returned_at.append(time.time())
+            return result
         finally:
             sync.destroy_process_group()
 
@@ -260,10 +357,10 @@ def _child(
                 result = runner.run(run_async())
         else:
             result = run_blocking()
-        conn.send(("ok", result))
+        conn.send(("ok", (returned_at[0], result)))
     except BaseException as exc:
         note_failure()
-        conn.send(("error", (failed_at[0], _format_failure(exc))))
+        conn.send(("error", (failed_at[0], waited[0], _format_failure(exc))))
         raise SystemExit(1) from None
     finally:
         conn.close()
@@ -308,8 +405,11 @@ def run_world_processes(
     Raises:
         DistUsageError: ``world_size`` is not a positive integer.
         WorldProcessError: a rank raised (its traceback is in the message) or died; the
-            other ranks are terminated.
-        DistTimeoutError: ranks still running after ``timeout`` (they are named and killed).
+            other ranks are terminated. When ranks the failing operation waited for had
+            already returned, the first line says so: ``"rank 0 failed: rank 1 already
+            returned (its function ended) while rank 0 waited for it in all_reduce"``.
+        DistTimeoutError: ranks still running after ``timeout`` (they are named and killed,
+            and so are the ranks that had already returned).
     """
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise DistUsageError(f"world_size must be a positive integer, got {world_size!r}")
@@ -339,9 +439,11 @@ def run_world_processes(
         procs.append(proc)
         conns[recv_end] = rank
     results: dict[int, Any] = {}
-    # rank -> (when it failed, message); the earliest failure is the root cause, the
-    # others usually follow from it (their peer went away).
-    failures: dict[int, tuple[float, str]] = {}
+    # rank -> when its fn returned (before its group was destroyed).
+    returned_at: dict[int, float] = {}
+    # rank -> (when it failed, the operation it failed in, message); the earliest failure
+    # is the root cause, the others usually follow from it (their peer went away).
+    failures: dict[int, tuple[float, _WaitedIn | None, str]] = {}
     deadline = time.monotonic() + timeout
     try:
         while conns:
@@ -354,7 +456,7 @@ def run_world_processes(
                     break
                 missing = sorted(conns.values())
                 raise DistTimeoutError(
-                    f"run_world_processes: ranks {missing} did not finish within {timeout:g} s"
+                    _still_running("run_world_processes", missing, timeout, returned_at)
                 )
             for c in ready:
                 assert isinstance(c, multiprocessing.connection.Connection)
@@ -365,21 +467,27 @@ def run_world_processes(
                     procs[rank].join(5)
                     failures[rank] = (
                         time.time(),
+                        None,
                         f"rank {rank} died without a result (exit code {procs[rank].exitcode})",
                     )
                     continue
                 finally:
                     c.close()
                 if status == "error":
-                    when, text = payload
-                    failures[rank] = (when, f"rank {rank} failed:\n{text}")
+                    when, waited, text = payload
+                    failures[rank] = (when, waited, f"rank {rank} failed:\n{text}")
                 else:
-                    results[rank] = payload
+                    returned_at[rank], results[rank] = payload
         if failures:
             first = min(failures, key=lambda r: failures[r][0])
+            when, waited, message = failures[first]
+            early = [r for r, t in returned_at.items() if t <= when]
+            why = _early_return(first, waited, early)
+            if why is not None:  # "rank 0 failed: rank 1 already returned ..."
+                message = message.replace(":\n", f": {why}\n", 1)
             others = sorted(set(failures) - {first})
             also = f"\n(ranks {others} failed afterwards)" if others else ""
-            raise WorldProcessError(first, failures[first][1] + also)
+            raise WorldProcessError(first, message + also)
         for p in procs:
             p.join(10)
     finally:

@@ -22,7 +22,8 @@ pytest loads it for every project that installs aiodist (the ``pytest11`` entry 
 
   Keyword arguments: ``processes`` (default ``False``), ``backend`` (``"cpu"``),
   ``timeout`` (seconds for the whole world; default: that of ``run_world`` or
-  ``run_world_processes``) and, for tasks only, ``transport`` (``"tcp"`` or ``"local"``).
+  ``run_world_processes``) and, for tasks only, ``transport`` (``"tcp"``, ``"shm"`` or
+  ``"local"``, as :func:`aiodist.testing.run_world` takes it).
   Other fixtures are set up once and shared by all ranks (with ``processes=True`` their
   values are pickled to the children, and the test module must be importable by name, as
   pytest's default ``prepend`` import mode makes it).
@@ -63,7 +64,8 @@ __all__ = ["loop_factories"]
 _MARKER = "aiodist_world"
 _MARKER_HELP = (
     "aiodist_world(world_size, *, processes=False, backend='cpu', timeout=None, "
-    "transport='tcp'): run the test body on world_size ranks (aiodist's plugin)"
+    "transport='tcp'): run the test body on world_size ranks, as tasks of the test's event "
+    "loop (transport 'tcp', 'shm' or 'local') or as processes (aiodist's plugin)"
 )
 #: The test arguments the marker fills in per rank.
 _RANK_ARGS = ("rank", "world_size")
@@ -200,7 +202,7 @@ class _WorldSpec:
     processes: bool
     backend: str | None
     timeout: float | None
-    transport: Literal["tcp", "local"]
+    transport: Literal["tcp", "shm", "local"]
 
 
 def _world_spec(
@@ -209,7 +211,7 @@ def _world_spec(
     processes: bool = False,
     backend: str | None = "cpu",
     timeout: float | None = None,
-    transport: Literal["tcp", "local"] = "tcp",
+    transport: Literal["tcp", "shm", "local"] = "tcp",
 ) -> _WorldSpec:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
@@ -219,8 +221,8 @@ def _world_spec(
         isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0
     ):
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    if transport not in ("tcp", "local"):
-        raise ValueError(f"transport must be 'tcp' or 'local', got {transport!r}")
+    if transport not in ("tcp", "shm", "local"):
+        raise ValueError(f"transport must be 'tcp', 'shm' or 'local', got {transport!r}")
     if processes and transport != "tcp":
         raise ValueError("transport applies to ranks run as tasks, not with processes=True")
     return _WorldSpec(world_size, processes, backend, timeout, transport)
