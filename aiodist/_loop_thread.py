@@ -131,7 +131,7 @@ class HandOverLoop(asyncio.SelectorEventLoop):
         return True
 
 
-def _hand_over_or(prefer: str) -> Callable[[], asyncio.AbstractEventLoop]:
+def _loop_thread_factory(prefer: str) -> Callable[[], asyncio.AbstractEventLoop]:
     """The loop thread's loop factory: the hand-over loop unless uvloop is insisted on."""
     factory = loop_factory(prefer)  # (which checks ``prefer``)
     return factory if prefer == "uvloop" else HandOverLoop
@@ -168,7 +168,7 @@ class _LoopThread:
             return self._loop
 
     def _start(self) -> None:
-        factory = _hand_over_or(os.environ.get("AIODIST_LOOP", "auto"))
+        factory = _loop_thread_factory(os.environ.get("AIODIST_LOOP", "auto"))
         ready = threading.Event()
         failure: list[BaseException] = []
 

@@ -108,39 +108,37 @@ def _calls(rank: int, comm: Any, aio: Any) -> dict[str, dict[str, Any]]:
 
 
 def _pingpong(rank: int, x: np.ndarray, t: Any, comm: Any, aio: Any) -> dict[str, Any]:
+    """Rank 0 sends to rank 1 and waits for the answer; rank 1 answers; the others idle."""
     import torch.distributed as dist
 
     from aiodist import sync
 
-    if rank == 0:
+    if rank > 1:
 
-        async def a0() -> None:
-            await aio.send(x, dst=1)
-            await aio.recv(x, src=1)
+        async def idle() -> None:
+            return None
 
-        return {
-            "async": a0,
-            "sync": lambda: (sync.send(x, dst=1), sync.recv(x, src=1)),
-            "gloo": lambda: (dist.send(t, dst=1), dist.recv(t, src=1)),
-            "MPI": lambda: (comm.Send(x, dest=1), comm.Recv(x, source=1)),
-        }
-    if rank == 1:
+        return dict.fromkeys(LIBS, lambda: None) | {"async": idle}
+    peer = 1 - rank
+    pairs = {  # (send, receive) of each library
+        "async": (lambda: aio.send(x, dst=peer), lambda: aio.recv(x, src=peer)),
+        "sync": (lambda: sync.send(x, dst=peer), lambda: sync.recv(x, src=peer)),
+        "gloo": (lambda: dist.send(t, dst=peer), lambda: dist.recv(t, src=peer)),
+        "MPI": (lambda: comm.Send(x, dest=peer), lambda: comm.Recv(x, source=peer)),
+    }
+    ordered = {lib: pair if rank == 0 else pair[::-1] for lib, pair in pairs.items()}
 
-        async def a1() -> None:
-            await aio.recv(x, src=0)
-            await aio.send(x, dst=0)
+    async def round_trip() -> None:
+        first, then = ordered["async"]
+        await first()
+        await then()
 
-        return {
-            "async": a1,
-            "sync": lambda: (sync.recv(x, src=0), sync.send(x, dst=0)),
-            "gloo": lambda: (dist.recv(t, src=0), dist.send(t, dst=0)),
-            "MPI": lambda: (comm.Recv(x, source=0), comm.Send(x, dest=0)),
-        }
-
-    async def idle() -> None:
-        return None
-
-    return dict.fromkeys(LIBS, lambda: None) | {"async": idle}
+    table: dict[str, Any] = {
+        lib: (lambda first=first, then=then: (first(), then()))
+        for lib, (first, then) in ordered.items()
+    }
+    table["async"] = round_trip
+    return table
 
 
 async def _timed_async(fn: Callable[[], Any], calls: int) -> np.ndarray:
