@@ -8,6 +8,8 @@ import logging
 
 from ._api import (
     NON_GROUP_MEMBER,
+    SHRINK_ABORT,
+    SHRINK_DEFAULT,
     DebugLevel,
     P2POp,
     all_gather,
@@ -57,6 +59,7 @@ from ._api import (
     send,
     send_object_list,
     set_debug_level,
+    shrink_group,
     split_group,
     supports_complex,
     zeros,
@@ -84,6 +87,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "NON_GROUP_MEMBER",
+    "SHRINK_ABORT",
+    "SHRINK_DEFAULT",
     "DebugLevel",
     "P2POp",
     "all_gather",
@@ -134,6 +139,7 @@ __all__ = [
     "send",
     "send_object_list",
     "set_debug_level",
+    "shrink_group",
     "split_group",
     "supports_complex",
     "zeros",

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 import numpy.typing as npt
 
-from . import _subgroups, backends as _backends, group as _group
+from . import _membership, _subgroups, backends as _backends, group as _group
 from ._api_ops import (  # the operations, re-exported: this module is the API's index
     Group,
     Op,
@@ -67,6 +67,7 @@ from ._api_ops import (  # the operations, re-exported: this module is the API's
 )
 from ._assembly import join_world
 from ._auth import resolve_token
+from ._membership import SHRINK_ABORT, SHRINK_DEFAULT
 from ._ops import PremulSum, ReduceOp
 from ._recorder import record_comm
 from ._timeouts import Timeout, to_seconds
@@ -82,6 +83,8 @@ from .store import Store
 
 __all__ = [
     "NON_GROUP_MEMBER",
+    "SHRINK_ABORT",
+    "SHRINK_DEFAULT",
     "DebugLevel",
     "P2POp",
     "all_gather",
@@ -131,6 +134,7 @@ __all__ = [
     "send",
     "send_object_list",
     "set_debug_level",
+    "shrink_group",
     "split_group",
     "supports_complex",
     "zeros",
@@ -482,6 +486,47 @@ async def new_group(
     if isinstance(group, ProcessGroup):
         await _backends.setup(group)
     return group
+
+
+async def shrink_group(
+    ranks_to_exclude: list[int],
+    group: ProcessGroup | None = None,
+    shrink_flags: int = SHRINK_DEFAULT,
+) -> ProcessGroup:
+    """Go on without some ranks of ``group``: return a group of the others, renumbered in order.
+
+    Only the remaining ranks call it, with the same list; they agree through the store.
+    Shrinking the default group (``group=None``) forms a new world of the remaining ranks
+    over new connections: it becomes the default (``get_rank()`` and ``get_world_size()``
+    answer for it), and the old world is closed with every other group of it. That works on
+    a healthy group, where excluded ranks leave by choice, and on one aborted because a rank
+    was lost: the survivors exclude it and carry on, none of them restarting. Another group
+    of a healthy world is replaced by a group of its remaining ranks (global ranks unchanged).
+
+    The store must outlive the excluded ranks: it cannot be served by one of them.
+
+    Args:
+        ranks_to_exclude: ranks of ``group`` (group ranks) to leave out; this rank not among them.
+        group: the group to shrink; ``None`` is the default group.
+        shrink_flags: :data:`SHRINK_DEFAULT` lets the operations in flight on the group (for
+            the default group: on every group) end first, each by its deadline at the latest;
+            :data:`SHRINK_ABORT` fails them at once on this rank.
+
+    Returns:
+        The group of the remaining ranks.
+
+    Raises:
+        DistUsageError: (a ``ValueError``) ``ranks_to_exclude`` is empty, not a list of ints,
+            has a rank out of range or twice, names every rank or this one; a bad flag; a
+            destroyed group; or another remaining rank excluded other ranks (raised on every
+            remaining rank; the group stays as it was).
+        DistTimeoutError: a remaining rank did not call it within the group's timeout (named).
+        DistNetworkError: the store cannot be reached, a remaining rank was lost while the
+            new group formed, or a group other than the default belongs to an aborted world.
+    """
+    return await _membership.shrink(
+        resolve_group(group, "shrink_group"), ranks_to_exclude, shrink_flags
+    )
 
 
 async def new_subgroups(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 from collections.abc import Coroutine, Mapping
@@ -18,11 +19,11 @@ from typing import Any
 
 from . import backends as _backends, group as _group
 from .errors import DistNetworkError, DistUsageError
-from .group import ProcessGroup, start_world
+from .group import Connect, ProcessGroup, start_world
 from .store import PrefixStore, Store
 from .transport.base import Transport
 
-__all__ = ["join_world", "left_by"]
+__all__ = ["connect_members", "connector", "join_world", "left_by"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,18 +64,8 @@ async def join_world(
             # learn that it can never be complete.
             earlier = PrefixStore(f"{namespace}/{world_size}/{generation - 1}", store)
             await earlier.set(_LEFT, f"rank {rank} (it joined a later generation)")
-        try:
-            transport = await _unless_left(
-                prefixed, _connect(prefixed, rank, world_size, timeout, token, shared_memory)
-            )
-        except BaseException as exc:
-            # Nor is this generation, once this rank stops joining it.
-            why = "cancelled" if isinstance(exc, asyncio.CancelledError) else repr(exc)
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(
-                    prefixed.set(_LEFT, f"rank {rank} (it stopped joining: {why})"), 5
-                )
-            raise
+        connect = connector(timeout, token, shared_memory)
+        transport = await connect_members(prefixed, rank, world_size, connect)
     except BaseException:
         for s in owned:
             await s.aclose()
@@ -86,7 +77,13 @@ async def join_world(
 
         install_signal_handler()
     pg = start_world(
-        transport, prefixed, backend=backend, backends=backends, timeout=timeout, owned=owned
+        transport,
+        prefixed,
+        backend=backend,
+        backends=backends,
+        timeout=timeout,
+        owned=owned,
+        connect=connect,
     )
     try:
         await _backends.setup(pg)
@@ -99,6 +96,43 @@ async def join_world(
 
 #: The key set in a world's namespace when one of its ranks leaves it before it formed.
 _LEFT = "left_by"
+
+
+def connector(timeout: float | None, token: bytes | None, shared_memory: bool | None) -> Connect:
+    """How this rank connects to the ranks of a world: TCP, and shared memory with the ranks
+    of its host unless ``shared_memory`` is ``False`` (see ``init_process_group``). A world
+    keeps it (``World.connect``) to connect its members again when they change."""
+    return functools.partial(_connect, timeout=timeout, token=token, shared_memory=shared_memory)
+
+
+async def connect_members(store: Store, rank: int, size: int, connect: Connect) -> Transport:
+    """Connect ``rank`` to the other ranks of the world of ``size`` gathering in ``store``.
+
+    Unless one of them gives up meanwhile: a rank that fails, is cancelled, or whose process
+    ends (its lease on the store) while the world forms makes the others raise at once.
+
+    Raises:
+        DistNetworkError: a rank left the world as it formed (named).
+        DistTimeoutError: the connections did not complete in time.
+    """
+    # (Stores without connections hold no leases: there a rank that dies is waited for.)
+    await store.lease(_LEFT, f"rank {rank} (its process ended while the world formed)")
+    try:
+        transport = await _unless_left(store, connect(store, rank, size))
+        try:
+            await store.lease(_LEFT, None)
+        except BaseException:
+            await transport.aclose()
+            raise
+    except BaseException as exc:
+        # This world can never be complete once this rank stops joining it.
+        why = "cancelled" if isinstance(exc, asyncio.CancelledError) else repr(exc)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(store.set(_LEFT, f"rank {rank} (it stopped joining: {why})"), 5)
+        raise
+    return transport
+
+
 #: How often ranks forming a world check that it is still possible (seconds).
 _LEFT_POLL = 0.5
 
@@ -146,6 +180,7 @@ async def _connect(
     store: Store,
     rank: int,
     world_size: int,
+    *,
     timeout: float | None,
     token: bytes | None,
     shared_memory: bool | None,

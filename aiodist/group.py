@@ -93,6 +93,10 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+#: How a rank connects to the other ranks of a world: ``connect(store, rank, size)`` returns
+#: its transport once every rank gathering in ``store`` is connected.
+Connect = Callable[[Store, int, int], Coroutine[Any, Any, Transport]]
+
 #: Why a second ``init_process_group`` where a default group exists is refused, and what to
 #: do to run several ranks in one process.
 TWICE = (
@@ -176,6 +180,8 @@ class World:
         domain: the failure domain (abort key, watch, leaving).
         backends: the backends of the default group, by device kind.
         recorder: the last operations of this rank (see :mod:`aiodist.debug`).
+        connect: how the transport was connected, to connect the members again when they
+            change (``shrink_group``); ``None`` for a transport made elsewhere.
     """
 
     def __init__(
@@ -187,6 +193,7 @@ class World:
         backends: Mapping[str, Any],
         timeout: float | None,
         owned: Sequence[Store] = (),
+        connect: Connect | None = None,
     ) -> None:
         self.rank = transport.rank
         self.size = transport.world_size
@@ -195,6 +202,7 @@ class World:
         self.backend = backend
         self.backends = backends
         self.timeout = timeout
+        self.connect = connect
         #: The thread of the event loop the world runs on (another thread may stand in for
         #: it: see ``aiodist._loop_thread.HandOverLoop``).
         self.loop_thread = threading.get_ident()
@@ -248,6 +256,14 @@ class World:
             for path in group.paths.values():
                 path.abort(failure)
         self.transport.abort(failure)
+
+    def hand_over_stores(self, successor: World) -> None:
+        """Give the stores this world made to ``successor``, the world that replaces it
+        (``shrink_group``): this one no longer closes them, nor keeps a store it serves up
+        for its ranks; ``successor`` does."""
+        successor._owned.extend(self._owned)
+        successor.domain.hosting = self.domain.hosting
+        self._owned, self.domain.hosting = [], False
 
     @property
     def group_count(self) -> int:
@@ -308,6 +324,14 @@ class World:
             # already, and which ended, needs no word: it rejected it too).
             self.rejected[group_id, seq] = (peer, reason)
 
+    def start(self) -> None:
+        """Watch the failure domain, and leave when the event loop ends (:meth:`keep`).
+
+        Needs a running loop.
+        """
+        self.domain.start()
+        self.keep()
+
     def keep(self) -> None:
         """Leave this world when the event loop that runs it shuts down with it still open.
 
@@ -366,7 +390,7 @@ class World:
         pending: list[asyncio.Task[None]] = []
         for group in list(self.groups.values()):
             group._destroyed = True
-            pending.extend(group._cancel_all(cause))
+            pending.extend(group.fail_inflight(cause))
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
         for group in list(self.groups.values()):
@@ -427,6 +451,9 @@ class ProcessGroup:
         self.paths: dict[str, DataPath] = {}
         # Operations that may still end inline before the loop must run (see _start).
         self._eager, self._refilling = EAGER_STREAK, False
+        #: How many times the members voted to change this group (``shrink_group``): each
+        #: vote has keys of its own.
+        self.membership_votes = 0
         world.groups[group_id] = self
 
     def __repr__(self) -> str:
@@ -965,7 +992,7 @@ class ProcessGroup:
             return
         self._destroyed = True
         cause = DistUsageError(f"{self!r} was destroyed while the operation ran")
-        tasks = self._cancel_all(cause)
+        tasks = self.fail_inflight(cause)
         if tasks:
             self._world.abort(cause)
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -980,7 +1007,15 @@ class ProcessGroup:
                 logger.warning("%r: closing its %s data path: %s", self, name, exc)
         self.paths.clear()
 
-    def _cancel_all(self, cause: BaseException) -> list[asyncio.Task[None]]:
+    async def drain(self) -> None:
+        """Wait until the operations in flight have ended (each by its deadline at the latest)."""
+        pending = [op.work._future for op in self._inflight]
+        if pending:
+            await asyncio.wait(pending)
+
+    def fail_inflight(self, cause: BaseException) -> list[asyncio.Task[None]]:
+        """Fail the operations in flight on this rank with ``cause`` at once; return the tasks
+        to await for them to have stopped. Their peers are not told."""
         tasks = []
         if self._watchdog is not None:
             self._watchdog.cancel()
@@ -1092,11 +1127,13 @@ def start_world(
     backends: Mapping[str, Any],
     timeout: Timeout = None,
     owned: Sequence[Store] = (),
+    connect: Connect | None = None,
 ) -> ProcessGroup:
     """Build a world over a connected ``transport`` and make it the default seen here.
 
     This is the layer below ``init_process_group``: tests and embedders can hand it any
-    :class:`~aiodist.transport.base.Transport` (for instance the in-process one).
+    :class:`~aiodist.transport.base.Transport` (for instance the in-process one), and
+    ``connect`` if the members can be connected again (see ``World.connect``).
 
     Returns:
         The default process group.
@@ -1113,9 +1150,9 @@ def start_world(
         backends=backends,
         timeout=to_seconds(timeout, DEFAULT_PG_TIMEOUT),
         owned=owned,
+        connect=connect,
     )
     with contextlib.suppress(RuntimeError):  # no running loop: nothing to watch with
-        world.domain.start()
-        world.keep()
+        world.start()
     set_current_world(world)
     return world.default_group

@@ -87,6 +87,8 @@ __all__ = [
     "GroupMember",
     "HashStore",
     "NON_GROUP_MEMBER",
+    "SHRINK_ABORT",
+    "SHRINK_DEFAULT",
     "P2POp",
     "PrefixStore",
     "PremulSum",
@@ -162,6 +164,7 @@ __all__ = [
     "send_object_list",
     "set_debug_level",
     "set_debug_level_from_env",
+    "shrink_group",
     "split_group",
     "supports_complex",
 ]
@@ -584,6 +587,9 @@ new_group = _sync_group_call(_aio_api.new_group)
 new_subgroups = _sync_group_call(_aio_api.new_subgroups)
 new_subgroups_by_enumeration = _sync_group_call(_aio_api.new_subgroups_by_enumeration)
 split_group = _sync_group_call(_aio_api.split_group)
+shrink_group = _sync_group_call(_aio_api.shrink_group)
+SHRINK_DEFAULT = _aio_api.SHRINK_DEFAULT
+SHRINK_ABORT = _aio_api.SHRINK_ABORT
 init_device_mesh = _sync_group_call(_device_mesh.init_device_mesh)
 DeviceMesh = _device_mesh.DeviceMesh
 

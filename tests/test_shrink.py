@@ -1,0 +1,192 @@
+"""shrink_group: the remaining ranks go on without some ranks, on a healthy world and on one
+aborted by a failure, on every transport; bad lists are refused on every rank and lose
+nothing."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+import aiodist
+from aiodist import DistNetworkError, DistUsageError
+from aiodist.testing import run_world
+
+pytestmark = pytest.mark.both_loops  # the standard loop (asyncio.run, uvicorn) too
+
+
+def _value(global_rank: int) -> np.ndarray:
+    return np.arange(5, dtype=np.float64) * (global_rank + 1) + 0.25 * global_rank
+
+
+def _sum(ranks: list[int]) -> np.ndarray:
+    return np.sum([_value(r) for r in ranks], axis=0)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+async def test_a_rank_leaves_by_choice_and_the_others_go_on_renumbered(transport: str) -> None:
+    async def fn(rank: int, size: int) -> tuple[int, int, bool, np.ndarray] | None:
+        sub = await aiodist.new_group([0, 1, 3])
+        if rank == 2:
+            return None  # leaves: its group is destroyed as its function returns
+        pg = await aiodist.shrink_group([2])
+        x = _value(rank)
+        await aiodist.all_reduce(x)
+        assert pg is aiodist.group.current_world().default_group
+        return aiodist.get_rank(), aiodist.get_world_size(), sub.is_destroyed, x
+
+    results = await run_world(fn, 4, transport=transport)
+    assert results[2] is None
+    for new_rank, old in enumerate([0, 1, 3]):
+        rank, size, sub_destroyed, x = results[old]
+        assert (rank, size) == (new_rank, 3)
+        assert sub_destroyed  # shrinking the default group destroys the other groups
+        np.testing.assert_array_equal(x, _sum([0, 1, 3]))
+
+
+async def test_survivors_of_an_aborted_world_exclude_the_failed_rank_and_go_on() -> None:
+    async def fn(rank: int, size: int) -> tuple[str, int, np.ndarray] | None:
+        await aiodist.barrier()
+        if rank == 1:
+            # As a crash looks to the others: the world aborted, naming this rank.
+            aiodist.group.current_world().abort(DistUsageError("rank 1 crashed"))
+            await asyncio.sleep(0.5)
+            return None
+        x = _value(rank)
+        with pytest.raises(DistNetworkError) as failed:
+            while True:  # until this rank hears of the abort
+                await aiodist.all_reduce(x.copy())
+                await asyncio.sleep(0.01)
+        await aiodist.shrink_group([1])
+        await aiodist.all_reduce(x)
+        await aiodist.barrier()
+        return str(failed.value), aiodist.get_world_size(), x
+
+    results = await run_world(fn, 3, transport="tcp")
+    for r in (0, 2):
+        text, size, x = results[r]
+        assert "rank 1 crashed" in text
+        assert size == 2
+        np.testing.assert_array_equal(x, _sum([0, 2]))
+
+
+async def test_shrinking_a_subgroup_keeps_the_world_and_global_ranks() -> None:
+    async def fn(rank: int, size: int) -> tuple[tuple[int, ...], int, np.ndarray] | None:
+        sub = await aiodist.new_group([1, 2, 3])
+        shrunk = None
+        if rank in (1, 3):
+            shrunk = await aiodist.shrink_group([1], group=sub)  # group rank 1 is global 2
+            assert sub.is_destroyed
+        world = _value(rank)
+        await aiodist.all_reduce(world)  # the default group is untouched
+        np.testing.assert_array_equal(world, _sum([0, 1, 2, 3]))
+        if shrunk is None:
+            return None
+        x = _value(rank)
+        await aiodist.all_reduce(x, group=shrunk)
+        peer = np.zeros(1)
+        await aiodist.broadcast(peer + rank, src=3, group=shrunk)
+        return shrunk.ranks, aiodist.get_rank(shrunk), x
+
+    results = await run_world(fn, 4, transport="tcp")
+    assert results[0] is None and results[2] is None
+    for rank, group_rank in ((1, 0), (3, 1)):
+        ranks, got_rank, x = results[rank]
+        assert ranks == (1, 3) and got_rank == group_rank
+        np.testing.assert_array_equal(x, _sum([1, 3]))
+
+
+@pytest.mark.parametrize(
+    ("exclude", "flags", "message"),
+    [
+        ([], 0, "ranks_to_exclude must name at least one rank"),
+        ([3], 0, "rank 3 is out of range for a group of size 3"),
+        ([2, 2], 0, "ranks_to_exclude [2, 2] has duplicates"),
+        ([0, 1, 2], 0, "cannot exclude every rank of a group of size 3"),
+        ([1.0], 0, "each rank to exclude must be an int, got float"),
+        ("2", 0, "ranks_to_exclude must be a list of group ranks, got str"),
+        ([2], 7, "shrink_flags must be SHRINK_DEFAULT (0) or SHRINK_ABORT (1), got 7"),
+    ],
+)
+async def test_a_bad_list_is_refused_and_the_group_stays_usable(
+    exclude: object, flags: int, message: str
+) -> None:
+    async def fn(rank: int, size: int) -> np.ndarray:
+        with pytest.raises(DistUsageError) as refused:
+            await aiodist.shrink_group(exclude, shrink_flags=flags)  # type: ignore[arg-type]
+        assert isinstance(refused.value, ValueError)
+        assert str(refused.value) == f"shrink_group: {message}"
+        x = _value(rank)
+        await aiodist.all_reduce(x)
+        return x
+
+    for x in await run_world(fn, 3, transport="tcp"):
+        np.testing.assert_array_equal(x, _sum([0, 1, 2]))
+
+
+async def test_an_excluded_rank_that_calls_is_told_so() -> None:
+    async def fn(rank: int, size: int) -> str:
+        with pytest.raises(DistUsageError) as refused:
+            await aiodist.shrink_group([rank])
+        return str(refused.value)
+
+    assert await run_world(fn, 2, transport="tcp") == [
+        f"shrink_group: this rank (group rank {r}) is in ranks_to_exclude; only the remaining "
+        "ranks call shrink_group"
+        for r in range(2)
+    ]
+
+
+async def test_ranks_that_exclude_different_ranks_all_raise_and_can_vote_again() -> None:
+    async def fn(rank: int, size: int) -> tuple[str, np.ndarray, int]:
+        text = ""
+        if rank < 2:
+            # Each keeps the other: whichever list is recorded first, the other rank
+            # disagrees with it, so neither forms a group.
+            with pytest.raises(DistUsageError) as split:
+                await aiodist.shrink_group([2] if rank == 0 else [0])
+            text = str(split.value)
+        x = _value(rank)
+        await aiodist.all_reduce(x)  # nothing was lost
+        await aiodist.barrier()  # (rank 2 leaves only when the others are done with it)
+        if rank == 2:
+            return text, x, -1
+        await aiodist.shrink_group([2])  # and a second vote can agree
+        return text, x, aiodist.get_world_size()
+
+    results = await run_world(fn, 3, transport="tcp")
+    rule = "every remaining rank must exclude the same ranks"
+    for text, _, _ in results[:2]:  # whichever list came first, the other one disagreed
+        assert text.startswith("shrink_group: rank ")
+        assert text.endswith(
+            tuple(f"another remaining rank excludes ranks [{first}]; {rule}" for first in (0, 2))
+        )
+    for _, x, _ in results:
+        np.testing.assert_array_equal(x, _sum([0, 1, 2]))
+    assert [size for *_, size in results] == [2, 2, -1]
+
+
+@pytest.mark.parametrize("flags", [aiodist.SHRINK_DEFAULT, aiodist.SHRINK_ABORT])
+async def test_what_is_in_flight_ends_first_or_is_aborted(flags: int) -> None:
+    async def fn(rank: int, size: int) -> tuple[bool, str, np.ndarray] | None:
+        if rank == 2:
+            await asyncio.sleep(0.5)  # never joins the all_reduce the others started
+            return None
+        stuck = aiodist.all_reduce(_value(rank))
+        await aiodist.shrink_group([2], shrink_flags=flags)
+        ended = stuck.is_completed()
+        with pytest.raises(aiodist.DistError) as failed:
+            await stuck
+        x = _value(rank)
+        await aiodist.all_reduce(x)
+        return ended, str(failed.value), x
+
+    results = await run_world(fn, 3, transport="tcp")
+    for ended, text, x in results[:2]:
+        assert ended
+        if flags == aiodist.SHRINK_ABORT:
+            assert text == "aborted by shrink_group(shrink_flags=SHRINK_ABORT)"
+        else:  # it waited for rank 2, which left without joining it
+            assert "lost connection to rank 2: it left the process group" in text
+        np.testing.assert_array_equal(x, _sum([0, 1]))
