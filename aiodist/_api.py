@@ -117,6 +117,7 @@ __all__ = [
     "init_process_group",
     "irecv",
     "is_initialized",
+    "lost_ranks",
     "isend",
     "monitored_barrier",
     "new_group",
@@ -486,6 +487,23 @@ async def new_group(
     if isinstance(group, ProcessGroup):
         await _backends.setup(group)
     return group
+
+
+async def lost_ranks(group: ProcessGroup | None = None) -> list[int]:
+    """Return the ranks of ``group`` (group ranks) that left its world for good, sorted.
+
+    Those are the ranks to pass to :func:`shrink_group` after a failure: ranks whose process
+    ended or was killed, or whose host went away (their connection to the store ended
+    without a goodbye), and ranks that left the process group or exited. Ranks that moved
+    on to a shrunk group with this one are not lost. When the group's world has broken and
+    no rank is recorded yet, it waits up to a second for one: a rank noticed through its
+    connection is recorded in the store moments later.
+
+    Raises:
+        DistUsageError: not initialized, or not a process group.
+        DistNetworkError: the store cannot be reached.
+    """
+    return await _membership.lost(resolve_group(group, "lost_ranks"))
 
 
 async def shrink_group(

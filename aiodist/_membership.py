@@ -30,16 +30,41 @@ from .errors import DistNetworkError, DistTimeoutError, DistUsageError
 from .group import ProcessGroup, World, check_int
 from .store import PrefixStore
 
-__all__ = ["SHRINK_ABORT", "SHRINK_DEFAULT", "shrink"]
+__all__ = ["LOST_GRACE", "SHRINK_ABORT", "SHRINK_DEFAULT", "lost", "shrink"]
 
 #: ``shrink_group``'s flag to let the operations in flight end before shrinking.
 SHRINK_DEFAULT = 0
 #: ``shrink_group``'s flag to fail the operations in flight at once.
 SHRINK_ABORT = 1
 
+#: Seconds :func:`lost` waits, in a broken world, for a rank that went away to be recorded.
+LOST_GRACE = 1.0
+_LOST_POLL = 0.02
+# Why a rank that moved on to a shrunk group left the old world: it is not lost.
+_MOVED_ON = "moved on to the group of its"
+
 # Ids of the groups that shrinking a group other than the default makes: apart from the ids
 # new_group hands out, which every rank of the world counts alike.
 _SHRUNK_GROUP_BIT = 1 << 30
+
+
+async def lost(group: ProcessGroup) -> list[int]:
+    """The ranks of ``group`` that left its world for good; see :func:`aiodist.lost_ranks`."""
+    world = group.world
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + LOST_GRACE
+    while True:
+        left = await world.domain.departures()
+        ranks = [
+            group.group_rank(r)
+            for r, why in left.items()
+            if r in group.ranks and not why.startswith(_MOVED_ON)
+        ]
+        # A rank noticed through its connection may not be in the store yet: its lease fires
+        # as the store's server sees the same connection end, moments later.
+        if ranks or world.broken is None or loop.time() >= deadline:
+            return sorted(ranks)
+        await asyncio.sleep(_LOST_POLL)
 
 
 async def shrink(
@@ -201,5 +226,5 @@ async def _successor(world: World, key: str, remaining: list[int]) -> ProcessGro
     world.hand_over_stores(successor)
     if peek_world() is world:
         set_current_world(successor)
-    await world.aclose(f"left for the group of its {size} remaining ranks (shrink_group)")
+    await world.aclose(f"{_MOVED_ON} {size} remaining ranks (shrink_group)")
     return successor.default_group

@@ -252,6 +252,18 @@ class FailureDomain:
             logger.warning("rank %d: could not count the ranks that arrived: %s", self.rank, exc)
             return None
 
+    async def departures(self) -> dict[int, str]:
+        """The ranks that have left this world so far, with why (``left/<rank>``: a goodbye,
+        or their lease if they went without one).
+
+        Raises:
+            DistNetworkError: the store cannot be reached.
+        """
+        keys = [f"left/{r}" for r in range(self.size)]
+        left = [r for r, key in enumerate(keys) if await self.store.check([key])]
+        values = await self.store.multi_get([keys[r] for r in left]) if left else []
+        return {r: v.decode(errors="replace") for r, v in zip(left, values, strict=True)}
+
     async def wait_ended(self) -> BaseException | None:
         """Wait until the world is aborted (return the cause) or closed (return ``None``)."""
         await self._ended.wait()

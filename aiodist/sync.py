@@ -164,6 +164,7 @@ __all__ = [
     "send_object_list",
     "set_debug_level",
     "set_debug_level_from_env",
+    "lost_ranks",
     "shrink_group",
     "split_group",
     "supports_complex",
@@ -588,7 +589,10 @@ new_subgroups = _sync_group_call(_aio_api.new_subgroups)
 new_subgroups_by_enumeration = _sync_group_call(_aio_api.new_subgroups_by_enumeration)
 split_group = _sync_group_call(_aio_api.split_group)
 shrink_group = _sync_group_call(_aio_api.shrink_group)
+lost_ranks = _sync_group_call(_aio_api.lost_ranks)
+#: ``shrink_group``'s flag to let the operations in flight end before shrinking.
 SHRINK_DEFAULT = _aio_api.SHRINK_DEFAULT
+#: ``shrink_group``'s flag to fail the operations in flight at once.
 SHRINK_ABORT = _aio_api.SHRINK_ABORT
 init_device_mesh = _sync_group_call(_device_mesh.init_device_mesh)
 DeviceMesh = _device_mesh.DeviceMesh

@@ -110,3 +110,30 @@ def test_async_mlp_matches_single_process_numpy(tmp_path: Path) -> None:
         summary = lines[rank][-1]
         assert summary.startswith(f"rank {rank}/3: buckets [")
         assert "both runs match the single-process numpy weights" in summary
+
+
+# -- elastic_sgd.py -----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("workers", "kill_rank", "kill_step", "shm"),
+    [(4, 2, 20, "1"), (3, 0, 5, "0")],  # rank 0 too: the store lives in the example's process
+)
+def test_elastic_sgd_survives_a_killed_worker(
+    workers: int, kill_rank: int, kill_step: int, shm: str
+) -> None:
+    args = [f"--workers={workers}", f"--kill-rank={kill_rank}", f"--kill-step={kill_step}"]
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / "elastic_sgd.py"), *args],
+        capture_output=True, text=True, timeout=120, check=False,
+        env={**os.environ, "AIODIST_SHM": shm},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    survivors = [r for r in range(workers) if r != kill_rank]
+    codes = [-9 if r == kill_rank else 0 for r in range(workers)]
+    assert f"exit codes {codes}; survivors {survivors} match the reference: True" in proc.stdout
+    for new_rank, rank in enumerate(survivors):
+        assert re.search(
+            rf"^worker {rank}: step {kill_step} failed \(DistNetworkError\); ranks \[{kill_rank}\] "
+            rf"lost; now rank {new_rank} of {workers - 1} after [\d.]+ ms$",
+            proc.stdout,
+            re.M,
+        ), proc.stdout
