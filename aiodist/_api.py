@@ -65,7 +65,7 @@ from ._api_ops import (  # the operations, re-exported: this module is the API's
     send,
     send_object_list,
 )
-from ._assembly import join_world
+from ._assembly import connector, job_store, join_world
 from ._auth import resolve_token
 from ._membership import SHRINK_ABORT, SHRINK_DEFAULT
 from ._ops import PremulSum, ReduceOp
@@ -83,6 +83,7 @@ from .store import Store
 
 __all__ = [
     "NON_GROUP_MEMBER",
+    "admit",
     "SHRINK_ABORT",
     "SHRINK_DEFAULT",
     "DebugLevel",
@@ -117,6 +118,7 @@ __all__ = [
     "init_process_group",
     "irecv",
     "is_initialized",
+    "join_process_group",
     "lost_ranks",
     "isend",
     "monitored_barrier",
@@ -206,36 +208,10 @@ async def init_process_group(
     name, devices = _backends.available(backend)
     seconds = to_seconds(timeout, DEFAULT_PG_TIMEOUT)
     token = resolve_token(auth_token)
-    if not isinstance(group_name, str):
-        raise DistUsageError(f"group_name must be a string, got {type(group_name).__name__}")
-    if shared_memory is not None and not isinstance(shared_memory, bool):
-        raise DistUsageError(
-            f"init_process_group: shared_memory must be True, False or None, got {shared_memory!r}"
-        )
-    owned: list[Store] = []
-    if store is not None:
-        if init_method is not None:
-            raise DistUsageError("init_process_group: pass either store or init_method, not both")
-        if not isinstance(store, Store):
-            raise DistUsageError(
-                f"init_process_group: store must be an aiodist Store, got {type(store).__name__}"
-            )
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size <= 0:
-            raise DistUsageError(
-                f"init_process_group: world_size must be a positive int with store=, "
-                f"got {world_size!r}"
-            )
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-            raise DistUsageError(
-                f"init_process_group: rank must be in [0, {world_size}) with store=, got {rank!r}"
-            )
-    else:
-        from .rendezvous import rendezvous
-
-        store, rank, world_size = await rendezvous(
-            init_method or "env://", rank, world_size, timeout=seconds, auth_token=token
-        )
-        owned.append(store)
+    _check_join_options(group_name, shared_memory, "init_process_group")
+    store, rank, world_size, owned = await _reach_store(
+        "init_process_group", init_method, store, rank, world_size, seconds, token
+    )
     return await join_world(
         store,
         rank,
@@ -248,6 +224,139 @@ async def init_process_group(
         token=token,
         shared_memory=shared_memory,
     )
+
+
+async def join_process_group(
+    backend: str | None = None,
+    init_method: str | None = None,
+    timeout: Timeout = None,
+    store: Store | None = None,
+    group_name: str = "",
+    *,
+    auth_token: str | bytes | None = None,
+    shared_memory: bool | None = None,
+) -> ProcessGroup:
+    """Join a running world as a new rank, when its members next call :func:`admit`.
+
+    For a process started after the world formed: a replacement for a lost rank, or one more
+    worker. It registers in the job's store and waits (up to ``timeout``) until the members
+    admit it; it then gets the next free rank (after the members', in the order the waiting
+    processes registered) and the world's default group, with every member. Receive the
+    state it needs from a member with ordinary collectives (a ``broadcast`` from rank 0).
+
+    The arguments are :func:`init_process_group`'s, without ``rank`` and ``world_size``:
+    ``store`` (connected to the job's store), or an ``init_method`` URL that reaches it
+    (``"env://"``, as under ``aiodist-run``). ``group_name`` names the job, as the members
+    gave it.
+
+    Returns:
+        The default :class:`ProcessGroup` of the grown world.
+
+    Raises:
+        DistUsageError: already initialized, or bad arguments (as ``init_process_group``).
+        DistTimeoutError: not admitted within ``timeout`` (the members did not call
+            :func:`admit`).
+        DistNetworkError: the store or a member could not be reached, or a member was
+            lost while the grown world formed.
+    """
+    if _group.peek_world() is not None:
+        raise DistUsageError(_group.TWICE)
+    name, devices = _backends.available(backend)
+    seconds = to_seconds(timeout, DEFAULT_PG_TIMEOUT)
+    token = resolve_token(auth_token)
+    _check_join_options(group_name, shared_memory, "join_process_group")
+    store, _, _, owned = await _reach_store(
+        "join_process_group", init_method, store, None, None, seconds, token
+    )
+    membership = _group.Membership(
+        connector(seconds, token, shared_memory), job_store(store, group_name)
+    )
+    return await _membership.join(
+        membership, backend=name, backends=devices, timeout=seconds, owned=owned
+    )
+
+
+async def admit(group: ProcessGroup | None = None) -> list[int]:
+    """Admit the processes waiting to join (:func:`join_process_group`); return their ranks.
+
+    Every member of the default group calls it at the same point (a step boundary of
+    training, say), like a collective. When processes are waiting, the members and they form
+    a grown world: the members keep their ranks, the new processes take the next ones in the
+    order they registered, and the grown world becomes the default (the old one is closed,
+    with every other group of it). Then send the new ranks what they need, for instance
+    ``await aiodist.broadcast(weights, src=0)``. With nobody waiting it changes nothing and
+    costs a few store requests.
+
+    Args:
+        group: the default group (``None``); only the default group admits.
+
+    Returns:
+        The ranks of the admitted processes in the grown world (empty: nobody was waiting).
+
+    Raises:
+        DistUsageError: not initialized, ``group`` is not the default group, or a world
+            made outside ``init_process_group``.
+        DistError: the world was aborted (shrink it first, see :func:`shrink_group`).
+        DistNetworkError: the store could not be reached, or a member or a new process was
+            lost while the grown world formed.
+    """
+    pg = resolve_group(group, "admit")
+    if pg is not pg.world.default_group:
+        raise DistUsageError("admit: only the default group admits new processes")
+    return await _membership.admit(pg.world)
+
+
+def _check_join_options(group_name: object, shared_memory: object, op: str) -> None:
+    if not isinstance(group_name, str):
+        raise DistUsageError(f"group_name must be a string, got {type(group_name).__name__}")
+    if shared_memory is not None and not isinstance(shared_memory, bool):
+        raise DistUsageError(
+            f"{op}: shared_memory must be True, False or None, got {shared_memory!r}"
+        )
+
+
+async def _reach_store(
+    op: str,
+    init_method: str | None,
+    store: Store | None,
+    rank: int | None,
+    world_size: int | None,
+    timeout: float | None,
+    token: bytes | None,
+) -> tuple[Store, int, int, list[Store]]:
+    """The job's store, this rank and the world size (from the arguments, else the
+    rendezvous), and the stores made for it. ``None`` for ``rank`` and ``world_size``: a
+    joining process, which has neither yet (-1 is returned for them with ``store``)."""
+    joining = rank is None
+    if store is not None:
+        if init_method is not None:
+            raise DistUsageError(f"{op}: pass either store or init_method, not both")
+        if not isinstance(store, Store):
+            raise DistUsageError(
+                f"{op}: store must be an aiodist Store, got {type(store).__name__}"
+            )
+        if joining:
+            return store, -1, -1, []
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size <= 0:
+            raise DistUsageError(
+                f"init_process_group: world_size must be a positive int with store=, "
+                f"got {world_size!r}"
+            )
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise DistUsageError(
+                f"init_process_group: rank must be in [0, {world_size}) with store=, got {rank!r}"
+            )
+        return store, rank, world_size, []
+    from .rendezvous import rendezvous
+
+    store, rank, world_size = await rendezvous(
+        init_method or "env://",
+        -1 if rank is None else rank,
+        -1 if world_size is None else world_size,
+        timeout=timeout,
+        auth_token=token,
+    )
+    return store, rank, world_size, [store]
 
 
 async def destroy_process_group(group: Group = None) -> None:

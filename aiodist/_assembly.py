@@ -19,11 +19,20 @@ from typing import Any
 
 from . import backends as _backends, group as _group
 from .errors import DistNetworkError, DistUsageError
-from .group import Connect, ProcessGroup, start_world
+from .group import Connect, Membership, ProcessGroup, World, start_world
 from .store import PrefixStore, Store
 from .transport.base import Transport
 
-__all__ = ["connect_members", "connector", "join_world", "left_by"]
+__all__ = [
+    "CURRENT",
+    "announce",
+    "connect_members",
+    "connector",
+    "job_store",
+    "join_world",
+    "leave_forming",
+    "left_by",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -54,18 +63,18 @@ async def join_world(
     """
 
     try:
-        namespace = f"aiodist/{name or 'default_pg'}"
+        job = job_store(store, name)
         # Counted per rank: the n-th join of every rank meets in generation n, however the
         # ranks restart (all of them, or only the failed one while the others rebuild).
-        generation = await store.add(f"{namespace}/joined/{world_size}/{rank}", 1) - 1
-        prefixed = PrefixStore(f"{namespace}/{world_size}/{generation}", store)
+        generation = await job.add(f"joined/{world_size}/{rank}", 1) - 1
+        prefixed = PrefixStore(f"{world_size}/{generation}", job)
         if generation:
             # This rank left the previous generation for good: ranks still forming it
             # learn that it can never be complete.
-            earlier = PrefixStore(f"{namespace}/{world_size}/{generation - 1}", store)
+            earlier = PrefixStore(f"{world_size}/{generation - 1}", job)
             await earlier.set(_LEFT, f"rank {rank} (it joined a later generation)")
-        connect = connector(timeout, token, shared_memory)
-        transport = await connect_members(prefixed, rank, world_size, connect)
+        membership = Membership(connector(timeout, token, shared_memory), job)
+        transport = await connect_members(prefixed, rank, world_size, membership.connect)
     except BaseException:
         for s in owned:
             await s.aclose()
@@ -83,15 +92,40 @@ async def join_world(
         backends=backends,
         timeout=timeout,
         owned=owned,
-        connect=connect,
+        membership=membership,
     )
     try:
         await _backends.setup(pg)
+        await announce(pg.world)
     except BaseException:
         _group.set_current_world(None)
         await pg.world.aclose()
         raise
     return pg
+
+
+#: The key, in a job's namespace, naming its world of the moment: where it is in the store
+#: and how many ranks it has (``"<namespace>|<size>"``).
+CURRENT = "current"
+
+
+async def announce(world: World) -> None:
+    """Record in the job's namespace that ``world`` is its world now, for the processes
+    that wait to join it (they give up when every rank of it has left)."""
+    membership = world.membership
+    if membership is None or world.rank != 0:
+        return
+    store, path = world.store, ""
+    while store is not membership.lobby:
+        assert isinstance(store, PrefixStore)  # a world's store is a namespace of the job's
+        path = store.prefix + path
+        store = store.underlying_store
+    await membership.lobby.set(CURRENT, f"{path}|{world.size}")
+
+
+def job_store(store: Store, name: str) -> PrefixStore:
+    """The namespace in ``store`` of the job named ``name`` (``group_name``)."""
+    return PrefixStore(f"aiodist/{name or 'default_pg'}", store)
 
 
 #: The key set in a world's namespace when one of its ranks leaves it before it formed.
@@ -101,15 +135,18 @@ _LEFT = "left_by"
 def connector(timeout: float | None, token: bytes | None, shared_memory: bool | None) -> Connect:
     """How this rank connects to the ranks of a world: TCP, and shared memory with the ranks
     of its host unless ``shared_memory`` is ``False`` (see ``init_process_group``). A world
-    keeps it (``World.connect``) to connect its members again when they change."""
+    keeps it (``Membership.connect``) to connect its members again when they change."""
     return functools.partial(_connect, timeout=timeout, token=token, shared_memory=shared_memory)
 
 
-async def connect_members(store: Store, rank: int, size: int, connect: Connect) -> Transport:
+async def connect_members(
+    store: Store, rank: int, size: int, connect: Connect, op: str = "init_process_group"
+) -> Transport:
     """Connect ``rank`` to the other ranks of the world of ``size`` gathering in ``store``.
 
     Unless one of them gives up meanwhile: a rank that fails, is cancelled, or whose process
-    ends (its lease on the store) while the world forms makes the others raise at once.
+    ends (its lease on the store) while the world forms makes the others raise at once
+    (``op``, the call that forms the world, starts the message).
 
     Raises:
         DistNetworkError: a rank left the world as it formed (named).
@@ -118,7 +155,7 @@ async def connect_members(store: Store, rank: int, size: int, connect: Connect) 
     # (Stores without connections hold no leases: there a rank that dies is waited for.)
     await store.lease(_LEFT, f"rank {rank} (its process ended while the world formed)")
     try:
-        transport = await _unless_left(store, connect(store, rank, size))
+        transport = await _unless_left(store, connect(store, rank, size), op)
         try:
             await store.lease(_LEFT, None)
         except BaseException:
@@ -127,10 +164,16 @@ async def connect_members(store: Store, rank: int, size: int, connect: Connect) 
     except BaseException as exc:
         # This world can never be complete once this rank stops joining it.
         why = "cancelled" if isinstance(exc, asyncio.CancelledError) else repr(exc)
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(store.set(_LEFT, f"rank {rank} (it stopped joining: {why})"), 5)
+        await leave_forming(store, f"rank {rank} (it stopped joining: {why})")
         raise
     return transport
+
+
+async def leave_forming(store: Store, who: str) -> None:
+    """Tell the ranks forming the world whose keys ``store`` holds that ``who`` will not
+    join it: they raise instead of waiting (best effort: the store may be gone)."""
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(store.set(_LEFT, who), 5)
 
 
 #: How often ranks forming a world check that it is still possible (seconds).
@@ -148,7 +191,7 @@ async def left_by(store: Store) -> str | None:
     return (await store.get(_LEFT)).decode()
 
 
-async def _unless_left(store: Store, joining: Coroutine[Any, Any, Transport]) -> Transport:
+async def _unless_left(store: Store, joining: Coroutine[Any, Any, Transport], op: str) -> Transport:
     """Await ``joining`` a world, unless one of its ranks leaves it meanwhile.
 
     Raises:
@@ -162,9 +205,10 @@ async def _unless_left(store: Store, joining: Coroutine[Any, Any, Transport]) ->
                 return task.result()
             who = await left_by(store)
             if who is not None:
+                again = "; call init_process_group again to join the next"
                 raise DistNetworkError(
-                    f"init_process_group: this generation of the process group can never be "
-                    f"complete: {who} left it; call init_process_group again to join the next"
+                    f"{op}: this generation of the process group can never be complete: "
+                    f"{who} left it{again if op == 'init_process_group' else ''}"
                 )
     except BaseException:
         task.cancel()

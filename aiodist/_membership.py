@@ -21,16 +21,17 @@ fails it at once on this rank.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import secrets
+from collections.abc import Mapping, Sequence
 
 from . import backends as _backends
-from ._assembly import connect_members
+from ._assembly import CURRENT, announce, connect_members, leave_forming
 from ._default import peek_world, set_current_world
-from .errors import DistNetworkError, DistTimeoutError, DistUsageError
-from .group import ProcessGroup, World, check_int
-from .store import PrefixStore
+from .errors import DistError, DistNetworkError, DistTimeoutError, DistUsageError
+from .group import Membership, ProcessGroup, World, check_int, start_world
+from .store import PrefixStore, Store
 
-__all__ = ["LOST_GRACE", "SHRINK_ABORT", "SHRINK_DEFAULT", "lost", "shrink"]
+__all__ = ["LOST_GRACE", "SHRINK_ABORT", "SHRINK_DEFAULT", "admit", "join", "lost", "shrink"]
 
 #: ``shrink_group``'s flag to let the operations in flight end before shrinking.
 SHRINK_DEFAULT = 0
@@ -40,6 +41,8 @@ SHRINK_ABORT = 1
 #: Seconds :func:`lost` waits, in a broken world, for a rank that went away to be recorded.
 LOST_GRACE = 1.0
 _LOST_POLL = 0.02
+# How often a process waiting to join checks whether it was admitted (seconds).
+_ADMITTED_POLL = 0.1
 # Why a rank that moved on to a shrunk group left the old world: it is not lost.
 _MOVED_ON = "moved on to the group of its"
 
@@ -86,12 +89,8 @@ async def shrink(
     default = group is world.default_group
     if group.is_destroyed:
         raise DistUsageError("shrink_group: the process group has been destroyed")
-    if default and world.connect is None:
-        raise DistUsageError(
-            "shrink_group: this world's connections were made outside init_process_group "
-            "(start_world with a transport of its own), so they cannot be made again for "
-            "the remaining ranks"
-        )
+    if default:
+        _changeable(world, "shrink_group")
     if not default and world.domain.aborted:
         raise DistNetworkError(
             f"shrink_group: the world of {group!r} was aborted ({world.broken}); a failure "
@@ -102,7 +101,10 @@ async def shrink(
     remaining = [r for i, r in enumerate(group.ranks) if i not in excluded]
     key, new_id = await _vote(group, excluded, remaining)
     if default:
-        return await _successor(world, key, remaining)
+        store = PrefixStore(f"{key}/world", world.store)
+        rank, size = remaining.index(world.rank), len(remaining)
+        successor = await _successor(world, store, rank, size, "shrink_group")
+        return successor.default_group
     shrunk = ProcessGroup(
         world, remaining, _SHRUNK_GROUP_BIT | new_id, group.backend, group.backends, group.timeout
     )
@@ -203,28 +205,163 @@ async def _vote(group: ProcessGroup, excluded: set[int], remaining: list[int]) -
         ) from exc
 
 
-async def _successor(world: World, key: str, remaining: list[int]) -> ProcessGroup:
-    """Form the world of the ``remaining`` ranks, make it the default, close ``world``."""
-    assert world.connect is not None
-    store = PrefixStore(f"{key}/world", world.store)
-    rank, size = remaining.index(world.rank), len(remaining)
-    transport = await connect_members(store, rank, size, world.connect)
+async def admit(world: World) -> list[int]:
+    """Admit the processes waiting to join ``world``'s job; see :func:`aiodist.admit`."""
+    membership = _changeable(world, "admit")
+    group = world.default_group
+    group.check_usable("admit")
+    group.membership_votes += 1
+    lobby = membership.lobby
+    # The first member to get here decides who is admitted this time: those that registered
+    # since the last time and are still there; the others adopt its decision.
+    registered = [i for i in (await lobby.compare_set("waiting", "", "")).decode().split(",") if i]
+    fresh = registered[membership.seen :]
+    alive = [i for i in fresh if not await lobby.check([f"gone/{i}"])]
+    round_id = await lobby.add("rounds", 1) if alive else 0
+    proposal = f"{round_id}|{len(registered)}|{','.join(alive)}"
+    agreed = (
+        await world.store.compare_set(f"admit/{group.membership_votes}", "", proposal)
+    ).decode()
+    round_text, seen, joiners = agreed.split("|")
+    membership.seen = int(seen)
+    if not joiners:
+        return []
+    ids = joiners.split(",")
+    size = world.size + len(ids)
+    # Every member writes the same tickets: any one of them getting here lets the joiners on.
+    await lobby.multi_set(
+        [f"ticket/{i}" for i in ids],
+        [f"{round_text}|{world.size + n}|{size}|{seen}" for n in range(len(ids))],
+    )
+    store = PrefixStore(f"round/{round_text}", lobby)
+    await _successor(world, store, world.rank, size, "admit")
+    return list(range(world.size, size))
+
+
+async def join(
+    membership: Membership,
+    *,
+    backend: str,
+    backends: Mapping[str, str],
+    timeout: float | None,
+    owned: list[Store],
+) -> ProcessGroup:
+    """Wait in the job's lobby (``membership.lobby``) until the members admit this process;
+    return the default group it then joins. See :func:`aiodist.join_process_group`."""
+    me = secrets.token_hex(8)
+    lobby = membership.lobby
+    try:
+        # Members that decide while this process is gone leave it out (and if it goes after
+        # they decided, they hear of it as the new world forms: see connect_members).
+        await lobby.lease(f"gone/{me}", "its process ended while it waited to be admitted")
+        await lobby.append("waiting", f"{me},")
+        await _admitted(lobby, f"ticket/{me}", timeout)
+        round_text, rank, size, seen = (await lobby.get(f"ticket/{me}")).decode().split("|")
+        store = PrefixStore(f"round/{round_text}", lobby)
+        connect = membership.connect
+        transport = await connect_members(store, int(rank), int(size), connect, "admit")
+        await lobby.lease(f"gone/{me}", None)
+    except BaseException as exc:
+        await _give_up(lobby, me, exc)
+        for s in owned:
+            await s.aclose()
+        raise
+    membership.seen = int(seen)
+    pg = start_world(
+        transport,
+        store,
+        backend=backend,
+        backends=backends,
+        timeout=timeout,
+        owned=owned,
+        membership=membership,
+    )
+    try:
+        await _backends.setup(pg)
+        await announce(pg.world)
+    except BaseException:
+        set_current_world(None)
+        await pg.world.aclose()
+        raise
+    return pg
+
+
+async def _admitted(lobby: Store, ticket: str, timeout: float | None) -> None:
+    """Wait for ``ticket`` in ``lobby``.
+
+    Raises:
+        DistTimeoutError: not within ``timeout``.
+        DistNetworkError: every rank of the job's world left it (none will admit).
+    """
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout is None else loop.time() + timeout
+    while not await lobby.check([ticket]):
+        current = await lobby.compare_set(CURRENT, "", "")
+        if current:
+            path, size = current.decode().rsplit("|", 1)
+            world = PrefixStore(path.rstrip("/"), lobby)
+            keys = [f"left/{r}" for r in range(int(size))]
+            if await world.check(keys):
+                reasons = [v.decode(errors="replace") for v in await world.multi_get(keys)]
+                if not any(why.startswith(_MOVED_ON) for why in reasons):
+                    raise DistNetworkError(
+                        "join_process_group: the job's world ended before it admitted this "
+                        f"process: every one of its {size} ranks left it"
+                    )
+        if deadline is not None and loop.time() >= deadline:
+            raise DistTimeoutError(
+                f"join_process_group: not admitted within {timeout} s: the members of the "
+                "job's world admit waiting processes when they call admit()"
+            )
+        await asyncio.sleep(_ADMITTED_POLL)
+
+
+async def _give_up(lobby: Store, me: str, exc: BaseException) -> None:
+    """Withdraw the waiting process ``me``: members that decide from now on leave it out,
+    and those that already admitted it and form a world with it hear it will not come."""
+    why = "cancelled" if isinstance(exc, asyncio.CancelledError) else repr(exc)
+    try:
+        await asyncio.wait_for(lobby.set(f"gone/{me}", f"it stopped waiting: {why}"), 5)
+        if await asyncio.wait_for(lobby.check([f"ticket/{me}"]), 5):
+            round_text, rank, *_ = (await lobby.get(f"ticket/{me}")).decode().split("|")
+            world = PrefixStore(f"round/{round_text}", lobby)
+            await leave_forming(world, f"rank {rank} (it stopped waiting to be admitted: {why})")
+    except (DistError, TimeoutError):
+        pass  # the store is gone: nobody is left to tell
+
+
+def _changeable(world: World, op: str) -> Membership:
+    if world.membership is None:
+        raise DistUsageError(
+            f"{op}: this world's connections were made outside init_process_group "
+            "(start_world with a transport of its own), so they cannot be made again for "
+            "another set of ranks"
+        )
+    return world.membership
+
+
+async def _successor(world: World, store: Store, rank: int, size: int, why: str) -> World:
+    """Form the world of ``size`` ranks gathering in ``store`` as ``rank``, make it the
+    default, and close ``world`` (which hands it its stores)."""
+    assert world.membership is not None
+    transport = await connect_members(store, rank, size, world.membership.connect, why)
     successor = World(
         transport,
         store,
         backend=world.backend,
         backends=world.backends,
         timeout=world.timeout,
-        connect=world.connect,
+        membership=world.membership,
     )
     successor.start()
     try:
         await _backends.setup(successor.default_group)
+        await announce(successor)
     except BaseException:
         await successor.aclose()
         raise
     world.hand_over_stores(successor)
     if peek_world() is world:
         set_current_world(successor)
-    await world.aclose(f"{_MOVED_ON} {size} remaining ranks (shrink_group)")
-    return successor.default_group
+    await world.aclose(f"{_MOVED_ON} {size} ranks ({why})")
+    return successor

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -96,6 +97,23 @@ T = TypeVar("T")
 #: How a rank connects to the other ranks of a world: ``connect(store, rank, size)`` returns
 #: its transport once every rank gathering in ``store`` is connected.
 Connect = Callable[[Store, int, int], Coroutine[Any, Any, Transport]]
+
+
+@dataclasses.dataclass
+class Membership:
+    """What a world needs to change its members (``shrink_group``, ``admit``).
+
+    Attributes:
+        connect: how its ranks connect, to connect the new set of ranks the same way.
+        lobby: the job's namespace in the store, where processes started later wait to be
+            admitted (``join_process_group``).
+        seen: how many of those that ever waited there the members have dealt with.
+    """
+
+    connect: Connect
+    lobby: Store
+    seen: int = 0
+
 
 #: Why a second ``init_process_group`` where a default group exists is refused, and what to
 #: do to run several ranks in one process.
@@ -180,8 +198,8 @@ class World:
         domain: the failure domain (abort key, watch, leaving).
         backends: the backends of the default group, by device kind.
         recorder: the last operations of this rank (see :mod:`aiodist.debug`).
-        connect: how the transport was connected, to connect the members again when they
-            change (``shrink_group``); ``None`` for a transport made elsewhere.
+        membership: what changing its members needs (``None``: a transport made elsewhere,
+            which cannot be made again for other ranks).
     """
 
     def __init__(
@@ -193,7 +211,7 @@ class World:
         backends: Mapping[str, Any],
         timeout: float | None,
         owned: Sequence[Store] = (),
-        connect: Connect | None = None,
+        membership: Membership | None = None,
     ) -> None:
         self.rank = transport.rank
         self.size = transport.world_size
@@ -202,7 +220,7 @@ class World:
         self.backend = backend
         self.backends = backends
         self.timeout = timeout
-        self.connect = connect
+        self.membership = membership
         #: The thread of the event loop the world runs on (another thread may stand in for
         #: it: see ``aiodist._loop_thread.HandOverLoop``).
         self.loop_thread = threading.get_ident()
@@ -1127,13 +1145,13 @@ def start_world(
     backends: Mapping[str, Any],
     timeout: Timeout = None,
     owned: Sequence[Store] = (),
-    connect: Connect | None = None,
+    membership: Membership | None = None,
 ) -> ProcessGroup:
     """Build a world over a connected ``transport`` and make it the default seen here.
 
     This is the layer below ``init_process_group``: tests and embedders can hand it any
     :class:`~aiodist.transport.base.Transport` (for instance the in-process one), and
-    ``connect`` if the members can be connected again (see ``World.connect``).
+    ``membership`` if its members can change (see :class:`Membership`).
 
     Returns:
         The default process group.
@@ -1150,7 +1168,7 @@ def start_world(
         backends=backends,
         timeout=to_seconds(timeout, DEFAULT_PG_TIMEOUT),
         owned=owned,
-        connect=connect,
+        membership=membership,
     )
     with contextlib.suppress(RuntimeError):  # no running loop: nothing to watch with
         world.start()

@@ -87,6 +87,7 @@ __all__ = [
     "GroupMember",
     "HashStore",
     "NON_GROUP_MEMBER",
+    "admit",
     "SHRINK_ABORT",
     "SHRINK_DEFAULT",
     "P2POp",
@@ -164,6 +165,7 @@ __all__ = [
     "send_object_list",
     "set_debug_level",
     "set_debug_level_from_env",
+    "join_process_group",
     "lost_ranks",
     "shrink_group",
     "split_group",
@@ -493,10 +495,51 @@ def init_process_group(
                 auth_token=auth_token, shared_memory=shared_memory,
             )
         )  # fmt: skip
-        _leave_at_child_exit()
+    _joined()
+
+
+def join_process_group(
+    backend: str | None = None,
+    init_method: str | None = None,
+    timeout: Timeout = default_pg_timeout,
+    store: Store | None = None,
+    group_name: str = "",
+    *,
+    auth_token: str | bytes | None = None,
+    shared_memory: bool | None = None,
+) -> None:
+    """Join a running world as a new rank, when its members next call :func:`admit`.
+
+    See :func:`aiodist.join_process_group`; ``store`` is a blocking store here.
+
+    Raises:
+        DistUsageError: initialized already, or bad arguments.
+        DistTimeoutError: not admitted within ``timeout``.
+        DistNetworkError: the store or a member could not be reached.
+    """
+    if store is not None and not isinstance(store, Store):
+        raise DistUsageError(
+            "join_process_group: store must be a blocking aiodist.sync store (TCPStore, "
+            f"FileStore, HashStore, PrefixStore), got {type(store).__name__}"
+        )
+    with _init_lock:
+        if _group.peek_world() is not None:
+            raise DistUsageError(_group.TWICE)
+        run(
+            _aio_api.join_process_group(
+                backend, init_method, timeout, None if store is None else store.async_store,
+                group_name, auth_token=auth_token, shared_memory=shared_memory,
+            )
+        )  # fmt: skip
+    _joined()
+
+
+def _joined() -> None:
+    # This process now holds the default world: leave it at exit, and dump on SIGUSR1 when
+    # asked to (from the main thread, not the loop's: it dumps there while the main thread
+    # waits for a blocking call).
+    _leave_at_child_exit()
     if os.environ.get(DUMP_DIR_ENV):
-        # The handler must be installed from the main thread, not the loop's; it dumps
-        # there while the main thread waits for a blocking call.
         from .debug import install_signal_handler
 
         install_signal_handler()
@@ -590,6 +633,7 @@ new_subgroups_by_enumeration = _sync_group_call(_aio_api.new_subgroups_by_enumer
 split_group = _sync_group_call(_aio_api.split_group)
 shrink_group = _sync_group_call(_aio_api.shrink_group)
 lost_ranks = _sync_group_call(_aio_api.lost_ranks)
+admit = _sync_group_call(_aio_api.admit)
 #: ``shrink_group``'s flag to let the operations in flight end before shrinking.
 SHRINK_DEFAULT = _aio_api.SHRINK_DEFAULT
 #: ``shrink_group``'s flag to fail the operations in flight at once.

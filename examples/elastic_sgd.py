@@ -1,48 +1,51 @@
-"""Data-parallel SGD that survives ``kill -9`` of a worker: the others shrink and go on.
+"""Data-parallel SGD that survives ``kill -9`` of a worker and takes its replacement back.
 
-    python examples/elastic_sgd.py                 # 4 workers, rank 2 killed at step 20
-    python examples/elastic_sgd.py --workers 3 --kill-rank 0 --kill-step 5
+    aiodist-run --standalone --nproc-per-node=4 --restart-policy=failed --max-restarts=1 \\
+        examples/elastic_sgd.py --kill-rank=2 --kill-step=10
 
-This process hosts the store (a ``TCPStore`` server) and starts the workers, so that any
-worker may die, rank 0 included. Each worker joins the process group through that store with
-the blocking API (``import aiodist.sync as dist``). Every step, it computes the gradient of
-the squared error on its shard of the data and the workers sum the gradients (all_reduce).
+Each worker joins the process group with the blocking API (``import aiodist.sync as dist``)
+through ``env://``; the launcher hosts the store, so any worker may die, rank 0 included.
+Every step, a worker computes the gradient of the squared error on its shard of the data,
+and the workers sum the gradients (all_reduce).
 
-At ``--kill-step`` one worker kills itself with ``SIGKILL``, as the OOM killer or a lost host
-would. The all_reduce of the others fails within milliseconds; they ask which ranks are gone
-(``lost_ranks``), go on without them (``shrink_group``: renumbered, over new connections, none
-of them restarting), re-shard the data among themselves and redo the step. The gradient is a
-sum over the whole data set however it is sharded, so the survivors end with the weights
-that one process computes with numpy: this process checks.
+At ``--kill-step`` the worker of rank ``--kill-rank`` kills itself with ``SIGKILL``, as the
+OOM killer or a lost host would. The all_reduce of the others fails within milliseconds;
+they ask which ranks are gone (``lost_ranks``), go on without them (``shrink_group``:
+renumbered, over new connections, none of them restarting), re-shard the data among
+themselves and redo the step. Meanwhile the launcher (``--restart-policy=failed``) starts a
+replacement for the dead worker alone; it waits to be admitted (``join_process_group``).
+Every ``ADMIT_EVERY`` steps the workers admit whoever waits (``admit``) and send them the
+step and the weights (broadcast); with ``--wait-for-replacements`` they wait there until
+the world is whole again. The gradient is a sum over the whole data set however it
+is sharded, so every worker, the replacement too, ends with the weights one process
+computes with numpy, and says so.
 """
 
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import os
 import signal
 import sys
 import time
-from multiprocessing.queues import Queue
 
 import numpy as np
 
 import aiodist.sync as dist
 
-STEPS = 40
+STEPS = 60
+ADMIT_EVERY = 5
 LR = 0.05
 SAMPLES = 1200
 FEATURES = 8
 
 
-def make_data() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The data set (every worker makes the same one) and the initial weights."""
+def make_data() -> tuple[np.ndarray, np.ndarray]:
+    """The data set; every worker makes the same one."""
     rng = np.random.default_rng(1234)
     true_w = rng.normal(size=FEATURES)
     x = rng.normal(size=(SAMPLES, FEATURES))
-    y = x @ true_w + 0.01 * rng.normal(size=SAMPLES)
-    return x, y, np.zeros(FEATURES)
+    return x, x @ true_w + 0.01 * rng.normal(size=SAMPLES)
 
 
 def gradient_sum(w: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -52,71 +55,83 @@ def gradient_sum(w: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def reference() -> np.ndarray:
-    """Full-batch gradient descent in one process: what the survivors must end with."""
-    x, y, w = make_data()
+    """Full-batch gradient descent in one process: what every worker must end with."""
+    x, y = make_data()
+    w = np.zeros(FEATURES)
     for _ in range(STEPS):
         w = w - LR * gradient_sum(w, x, y) / SAMPLES
     return w
 
 
-def worker(
-    rank: int, workers: int, port: int, kill_rank: int, kill_step: int, results: Queue
-) -> None:
-    """One worker: train, and on a lost rank shrink the group and redo the step."""
-    store = dist.TCPStore("127.0.0.1", port, is_master=False)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=workers)
-    x, y, w = make_data()
-    step = 0
+def say(text: str) -> None:
+    """Print one line in one write, so that the workers' lines do not interleave."""
+    sys.stdout.write(f"{text}\n")
+    sys.stdout.flush()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--kill-rank", type=int, default=2)
+    parser.add_argument("--kill-step", type=int, default=10)
+    parser.add_argument(
+        "--step-seconds", type=float, default=0.05, help="time a step's computation takes"
+    )
+    parser.add_argument(
+        "--wait-for-replacements",
+        action="store_true",
+        help="at the first admission point after a loss, wait until the world is whole again",
+    )
+    args = parser.parse_args()
+    name = f"worker {os.environ['RANK']}"
+    x, y = make_data()
+    state = np.zeros(1 + FEATURES)  # the step, then the weights
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        name = f"replacement of worker {os.environ['RANK']}"
+        started = time.perf_counter()
+        dist.join_process_group("gloo")
+        dist.broadcast(state, src=0)  # the members send where they are
+        say(
+            f"{name}: admitted as rank {dist.get_rank()} of {dist.get_world_size()} at "
+            f"step {int(state[0])}, {time.perf_counter() - started:.2f} s after it started"
+        )
+    else:
+        dist.init_process_group("gloo")
+    step, w = int(state[0]), state[1:].copy()
+    full = int(os.environ["WORLD_SIZE"])
     while step < STEPS:
-        if rank == kill_rank and step == kill_step:
+        if name == f"worker {args.kill_rank}" and step == args.kill_step:
             os.kill(os.getpid(), signal.SIGKILL)
         # This worker's shard: every size-th row, from its rank in the current group.
         mine = slice(dist.get_rank(), SAMPLES, dist.get_world_size())
         grad = gradient_sum(w, x[mine], y[mine])
+        time.sleep(args.step_seconds)  # the rest of a real step's work
         try:
             dist.all_reduce(grad)
         except dist.DistError as exc:
             started = time.perf_counter()
             lost = dist.lost_ranks()
             dist.shrink_group(lost)
-            took = time.perf_counter() - started
-            # One write, so that the workers' lines do not interleave.
-            sys.stdout.write(
-                f"worker {rank}: step {step} failed ({type(exc).__name__}); ranks {lost} "
-                f"lost; now rank {dist.get_rank()} of {dist.get_world_size()} "
-                f"after {took * 1e3:.1f} ms\n"
+            say(
+                f"{name}: step {step} failed ({type(exc).__name__}); ranks {lost} lost; now "
+                f"rank {dist.get_rank()} of {dist.get_world_size()} after "
+                f"{(time.perf_counter() - started) * 1e3:.1f} ms"
             )
-            sys.stdout.flush()
             continue  # redo the step with the survivors
         w -= LR * grad / SAMPLES
         step += 1
-    results.put((rank, w))
+        if step % ADMIT_EVERY == 0 and step < STEPS:
+            admitted = dist.admit()
+            while args.wait_for_replacements and not admitted and dist.get_world_size() < full:
+                time.sleep(0.05)
+                admitted = dist.admit()  # (every member calls it as often: they all see the same)
+            if admitted:
+                state[0], state[1:] = step, w
+                dist.broadcast(state, src=0)  # to the admitted ranks (the others have it)
+    match = bool(np.allclose(w, reference(), rtol=1e-12, atol=0))
+    say(f"{name}: done as rank {dist.get_rank()}; weights match the reference: {match}")
     dist.destroy_process_group()
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--kill-rank", type=int, default=2)
-    parser.add_argument("--kill-step", type=int, default=20)
-    args = parser.parse_args()
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    config = (args.workers, server.port, args.kill_rank, args.kill_step, results)
-    procs = [ctx.Process(target=worker, args=(r, *config)) for r in range(args.workers)]
-    for p in procs:
-        p.start()
-    finished = dict(results.get(timeout=60) for _ in range(args.workers - 1))
-    for p in procs:
-        p.join()
-    codes = [p.exitcode for p in procs]
-    expected = [-signal.SIGKILL if r == args.kill_rank else 0 for r in range(args.workers)]
-    w = reference()
-    agree = all(np.allclose(got, w, rtol=1e-12, atol=0) for got in finished.values())
-    print(f"exit codes {codes}; survivors {sorted(finished)} match the reference: {agree}")
-    return 0 if codes == expected and agree else 1
+    sys.exit(0 if match else 1)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -1,6 +1,7 @@
-"""shrink_group: the remaining ranks go on without some ranks, on a healthy world and on one
-aborted by a failure, on every transport; bad lists are refused on every rank and lose
-nothing."""
+"""Membership changes. shrink_group: the remaining ranks go on without some ranks, on a
+healthy world and on one aborted by a failure, on every transport; bad lists are refused on
+every rank and lose nothing. admit and join_process_group: processes started later join a
+running world and receive its state."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 import aiodist
-from aiodist import DistNetworkError, DistUsageError
+from aiodist import DistNetworkError, DistUsageError, HashStore
 from aiodist.testing import run_world
 
 pytestmark = pytest.mark.both_loops  # the standard loop (asyncio.run, uvicorn) too
@@ -190,3 +191,167 @@ async def test_what_is_in_flight_ends_first_or_is_aborted(flags: int) -> None:
         else:  # it waited for rank 2, which left without joining it
             assert "lost connection to rank 2: it left the process group" in text
         np.testing.assert_array_equal(x, _sum([0, 1]))
+
+
+async def _registered(store: HashStore, count: int) -> None:
+    """Wait until ``count`` processes wait to join the job (the default group name)."""
+    while not await store.check(["aiodist/default_pg/waiting"]) or (
+        (await store.get("aiodist/default_pg/waiting")).count(b",") < count
+    ):
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("shared_memory", [False, None])
+async def test_processes_started_later_are_admitted_and_receive_the_state(
+    shared_memory: bool | None,
+) -> None:
+    store = HashStore(timeout=60)
+    state = np.arange(6, dtype=np.float64) * 7.5
+    first_admits: list[None] = []
+    started = asyncio.Event()  # the joiners start once both members admitted nobody
+
+    async def member(rank: int) -> tuple[list[int], list[int], np.ndarray, np.ndarray]:
+        aiodist.group.isolate_context()
+        await aiodist.init_process_group(
+            "cpu", store=store, rank=rank, world_size=2, timeout=60, shared_memory=shared_memory
+        )
+        try:
+            nobody = await aiodist.admit()  # nobody is waiting yet: nothing changes
+            first_admits.append(None)
+            if len(first_admits) == 2:
+                started.set()
+            await _registered(store, 2)
+            admitted = await aiodist.admit()
+            return nobody, admitted, *await _after_admission(aiodist.get_rank())
+        finally:
+            await aiodist.destroy_process_group()
+
+    async def joiner() -> tuple[int, int, np.ndarray, np.ndarray]:
+        aiodist.group.isolate_context()
+        await started.wait()
+        await aiodist.join_process_group(
+            "cpu", store=store, timeout=60, shared_memory=shared_memory
+        )
+        try:
+            rank = aiodist.get_rank()
+            return rank, aiodist.get_world_size(), *await _after_admission(rank)
+        finally:
+            await aiodist.destroy_process_group()
+
+    async def _after_admission(rank: int) -> tuple[np.ndarray, np.ndarray]:
+        received = state.copy() if rank == 0 else np.zeros_like(state)
+        await aiodist.broadcast(received, src=0)
+        x = _value(rank)
+        await aiodist.all_reduce(x)
+        return received, x
+
+    results = await asyncio.wait_for(
+        asyncio.gather(member(0), member(1), joiner(), joiner()), timeout=60
+    )
+    for nobody, admitted, received, x in results[:2]:
+        assert (nobody, admitted) == ([], [2, 3])
+        np.testing.assert_array_equal(received, state)
+        np.testing.assert_array_equal(x, _sum([0, 1, 2, 3]))
+    assert sorted((rank, size) for rank, size, *_ in results[2:]) == [(2, 4), (3, 4)]
+    for _, _, received, x in results[2:]:
+        np.testing.assert_array_equal(received, state)
+        np.testing.assert_array_equal(x, _sum([0, 1, 2, 3]))
+
+
+async def test_a_replacement_takes_the_place_of_a_lost_rank() -> None:
+    store = HashStore(timeout=60)
+
+    async def member(rank: int) -> tuple[int, np.ndarray] | None:
+        aiodist.group.isolate_context()
+        await aiodist.init_process_group("cpu", store=store, rank=rank, world_size=3, timeout=60)
+        try:
+            await aiodist.barrier()
+            if rank == 1:
+                return None  # leaves; a replacement comes
+            await aiodist.shrink_group([1])
+            await _registered(store, 1)
+            assert await aiodist.admit() == [2]
+            x = _value(aiodist.get_rank())
+            await aiodist.all_reduce(x)
+            return aiodist.get_world_size(), x
+        finally:
+            await aiodist.destroy_process_group()
+
+    async def replacement() -> tuple[int, np.ndarray]:
+        aiodist.group.isolate_context()
+        await aiodist.join_process_group("cpu", store=store, timeout=60)
+        try:
+            x = _value(aiodist.get_rank())
+            await aiodist.all_reduce(x)
+            return aiodist.get_world_size(), x
+        finally:
+            await aiodist.destroy_process_group()
+
+    results = await asyncio.wait_for(
+        asyncio.gather(member(0), member(1), member(2), replacement()), timeout=60
+    )
+    assert results[1] is None
+    for size, x in (results[0], results[2], results[3]):
+        assert size == 3
+        np.testing.assert_array_equal(x, _sum([0, 1, 2]))
+
+
+async def test_admit_outside_the_default_group_is_refused() -> None:
+    async def fn(rank: int, size: int) -> str:
+        sub = await aiodist.new_group([0, 1])
+        with pytest.raises(DistUsageError) as refused:
+            await aiodist.admit(sub)
+        return str(refused.value)
+
+    assert (
+        await run_world(fn, 2, transport="tcp")
+        == ["admit: only the default group admits new processes"] * 2
+    )
+
+
+async def test_a_process_that_waits_to_join_an_ended_world_is_told_so() -> None:
+    store = HashStore(timeout=60)
+
+    async def member(rank: int) -> None:
+        aiodist.group.isolate_context()
+        await aiodist.init_process_group("cpu", store=store, rank=rank, world_size=2)
+        await aiodist.destroy_process_group()
+
+    await asyncio.gather(member(0), member(1))
+    with pytest.raises(DistNetworkError) as ended:
+        await aiodist.join_process_group("cpu", store=store, timeout=60)
+    assert str(ended.value) == (
+        "join_process_group: the job's world ended before it admitted this process: every one "
+        "of its 2 ranks left it"
+    )
+    assert not aiodist.is_initialized()
+
+
+async def test_a_process_not_admitted_in_time_raises_and_leaves_the_lobby() -> None:
+    store = HashStore(timeout=60)
+    joined = asyncio.Event()
+
+    async def member(rank: int) -> list[int]:
+        aiodist.group.isolate_context()
+        await aiodist.init_process_group("cpu", store=store, rank=rank, world_size=2)
+        try:
+            await joined.wait()  # the joiner gave up: nobody is admitted
+            return await aiodist.admit()
+        finally:
+            await aiodist.destroy_process_group()
+
+    async def joiner() -> str:
+        aiodist.group.isolate_context()
+        try:
+            with pytest.raises(aiodist.DistTimeoutError) as late:
+                await aiodist.join_process_group("cpu", store=store, timeout=0.3)
+            return str(late.value)
+        finally:
+            joined.set()
+
+    *admitted, text = await asyncio.gather(member(0), member(1), joiner())
+    assert text == (
+        "join_process_group: not admitted within 0.3 s: the members of the job's world admit "
+        "waiting processes when they call admit()"
+    )
+    assert admitted == [[], []]
