@@ -624,6 +624,7 @@ def _sync_group_call(fn: Callable[..., Coroutine[Any, Any, T]]) -> Callable[...,
     twin.__doc__ = f"Blocking twin of :func:`aiodist.{fn.__name__}`.\n\n" + inspect.cleandoc(
         fn.__doc__ or ""
     )
+    twin.__signature__ = inspect.signature(fn)  # type: ignore[attr-defined]  # (for help())
     return twin
 
 
