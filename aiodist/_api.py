@@ -203,12 +203,9 @@ async def init_process_group(
         DistTimeoutError: the rendezvous or the connections did not complete in time.
         DistNetworkError: the store or a peer could not be reached.
     """
-    if _group.peek_world() is not None:
-        raise DistUsageError(_group.TWICE)
-    name, devices = _backends.available(backend)
-    seconds = to_seconds(timeout, DEFAULT_PG_TIMEOUT)
-    token = resolve_token(auth_token)
-    _check_join_options(group_name, shared_memory, "init_process_group")
+    name, devices, seconds, token = _options(
+        "init_process_group", backend, timeout, auth_token, group_name, shared_memory
+    )
     store, rank, world_size, owned = await _reach_store(
         "init_process_group", init_method, store, rank, world_size, seconds, token
     )
@@ -259,12 +256,9 @@ async def join_process_group(
         DistNetworkError: the store or a member could not be reached, or a member was
             lost while the grown world formed.
     """
-    if _group.peek_world() is not None:
-        raise DistUsageError(_group.TWICE)
-    name, devices = _backends.available(backend)
-    seconds = to_seconds(timeout, DEFAULT_PG_TIMEOUT)
-    token = resolve_token(auth_token)
-    _check_join_options(group_name, shared_memory, "join_process_group")
+    name, devices, seconds, token = _options(
+        "join_process_group", backend, timeout, auth_token, group_name, shared_memory
+    )
     store, _, _, owned = await _reach_store(
         "join_process_group", init_method, store, None, None, seconds, token
     )
@@ -306,13 +300,30 @@ async def admit(group: ProcessGroup | None = None) -> list[int]:
     return await _membership.admit(pg.world)
 
 
-def _check_join_options(group_name: object, shared_memory: object, op: str) -> None:
+def _options(
+    op: str,
+    backend: str | None,
+    timeout: Timeout,
+    auth_token: str | bytes | None,
+    group_name: object,
+    shared_memory: object,
+) -> tuple[str, dict[str, str], float | None, bytes | None]:
+    """Check what joining a world takes, as ``op``; return the backend's name, the backend
+    of each device, the timeout in seconds and the token.
+
+    Raises:
+        DistUsageError: a default group exists here already, or an argument is wrong.
+    """
+    if _group.peek_world() is not None:
+        raise DistUsageError(_group.TWICE)
+    name, devices = _backends.available(backend)
     if not isinstance(group_name, str):
         raise DistUsageError(f"group_name must be a string, got {type(group_name).__name__}")
     if shared_memory is not None and not isinstance(shared_memory, bool):
         raise DistUsageError(
             f"{op}: shared_memory must be True, False or None, got {shared_memory!r}"
         )
+    return name, devices, to_seconds(timeout, DEFAULT_PG_TIMEOUT), resolve_token(auth_token)
 
 
 async def _reach_store(

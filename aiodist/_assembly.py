@@ -32,6 +32,7 @@ __all__ = [
     "join_world",
     "leave_forming",
     "left_by",
+    "open_world",
 ]
 
 logger = logging.getLogger(__name__)
@@ -79,7 +80,31 @@ async def join_world(
         for s in owned:
             await s.aclose()
         raise
-    logger.debug("rank %d/%d joined %s", rank, world_size, prefixed.prefix)
+    logger.debug("rank %d/%d joined generation %d", rank, world_size, generation)
+    return await open_world(
+        transport,
+        prefixed,
+        backend=backend,
+        backends=backends,
+        timeout=timeout,
+        owned=owned,
+        membership=membership,
+    )
+
+
+async def open_world(
+    transport: Transport,
+    store: Store,
+    *,
+    backend: str,
+    backends: Mapping[str, str],
+    timeout: float | None,
+    owned: list[Store],
+    membership: Membership,
+) -> ProcessGroup:
+    """Build the world of a connected ``transport``, make it the default here, let the
+    backends set up its default group and announce it to the processes waiting to join;
+    return its default group (the world is closed again if a step fails)."""
     if os.environ.get("AIODIST_FR_DUMP_DIR"):
         # Opted in through the environment (aiodist-run passes it on to its workers).
         from .debug import install_signal_handler
@@ -87,7 +112,7 @@ async def join_world(
         install_signal_handler()
     pg = start_world(
         transport,
-        prefixed,
+        store,
         backend=backend,
         backends=backends,
         timeout=timeout,

@@ -25,10 +25,10 @@ import secrets
 from collections.abc import Mapping, Sequence
 
 from . import backends as _backends
-from ._assembly import CURRENT, announce, connect_members, leave_forming
+from ._assembly import CURRENT, announce, connect_members, leave_forming, open_world
 from ._default import peek_world, set_current_world
 from .errors import DistError, DistNetworkError, DistTimeoutError, DistUsageError
-from .group import Membership, ProcessGroup, World, check_int, start_world
+from .group import Membership, ProcessGroup, World, check_int
 from .store import PrefixStore, Store
 
 __all__ = ["LOST_GRACE", "SHRINK_ABORT", "SHRINK_DEFAULT", "admit", "join", "lost", "shrink"]
@@ -267,7 +267,7 @@ async def join(
             await s.aclose()
         raise
     membership.seen = int(seen)
-    pg = start_world(
+    return await open_world(
         transport,
         store,
         backend=backend,
@@ -276,14 +276,6 @@ async def join(
         owned=owned,
         membership=membership,
     )
-    try:
-        await _backends.setup(pg)
-        await announce(pg.world)
-    except BaseException:
-        set_current_world(None)
-        await pg.world.aclose()
-        raise
-    return pg
 
 
 async def _admitted(lobby: Store, ticket: str, timeout: float | None) -> None:
