@@ -10,6 +10,9 @@ Then an all_reduce; prints one JSON line: the result and the address this rank l
 Mode ``mixed`` is ``tcp`` in a world of ``N`` ranks, two per host: ranks of one host talk
 through shared memory, the others over TCP. It runs a collective of each shape and a ring of
 sends across hosts, and prints the results with the ranks this one shares memory with.
+
+Mode ``shrink`` is ``tcp`` in a world of ``N`` ranks, two per host, whose last rank kills
+itself after a first all_reduce; the others shrink the world without it and all_reduce again.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import sys
 
 import numpy as np
@@ -52,9 +56,32 @@ async def mixed() -> dict[str, object]:
     }
 
 
+async def shrink() -> dict[str, object]:
+    await aiodist.all_reduce(np.ones(4))
+    if rank == world_size - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    with_all = np.ones(4)
+    try:
+        while True:  # until the loss is noticed
+            await aiodist.all_reduce(with_all)
+    except aiodist.DistNetworkError:
+        pass
+    lost = await aiodist.lost_ranks()
+    await aiodist.shrink_group(lost)
+    x = np.arange(4.0) * (rank + 1)
+    await aiodist.all_reduce(x)
+    transport = aiodist.group.current_world().transport
+    return {
+        "lost": lost,
+        "now": [aiodist.get_rank(), aiodist.get_world_size()],
+        "sum": x.tolist(),
+        "shared_memory_with": list(getattr(transport, "local_ranks", [aiodist.get_rank()])),
+    }
+
+
 async def main() -> None:
     host = f"[{addr}]" if ":" in addr else addr
-    if mode in ("tcp", "mixed"):
+    if mode in ("tcp", "mixed", "shrink"):
         await aiodist.init_process_group(
             init_method=f"tcp://{host}:{port}", rank=rank, world_size=world_size, timeout=30
         )
@@ -70,6 +97,8 @@ async def main() -> None:
         await aiodist.init_process_group(store=store, rank=rank, world_size=2, timeout=30)
     if mode == "mixed":
         result = await mixed()
+    elif mode == "shrink":
+        result = await shrink()
     else:
         x = np.full(4, rank + 1.0)
         await aiodist.all_reduce(x)

@@ -103,3 +103,38 @@ def test_interface_variables(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AIODIST_HOST", "127.0.0.5")
     assert listen_host("10.1.2.3") == "127.0.0.5"
     assert interface_address("lo", "X") == "127.0.0.1"
+
+
+@pytest.mark.netns
+def test_survivors_on_two_hosts_shrink_the_world_without_a_killed_rank(hosts: Hosts) -> None:
+    n = 4  # two per host; rank 3 (the second host) kills itself
+    procs = [
+        subprocess.Popen(
+            [
+                *hosts.prefix(r // 2),
+                sys.executable,
+                str(WORKER),
+                "shrink",
+                str(r),
+                IPV4[0],
+                str(PORT),
+                str(n),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_CLEAN_ENV,
+        )
+        for r in range(n)
+    ]
+    outcomes = [p.communicate(timeout=60) for p in procs]
+    assert procs[3].returncode == -9
+    for rank in range(3):
+        out, err = outcomes[rank]
+        assert procs[rank].returncode == 0, err
+        result = json.loads(out.strip().splitlines()[-1])
+        assert result["lost"] == [3]
+        assert result["now"] == [rank, 3]
+        assert result["sum"] == (np.arange(4.0) * (1 + 2 + 3)).tolist()
+        # The new world shares memory on the first host again; the second host has one rank.
+        assert result["shared_memory_with"] == ([0, 1] if rank < 2 else [2])
