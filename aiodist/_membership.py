@@ -1,4 +1,4 @@
-"""Membership changes: the remaining ranks of a group go on without some of its ranks.
+"""Membership changes: ranks leave a world (``shrink_group``), processes join one (``admit``).
 
 :func:`shrink` is ``shrink_group``. Only the ranks that remain call it. They vote through
 the world's store on the ranks to exclude (a rank that names other ranks makes every one of
@@ -15,7 +15,15 @@ them raise, and the group stays as it was), then:
   destroys the old one.
 
 What is in flight ends first: ``SHRINK_DEFAULT`` lets it end (or fail), ``SHRINK_ABORT``
-fails it at once on this rank.
+fails it at once on this rank. :func:`lost` (``lost_ranks``) says which ranks to exclude.
+
+:func:`join` (``join_process_group``) registers a process in the job's *lobby* in the store
+and waits for a ticket; :func:`admit`, called by every member at the same points, hands
+tickets to the processes waiting and forms, with them, a grown world (members keep their
+ranks), which becomes the default.
+
+Either way the old world is replaced by a successor over new connections rather than
+patched (see docs/architecture.md, "Membership changes").
 """
 
 from __future__ import annotations
@@ -43,7 +51,7 @@ LOST_GRACE = 1.0
 _LOST_POLL = 0.02
 # How often a process waiting to join checks whether it was admitted (seconds).
 _ADMITTED_POLL = 0.1
-# Why a rank that moved on to a shrunk group left the old world: it is not lost.
+# Why a rank that moved on to a successor world left the old one: it is not lost.
 _MOVED_ON = "moved on to the group of its"
 
 # Ids of the groups that shrinking a group other than the default makes: apart from the ids
