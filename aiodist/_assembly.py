@@ -120,6 +120,7 @@ async def open_world(
         membership=membership,
     )
     try:
+        await pg.world.domain.leased()
         await _backends.setup(pg)
         await announce(pg.world)
     except BaseException:

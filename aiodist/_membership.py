@@ -355,6 +355,7 @@ async def _successor(world: World, store: Store, rank: int, size: int, why: str)
     )
     successor.start()
     try:
+        await successor.domain.leased()
         await _backends.setup(successor.default_group)
         await announce(successor)
     except BaseException:

@@ -115,6 +115,7 @@ class FailureDomain:
         # Set when the world is aborted or closed (a wait must end either way).
         self._ended = asyncio.Event()
         self._watchers: list[asyncio.Task[None]] = []
+        self._leasing: asyncio.Task[None] | None = None
         self._recording: asyncio.Task[None] | None = None
 
     def __repr__(self) -> str:
@@ -126,10 +127,22 @@ class FailureDomain:
         watch for one rank)."""
         if not self._watchers and self.size > 1:
             loop = asyncio.get_running_loop()
+            self._leasing = loop.create_task(self._take_leases())
             self._watchers = [
-                loop.create_task(self._watch(_ABORT_KEY, lease=True)),
-                loop.create_task(self._watch(_DEPARTED_KEY, lease=False)),
+                self._leasing,
+                loop.create_task(self._watch(_ABORT_KEY)),
+                loop.create_task(self._watch(_DEPARTED_KEY)),
             ]
+
+    async def leased(self) -> None:
+        """Wait until the store holds this rank's leases (see :meth:`start`).
+
+        Until then, the store could not tell the others that this rank went away: a world
+        is handed to its user only after, or a rank that vanishes at once (its host
+        unplugged) may go unnoticed by a peer whose data to it is still unacknowledged.
+        """
+        if self._leasing is not None:
+            await asyncio.shield(self._leasing)
 
     async def _take_leases(self) -> None:
         # If this rank's connection to the store ends without a goodbye (the process ended
@@ -147,9 +160,7 @@ class FailureDomain:
         except DistError as exc:
             logger.warning("rank %d: could not take a lease on the store: %s", self.rank, exc)
 
-    async def _watch(self, key: str, *, lease: bool) -> None:
-        if lease:
-            await self._take_leases()
+    async def _watch(self, key: str) -> None:
         delay = _WATCH_RETRY
         while not self.closed:
             try:

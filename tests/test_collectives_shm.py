@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import time
 from collections.abc import Sequence
@@ -11,14 +12,15 @@ from typing import Any
 import numpy as np
 import pytest
 from collective_helpers import numpy_reduce, sample
-from shm_helpers import ProcessWorld, leftovers, new_job, run_processes
+from shm_helpers import leftovers, new_job
 
 import aiodist
 from aiodist import _shared_array
 from aiodist._ops import ReduceOp, check_reduce_op
 from aiodist.collectives import shm
 from aiodist.collectives.shm import NodeWorkspace
-from aiodist.store import FileStore, HashStore, Store
+from aiodist.store import FileStore, HashStore
+from aiodist.testing import start_world_processes
 
 DTYPES = [np.dtype(t) for t in (np.bool_, np.int8, np.float16, np.float64)]
 # Scalar, empty, one round, and several rounds of 8 KiB blocks (4 x 700 x 8 bytes).
@@ -416,7 +418,8 @@ async def test_shared_arrays_are_mapped_lazily_and_unmapped_when_dropped(
 # -- real processes -------------------------------------------------------------------------
 
 
-async def _battery(store: Store, rank: int, n: int, job: str) -> bool:
+async def _battery(path: str, job: str, rank: int, n: int) -> bool:
+    store = FileStore(path)
     ws = await NodeWorkspace.create(store, rank, n, timeout=30, job_key=job, block_bytes=BLOCK)
     try:
         for share in (False, True):
@@ -449,10 +452,13 @@ def test_processes_run_the_direct_collectives(
     n: int, job: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # 4 ranks on this 2-CPU machine: barriers sleep on doorbells instead of polling.
-    assert run_processes(_battery, n, str(tmp_path / "store"), job) == [True] * n
+    battery = functools.partial(_battery, str(tmp_path / "store"), job)
+    with start_world_processes(battery, n, timeout=90, init_group=False) as world:
+        assert world.results() == [True] * n
 
 
-async def _keep_reducing(store: Store, rank: int, n: int, job: str) -> tuple[str, float]:
+async def _keep_reducing(path: str, job: str, rank: int, n: int) -> tuple[str, float]:
+    store = FileStore(path)
     ws = await NodeWorkspace.create(store, rank, n, timeout=30, job_key=job)
     x = np.ones(4 << 20, np.float32)
     await store.add("looping", 1)
@@ -470,8 +476,8 @@ async def test_a_rank_killed_mid_operation_is_named_by_every_survivor(
     job: str, tmp_path: Any
 ) -> None:
     path = str(tmp_path / "store")
-    world = ProcessWorld(_keep_reducing, 3, path, job).start()
-    try:
+    rank_main = functools.partial(_keep_reducing, path, job)
+    with start_world_processes(rank_main, 3, timeout=60, init_group=False) as world:
         store = FileStore(path)
         while int(await store.add("looping", 0)) < 3:
             await asyncio.sleep(0.01)
@@ -480,9 +486,7 @@ async def test_a_rank_killed_mid_operation_is_named_by_every_survivor(
         pid = world.procs[1].pid
         killed_at = time.time()
         world.procs[1].kill()
-        results = await asyncio.to_thread(world.results, 30, [0, 2])
-    finally:
-        world.kill()
+        results = await asyncio.to_thread(world.results, timeout=30, ranks=[0, 2])
     for msg, failed_at in results:
         assert msg == f"lost connection to rank 1: its process (pid {pid}) exited"
         assert failed_at - killed_at < 2.0

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import shutil
@@ -14,20 +15,22 @@ from typing import Any
 
 import numpy as np
 import pytest
-from shm_helpers import ProcessWorld, leftovers, new_job, run_processes, shm_world
+from shm_helpers import leftovers, new_job, shm_world
 
 import aiodist
 from aiodist import _shared_array
 from aiodist._ops import ReduceOp
 from aiodist.collectives import shm
 from aiodist.collectives.shm import NodeWorkspace
-from aiodist.store import FileStore, HashStore, Store
+from aiodist.store import FileStore, HashStore
+from aiodist.testing import start_world_processes
 from aiodist.transport.shm import ShmTransport
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.both_loops]
 
 
-async def _use_everything(store: Store, rank: int, n: int, job: str, close: bool) -> list[str]:
+async def _use_everything(path: str, job: str, close: bool, rank: int, n: int) -> list[str]:
+    store = FileStore(path)
     t = await ShmTransport.create(store, rank, n, timeout=30, job_key=job)
     ws = await NodeWorkspace.create(store, rank, n, timeout=30, job_key=job)
     x = _shared_array.empty(1 << 17, np.float32, ws)
@@ -48,14 +51,17 @@ async def _use_everything(store: Store, rank: int, n: int, job: str, close: bool
 @pytest.mark.parametrize("close", [True, False], ids=["aclose", "exit"])
 def test_nothing_remains_after_aclose_or_a_plain_exit(close: bool, tmp_path: Any) -> None:
     job = new_job()
-    seen = run_processes(_use_everything, 3, str(tmp_path / "store"), job, close)
+    rank_main = functools.partial(_use_everything, str(tmp_path / "store"), job, close)
+    with start_world_processes(rank_main, 3, timeout=90, init_group=False) as world:
+        seen = world.results()
     assert seen == [[], [], []]
     assert leftovers(job) == []
 
 
-async def _set_up_and_wait(store: Store, rank: int, n: int, job: str) -> str:
+async def _set_up_and_wait(path: str, job: str, size: int, rank: int, started: int) -> str:
+    """Rank ``rank`` of a transport of ``size`` ranks, of which only ``started`` come."""
     try:
-        await ShmTransport.create(store, rank, n, timeout=2, job_key=job)
+        await ShmTransport.create(FileStore(path), rank, size, timeout=2, job_key=job)
     except aiodist.DistTimeoutError as exc:
         return str(exc)
     return "set up"
@@ -66,19 +72,14 @@ async def test_a_rank_killed_during_setup_leaves_nothing_behind(tmp_path: Any) -
     path = str(tmp_path / "store")
     # Ranks 0 and 1 of three set up; rank 2 never comes. Rank 0 is killed while its
     # segment and doorbell still have names (they are unlinked once all have mapped them).
-    world = ProcessWorld(_set_up_and_wait, 3, path, job)
-    world.procs = world.procs[:2]
-    world.conns = world.conns[:2]
-    world.start()
-    try:
+    rank_main = functools.partial(_set_up_and_wait, path, job, 3)
+    with start_world_processes(rank_main, 2, timeout=60, init_group=False) as world:
         store = FileStore(path)
         await store.wait(["shm/t/0", "shm/t/1"], timeout=30)
         assert len(leftovers(job)) == 4  # two segments and two doorbells
         world.procs[0].kill()
         # Rank 1 gives up at its deadline and removes its own names and rank 0's.
-        [msg] = await asyncio.to_thread(world.results, 30, [1])
-    finally:
-        world.kill()
+        [msg] = await asyncio.to_thread(world.results, timeout=30, ranks=[1])
     assert msg.endswith(f"ranks [2] did not arrive within {msg.split('within ')[1]}")
     assert leftovers(job) == []
 
@@ -86,16 +87,12 @@ async def test_a_rank_killed_during_setup_leaves_nothing_behind(tmp_path: Any) -
 async def test_a_restart_removes_what_its_killed_predecessor_left(tmp_path: Any) -> None:
     job = new_job()
     path = str(tmp_path / "store")
-    world = ProcessWorld(_set_up_and_wait, 2, path, job)
-    world.procs = world.procs[:1]
-    world.conns = world.conns[:1]
-    world.start()
-    try:
+    # Rank 0 of two sets up alone, and is killed while its names still exist.
+    rank_main = functools.partial(_set_up_and_wait, path, job, 2)
+    with start_world_processes(rank_main, 1, timeout=60, init_group=False) as world:
         await FileStore(path).wait(["shm/t/0"], timeout=30)
         world.procs[0].kill()
         world.procs[0].join(10)
-    finally:
-        world.kill()
     left = leftovers(job)
     assert len(left) == 2  # nobody survived to clean up
     # The job starts again under the same key: its setup removes them first.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import subprocess
 import sys
@@ -12,13 +13,14 @@ from typing import Any
 import numpy as np
 import pytest
 from collective_helpers import numpy_reduce, run_on, sample
-from shm_helpers import ProcessWorld, leftovers, new_job, run_processes, shm_world
+from shm_helpers import leftovers, new_job, shm_world
 
 import aiodist
 from aiodist import collectives
 from aiodist._fingerprint import fingerprint
 from aiodist._ops import ReduceOp
-from aiodist.store import FileStore, HashStore, Store
+from aiodist.store import FileStore, HashStore
+from aiodist.testing import start_world_processes
 from aiodist.transport._mailbox import Mailbox
 from aiodist.transport._shm_segment import SharedMemoryError, host_key, unavailable_reason
 from aiodist.transport.base import OpComm, PeerDirectory, Transport
@@ -400,11 +402,11 @@ async def test_one_mailbox_shared_with_a_tcp_transport_routes_per_peer(job: str)
 # -- real processes -----------------------------------------------------------------------
 
 
-async def _battery(store: Store, rank: int, n: int, job: str, spin: float | None) -> float:
+async def _battery(path: str, job: str, spin: float | None, rank: int, n: int) -> float:
     """Messages and collectives between processes; returns the largest value checked."""
     # 64 KiB rings: the 3 MiB messages below wait for room ~50 times (want flag, doorbell).
     t = await ShmTransport.create(
-        store, rank, n, timeout=30, job_key=job, spin=spin, ring_bytes=64 << 10
+        FileStore(path), rank, n, timeout=30, job_key=job, spin=spin, ring_bytes=64 << 10
     )
     world = list(range(n))
     try:
@@ -437,11 +439,14 @@ def test_processes_exchange_messages_and_run_collectives(
     n: int, spin: float | None, job: str, tmp_path: Any
 ) -> None:
     # n=4 on this machine's CPUs and spin=0 are the oversubscribed, doorbell-only paths.
-    results = run_processes(_battery, n, str(tmp_path / "store"), job, spin)
+    battery = functools.partial(_battery, str(tmp_path / "store"), job, spin)
+    with start_world_processes(battery, n, timeout=90, init_group=False) as world:
+        results = world.results()
     assert results == [float(n - 1)] * n
 
 
-async def _wait_for_lost_peer(store: Store, rank: int, n: int, job: str) -> Any:
+async def _wait_for_lost_peer(path: str, job: str, rank: int, n: int) -> Any:
+    store = FileStore(path)
     t = await ShmTransport.create(store, rank, n, timeout=30, job_key=job)
     if rank == 0:
         await t.send(1, T, memoryview(b"before"))
@@ -469,14 +474,12 @@ async def _wait_for_lost_peer(store: Store, rank: int, n: int, job: str) -> Any:
 @pytest.mark.multiprocess
 async def test_a_killed_peer_fails_its_receives_at_once(job: str, tmp_path: Any) -> None:
     path = str(tmp_path / "store")
-    world = ProcessWorld(_wait_for_lost_peer, 2, path, job).start()
-    try:
+    rank_main = functools.partial(_wait_for_lost_peer, path, job)
+    with start_world_processes(rank_main, 2, timeout=60, init_group=False) as world:
         await FileStore(path).wait(["waiting"], timeout=30)
         killed_at = time.time()
         world.procs[0].kill()
-        [(box, msg, failed_at)] = await asyncio.to_thread(world.results, 30, [1])
-    finally:
-        world.kill()
+        [(box, msg, failed_at)] = await asyncio.to_thread(world.results, timeout=30, ranks=[1])
     assert box == b"before"  # sent before the death: still delivered
     assert msg.startswith("lost connection to rank 0: its process (pid ")
     assert msg.endswith(") exited")

@@ -6,16 +6,37 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ._store_kit import check_store, check_sync_store
-    from ._world import WorldProcessError, free_port, run_world, run_world_processes
+    from ._world import (
+        WorldProcessError,
+        WorldProcesses,
+        free_port,
+        run_world,
+        run_world_processes,
+        start_world_processes,
+    )
 
 __all__ = [
     "WorldProcessError",
+    "WorldProcesses",
     "check_store",
     "check_sync_store",
     "free_port",
     "run_world",
     "run_world_processes",
+    "start_world_processes",
 ]
+
+#: The names that :mod:`._world` defines.
+_WORLD = frozenset(
+    {
+        "WorldProcessError",
+        "WorldProcesses",
+        "free_port",
+        "run_world",
+        "run_world_processes",
+        "start_world_processes",
+    }
+)
 
 
 def __getattr__(name: str) -> Any:
@@ -25,7 +46,7 @@ def __getattr__(name: str) -> Any:
         from . import _store_kit
 
         return getattr(_store_kit, name)
-    if name in ("WorldProcessError", "free_port", "run_world", "run_world_processes"):
+    if name in _WORLD:
         from . import _world
 
         return getattr(_world, name)

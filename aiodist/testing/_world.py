@@ -14,13 +14,20 @@ import time
 import traceback
 import types
 from collections.abc import Awaitable, Callable, Collection, Sequence
-from typing import Any, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 from .._loop import loop_factory
 from .._timeouts import Timeout, to_seconds
 from ..errors import DistError, DistNetworkError, DistTimeoutError, DistUsageError
 
-__all__ = ["WorldProcessError", "free_port", "run_world", "run_world_processes"]
+__all__ = [
+    "WorldProcessError",
+    "WorldProcesses",
+    "free_port",
+    "run_world",
+    "run_world_processes",
+    "start_world_processes",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -304,6 +311,7 @@ def _child(
     env: dict[str, str],
     backend: str | None,
     timeout: float | None,
+    init_group: bool,
     conn: multiprocessing.connection.Connection,
 ) -> None:
     os.environ.update(env)
@@ -321,7 +329,8 @@ def _child(
     async def run_async() -> Any:
         from .. import _api
 
-        await _api.init_process_group(backend, timeout=timeout)
+        if init_group:
+            await _api.init_process_group(backend, timeout=timeout)
         try:
             result = await fn(rank, world_size)
         except BaseException as exc:
@@ -331,14 +340,16 @@ def _child(
             returned_at.append(time.time())
             return result
         finally:
-            await _api.destroy_process_group()
+            if init_group:
+                await _api.destroy_process_group()
 
     def run_blocking() -> Any:
         # The blocking facade runs its own loop in a thread of this process; the function
         # runs here, in the main thread, as a script would.
         from .. import sync
 
-        sync.init_process_group(backend, timeout=timeout)
+        if init_group:
+            sync.init_process_group(backend, timeout=timeout)
         try:
             result = fn(rank, world_size)
         except BaseException as exc:
@@ -348,7 +359,8 @@ def _child(
             returned_at.append(time.time())
             return result
         finally:
-            sync.destroy_process_group()
+            if init_group:
+                sync.destroy_process_group()
 
     try:
         if _is_async(fn):
@@ -364,6 +376,238 @@ def _child(
         raise SystemExit(1) from None
     finally:
         conn.close()
+
+
+class WorldProcesses(Generic[T]):
+    """The running processes of a world that :func:`start_world_processes` started.
+
+    :meth:`results` waits for the ranks' results; :meth:`kill` (or leaving a ``with`` block)
+    kills every process still running. ``procs`` lets a test kill one rank, or read its pid,
+    while the others run on.
+
+    Attributes:
+        procs: the process of each rank, indexed by rank.
+    """
+
+    def __init__(self, timeout: float, what: str) -> None:
+        self.procs: list[multiprocessing.process.BaseProcess] = []
+        # rank -> the end of its pipe, until its outcome is read.
+        self._conns: dict[int, multiprocessing.connection.Connection] = {}
+        self._timeout = timeout
+        self._what = what
+        self._results: dict[int, T] = {}
+        # rank -> when its fn returned (before its group was destroyed).
+        self._returned_at: dict[int, float] = {}
+        # rank -> (when it failed, the operation it failed in, message); the earliest
+        # failure is the root cause, the others usually follow from it (a peer went away).
+        self._failures: dict[int, tuple[float, _WaitedIn | None, str]] = {}
+
+    def __repr__(self) -> str:
+        alive = [r for r, p in enumerate(self.procs) if p.is_alive()]
+        return f"<WorldProcesses size={len(self.procs)} running={alive}>"
+
+    def __enter__(self) -> WorldProcesses[T]:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.kill()
+
+    def results(
+        self, timeout: float | None = None, ranks: Collection[int] | None = None
+    ) -> list[T]:
+        """Wait for the ranks to finish and return their results.
+
+        Only the ranks of ``ranks`` are waited for and reported on: leave out those the test
+        killed. A rank's result is kept, so a later call returns it again.
+
+        Args:
+            timeout: seconds to wait; ``None`` keeps the ``timeout`` given to
+                :func:`start_world_processes`.
+            ranks: the ranks to wait for, by default every rank.
+
+        Returns:
+            The results of ``fn``, one per rank of ``ranks``, in the order of ``ranks``
+            (indexed by rank when every rank is waited for).
+
+        Raises:
+            DistUsageError: ``ranks`` holds something other than a rank of this world.
+            WorldProcessError: a rank waited for raised (its traceback is in the message)
+                or died; every process is killed. When ranks the failing operation waited
+                for had already returned, the first line says so: ``"rank 0 failed: rank 1
+                already returned (its function ended) while rank 0 waited for it in
+                all_reduce"``.
+            DistTimeoutError: ranks waited for still running after ``timeout`` (they are
+                named, and so are the ranks that had already returned); every process is
+                killed.
+        """
+        wanted = list(range(len(self.procs))) if ranks is None else list(ranks)
+        for rank in wanted:
+            if not isinstance(rank, int) or isinstance(rank, bool):
+                raise DistUsageError(f"ranks must hold ints, got {rank!r}")
+            if not 0 <= rank < len(self.procs):
+                raise DistUsageError(
+                    f"rank {rank} is not a rank of this world of {len(self.procs)}"
+                )
+        seconds = self._timeout if timeout is None else timeout
+        try:
+            self._collect(set(wanted), seconds)
+        except BaseException:
+            self.kill()
+            raise
+        for rank in wanted:
+            self.procs[rank].join(10)
+        return [self._results[r] for r in wanted]
+
+    def _collect(self, wanted: set[int], seconds: float) -> None:
+        """Read the outcome of every rank of ``wanted`` not read yet; raise for a failure."""
+        deadline = time.monotonic() + seconds
+        while conns := {c: r for r, c in self._conns.items() if r in wanted}:
+            if self._failures.keys() & wanted:
+                deadline = min(deadline, time.monotonic() + _FAILURE_GRACE)
+            left = deadline - time.monotonic()
+            ready = multiprocessing.connection.wait(list(conns), timeout=max(0.0, left))
+            if not ready:
+                if self._failures.keys() & wanted:
+                    break
+                missing = sorted(conns.values())
+                raise DistTimeoutError(
+                    _still_running(self._what, missing, seconds, self._returned_at)
+                )
+            for c in ready:
+                assert isinstance(c, multiprocessing.connection.Connection)
+                self._read(conns[c])
+        failures = {r: f for r, f in self._failures.items() if r in wanted}
+        if failures:
+            first = min(failures, key=lambda r: failures[r][0])
+            when, waited, message = failures[first]
+            early = [r for r, t in self._returned_at.items() if t <= when]
+            why = _early_return(first, waited, early)
+            if why is not None:  # "rank 0 failed: rank 1 already returned ..."
+                message = message.replace(":\n", f": {why}\n", 1)
+            others = sorted(set(failures) - {first})
+            also = f"\n(ranks {others} failed afterwards)" if others else ""
+            raise WorldProcessError(first, message + also)
+
+    def _read(self, rank: int) -> None:
+        """Read what ``rank`` sent: its result, its failure, or nothing (it died)."""
+        conn = self._conns.pop(rank)
+        try:
+            status, payload = conn.recv()
+        except EOFError:
+            self.procs[rank].join(5)
+            self._failures[rank] = (
+                time.time(),
+                None,
+                f"rank {rank} died without a result (exit code {self.procs[rank].exitcode})",
+            )
+            return
+        finally:
+            conn.close()
+        if status == "error":
+            when, waited, text = payload
+            self._failures[rank] = (when, waited, f"rank {rank} failed:\n{text}")
+        else:
+            self._returned_at[rank], self._results[rank] = payload
+
+    def kill(self) -> None:
+        """Kill every process still running and wait for them to end (at once, for a world
+        whose ranks all finished). Calling it again does nothing more."""
+        for conn in self._conns.values():
+            conn.close()
+        self._conns.clear()
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in self.procs:
+            with contextlib.suppress(Exception):
+                proc.join(5)
+
+
+def _start(
+    fn: RankFn[T] | BlockingRankFn[T],
+    world_size: int,
+    backend: str | None,
+    timeout: float,
+    env: dict[str, str] | None,
+    init_group: bool,
+    what: str,
+) -> WorldProcesses[T]:
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise DistUsageError(f"world_size must be a positive integer, got {world_size!r}")
+    ctx = multiprocessing.get_context("spawn")
+    port = free_port()
+    world: WorldProcesses[T] = WorldProcesses(timeout, what)
+    try:
+        for rank in range(world_size):
+            child_env = {
+                **(env or {}),
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world_size),
+                "LOCAL_RANK": str(rank),
+                "LOCAL_WORLD_SIZE": str(world_size),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+            }
+            recv_end, send_end = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=_child,
+                args=(fn, rank, world_size, child_env, backend, timeout, init_group, send_end),
+                name=f"aiodist-rank-{rank}",
+                daemon=True,
+            )
+            world._conns[rank] = recv_end
+            world.procs.append(proc)
+            try:
+                proc.start()
+            finally:
+                send_end.close()  # the child holds its own: a dead child reads as EOF
+    except BaseException:
+        world.kill()
+        raise
+    return world
+
+
+def start_world_processes(
+    fn: RankFn[T] | BlockingRankFn[T],
+    world_size: int,
+    backend: str | None = "cpu",
+    *,
+    timeout: float = 120.0,
+    env: dict[str, str] | None = None,
+    init_group: bool = True,
+) -> WorldProcesses[T]:
+    """Start ``fn(rank, world_size)`` in ``world_size`` new processes and return at once.
+
+    The processes are those of :func:`run_world_processes`, which is built on this: use it
+    when a test acts on the world while it runs (kills a rank through
+    :attr:`WorldProcesses.procs`, waits for a key a rank sets), then collects the results
+    with :meth:`WorldProcesses.results`. Use the handle in a ``with`` block, which kills
+    what still runs when it ends::
+
+        with start_world_processes(fn, 3) as world:
+            ...  # wait until the ranks are busy
+            world.procs[1].kill()
+            survivors = world.results(ranks=[0, 2])
+
+    Args:
+        fn: a function of ``(rank, world_size)``, async or blocking (as for
+            :func:`run_world_processes`).
+        world_size: the number of processes.
+        backend: passed to ``init_process_group``.
+        timeout: the groups' operation timeout, and how long :meth:`WorldProcesses.results`
+            waits by default.
+        env: extra environment variables for the children.
+        init_group: whether each child joins the default process group before ``fn`` runs
+            (and leaves it after); ``False`` calls ``fn`` alone, for code below the process
+            group (a store, a transport) that sets up what it needs itself.
+
+    Returns:
+        The running processes.
+
+    Raises:
+        DistUsageError: ``world_size`` is not a positive integer.
+    """
+    return _start(fn, world_size, backend, timeout, env, init_group, "start_world_processes")
 
 
 def run_world_processes(
@@ -390,7 +634,8 @@ def run_world_processes(
 
     The result of ``fn`` is sent back, so it must be picklable. Processes are started with
     ``spawn``, so ``fn`` must be a module-level function of an importable module (or a
-    partial of one, with picklable arguments).
+    partial of one, with picklable arguments). :func:`start_world_processes` starts the
+    same processes without waiting for them, and can leave the group out.
 
     Args:
         fn: a function of ``(rank, world_size)``, async or blocking.
@@ -411,91 +656,5 @@ def run_world_processes(
         DistTimeoutError: ranks still running after ``timeout`` (they are named and killed,
             and so are the ranks that had already returned).
     """
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise DistUsageError(f"world_size must be a positive integer, got {world_size!r}")
-    ctx = multiprocessing.get_context("spawn")
-    port = free_port()
-    procs: list[multiprocessing.process.BaseProcess] = []
-    conns: dict[multiprocessing.connection.Connection, int] = {}
-    for rank in range(world_size):
-        child_env = {
-            **(env or {}),
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-            "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(world_size),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-        }
-        recv_end, send_end = ctx.Pipe(duplex=False)
-        proc = ctx.Process(
-            target=_child,
-            args=(fn, rank, world_size, child_env, backend, timeout, send_end),
-            name=f"aiodist-rank-{rank}",
-            daemon=True,
-        )
-        proc.start()
-        send_end.close()
-        procs.append(proc)
-        conns[recv_end] = rank
-    results: dict[int, Any] = {}
-    # rank -> when its fn returned (before its group was destroyed).
-    returned_at: dict[int, float] = {}
-    # rank -> (when it failed, the operation it failed in, message); the earliest failure
-    # is the root cause, the others usually follow from it (their peer went away).
-    failures: dict[int, tuple[float, _WaitedIn | None, str]] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while conns:
-            if failures:
-                deadline = min(deadline, time.monotonic() + _FAILURE_GRACE)
-            left = deadline - time.monotonic()
-            ready = multiprocessing.connection.wait(list(conns), timeout=max(0.0, left))
-            if not ready:
-                if failures:
-                    break
-                missing = sorted(conns.values())
-                raise DistTimeoutError(
-                    _still_running("run_world_processes", missing, timeout, returned_at)
-                )
-            for c in ready:
-                assert isinstance(c, multiprocessing.connection.Connection)
-                rank = conns.pop(c)
-                try:
-                    status, payload = c.recv()
-                except EOFError:
-                    procs[rank].join(5)
-                    failures[rank] = (
-                        time.time(),
-                        None,
-                        f"rank {rank} died without a result (exit code {procs[rank].exitcode})",
-                    )
-                    continue
-                finally:
-                    c.close()
-                if status == "error":
-                    when, waited, text = payload
-                    failures[rank] = (when, waited, f"rank {rank} failed:\n{text}")
-                else:
-                    returned_at[rank], results[rank] = payload
-        if failures:
-            first = min(failures, key=lambda r: failures[r][0])
-            when, waited, message = failures[first]
-            early = [r for r, t in returned_at.items() if t <= when]
-            why = _early_return(first, waited, early)
-            if why is not None:  # "rank 0 failed: rank 1 already returned ..."
-                message = message.replace(":\n", f": {why}\n", 1)
-            others = sorted(set(failures) - {first})
-            also = f"\n(ranks {others} failed afterwards)" if others else ""
-            raise WorldProcessError(first, message + also)
-        for p in procs:
-            p.join(10)
-    finally:
-        for c in conns:
-            c.close()
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            with contextlib.suppress(Exception):
-                p.join(5)
-    return [results[r] for r in range(world_size)]
+    with _start(fn, world_size, backend, timeout, env, True, "run_world_processes") as world:
+        return world.results()
