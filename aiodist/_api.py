@@ -171,7 +171,7 @@ async def init_process_group(
     this rank joined under that name), so several jobs or restarts can share one store.
 
     The default group is process-wide, as in torch: every task and thread of the process
-    sees it (a context made with :func:`aiodist.group.isolate_context` holds its own).
+    sees it (a context made with ``aiodist.group.isolate_context()`` holds its own).
 
     Args:
         backend: ``"cpu"`` (alias ``"gloo"``), ``"cuda"`` (alias ``"nccl"``), torch's

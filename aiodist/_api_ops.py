@@ -384,7 +384,7 @@ def monitored_barrier(
     """A barrier that names the ranks which did not arrive within ``timeout``.
 
     Every rank checks in with group rank 0, which releases them all once everyone arrived.
-    If some rank does not arrive in time, rank 0 fails with :class:`DistTimeoutError`
+    If some rank does not arrive in time, rank 0 fails with :class:`~aiodist.errors.DistTimeoutError`
     naming it (with ``wait_all_ranks``, naming every missing rank), and the group is
     aborted so the other ranks fail too.
 

@@ -108,7 +108,7 @@ def _run_child(fn: Callable[..., object], i: int, args: Sequence[Any], error_fil
 
 
 class ProcessContext:
-    """The processes of one :func:`start_processes` call.
+    """The processes of one :func:`spawn` (``start_processes``) call.
 
     Attributes:
         processes: the ``multiprocessing`` processes, by index.

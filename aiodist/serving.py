@@ -81,7 +81,7 @@ CONTROLLER_RANK = _serving_channel.CONTROLLER_RANK
 
 #: What a handler returns, and what :meth:`Channel.call` hands back for each worker.
 Reply = _serving_channel.Reply
-#: A worker's handler: ``async def handler(*arrays) -> Reply``.
+#: A worker's handler, ``async def handler(*arrays) -> Reply``.
 Handler = _serving_channel.Handler
 
 #: Seconds between attempts to join the group again when the store cannot be reached.

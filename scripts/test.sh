@@ -43,7 +43,7 @@ if tar tzf "$dist"/*.tar.gz | grep -E '/(\.venv|__pycache__|\.[a-z_]*cache|\.hyp
 fi
 rm -rf "$dist"
 # The documentation site, every Sphinx warning an error (tests/test_docs.py reuses the build).
-.venv/bin/python -m sphinx -W --keep-going -q -b html docs docs/_build/html
+.venv/bin/python -m sphinx -n -W --keep-going -q -b html docs docs/_build/html
 
 # The whole suite takes a few minutes; the outer limit turns a hang that no per-test timeout
 # could interrupt into a failure instead of a stalled run.

@@ -87,7 +87,7 @@ def built_site() -> Path:
         pytest.importorskip(
             module, reason="the docs extra is not installed: pip install -e .[docs]"
         )
-    argv = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html"]
+    argv = [sys.executable, "-m", "sphinx", "-n", "-W", "--keep-going", "-q", "-b", "html"]
     proc = subprocess.run(
         [*argv, str(DOCS), str(BUILD)],
         capture_output=True,

@@ -52,7 +52,7 @@ from ._http import error_response, health_response
 
 __all__ = ["CONTROLLER", "setup"]
 
-#: The application's controller: ``app[CONTROLLER]`` (``request.app[CONTROLLER]``).
+#: The key of the application's controller, ``app[CONTROLLER]`` (``request.app[CONTROLLER]``).
 CONTROLLER = web.AppKey("aiodist_controller", Controller)
 
 

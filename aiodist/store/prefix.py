@@ -70,7 +70,7 @@ class PrefixStore(Store):
 
     @property
     def timeout(self) -> float | None:
-        """The underlying store's timeout: the two are one setting."""
+        """The underlying store's timeout (the two are one setting)."""
         return self._store.timeout
 
     def set_timeout(self, timeout: Timeout) -> None:

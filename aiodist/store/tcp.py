@@ -136,7 +136,7 @@ class TCPStore(Store):
 
     @property
     def wire(self) -> str:
-        """The protocol this client speaks with its server: ``"aiodist"`` or ``"torch"``."""
+        """The protocol this client speaks with its server, ``"aiodist"`` or ``"torch"``."""
         return self._channel.wire
 
     def local_address(self) -> str | None:

@@ -106,7 +106,7 @@ async def run_world(
     friends work as they would in a separate process. The ranks meet through one shared
     :class:`~aiodist.HashStore` and talk over real loopback TCP (``transport="tcp"``),
     shared memory as ranks on one host do (``transport="shm"``: the shared-memory transport
-    and the direct algorithms of :mod:`aiodist.collectives.shm`), or
+    and the direct algorithms of ``aiodist.collectives.shm``), or
     the in-process transport (``transport="local"``). Each rank's group is destroyed when
     its ``fn`` returns.
 
@@ -580,7 +580,7 @@ def start_world_processes(
 
     The processes are those of :func:`run_world_processes`, which is built on this: use it
     when a test acts on the world while it runs (kills a rank through
-    :attr:`WorldProcesses.procs`, waits for a key a rank sets), then collects the results
+    the handle's ``procs``, waits for a key a rank sets), then collects the results
     with :meth:`WorldProcesses.results`. Use the handle in a ``with`` block, which kills
     what still runs when it ends::
 

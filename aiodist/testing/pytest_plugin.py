@@ -29,7 +29,7 @@ pytest loads it for every project that installs aiodist (the ``pytest11`` entry 
   pytest's default ``prepend`` import mode makes it).
 
 * the fixture ``tcp_store``: an :class:`aiodist.TCPStore` that hosts its server on
-  ``127.0.0.1`` (a free port, :attr:`~aiodist.TCPStore.port`), on the test's event loop,
+  ``127.0.0.1`` (a free port, the store's ``port``), on the test's event loop,
   closed after the test. Other clients, torch's included, connect to that port.
 
 * the option ``--aiodist-loop=KINDS`` (ini ``aiodist_loop``): the event loop(s) that

@@ -7,9 +7,16 @@
     Imports ``module:function`` returning an :class:`argparse.ArgumentParser` and renders its
     options as a table: every spelling, the ``PET_<DEST>`` environment variable that
     supplies its default, and the help text.
+``environment-variables``
+    Renders the rows of one origin (``aiodist`` or ``torch``) of the table in
+    ``aiodist._environment``, each variable a target of the ``envvar`` role.
 
-Both read the code being documented, so the pages cannot drift from it; a command that
+They read the code being documented, so the pages cannot drift from it; a command that
 fails fails the build.
+
+It also links a name that a docstring spells through another module than the one it is
+documented in (``DistUsageError`` in ``aiodist``'s namespace, ``aiodist.store.Store``) to the
+entry of the same object, when the name resolves to exactly that object.
 """
 
 from __future__ import annotations
@@ -27,8 +34,10 @@ from typing import Any
 
 from docutils import nodes
 from docutils.parsers.rst import directives
+from sphinx import addnodes
 from sphinx.application import Sphinx
 from sphinx.util.docutils import SphinxDirective
+from sphinx.util.nodes import make_id
 
 
 def _clean_env() -> dict[str, str]:
@@ -151,6 +160,107 @@ class ArgparseOptions(SphinxDirective):
         return [table]
 
 
+_CODE = re.compile(r"`([^`]+)`")
+
+
+def _inline_code(text: str) -> nodes.paragraph:
+    """``text`` with its backquoted parts as literals."""
+    para = nodes.paragraph(support_smartquotes=False)
+    for i, part in enumerate(_CODE.split(text)):
+        if i % 2:
+            para += nodes.literal(part, part)
+        elif part:
+            para += nodes.Text(part)
+    return para
+
+
+class EnvironmentVariables(SphinxDirective):
+    """``.. environment-variables:: aiodist`` renders that origin's rows of the table."""
+
+    required_arguments = 1
+
+    def run(self) -> list[nodes.Node]:
+        module = importlib.import_module("aiodist._environment")
+        # The page shows the module's table: rebuild it when the module changes.
+        self.env.note_dependency(str(module.__file__))
+        origin = self.arguments[0]
+        rows = [v for v in module.VARIABLES if v.origin == origin]
+        if not rows:
+            raise self.error(f"no environment variable has the origin {origin!r}")
+        table = nodes.table(classes=["environment-variables"])
+        group = nodes.tgroup(cols=4)
+        table += group
+        for width in (27, 17, 33, 23):
+            group += nodes.colspec(colwidth=width)
+        head = nodes.thead()
+        group += head
+        header = nodes.row()
+        for title in ("variable", "when unset", "meaning", "read by"):
+            header += _cell(title)
+        head += header
+        body = nodes.tbody()
+        group += body
+        std = self.env.get_domain("std")
+        for variable in rows:
+            node_id = make_id(self.env, self.state.document, "envvar", variable.name)
+            name = _literals([variable.name])
+            name["ids"].append(node_id)
+            self.set_source_info(name)
+            std.note_object("envvar", variable.name, node_id, location=name)
+            row = nodes.row()
+            row += _cell(name)
+            for text in (variable.default, variable.meaning, variable.read_by):
+                row += _cell(_inline_code(text))
+            body += row
+        return [table]
+
+
+def _import(dotted: str) -> Any:
+    """The object ``dotted`` names (longest importable module, then attributes), or ``None``."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj: Any = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr, None)
+        return obj
+    return None
+
+
+def _resolve_reexport(
+    app: Sphinx, env: Any, node: addnodes.pending_xref, contnode: nodes.TextElement
+) -> nodes.reference | None:
+    """Link an unresolved aiodist name to the documented entry of the same object."""
+    if node.get("refdomain") != "py":
+        return None
+    target = node["reftarget"].lstrip(".~")
+    module, cls = node.get("py:module") or "", node.get("py:class")
+    candidates = [target, f"{module}.{target}", f"aiodist.{target}"]
+    if cls:
+        candidates.insert(0, f"{module}.{cls}.{target}")
+    domain = env.get_domain("py")
+    for candidate in candidates:
+        if not candidate.startswith("aiodist."):
+            continue
+        obj = _import(candidate)
+        # Equal small ints and strings share identity: only match real objects.
+        if obj is None or isinstance(obj, int | float | str | bytes | tuple):
+            continue
+        same = [
+            (entry.aliased, len(name), name)
+            for name, entry in domain.objects.items()
+            if name.startswith("aiodist.") and _import(name) is obj
+        ]
+        if same:
+            name = min(same)[2]
+            return domain.resolve_xref(
+                env, node["refdoc"], app.builder, "obj", name, node, contnode
+            )
+    return None
+
+
 def setup(app: Sphinx) -> dict[str, Any]:
     # Sphinx rebuilds everything when a config value changes, not when an extension does;
     # this one's value is the extension's own source, so editing it rebuilds the pages.
@@ -158,4 +268,6 @@ def setup(app: Sphinx) -> dict[str, Any]:
     app.add_config_value("aiodist_docs_source", source, "env")
     app.add_directive("program-output", ProgramOutput)
     app.add_directive("argparse-options", ArgparseOptions)
+    app.add_directive("environment-variables", EnvironmentVariables)
+    app.connect("missing-reference", _resolve_reexport)
     return {"parallel_read_safe": True, "parallel_write_safe": True, "version": "1"}
