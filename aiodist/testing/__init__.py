@@ -26,23 +26,15 @@ __all__ = [
     "start_world_processes",
 ]
 
-#: The names that :mod:`._world` defines.
-_WORLD = frozenset(
-    {
-        "WorldProcessError",
-        "WorldProcesses",
-        "free_port",
-        "run_world",
-        "run_world_processes",
-        "start_world_processes",
-    }
-)
+#: The names that :mod:`._store_kit` defines; the others come from :mod:`._world`.
+_STORE_KIT = frozenset({"check_store", "check_sync_store"})
+_WORLD = frozenset(__all__) - _STORE_KIT
 
 
 def __getattr__(name: str) -> Any:
     # Imported on first use: the pytest plugin imports this package in every test run of
     # every project that installs aiodist, and must stay cheap and inert.
-    if name in ("check_store", "check_sync_store"):
+    if name in _STORE_KIT:
         from . import _store_kit
 
         return getattr(_store_kit, name)
