@@ -222,6 +222,12 @@ def main() -> None:
             stopping = asyncio.create_task(stop.wait())
             await asyncio.wait([serving, stopping], return_when=asyncio.FIRST_COMPLETED)
             if not stop.is_set():
+                # The launcher signals its workers one after the other: a peer signalled first
+                # may have left already, failing this rank's collective just before this
+                # rank's own SIGTERM arrives.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 2)
+            if not stop.is_set():
                 serving.result()  # the collective's error, raised
             await asyncio.sleep(float(args[0].split(",")[rank]))
             serving.cancel()
