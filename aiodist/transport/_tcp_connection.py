@@ -28,6 +28,7 @@ import os
 import socket
 import struct
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
 from .._auth import AUTH_MAC_SIZE, NONCE_SIZE, auth_mac, verify_mac
@@ -183,8 +184,7 @@ class TCPConnection(asyncio.BufferedProtocol):
             _enable_keepalive(sock, self.owner._peer_timeout)
         self.owner._live.add(self)
         if self.owner._closed is not None:
-            self.state = DONE
-            transport.abort()
+            self._drop_unopened(transport.abort)
             return
         if self.peer is not None:
             transport.write(self._handshake_message(_HELLO, _NO_PROOF))
@@ -211,18 +211,25 @@ class TCPConnection(asyncio.BufferedProtocol):
     def _handshake_timeout(self) -> None:
         if self.state == HANDSHAKING and self.transport is not None:
             logger.debug("rank %d: a connection sent no handshake in time", self.owner.rank)
-            self.state = DONE
-            self.transport.abort()
+            self._drop_unopened(self.transport.abort)
 
     def _handshake_failed(self, exc: BaseException) -> None:
-        self.state = DONE
         if not self.handshake.done():
             self.handshake.set_exception(exc)
             self.handshake.exception()  # the connecting task reads it, or has gone
         if self.peer is None or not isinstance(exc, DistNetworkError):
             logger.warning("rank %d dropped a connection: %s", self.owner.rank, exc)
         assert self.transport is not None
-        self.transport.abort()
+        self._drop_unopened(self.transport.abort)
+
+    def _drop_unopened(self, close: Callable[[], None]) -> None:
+        """Close (or abort) a connection dropped before it opened, and stop counting it as
+        live at once: uvloop may never call ``connection_lost`` for a transport closed from
+        its own read callback or accepted by a server that has closed, and
+        :meth:`TCPTransport.aclose` would wait for it in vain."""
+        self.state = DONE
+        close()
+        self.orphaned()
 
     def _on_handshake(self) -> None:
         if self._want_proof is not None:
@@ -275,9 +282,8 @@ class TCPConnection(asyncio.BufferedProtocol):
                 )
         if kind == _REJECT:
             # The peer's own connection to us is the one kept.
-            self.state = DONE
             self.handshake.set_result(False)
-            self.transport.close()
+            self._drop_unopened(self.transport.close)
             return None
         if owner._token is not None:
             self.transport.write(self._proof(_ROLE_CONNECT, nonce, self._nonce, owner.rank))
@@ -299,8 +305,7 @@ class TCPConnection(asyncio.BufferedProtocol):
                 rank,
                 "it has no auth token" if owner._token is not None else "it has an auth token",
             )
-            self.state = DONE
-            self.transport.close()
+            self._drop_unopened(self.transport.close)
             return None
         self.peer = rank
         keep = owner._accepts(rank)
@@ -309,8 +314,7 @@ class TCPConnection(asyncio.BufferedProtocol):
             proof = self._proof(_ROLE_ACCEPT, self._peer_nonce, self._nonce, rank)
         self.transport.write(self._handshake_message(_ACCEPT if keep else _REJECT, proof))
         if not keep:
-            self.state = DONE
-            self.transport.close()
+            self._drop_unopened(self.transport.close)
             return None
         if owner._token is not None:
             # Not one frame is read before the peer has proven that it holds the token.
@@ -374,10 +378,10 @@ class TCPConnection(asyncio.BufferedProtocol):
             self.fail_sends(lost_peer_error(peer, reason))  # if the peer had failed before
 
     def orphaned(self) -> None:
-        """Forget a connection whose ``create_connection`` call failed or was cancelled.
-
-        The loop closed its transport itself; uvloop may have called ``connection_made``
-        first and then never calls ``connection_lost``.
+        """Forget a connection whose transport is closed or closing without waiting for
+        ``connection_lost``: its ``create_connection`` call failed or was cancelled (uvloop
+        may have called ``connection_made`` first and then never calls ``connection_lost``),
+        or it was dropped before it opened.
         """
         self.owner._live.discard(self)
         self.state = DONE
