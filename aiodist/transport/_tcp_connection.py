@@ -499,8 +499,11 @@ class TCPConnection(asyncio.BufferedProtocol):
         transport, state = self.transport, self.state
         if transport is None or state == DONE:
             return  # whoever moved the connection to DONE closed its transport
+        if state != OPEN:
+            self._drop_unopened(transport.abort)
+            return
         self.state = DONE
-        if state != OPEN or not transport.can_write_eof():
+        if not transport.can_write_eof():
             transport.abort()
             return
         if frame is not None and not self.queue:
