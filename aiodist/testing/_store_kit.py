@@ -24,7 +24,7 @@ from ..store._base import Store, Value
 __all__ = ["SyncStoreLike", "check_store", "check_sync_store"]
 
 #: How long the checks let a wait run before it must time out (seconds).
-SHORT = 0.2
+SHORT = 0.05
 #: How long a check gives an awaited operation to complete before failing (seconds).
 LONG = 10.0
 
