@@ -113,11 +113,8 @@ def test_a_vanished_host_is_noticed_by_every_rank(
             assert r.event()["event"] == "ready"
         # Right away: rank 0 is entering or waiting in its all_reduce, rank 1 sleeps. Nothing
         # more is awaited: init_process_group has returned on both ranks, and the promise
-        # holds from there. (A known race in the library, not in this test: each rank's
-        # leases on the store are taken by a task that init_process_group leaves running. If
-        # the link goes down before rank 1's lease is in, while rank 0's data to rank 1 is
-        # still unacknowledged, rank 0 notices nothing until its all_reduce times out, and
-        # this test fails with "no event within 20 s".)
+        # holds from there (it returns only once the store holds both ranks' leases, so a
+        # rank that vanishes at once is still noticed through its lease).
         gone = time.time()
         hosts.link(vanishing, up=False)
         for rank, r in enumerate(ranks):
