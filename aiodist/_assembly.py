@@ -18,9 +18,11 @@ from collections.abc import Coroutine, Mapping
 from typing import Any
 
 from . import backends as _backends, group as _group
+from ._status import register_status, status_enabled
 from .errors import DistNetworkError, DistUsageError
 from .group import Connect, Membership, ProcessGroup, World, start_world
 from .store import PrefixStore, Store
+from .transport._address import listen_host
 from .transport.base import Transport
 
 __all__ = [
@@ -123,6 +125,8 @@ async def open_world(
         await pg.world.domain.leased()
         await _backends.setup(pg)
         await announce(pg.world)
+        if status_enabled():
+            await register_status(membership.lobby, pg.rank, listen_host(store.local_address()))
     except BaseException:
         _group.set_current_world(None)
         await pg.world.aclose()
@@ -255,7 +259,6 @@ async def _connect(
     token: bytes | None,
     shared_memory: bool | None,
 ) -> Transport:
-    from .transport._address import listen_host
     from .transport._shm_segment import SharedMemoryError
     from .transport.base import PeerDirectory
     from .transport.routed import RoutedTransport

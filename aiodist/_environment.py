@@ -102,6 +102,17 @@ VARIABLES: tuple[Variable, ...] = (
         ("aiodist._recorder", "aiodist._assembly"),
     ),
     Variable(
+        "AIODIST_STATUS",
+        "aiodist",
+        "unset: no status endpoint",
+        "`1`: every process that joins a world serves its ranks' operations and its threads' "
+        "stacks on a thread of its own (HTTP, on the address the rank listens on) and records "
+        "where in the store, for `python -m aiodist.debug status`. `aiodist-run "
+        "--status-port` sets it.",
+        "`init_process_group`, `aiodist.debug`",
+        ("aiodist._status",),
+    ),
+    Variable(
         "AIODIST_FR_BUFFER_SIZE",
         "aiodist",
         "`2000`",

@@ -194,6 +194,14 @@ def get_args_parser() -> argparse.ArgumentParser:
         help="run the script as an executable, without python",
     )
     add(
+        *_flag("--status-port"),
+        action=_EnvDefault,
+        type=int,
+        default=None,
+        help="serve the live view of every rank (python -m aiodist.debug status) over HTTP "
+        "on this port, 0 for any free one; the workers get AIODIST_STATUS=1",
+    )
+    add(
         *_flag("--log-dir"),
         action=_EnvDefault,
         default=None,
@@ -268,6 +276,8 @@ class LaunchConfig:
         local_ranks_filter: local ranks shown on the console (``None``: all).
         signals: signals forwarded to the workers.
         shutdown_timeout: the grace period between the stop signal and SIGKILL.
+        status_port: where the launcher serves the live view of the ranks (``None``: it
+            does not; 0: any free port).
     """
 
     nnodes: int
@@ -290,6 +300,7 @@ class LaunchConfig:
     local_ranks_filter: frozenset[int] | None
     signals: tuple[signal.Signals, ...]
     shutdown_timeout: float
+    status_port: int | None = None
 
 
 def _parse_std(text: str, what: str, nproc: int) -> tuple[Std, ...]:
@@ -446,6 +457,8 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         raise DistUsageError(f"--monitor-interval={ns.monitor_interval} must be positive")
     if float(ns.shutdown_timeout) < 0:
         raise DistUsageError(f"--shutdown-grace={ns.shutdown_timeout} must not be negative")
+    if ns.status_port is not None and not 0 <= int(ns.status_port) < 65536:
+        raise DistUsageError(f"--status-port={ns.status_port} is not a port number")
     if ns.module and ns.no_python:
         raise DistUsageError("--module and --no-python cannot be used together")
     filt: frozenset[int] | None = None
@@ -488,4 +501,5 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         local_ranks_filter=filt,
         signals=_parse_signals(str(ns.signals_to_handle)),
         shutdown_timeout=float(ns.shutdown_timeout),
+        status_port=None if ns.status_port is None else int(ns.status_port),
     )

@@ -187,10 +187,18 @@ class FlightRecorder:
         self.size = _buffer_size() if size is None else size
         self._ring: list[OpRecord | None] = [None] * self.size
         self._count = 0
+        #: The time the recorder (its world) was made; of two recorders of one rank number
+        #: in a process, the newer is the current world's.
+        self.created = time.time()
         _recorders.add(self)
 
     def __repr__(self) -> str:
         return f"<FlightRecorder rank={self.rank} ops={self._count} size={self.size}>"
+
+    @property
+    def count(self) -> int:
+        """How many operations were recorded, the dropped ones included."""
+        return self._count
 
     def record(
         self, op: str, group: int, seq: int, fp: bytes, peers: Sequence[int], p2p: bool = False

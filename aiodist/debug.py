@@ -11,6 +11,12 @@ Every world keeps a ring of its last operations (:mod:`aiodist._recorder`). A ra
 ``python -m aiodist.debug DUMP.json...`` reads the dumps of all ranks and says which rank is
 behind, at which operation, what every rank was doing there, and which operations the ranks
 called differently.
+
+The live view needs no dump and stops nothing: with ``AIODIST_STATUS=1`` in every rank's
+environment (``aiodist-run --status-port`` sets it), ``python -m aiodist.debug status``
+asks every rank of the running job, through the store, what it is doing now: its operation
+in flight and on whom it waits, its last operations and error, and the stacks of the ranks
+the others wait for (see :func:`gather_status`).
 """
 
 from __future__ import annotations
@@ -29,21 +35,27 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from . import _status
 from ._recorder import (
     DUMP_DIR_ENV,
     FlightRecorder,
     OpRecord,
     live_recorders,
 )
-from .errors import DistUsageError
+from ._status import format_status, serve_status
+from .errors import DistError, DistUsageError
+from .store import Store
 
 __all__ = [
     "FlightRecorder",
     "OpRecord",
     "analyze",
     "dump",
+    "format_status",
+    "gather_status",
     "install_signal_handler",
     "main",
+    "serve_status",
 ]
 
 logger = logging.getLogger(__name__)
@@ -132,6 +144,44 @@ def install_signal_handler(directory: str | os.PathLike[str] | None = None) -> b
     return True
 
 
+# -- the live view ----------------------------------------------------------------------------
+async def gather_status(
+    store: Store, *, group_name: str = "", timeout: float = 1.0
+) -> list[dict[str, Any]]:
+    """Ask every rank of the job's current world what it is doing, without stopping it.
+
+    Each rank's process serves its status on a thread of its own when ``AIODIST_STATUS=1``
+    is set (or after :func:`serve_status`), and records where in the store; this reads the
+    addresses from ``store`` and asks every rank at once, so it returns within about
+    ``timeout`` seconds even when a rank's event loop is blocked or its process is gone.
+
+    Args:
+        store: the job's store (a client of it will do: ``TCPStore.create(host, port)``).
+        group_name: the job's ``group_name`` in ``init_process_group`` (default: none).
+        timeout: seconds to wait for each rank's answer.
+
+    Returns:
+        One entry per rank, in rank order: ``{"rank", "address", "status"}``, where
+        ``status`` holds the process's ``pid``, ``time``, its ``ranks`` (operations
+        ``in_flight``, ``recent`` ones and the ``last_error``, as flight recorder records)
+        and the ``stacks`` of its threads; or ``{"rank", "error"}`` for a rank that has no
+        endpoint recorded or did not answer in time. :func:`format_status` makes it text.
+
+    Raises:
+        DistError: the store has no world of that job (none was formed yet), or cannot be
+            reached.
+    """
+    from ._assembly import CURRENT, job_store
+
+    job = job_store(store, group_name)
+    if not await job.check([CURRENT]):
+        raise DistError(
+            f"the store holds no world of the job {group_name or 'default_pg'!r} "
+            "(none has formed yet, or another group_name)"
+        )
+    return await _status.gather_status(job, timeout=timeout)
+
+
 # -- analysis of the dumps of all ranks --------------------------------------------------------
 def analyze(dumps: Sequence[dict[str, Any]]) -> str:
     """Explain the state of a job from its ranks' dumps: who is behind, where, and mismatches.
@@ -204,8 +254,54 @@ def analyze(dumps: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _status_main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m aiodist.debug status",
+        description="Show what every rank of a running job is doing now, on whom it waits, "
+        "and the stacks of the ranks waited for (the ranks need AIODIST_STATUS=1).",
+    )
+    default = None
+    if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
+        default = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    parser.add_argument(
+        "--store",
+        default=default,
+        required=default is None,
+        help="the job's store, HOST:PORT (default: MASTER_ADDR:MASTER_PORT)",
+    )
+    parser.add_argument("--group-name", default="", help="the job's group_name, if any")
+    parser.add_argument("--timeout", type=float, default=1.0, help="seconds per rank (1)")
+    parser.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    args = parser.parse_args(argv)
+    host, _, port = str(args.store).rpartition(":")
+    if not host or not port.isdigit():
+        parser.error(f"--store={args.store!r}: expected HOST:PORT")
+
+    async def run() -> list[dict[str, Any]]:
+        from .store import TCPStore
+
+        store = await TCPStore.create(host, int(port), timeout=max(args.timeout, 5.0))
+        try:
+            return await gather_status(store, group_name=args.group_name, timeout=args.timeout)
+        finally:
+            await store.aclose()
+
+    try:
+        entries = asyncio.run(run())
+    except DistError as exc:
+        sys.stderr.write(f"python -m aiodist.debug status: {exc}\n")
+        return 1
+    sys.stdout.write(json.dumps(entries, indent=1) if args.json else format_status(entries))
+    sys.stdout.write("\n")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line: ``python -m aiodist.debug DUMP.json...``."""
+    """Run the command line: ``python -m aiodist.debug DUMP.json...`` (the dumps' analysis)
+    or ``python -m aiodist.debug status [--store HOST:PORT]`` (the live view)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["status"]:
+        return _status_main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="python -m aiodist.debug",
         description="Say which rank is behind, and where, from the flight recorder dumps "

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -47,7 +48,9 @@ from ._launch_coordinator import (
 )
 from ._loop import loop_factory
 from ._workers import WorkerFailure, WorkerGroup, WorkerSpec, describe_exit
+from .debug import format_status, gather_status
 from .errors import DistError, DistUsageError
+from .store import TCPStore
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +142,7 @@ class _Launcher:
         self._port = store.port
         if cfg.nnodes > 1:
             self._local_addr = route_to(cfg.master_addr, self._port)
+        status = None if cfg.status_port is None else await self._serve_status(store)
         try:
             coord = Coordinator(store, cfg)
             if cfg.nnodes > 1:
@@ -158,8 +162,43 @@ class _Launcher:
         finally:
             if self._group is not None:
                 await self._group.stop(cfg.shutdown_timeout)
+            if status is not None:
+                status.close()
             # Node 0 also stops its server here: every other node has seen the end by now.
             await store.aclose()
+
+    async def _serve_status(self, store: TCPStore) -> asyncio.Server:
+        """Serve the live view of the job's ranks: ``GET /`` as text, ``GET /json`` raw."""
+        cfg = self._cfg
+        host = cfg.master_addr if cfg.node_rank == 0 else (self._local_addr or "127.0.0.1")
+
+        async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            try:
+                path = (await reader.readline()).split()[1:2] or [b"/"]
+                try:
+                    entries = await gather_status(store)
+                    body = json.dumps(entries) if path[0] == b"/json" else format_status(entries)
+                    code = "200 OK"
+                except DistError as exc:
+                    body, code = f"{exc}\n", "503 Service Unavailable"
+                kind = "application/json" if path[0] == b"/json" else "text/plain"
+                data = body.encode()
+                writer.write(
+                    f"HTTP/1.0 {code}\r\nContent-Type: {kind}; charset=utf-8\r\n"
+                    f"Content-Length: {len(data)}\r\n\r\n".encode()
+                    + data
+                )
+                await writer.drain()
+            except (OSError, IndexError):
+                pass  # a client that left, or sent no request line
+            finally:
+                writer.close()
+
+        assert cfg.status_port is not None
+        server = await asyncio.start_server(answer, host, cfg.status_port)
+        port = server.sockets[0].getsockname()[1]
+        logger.warning("live view of the ranks at http://%s:%d/ (JSON at /json)", host, port)
+        return server
 
     async def _attempts(self, coord: Coordinator) -> int:
         cfg = self._cfg
@@ -255,6 +294,8 @@ class _Launcher:
             PYTHON_EXEC=sys.executable,
         )
         env.setdefault("OMP_NUM_THREADS", "1")
+        if cfg.status_port is not None:
+            env["AIODIST_STATUS"] = "1"
         if cfg.local_addr is not None:
             env["AIODIST_HOST"] = cfg.local_addr
         elif self._local_addr is not None:

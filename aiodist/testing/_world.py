@@ -387,10 +387,12 @@ class WorldProcesses(Generic[T]):
 
     Attributes:
         procs: the process of each rank, indexed by rank.
+        store_address: ``(MASTER_ADDR, MASTER_PORT)``: where rank 0 hosts the job's store.
     """
 
-    def __init__(self, timeout: float, what: str) -> None:
+    def __init__(self, timeout: float, what: str, store_address: tuple[str, int]) -> None:
         self.procs: list[multiprocessing.process.BaseProcess] = []
+        self.store_address = store_address
         # rank -> the end of its pipe, until its outcome is read.
         self._conns: dict[int, multiprocessing.connection.Connection] = {}
         self._timeout = timeout
@@ -536,7 +538,7 @@ def _start(
         raise DistUsageError(f"world_size must be a positive integer, got {world_size!r}")
     ctx = multiprocessing.get_context("spawn")
     port = free_port()
-    world: WorldProcesses[T] = WorldProcesses(timeout, what)
+    world: WorldProcesses[T] = WorldProcesses(timeout, what, ("127.0.0.1", port))
     try:
         for rank in range(world_size):
             child_env = {

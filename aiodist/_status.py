@@ -1,0 +1,264 @@
+"""The live view of a running job: a status endpoint in each process, and the view of them all.
+
+With ``AIODIST_STATUS=1`` (``aiodist-run --status-port`` sets it for its workers), every
+process that forms a world starts one small HTTP server on a thread of its own, on the
+address its rank listens on, and records ``host:port`` in the job's namespace of the store
+(``status/<rank>``). ``GET /status`` answers with what the process knows now: for each of
+its ranks, the operations in flight and the last ones (from the flight recorder) and the last
+error; and the stack of every thread. The server runs on its own thread, so it answers while
+the rank's event loop is blocked (a hung rank is exactly when the view is wanted); reading
+the recorders needs no lock (each read is of a whole attribute, under the GIL) and stops
+nothing.
+
+:func:`gather_status` reads the endpoints of every rank of the job's current world through
+the store, all at once, each within a deadline; :func:`format_status` says what every rank
+is doing, on whom it waits, and shows the stacks of the ranks the others wait for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from ._recorder import live_recorders
+from .store._base import Store
+
+__all__ = [
+    "STATUS_ENV",
+    "format_status",
+    "gather_status",
+    "process_status",
+    "serve_status",
+    "status_enabled",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Set to ``1`` to give every process of the job a status endpoint.
+STATUS_ENV = "AIODIST_STATUS"
+#: The key, in a job's namespace, of rank N's status endpoint: ``status/N``.
+STATUS_KEY = "status/"
+#: How many of a rank's last operations its status shows.
+RECENT_OPS = 8
+
+_server: ThreadingHTTPServer | None = None
+_server_thread: int | None = None
+_server_lock = threading.Lock()
+
+
+def status_enabled() -> bool:
+    """Whether ``AIODIST_STATUS`` asks for status endpoints."""
+    return os.environ.get(STATUS_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def process_status() -> dict[str, Any]:
+    """What this process knows now: its ranks' operations and errors, and its threads' stacks."""
+    now = time.time()
+    ranks = []
+    for recorder in sorted(live_recorders(), key=lambda r: (r.rank, r.created)):
+        records = recorder.records()
+        failed = [r for r in records if r.error is not None]
+        ranks.append(
+            {
+                "rank": recorder.rank,
+                "world_size": recorder.world_size,
+                "ops_recorded": recorder.count,
+                "in_flight": [r.to_json() for r in records if not r.ended],
+                "recent": [r.to_json() for r in records[-RECENT_OPS:]],
+                "last_error": failed[-1].to_json() if failed else None,
+            }
+        )
+    names = {t.ident: t.name for t in threading.enumerate()}
+    # Not the status server's own threads: the one accepting and the one answering.
+    own = {threading.get_ident(), _server_thread}
+    stacks = {
+        names.get(ident, str(ident)): "".join(traceback.format_stack(frame))
+        for ident, frame in sys._current_frames().items()
+        if ident not in own
+    }
+    return {"pid": os.getpid(), "time": now, "ranks": ranks, "stacks": stacks}
+
+
+class _Handler(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        if self.path.split("?")[0] != "/status":
+            self.send_error(404, "the status is at /status")
+            return
+        body = json.dumps(process_status()).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        logger.debug("status endpoint: " + format, *args)
+
+
+def serve_status(host: str = "127.0.0.1") -> tuple[str, int]:
+    """Start this process's status endpoint, once, on ``host`` and a free port; return its
+    address. Later calls return the running endpoint's address."""
+    global _server, _server_thread
+    with _server_lock:
+        if _server is None:
+            server = ThreadingHTTPServer((host, 0), _Handler)
+            server.daemon_threads = True
+            thread = threading.Thread(
+                target=server.serve_forever, name="aiodist-status", daemon=True
+            )
+            thread.start()
+            _server, _server_thread = server, thread.ident
+            logger.info("status endpoint at http://%s:%d/status", *server.server_address[:2])
+        address = _server.server_address
+        return str(address[0]), int(address[1])
+
+
+async def register_status(job: Store, rank: int, host: str) -> None:
+    """Start the status endpoint on ``host`` (any interface: loopback) and record it in the
+    job's namespace ``job`` as ``rank``'s."""
+    addr, port = serve_status(host if host not in ("", "0.0.0.0", "::") else "0.0.0.0")
+    if addr in ("0.0.0.0", "::"):
+        addr = "127.0.0.1"
+    await job.set(f"{STATUS_KEY}{rank}", f"{addr}:{port}")
+
+
+async def _fetch(address: str, timeout: float) -> dict[str, Any]:
+    host, _, port = address.rpartition(":")
+    async with asyncio.timeout(timeout):
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            writer.write(f"GET /status HTTP/1.0\r\nHost: {address}\r\n\r\n".encode())
+            raw = await reader.read()
+        finally:
+            writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    if not head.startswith(b"HTTP/") or b" 200 " not in head.split(b"\r\n")[0]:
+        raise ValueError(f"unexpected answer: {head[:80]!r}")
+    status: dict[str, Any] = json.loads(body)
+    return status
+
+
+async def gather_status(job: Store, *, timeout: float = 1.0) -> list[dict[str, Any]]:
+    """Read the status of every rank of the job's current world, within ``timeout`` seconds.
+
+    ``job`` is the job's namespace of the store (``aiodist/<group_name>``). Each entry is
+    ``{"rank": N, "address": ..., "status": {...}}``, or ``{"rank": N, "error": why}`` for a
+    rank whose endpoint is not recorded or did not answer in time (a process that ended, or
+    one whose threads cannot run at all).
+    """
+    from ._assembly import CURRENT
+
+    current = (await job.get(CURRENT)).decode()
+    size = int(current.rpartition("|")[2])
+    keys = [f"{STATUS_KEY}{r}" for r in range(size)]
+    present = [await job.check([k]) for k in keys]
+    addresses = await job.multi_get([k for k, p in zip(keys, present, strict=True) if p])
+    by_rank = dict(
+        zip([r for r, p in enumerate(present) if p], (a.decode() for a in addresses), strict=True)
+    )
+    results = await asyncio.gather(
+        *(_fetch(by_rank[r], timeout) for r in sorted(by_rank)), return_exceptions=True
+    )
+    fetched = dict(zip(sorted(by_rank), results, strict=True))
+    entries: list[dict[str, Any]] = []
+    for rank in range(size):
+        if rank not in by_rank:
+            entries.append(
+                {"rank": rank, "error": "no status endpoint recorded (AIODIST_STATUS unset?)"}
+            )
+            continue
+        result = fetched[rank]
+        if isinstance(result, BaseException):
+            why = (
+                f"no answer within {timeout:g} s"
+                if isinstance(result, TimeoutError)
+                else (f"{type(result).__name__}: {result}")
+            )
+            entries.append({"rank": rank, "address": by_rank[rank], "error": why})
+        else:
+            entries.append({"rank": rank, "address": by_rank[rank], "status": result})
+    return entries
+
+
+def _rank_view(entry: dict[str, Any]) -> dict[str, Any] | None:
+    status = entry.get("status")
+    if status is None:
+        return None
+    # The newest of the process's worlds where it has that rank (sorted by creation).
+    views = [v for v in status["ranks"] if v["rank"] == entry["rank"]]
+    return dict(views[-1]) if views else None
+
+
+def _op_text(op: dict[str, Any], now: float) -> str:
+    since = op["started"] or op["queued"]
+    text = f"{op['call']} (group {op['group']} op #{op['seq']}) {op['state']}"
+    if op["ended"] is None:
+        text += f" for {now - since:.1f} s"
+    if op["name"]:
+        text += f" [{op['name']}]"
+    return text
+
+
+def format_status(entries: Sequence[dict[str, Any]]) -> str:
+    """Say what every rank does, on whom it waits, and show the stacks of those waited for.
+
+    A rank waits on the members of its operation's group that have not issued that
+    operation yet (for a receive: its source). The stacks shown are those of the ranks
+    waited for, and of every rank when nobody waits on anyone.
+    """
+    views = {e["rank"]: _rank_view(e) for e in entries}
+    # group -> rank -> the highest sequence number it issued there
+    issued: dict[int, dict[int, int]] = {}
+    for rank, view in views.items():
+        for op in (view or {}).get("recent", []) + (view or {}).get("in_flight", []):
+            if not op["p2p"]:
+                seqs = issued.setdefault(op["group"], {})
+                seqs[rank] = max(seqs.get(rank, -1), op["seq"])
+    lines: list[str] = []
+    waited_for: set[int] = set()
+    for entry in entries:
+        rank, view = entry["rank"], views[entry["rank"]]
+        if view is None:
+            lines.append(f"rank {rank}: {entry.get('error', 'not in the world any more')}")
+            continue
+        now = float(entry["status"]["time"])
+        where = f"rank {rank} (pid {entry['status']['pid']}, {entry['address']})"
+        in_flight = view["in_flight"]
+        if not in_flight:
+            last = view["recent"][-1] if view["recent"] else None
+            tail = f"; last: {_op_text(last, now)}" if last else "; no operation yet"
+            lines.append(f"{where}: no operation in flight{tail}")
+        for op in in_flight:
+            if op["p2p"]:
+                on = [p for p in op["peers"] if p != rank]
+            else:
+                seqs = issued.get(op["group"], {})
+                on = [p for p in op["peers"] if p != rank and seqs.get(p, -1) < op["seq"]]
+            waits = f"; waiting on {_ranks(on)}" if on else ""
+            lines.append(f"{where}: {_op_text(op, now)}{waits}")
+            waited_for.update(on)
+        if view["last_error"] is not None:
+            lines.append(f"  last error: {view['last_error']['error']}")
+    show = sorted(waited_for) or sorted(r for r, v in views.items() if v is not None)
+    for rank in show:
+        entry = next(e for e in entries if e["rank"] == rank)
+        if "status" not in entry:
+            continue
+        lines.append(f"\nstacks of rank {rank} (pid {entry['status']['pid']}):")
+        for thread, stack in entry["status"]["stacks"].items():
+            lines.append(f"  thread {thread}:")
+            lines.extend("    " + line for line in stack.rstrip().splitlines())
+    return "\n".join(lines)
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
