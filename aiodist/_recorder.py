@@ -15,7 +15,7 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,9 @@ __all__ = [
     "OpRecord",
     "comm_name",
     "live_recorders",
+    "payload_nbytes",
     "record_comm",
+    "set_observer",
 ]
 
 logger = logging.getLogger(__name__)
@@ -87,6 +89,7 @@ class OpRecord:
         "fp",
         "group",
         "name",
+        "nbytes",
         "op",
         "p2p",
         "peers",
@@ -111,6 +114,8 @@ class OpRecord:
         self.ended = 0.0
         self.error: str | None = None
         self.name = _comm_name.get()
+        #: Bytes of the arrays the operation was given; counted only for the metrics.
+        self.nbytes = 0
 
     def __repr__(self) -> str:
         return f"<OpRecord {self.op} group={self.group} seq={self.seq} {self.state}>"
@@ -130,6 +135,8 @@ class OpRecord:
         else:
             self.state = "failed"
             self.error = f"{type(exc).__name__}: {exc}"
+        if observer is not None:
+            observer(self)
 
     def to_json(self) -> dict[str, Any]:
         """Return the record as a JSON-ready dict."""
@@ -149,6 +156,27 @@ class OpRecord:
             "duration_s": round(self.ended - start, 6) if self.ended else None,
             "error": self.error,
         }
+
+
+#: Called with every record that ends, once :mod:`aiodist.metrics` is enabled.
+observer: Callable[[OpRecord], None] | None = None
+
+
+def set_observer(fn: Callable[[OpRecord], None]) -> None:
+    """Call ``fn`` with every operation's record when it ends (see :mod:`aiodist.metrics`)."""
+    global observer
+    observer = fn
+
+
+def payload_nbytes(args: Sequence[Any]) -> int:
+    """Bytes of the arrays among an operation's arguments (and in lists of them)."""
+    total = 0
+    for arg in args:
+        if isinstance(arg, (list, tuple)):
+            total += sum(getattr(a, "nbytes", 0) for a in arg)
+        elif not isinstance(arg, (int, float)):
+            total += getattr(arg, "nbytes", 0)
+    return total
 
 
 def _buffer_size() -> int:

@@ -50,6 +50,7 @@ from collections.abc import (
 )
 from typing import Any, Protocol, TypeVar
 
+from . import _recorder
 from ._default import (
     current_world,
     isolate_context,
@@ -58,7 +59,7 @@ from ._default import (
     warn_not_in_group,
 )
 from ._fingerprint import NO_FINGERPRINT
-from ._recorder import FlightRecorder
+from ._recorder import FlightRecorder, payload_nbytes
 from ._timeouts import DEFAULT_PG_TIMEOUT, Timeout, to_seconds
 from ._work import ANY_TAG, MAX_TAG, P2P_GROUP_BIT, Operation, OpKind, Plan, Work
 from ._world import FailureDomain
@@ -807,9 +808,11 @@ class ProcessGroup:
                 comms.append(OpComm(transport, self.ranks, self.rank, gid, seq + i))
                 mailbox.begin(gid, seq + i, fp)
                 self._by_seq[seq + i] = op
-        op.record = self._world.recorder.record(
+        op.record = record = self._world.recorder.record(
             op.name, self.group_id, seq, fp, self.ranks, op.kind is OpKind.P2P
         )
+        if _recorder.observer is not None:  # the metrics are on
+            record.nbytes = payload_nbytes(plan.args)
         op.device_sync = plan.device_sync
         op.sequenced = plan.sequenced
         coro = self._run(op, plan, comms)

@@ -236,6 +236,15 @@ class Client:
     async def health(self) -> tuple[int, Any]:
         return await self.request("GET", "/health")
 
+    async def text(self, path: str) -> tuple[int, str, str]:
+        """``GET path``: the status, the content type and the body as text."""
+        if self._aiohttp is not None:
+            async with self._aiohttp.get(self.base + path) as r:
+                return r.status, r.headers["Content-Type"], await r.text()
+        assert self._httpx is not None
+        response = await self._httpx.get(self.base + path)
+        return response.status_code, response.headers["Content-Type"], response.text
+
     async def predict(self, x: np.ndarray) -> tuple[int, Any]:
         return await self.request("POST", "/predict", json.dumps({"x": x.tolist()}).encode())
 

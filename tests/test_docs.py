@@ -47,6 +47,7 @@ DOCUMENTED_MODULES = (
     "aiodist.rendezvous",
     "aiodist.testing",
     "aiodist.debug",
+    "aiodist.metrics",
     "aiodist.launcher",
     "aiodist.serving",
     "aiodist.contrib",

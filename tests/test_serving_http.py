@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from serving_helpers import (
     EXAMPLES,
     Client,
@@ -94,6 +95,22 @@ async def test_an_example_answers_like_numpy_and_drains_on_shutdown(
             assert message in error_text(answer), (body, answer)
         status, health = await client.health()
         assert status == 200 and health["calls"] == len(batches) and health["failed"] == 0
+
+        # The controller's operations, for Prometheus: each call broadcast its request.
+        status, kind, text = await client.text("/metrics")
+        assert status == 200 and kind.startswith("text/plain"), (status, kind)
+        samples = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+        completed = (("op", "broadcast"), ("state", "completed"))
+        assert samples[("aiodist_operations_total", completed)] >= len(batches), text
+        assert (
+            "aiodist_operations_total",
+            (("op", "broadcast"), ("state", "failed")),
+        ) not in samples
+        assert samples[("aiodist_operation_seconds_count", (("op", "broadcast"),))] >= len(batches)
 
         # Shutdown while requests keep coming: every request the server took is answered
         # in full; the others are refused at the connection.

@@ -1,13 +1,38 @@
-"""What the web integrations answer: the health check, and aiodist errors as HTTP responses."""
+"""What the web integrations answer: the health check, the metrics, and aiodist errors as
+HTTP responses."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ..errors import DistError, DistTimeoutError, DistUsageError
 from ..serving import Controller, RemoteError, Unavailable
 
-__all__ = ["error_response", "health_response"]
+__all__ = ["enable_metrics", "error_response", "health_response", "metrics_page"]
+
+logger = logging.getLogger(__name__)
+
+
+def enable_metrics() -> bool:
+    """Enable :mod:`aiodist.metrics` in the process's registry for a web application's
+    ``/metrics``; ``False`` (and a log line saying why) when ``prometheus_client`` is not
+    installed."""
+    from .. import metrics
+
+    try:
+        metrics.enable()
+    except ImportError as exc:
+        logger.info("no metrics endpoint: %s", exc)
+        return False
+    return True
+
+
+def metrics_page() -> tuple[bytes, str]:
+    """The process's metrics in Prometheus' text format, and its content type."""
+    import prometheus_client
+
+    return prometheus_client.generate_latest(), prometheus_client.CONTENT_TYPE_LATEST
 
 
 def health_response(controller: Controller) -> tuple[int, dict[str, Any]]:

@@ -26,6 +26,8 @@ What :func:`setup` adds:
   :class:`~aiodist.serving.Unavailable`;
 * ``GET /health``: 200 with the controller's state while it can take calls, 503 with the
   state and the reason (the failure being recovered from, with the rank it names) when not;
+* ``GET /metrics``: the process's :mod:`aiodist.metrics` for Prometheus, when
+  ``prometheus_client`` is installed (``pip install 'aiodist[metrics]'``);
 * a middleware that answers aiodist errors raised by a request handler as JSON:
   ``Unavailable`` 503, a handler's failure on a worker (:class:`~aiodist.serving.RemoteError`)
   500, a call's deadline (:class:`~aiodist.errors.DistTimeoutError`) 504, a lost worker or
@@ -48,7 +50,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
 
 from ..errors import DistError, DistUsageError
 from ..serving import Controller
-from ._http import error_response, health_response
+from ._http import enable_metrics, error_response, health_response, metrics_page
 
 __all__ = ["CONTROLLER", "setup"]
 
@@ -60,6 +62,7 @@ def setup(
     app: web.Application,
     *,
     health_path: str = "/health",
+    metrics_path: str | None = "/metrics",
     rebuild: bool = True,
     drain_timeout: float = 30.0,
     **init: Any,
@@ -69,6 +72,8 @@ def setup(
     Args:
         app: the application (not started yet).
         health_path: the path of the health check.
+        metrics_path: where the process's :mod:`aiodist.metrics` are served, if
+            ``prometheus_client`` is installed (``None``: nowhere).
         rebuild: join a new group after a failure (see :class:`~aiodist.serving.Controller`).
         drain_timeout: seconds the shutdown waits for the calls in flight.
         **init: arguments of :func:`aiodist.init_process_group` (default ``env://``).
@@ -97,6 +102,13 @@ def setup(
     app.on_startup.append(start)
     app.on_cleanup.append(close)
     app.router.add_get(health_path, health)
+    if metrics_path is not None and enable_metrics():
+
+        async def metrics(request: web.Request) -> web.Response:
+            body, kind = metrics_page()
+            return web.Response(body=body, headers={"Content-Type": kind})
+
+        app.router.add_get(metrics_path, metrics)
     app.middlewares.append(_errors)
     return controller
 

@@ -28,6 +28,8 @@ What :func:`setup` adds:
   the workers and destroys the group;
 * ``GET /health``: 200 with the controller's state while it can take calls, 503 with the
   state and the reason (the failure being recovered from, with the rank it names) when not;
+* ``GET /metrics``: the process's :mod:`aiodist.metrics` for Prometheus, when
+  ``prometheus_client`` is installed (``pip install 'aiodist[metrics]'``);
 * an exception handler that answers aiodist errors raised by a route as JSON:
   ``Unavailable`` 503, a handler's failure on a worker (:class:`~aiodist.serving.RemoteError`)
   500, a call's deadline (:class:`~aiodist.errors.DistTimeoutError`) 504, a lost worker or
@@ -42,7 +44,7 @@ from typing import Any
 
 try:
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse
+    from fastapi.responses import JSONResponse, Response
 except ImportError as exc:  # pragma: no cover - depends on the installation
     raise ImportError(
         "aiodist.contrib.fastapi needs FastAPI: pip install 'aiodist[fastapi]'"
@@ -50,7 +52,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
 
 from ..errors import DistError, DistUsageError
 from ..serving import Controller
-from ._http import error_response, health_response
+from ._http import enable_metrics, error_response, health_response, metrics_page
 
 __all__ = ["setup"]
 
@@ -59,6 +61,7 @@ def setup(
     app: FastAPI,
     *,
     health_path: str = "/health",
+    metrics_path: str | None = "/metrics",
     rebuild: bool = True,
     drain_timeout: float = 30.0,
     **init: Any,
@@ -68,6 +71,8 @@ def setup(
     Args:
         app: the application (not started yet).
         health_path: the path of the health check.
+        metrics_path: where the process's :mod:`aiodist.metrics` are served, if
+            ``prometheus_client`` is installed (``None``: nowhere).
         rebuild: join a new group after a failure (see :class:`~aiodist.serving.Controller`).
         drain_timeout: seconds the shutdown waits for the calls in flight.
         **init: arguments of :func:`aiodist.init_process_group` (default ``env://``).
@@ -104,5 +109,12 @@ def setup(
 
     app.router.lifespan_context = lifespan
     app.add_api_route(health_path, health, methods=["GET"], include_in_schema=False)
+    if metrics_path is not None and enable_metrics():
+
+        async def metrics() -> Response:
+            body, kind = metrics_page()
+            return Response(body, headers={"Content-Type": kind})
+
+        app.add_api_route(metrics_path, metrics, methods=["GET"], include_in_schema=False)
     app.add_exception_handler(DistError, errors)
     return controller
