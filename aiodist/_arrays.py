@@ -18,6 +18,11 @@ import numpy.typing as npt
 
 from .errors import DistUsageError
 
+#: What to install for the CUDA backend (aiodist is installed from its checkout).
+CUDA_INSTALL_HINT = (
+    "install aiodist's cuda13 (or cuda12) extra: pip install -e '/path/to/aiodist[cuda13]'"
+)
+
 __all__ = ["SUPPORTED_DTYPES", "as_array", "byte_view", "check_dtype"]
 
 logger = logging.getLogger(__name__)
@@ -93,8 +98,8 @@ def _from_dlpack(x: Any, name: str) -> npt.NDArray[Any]:
         raise DistUsageError(
             f"{name} ({type(x).__name__}) lives on GPU device {device_id} "
             f"(DLPack device type {device_type}); the CPU backend takes host memory only: "
-            "copy it to the CPU first, or use the CUDA backend (backend='cuda', with "
-            "pip install 'aiodist[cuda13]')"
+            "copy it to the CPU first, or use the CUDA backend (backend='cuda'; "
+            f"{CUDA_INSTALL_HINT})"
         )
     if device_type not in _HOST_DEVICES:
         raise DistUsageError(

@@ -1,4 +1,4 @@
-"""Prometheus metrics of the operations of this process (``pip install 'aiodist[metrics]'``).
+"""Prometheus metrics of the operations of this process (``pip install prometheus_client``).
 
 After :func:`enable`, every operation that ends (collective or point to point, on any group
 of any rank in this process) is counted in three metrics of ``prometheus_client``:
@@ -58,7 +58,7 @@ def enable(registry: Any = None) -> None:
         import prometheus_client
     except ImportError as exc:
         raise ImportError(
-            "aiodist.metrics needs prometheus_client: pip install 'aiodist[metrics]'"
+            "aiodist.metrics needs prometheus_client: pip install prometheus_client"
         ) from exc
     target = prometheus_client.REGISTRY if registry is None else registry
     with _lock:

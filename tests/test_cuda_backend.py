@@ -22,7 +22,7 @@ HAVE_CUPY = importlib.util.find_spec("cupy") is not None
 
 def _device_reason() -> str | None:
     if not HAVE_CUPY:
-        return "cupy is not installed (pip install 'aiodist[cuda13]')"
+        return "cupy is not installed (aiodist's cuda13 extra)"
     import cupy
 
     if not cupy.cuda.is_available():

@@ -215,7 +215,8 @@ def test_dlpack_on_cuda_is_refused() -> None:
         DistUsageError,
         match=r"^tensor \(_FakeDevice\) lives on GPU device 1 \(DLPack device type 2\); "
         r"the CPU backend takes host memory only: copy it to the CPU first, or use the CUDA "
-        r"backend \(backend='cuda', with pip install 'aiodist\[cuda13\]'\)$",
+        r"backend \(backend='cuda'; install aiodist's cuda13 \(or cuda12\) extra: "
+        r"pip install -e '/path/to/aiodist\[cuda13\]'\)$",
     ):
         as_array(_FakeDevice(2), writable=True, name="tensor")
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .._arrays import CUDA_INSTALL_HINT
 from .._operations import OPERATIONS, Call, Intake
 from .._shared_array import check as check_shape_and_dtype
 from ..errors import DistUsageError
@@ -165,7 +166,7 @@ def load(name: str) -> Backend:
     try:
         backend: Backend = importlib.import_module(entry).BACKEND
     except ImportError as exc:
-        hint = " (pip install 'aiodist[cuda13]' or 'aiodist[cuda12]')" if name == "cuda" else ""
+        hint = f" ({CUDA_INSTALL_HINT})" if name == "cuda" else ""
         raise DistUsageError(f"the {name!r} backend cannot be loaded: {exc}{hint}") from exc
     _registry[name] = backend
     return backend
@@ -371,7 +372,7 @@ def plan(group: ProcessGroup, op: str, args: tuple[Any, ...]) -> Plan:
             f"{op}: the arrays live on {device}, but the group's backend {group.backend!r} "
             f"serves {' and '.join(group.backends)} arrays"
             + (
-                "; the CUDA backend needs cupy: pip install 'aiodist[cuda13]' (or cuda12)"
+                f"; the CUDA backend needs cupy: {CUDA_INSTALL_HINT}"
                 if device == "cuda" and not is_backend_available("cuda")
                 else ""
             )

@@ -1,8 +1,8 @@
-"""Optional integrations with other frameworks, each behind an extra (``aiodist[ray]``).
+"""Optional integrations with other frameworks, each needing that framework (aiodist's extra
+of the same name installs it: ``pip install -e '/path/to/aiodist[ray]'``).
 
 * :mod:`aiodist.contrib.ray`: process groups among Ray actors.
-* :mod:`aiodist.contrib.aiohttp` (``aiodist[aiohttp]``) and :mod:`aiodist.contrib.fastapi`
-  (``aiodist[fastapi]``): a serving controller (:mod:`aiodist.serving`) in a web
+* :mod:`aiodist.contrib.aiohttp` and :mod:`aiodist.contrib.fastapi`: a serving controller (:mod:`aiodist.serving`) in a web
   application.
 """
 

@@ -1,4 +1,4 @@
-"""A serving job's controller in an aiohttp application (``pip install 'aiodist[aiohttp]'``).
+"""A serving job's controller in an aiohttp application (``pip install aiohttp``).
 
 :func:`setup` gives an :class:`aiohttp.web.Application` a
 :class:`~aiodist.serving.Controller` on rank 0; the other ranks run
@@ -27,7 +27,7 @@ What :func:`setup` adds:
 * ``GET /health``: 200 with the controller's state while it can take calls, 503 with the
   state and the reason (the failure being recovered from, with the rank it names) when not;
 * ``GET /metrics``: the process's :mod:`aiodist.metrics` for Prometheus, when
-  ``prometheus_client`` is installed (``pip install 'aiodist[metrics]'``);
+  ``prometheus_client`` is installed (``pip install prometheus_client``);
 * a middleware that answers aiodist errors raised by a request handler as JSON:
   ``Unavailable`` 503, a handler's failure on a worker (:class:`~aiodist.serving.RemoteError`)
   500, a call's deadline (:class:`~aiodist.errors.DistTimeoutError`) 504, a lost worker or
@@ -44,9 +44,7 @@ from typing import Any
 try:
     from aiohttp import web
 except ImportError as exc:  # pragma: no cover - depends on the installation
-    raise ImportError(
-        "aiodist.contrib.aiohttp needs aiohttp: pip install 'aiodist[aiohttp]'"
-    ) from exc
+    raise ImportError("aiodist.contrib.aiohttp needs aiohttp: pip install aiohttp") from exc
 
 from ..errors import DistError, DistUsageError
 from ..serving import Controller

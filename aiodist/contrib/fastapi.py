@@ -1,4 +1,4 @@
-"""A serving job's controller in a FastAPI application (``pip install 'aiodist[fastapi]'``).
+"""A serving job's controller in a FastAPI application (``pip install fastapi uvicorn``).
 
 :func:`setup` gives a :class:`fastapi.FastAPI` application a
 :class:`~aiodist.serving.Controller` on rank 0; the other ranks run
@@ -29,7 +29,7 @@ What :func:`setup` adds:
 * ``GET /health``: 200 with the controller's state while it can take calls, 503 with the
   state and the reason (the failure being recovered from, with the rank it names) when not;
 * ``GET /metrics``: the process's :mod:`aiodist.metrics` for Prometheus, when
-  ``prometheus_client`` is installed (``pip install 'aiodist[metrics]'``);
+  ``prometheus_client`` is installed (``pip install prometheus_client``);
 * an exception handler that answers aiodist errors raised by a route as JSON:
   ``Unavailable`` 503, a handler's failure on a worker (:class:`~aiodist.serving.RemoteError`)
   500, a call's deadline (:class:`~aiodist.errors.DistTimeoutError`) 504, a lost worker or
@@ -46,9 +46,7 @@ try:
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response
 except ImportError as exc:  # pragma: no cover - depends on the installation
-    raise ImportError(
-        "aiodist.contrib.fastapi needs FastAPI: pip install 'aiodist[fastapi]'"
-    ) from exc
+    raise ImportError("aiodist.contrib.fastapi needs FastAPI: pip install fastapi uvicorn") from exc
 
 from ..errors import DistError, DistUsageError
 from ..serving import Controller

@@ -1,4 +1,4 @@
-"""Process groups among Ray actors (``pip install 'aiodist[ray]'``).
+"""Process groups among Ray actors (``pip install ray``).
 
 An actor class that inherits :class:`AiodistActor` can join a group; :func:`create_group`
 starts ``world_size`` such actors and joins them, and :func:`destroy_group` takes the group
@@ -46,7 +46,7 @@ from typing import Any
 try:
     import ray
 except ImportError as exc:  # pragma: no cover - depends on the installation
-    raise ImportError("aiodist.contrib.ray needs Ray: pip install 'aiodist[ray]'") from exc
+    raise ImportError("aiodist.contrib.ray needs Ray: pip install ray") from exc
 
 from .. import _api, group
 from .._timeouts import Timeout, to_seconds
