@@ -63,7 +63,7 @@ from ._recorder import FlightRecorder, payload_nbytes
 from ._timeouts import DEFAULT_PG_TIMEOUT, Timeout, to_seconds
 from ._work import ANY_TAG, MAX_TAG, P2P_GROUP_BIT, Operation, OpKind, Plan, Work
 from ._world import FailureDomain
-from .errors import DistError, DistTimeoutError, DistUsageError
+from .errors import DistError, DistNetworkError, DistTimeoutError, DistUsageError
 from .store import PrefixStore, Store
 from .transport.base import Departure, OpComm, Transport, departure_of, lost_peer_error
 
@@ -785,7 +785,15 @@ class ProcessGroup:
         op.settle(error)
         return error
 
-    def _rejection(self, op: Operation, peer: int, reason: str) -> DistUsageError:
+    def _rejection(self, op: Operation, peer: int, reason: str) -> DistError:
+        """The error of ``op`` when ``peer`` rejected it: a usage error for a usage error of
+        the peer's call, but a network error when a rank the operation needs left (the
+        peer learned it first, and passes it on with the exception's name)."""
+        kind, sep, what = reason.partition(": ")
+        if sep and kind == DistNetworkError.__name__:
+            return DistNetworkError(
+                f"{op.name} ({op.label}) on {self!r}: rank {peer} reports {what}"
+            )
         return DistUsageError(
             f"{op.name} ({op.label}) on {self!r} was rejected by rank {peer}: {reason}"
         )
@@ -933,7 +941,7 @@ class ProcessGroup:
                         world.transport.send_reject(r, self.group_id, op.seq + i, reason)
         op.settle(exc)
 
-    def _fail_rejected(self, op: Operation, exc: DistUsageError) -> None:
+    def _fail_rejected(self, op: Operation, exc: DistError) -> None:
         """Fail ``op`` because a peer rejected it: only this operation ends."""
         op.settle(exc)
         if not op.sequenced:  # (a data path's turn ends on its own, alike on every rank)

@@ -24,7 +24,7 @@ from netns_helpers import IPV4, Hosts
 import aiodist
 import aiodist.multiprocessing as amp
 import aiodist.sync as dist
-from aiodist.testing import free_port, run_world
+from aiodist.testing import free_port, run_world, start_world_processes
 
 WORKER = Path(__file__).parent / "exit_worker.py"
 TRANSPORTS = [
@@ -358,3 +358,33 @@ def test_an_async_rank_whose_loop_ends_leaves_and_keeps_the_store(env: dict[str,
     assert lines[1][0]["value"] == lines[2][0]["value"] == 3.0, lines
     # Rank 0's asyncio.run returned after the others had left: its loop kept the store.
     assert lines[0][0]["ended"] >= max(lines[1][0]["t"], lines[2][0]["t"]), lines
+
+
+# -- a rank that leaves while the others need it ------------------------------------------------
+async def _rank_two_leaves_mid_operation(rank: int, size: int) -> str:
+    await aiodist.init_process_group(timeout=30)
+    if rank == 2:
+        await aiodist.destroy_process_group()
+        return "left"
+    try:
+        await aiodist.all_reduce(np.ones(4))
+    except aiodist.DistError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        await aiodist.destroy_process_group()
+    return "completed"
+
+
+@pytest.mark.multiprocess
+def test_a_rank_that_left_fails_the_operation_with_a_network_error_on_every_rank() -> None:
+    # Over TCP the first rank to see the departure tells the other, which must not take the
+    # word for a usage error of that rank's call: every rank names the one that left.
+    results = start_world_processes(
+        _rank_two_leaves_mid_operation, 3, init_group=False, env={"AIODIST_SHM": "0"}
+    ).results()
+    assert results[2] == "left"
+    for text in results[:2]:
+        assert text.startswith("DistNetworkError: "), results
+        assert text.endswith(
+            "lost connection to rank 2: it left the process group (destroy_process_group)"
+        ), results
