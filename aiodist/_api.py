@@ -50,7 +50,9 @@ from ._api_ops import (  # the operations, re-exported: this module is the API's
     broadcast,
     broadcast_object_list,
     gather,
+    gather_into_tensor,
     gather_object,
+    gather_single,
     irecv,
     isend,
     monitored_barrier,
@@ -104,7 +106,9 @@ __all__ = [
     "destroy_process_group",
     "empty",
     "gather",
+    "gather_into_tensor",
     "gather_object",
+    "gather_single",
     "get_backend",
     "get_backend_config",
     "get_debug_level",
@@ -139,6 +143,7 @@ __all__ = [
     "set_debug_level",
     "shrink_group",
     "split_group",
+    "set_timeout",
     "supports_complex",
     "zeros",
 ]
@@ -511,6 +516,18 @@ def get_default_backend_for_device(device: str) -> str:
     if kind not in ("cpu", "cuda"):
         raise DistUsageError(f"no backend serves device {device!r}; aiodist has cpu and cuda")
     return kind
+
+
+def set_timeout(timeout: Timeout, group: ProcessGroup | None = None) -> None:
+    """Give the operations that ``group`` (default: the default group) issues from now on
+    the deadline ``timeout`` (seconds or a ``timedelta``; ``None``: none); those in flight
+    keep theirs. An operation's own ``timeout=`` still wins.
+
+    Raises:
+        DistUsageError: not initialized, ``group`` is not a process group of this rank, or
+            ``timeout`` is not a duration.
+    """
+    resolve_group(group, "set_timeout").timeout = to_seconds(timeout)
 
 
 def supports_complex(reduce_op: Op) -> bool:

@@ -35,7 +35,9 @@ __all__ = [
     "broadcast",
     "broadcast_object_list",
     "gather",
+    "gather_into_tensor",
     "gather_object",
+    "gather_single",
     "Group",
     "irecv",
     "isend",
@@ -246,6 +248,50 @@ def gather(
         DistUsageError: a bad list, or a list given on another rank.
     """
     return _collective("gather", group, (tensor, gather_list, dst, group_dst), timeout=timeout)
+
+
+def gather_single(
+    tensor: Any,
+    gather_tensor: Any = None,
+    dst: int | None = None,
+    group: Group = None,
+    group_dst: int | None = None,
+    *,
+    timeout: Timeout = None,
+) -> Work[Any]:
+    """Gather ``tensor`` of every rank into one array, ``gather_tensor``, on rank ``dst``.
+
+    ``gather_tensor`` (given on the destination; ignored elsewhere) holds the group's
+    arrays one after the other in rank order: ``size`` times as many elements as
+    ``tensor``, flat or stacked (``(size, *tensor.shape)``).
+
+    Returns:
+        A :class:`Work` whose result is ``gather_tensor`` on the destination, ``None``
+        elsewhere.
+
+    Raises:
+        DistUsageError: no ``gather_tensor`` on the destination, or one of another size or
+            dtype.
+    """
+    args = (tensor, gather_tensor, dst, group_dst)
+    return _collective("gather_single", group, args, timeout=timeout)
+
+
+def gather_into_tensor(
+    tensor: Any,
+    gather_tensor: Any = None,
+    dst: int | None = None,
+    group: Group = None,
+    group_dst: int | None = None,
+    *,
+    timeout: Timeout = None,
+) -> Work[Any]:
+    """:func:`gather_single` under its other name (torch 2.15 has both).
+
+    A call matches a peer's call of :func:`gather_single` with the same arrays.
+    """
+    args = (tensor, gather_tensor, dst, group_dst)
+    return _collective("gather_into_tensor", group, args, timeout=timeout)
 
 
 def scatter(

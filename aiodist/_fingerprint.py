@@ -45,6 +45,7 @@ _OPS = (
     "all_gather_object",
     "gather_object",
     "scatter_object_list",
+    "gather_single",  # (also gather_into_tensor, its other name)
 )
 _OP_CODE = {name: i + 1 for i, name in enumerate(_OPS)}
 _DTYPES = (

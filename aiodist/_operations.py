@@ -402,6 +402,30 @@ def _gather(
     return Call((outs, x, root), fp, gather_list)
 
 
+@_operation("gather_single", algorithm="gather", aliases=("gather_into_tensor",))
+def _gather_single(
+    intake: Intake,
+    pg: ProcessGroup,
+    tensor: object,
+    gather_tensor: object,
+    dst: int | None,
+    group_dst: int | None,
+) -> Call:
+    root = _root(pg, dst, group_dst, _DST)
+    x = intake(tensor, writable=False, name="tensor")
+    rows = None
+    if pg.rank == root:
+        if gather_tensor is None:
+            raise DistUsageError(
+                f"gather_tensor must be given on the destination rank (group rank {root})"
+            )
+        out = intake(gather_tensor, writable=True, name="gather_tensor")
+        _check_concat(out, x, pg.size, "gather_tensor", "tensor")
+        rows = _rows(out, pg.size)
+    fp = fingerprint("gather_single", dtype=x.dtype, shape=x.shape, root=root)
+    return Call((rows, x.reshape(-1), root), fp, gather_tensor if pg.rank == root else None)
+
+
 @_operation("scatter")
 def _scatter(
     intake: Intake,

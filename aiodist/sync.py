@@ -116,7 +116,9 @@ __all__ = [
     "default_pg_timeout",
     "destroy_process_group",
     "gather",
+    "gather_into_tensor",
     "gather_object",
+    "gather_single",
     "get_backend",
     "get_backend_config",
     "get_debug_level",
@@ -169,6 +171,7 @@ __all__ = [
     "lost_ranks",
     "shrink_group",
     "split_group",
+    "set_timeout",
     "supports_complex",
 ]
 
@@ -578,6 +581,7 @@ get_group_rank = _aio_api.get_group_rank
 get_global_rank = _aio_api.get_global_rank
 get_pg_count = _aio_api.get_pg_count
 get_default_backend_for_device = _aio_api.get_default_backend_for_device
+set_timeout = _aio_api.set_timeout
 supports_complex = _aio_api.supports_complex
 DebugLevel = _aio_api.DebugLevel
 get_debug_level = _aio_api.get_debug_level
@@ -652,6 +656,8 @@ all_gather_coalesced = _twin("all_gather_coalesced")
 all_gather_single = _twin("all_gather_single")
 all_gather_into_tensor = _twin("all_gather_into_tensor")
 gather = _twin("gather")
+gather_single = _twin("gather_single")
+gather_into_tensor = _twin("gather_into_tensor")
 scatter = _twin("scatter")
 reduce_scatter = _twin("reduce_scatter")
 reduce_scatter_single = _twin("reduce_scatter_single")

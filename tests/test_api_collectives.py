@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+from datetime import timedelta
+
 import numpy as np
 import pytest
 
@@ -158,6 +161,71 @@ async def test_gather_and_scatter(n: int, transport: str) -> None:
                 np.testing.assert_array_equal(outs[k], data(k))
         else:
             assert outs is None
+
+
+@pytest.mark.parametrize("n", SIZES)
+async def test_gather_single_into_one_array(n: int, transport: str) -> None:
+    async def fn(rank: int, size: int) -> tuple[object, object, object]:
+        x = data(rank)
+        flat = np.empty((size * 5, 3)) if rank == 1 % size else None
+        got = await aiodist.gather_single(x, flat, dst=1 % size)
+        stacked = np.empty((size, 5, 3)) if rank == 0 else np.empty(0)  # ignored off dst
+        got2 = await aiodist.gather_into_tensor(x, stacked, dst=0)
+        return flat, got, (stacked if rank == 0 else got2)
+
+    everyone = [data(r) for r in range(n)]
+    for rank, (flat, got, stacked) in enumerate(await run_world(fn, n, transport=transport)):
+        if rank == 1 % n:
+            assert got is flat
+            np.testing.assert_array_equal(flat, np.concatenate(everyone))
+        else:
+            assert flat is None and got is None
+        if rank == 0:
+            np.testing.assert_array_equal(stacked, np.stack(everyone))
+        else:
+            assert stacked is None  # the Work's result off the destination
+
+
+async def test_gather_single_needs_a_right_sized_array_on_the_destination() -> None:
+    async def fn(rank: int, size: int) -> None:
+        x = np.ones(4, np.float32)
+        bad = {0: None, 1: np.empty(4 * size + 1, np.float32)}
+        for dst, message in (
+            (0, r"gather_tensor must be given on the destination rank \(group rank 0\)"),
+            (1, r"gather_tensor has .* but must hold 2 x tensor"),
+        ):
+            if rank == dst:
+                with pytest.raises(aiodist.DistUsageError, match=message):
+                    await aiodist.gather_single(x, bad[dst], dst=dst)
+            else:  # told by the destination, before any data moved
+                with pytest.raises(aiodist.DistUsageError, match=f"rejected by rank {dst}"):
+                    await aiodist.gather_single(x, None, dst=dst)
+        out = np.empty(4 * size, np.float32) if rank == 0 else None
+        await aiodist.gather_single(x, out, dst=0)  # the group is still usable
+        if rank == 0:
+            np.testing.assert_array_equal(out, np.ones(8, np.float32))
+
+    await run_world(fn, 2)
+
+
+async def test_set_timeout_applies_to_the_next_operations() -> None:
+    timed_out = asyncio.Event()  # (the ranks are tasks of this loop)
+
+    async def fn(rank: int, size: int) -> str:
+        aiodist.set_timeout(timedelta(seconds=0.5))
+        if rank == 1:
+            await timed_out.wait()  # misses rank 0's barrier
+            return ""
+        with pytest.raises(aiodist.DistTimeoutError) as info:
+            await aiodist.barrier()
+        timed_out.set()
+        return str(info.value)
+
+    text = (await run_world(fn, 2, timeout=60))[0]
+    assert text.startswith(
+        "barrier (seq 0) on <ProcessGroup rank=0/2 backend=cpu> did not complete within the "
+        "group timeout of 0.5 s; ranks that did not arrive: [1]"
+    ), text
 
 
 @pytest.mark.parametrize("n", SIZES)

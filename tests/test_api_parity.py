@@ -174,7 +174,6 @@ def test_blocking_parity_in_processes() -> None:
 TORCH_API = Path(__file__).with_name("torch_api_2_15.txt")
 TORCH_VERSION = (2, 15)
 
-_NOT_IMPLEMENTED = "not implemented yet (new in torch 2.15); see docs/migrating.md"
 _OPTIONS = (
     "the options struct of ProcessGroup's per-operation methods, which aiodist's ProcessGroup "
     "does not have: aiodist's functions take these options as arguments"
@@ -187,9 +186,6 @@ _BACKEND_CLASS = (
 #: A name here that aiodist.sync gains fails the test: move it to the provided ones.
 NOT_PROVIDED: dict[str, str] = {
     # functions
-    "gather_single": _NOT_IMPLEMENTED,
-    "gather_into_tensor": _NOT_IMPLEMENTED + " (an alias of gather_single)",
-    "set_timeout": _NOT_IMPLEMENTED,
     "get_backend_impl": (
         "returns torch's C++ Backend object, for backend-specific experiments; aiodist's "
         "backends are not part of its API"
