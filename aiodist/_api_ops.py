@@ -528,12 +528,13 @@ def send_object_list(
     group: Group = None,
     device: object = None,
     group_dst: int | None = None,
+    use_batch: bool = False,
     *,
     timeout: Timeout = None,
 ) -> Work[None]:
     """Send the picklable objects of ``object_list`` to rank ``dst`` (see :func:`recv_object_list`).
 
-    ``device`` is accepted for torch compatibility and ignored.
+    ``device`` and ``use_batch`` are accepted for torch compatibility and ignored.
 
     Raises:
         DistUsageError: not a non-empty list, an object that cannot be pickled, or a bad
@@ -560,12 +561,14 @@ def recv_object_list(
     group: Group = None,
     device: object = None,
     group_src: int | None = None,
+    use_batch: bool = False,
     *,
     timeout: Timeout = None,
 ) -> Work[int]:
     """Receive objects sent with :func:`send_object_list` into ``object_list``, in place.
 
-    ``object_list`` must have as many entries as the sender's list. Unpickling runs code
+    ``object_list`` must have as many entries as the sender's list. ``device`` and
+    ``use_batch`` are accepted for torch compatibility and ignored. Unpickling runs code
     chosen by the sender: use only between trusted ranks.
 
     Returns:

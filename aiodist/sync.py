@@ -450,6 +450,7 @@ def init_process_group(
     group_name: str = "",
     pg_options: object = None,
     device_id: object = None,
+    enable_reconfigure: bool = False,
     *,
     auth_token: str | bytes | None = None,
     shared_memory: bool | None = None,
@@ -458,8 +459,8 @@ def init_process_group(
 
     ``init_method`` and ``store`` are exclusive; with neither, ``init_method="env://"``; with
     ``store``, ``rank`` and ``world_size`` are required. ``backend``: ``"cpu"``/``"gloo"``,
-    ``"cuda"``/``"nccl"``, ``"cpu:gloo,cuda:nccl"`` or ``None``. ``pg_options`` and
-    ``device_id`` are accepted for torch compatibility and ignored.
+    ``"cuda"``/``"nccl"``, ``"cpu:gloo,cuda:nccl"`` or ``None``. ``pg_options``,
+    ``device_id`` and ``enable_reconfigure`` are accepted for torch compatibility and ignored.
 
     Args:
         backend: the backend name.
@@ -471,6 +472,8 @@ def init_process_group(
         group_name: namespace of this job's keys in the store.
         pg_options: ignored.
         device_id: ignored.
+        enable_reconfigure: ignored: a world of aiodist changes its members with
+            :func:`shrink_group` and :func:`admit` whatever it was given.
         auth_token: shared secret for the store the rendezvous makes and for every
             connection between ranks (``None``: ``$AIODIST_AUTH_TOKEN``, if set).
         shared_memory: whether ranks on one host talk through shared memory (see

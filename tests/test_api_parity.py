@@ -254,9 +254,6 @@ _WEIGHTS_ONLY = (
 #: torch 2.15 parameters of functions aiodist.sync provides that it does not take (passing
 #: them raises TypeError), and why. A parameter here that aiodist.sync gains fails the test.
 PARAMETERS_NOT_TAKEN: dict[str, dict[str, str]] = {
-    "init_process_group": {
-        "enable_reconfigure": "new in torch 2.15 (NCCL's reconfigure regime); not accepted yet",
-    },
     "new_group": {
         "device_id": "groups are not bound to a device",
         "sort_ranks": "group ranks always follow the sorted global ranks",
@@ -267,14 +264,8 @@ PARAMETERS_NOT_TAKEN: dict[str, dict[str, str]] = {
     },
     "init_device_mesh": {"backend_override": "every dimension uses the default group's backend"},
     "supports_complex": {"reduceOp": "named reduce_op; pass the operation by position"},
-    "send_object_list": {
-        "use_batch": "not accepted: the size and the payload always go as two messages",
-        "weights_only": _WEIGHTS_ONLY,
-    },
-    "recv_object_list": {
-        "use_batch": "not accepted: the size and the payload always go as two messages",
-        "weights_only": _WEIGHTS_ONLY,
-    },
+    "send_object_list": {"weights_only": _WEIGHTS_ONLY},
+    "recv_object_list": {"weights_only": _WEIGHTS_ONLY},
     "broadcast_object_list": {"weights_only": _WEIGHTS_ONLY},
     "all_gather_object": {"weights_only": _WEIGHTS_ONLY},
     "gather_object": {"weights_only": _WEIGHTS_ONLY},
