@@ -9,6 +9,7 @@ re-exports the public names defined here.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
@@ -21,6 +22,8 @@ from typing import Any
 from ._cluster import launcher_default
 from ._workers import Std
 from .errors import DistUsageError
+
+logger = logging.getLogger("aiodist.launcher")
 
 _DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 _TRUE = ("1", "true", "yes", "on")
@@ -188,6 +191,12 @@ def get_args_parser() -> argparse.ArgumentParser:
     )
     add("--role", action=_EnvDefault, default="default", help="exported as ROLE_NAME")
     add("-m", "--module", action=_EnvFlag, help="run the script as a module, like python -m")
+    add(
+        *_flag("--run-path"),
+        action=_EnvFlag,
+        help="run the script as a path with python -u, as by default; as in torchrun, it "
+        "takes precedence over --no-python and --module",
+    )
     add(
         *_flag("--no-python"),
         action=_EnvFlag,
@@ -377,6 +386,19 @@ def _parse_endpoint(text: str, default_port: int) -> tuple[str, int]:
         raise DistUsageError(f"--rdzv-endpoint={text!r} has an invalid port {port!r}") from None
 
 
+#: c10d rendezvous settings of torchrun that mean nothing here (node 0's store is the
+#: rendezvous): accepted and ignored, so that torchrun command lines run unchanged.
+_C10D_ONLY_CONF = (
+    "last_call_timeout",
+    "close_timeout",
+    "heartbeat_timeout",
+    "read_timeout",
+    "cas_backoff_max_seconds",
+    "is_host",
+    "store_type",
+)
+
+
 def _parse_rdzv_conf(text: str) -> dict[str, float]:
     known = {
         "join_timeout": 600.0,
@@ -387,6 +409,11 @@ def _parse_rdzv_conf(text: str) -> dict[str, float]:
     conf: dict[str, float] = {}
     for item in filter(None, (s.strip() for s in text.split(","))):
         key, sep, value = item.partition("=")
+        if sep and key in _C10D_ONLY_CONF:
+            logger.info(
+                "--rdzv-conf %s is c10d's and ignored: node 0's store is the rendezvous", key
+            )
+            continue
         if not sep or key not in known:
             raise DistUsageError(
                 f"--rdzv-conf item {item!r} is not valid: expected k=v with k one of "
@@ -459,7 +486,7 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         raise DistUsageError(f"--shutdown-grace={ns.shutdown_timeout} must not be negative")
     if ns.status_port is not None and not 0 <= int(ns.status_port) < 65536:
         raise DistUsageError(f"--status-port={ns.status_port} is not a port number")
-    if ns.module and ns.no_python:
+    if ns.module and ns.no_python and not ns.run_path:
         raise DistUsageError("--module and --no-python cannot be used together")
     filt: frozenset[int] | None = None
     if str(ns.local_ranks_filter).strip():
@@ -474,7 +501,9 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
             raise DistUsageError(
                 f"--local-ranks-filter={ns.local_ranks_filter!r} names ranks outside 0..{nproc - 1}"
             )
-    if ns.no_python:
+    if ns.run_path:
+        cmd = [sys.executable, "-u", ns.training_script]
+    elif ns.no_python:
         cmd = [ns.training_script]
     elif ns.module:
         cmd = [sys.executable, "-u", "-m", ns.training_script]

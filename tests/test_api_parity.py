@@ -275,7 +275,6 @@ PARAMETERS_NOT_TAKEN: dict[str, dict[str, str]] = {
 #: torchrun 2.15 options aiodist-run does not take, with what to do instead (the list of
 #: docs/launcher.md). An option here that aiodist-run gains fails the test.
 FLAGS_NOT_SUPPORTED: dict[str, str] = {
-    "--run-path": "drop it: every worker runs the script with python -u in a new process",
     "--virtual-local-rank": (
         "set CUDA_VISIBLE_DEVICES from LOCAL_RANK in the worker before it touches the GPU"
     ),
@@ -294,14 +293,6 @@ VALUES_NOT_SUPPORTED: dict[tuple[str, str], str] = {
     ("--nnodes", "1:2"): "elastic node counts are not supported",  # a fixed count
     ("--rdzv-backend", "etcd"): "invalid choice",  # node 0's store is the rendezvous
     ("--rdzv-backend", "etcd-v2"): "invalid choice",
-    # c10d's knobs for its rendezvous protocol, which aiodist-run does not run
-    ("--rdzv-conf", "last_call_timeout"): "is not valid",
-    ("--rdzv-conf", "close_timeout"): "is not valid",
-    ("--rdzv-conf", "heartbeat_timeout"): "is not valid",
-    ("--rdzv-conf", "cas_backoff_max_seconds"): "is not valid",
-    ("--rdzv-conf", "read_timeout"): "is not valid",
-    ("--rdzv-conf", "is_host"): "is not valid",
-    ("--rdzv-conf", "store_type"): "is not valid",
 }
 #: A value for each --rdzv-conf key, as torchrun's docs give them.
 _CONF_VALUE = {"is_host": "1", "store_type": "tcp"}

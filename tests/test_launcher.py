@@ -168,6 +168,14 @@ def test_output_and_signal_flags() -> None:
     assert cfg.signals == (signal.SIGUSR1, signal.SIGTERM)
     assert parse_args(["-m", "pkg.mod", "a"]).cmd == (sys.executable, "-u", "-m", "pkg.mod", "a")
     assert parse_args(["--no-python", "./run.sh", "a"]).cmd == ("./run.sh", "a")
+    # torchrun's --run-path runs the path with python, whatever else is asked.
+    assert parse_args(["--run-path", "--no-python", "t.py"]).cmd == (sys.executable, "-u", "t.py")
+
+
+def test_c10d_rendezvous_settings_are_ignored() -> None:
+    conf = "last_call_timeout=30,is_host=1,store_type=tcp,join_timeout=7,read_timeout=60"
+    cfg = parse_args([f"--rdzv-conf={conf}", "--rdzv-backend=c10d", "t.py"])
+    assert cfg.join_timeout == 7.0
 
 
 @pytest.mark.parametrize(
