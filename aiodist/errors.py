@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 __all__ = [
     "DistBackendError",
@@ -26,6 +27,12 @@ __all__ = [
 
 class DistError(RuntimeError):
     """Base class of every error raised by aiodist."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # What BaseException does, for every subclass alike: the errors that are also an
+        # OSError (DistNetworkError, DistTimeoutError) would otherwise pickle as OSError
+        # does, which tblib (Dask's tracebacks) cannot rebuild.
+        return (type(self), self.args, self.__dict__ or None)
 
 
 class DistUsageError(DistError, ValueError):
