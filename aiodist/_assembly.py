@@ -169,6 +169,34 @@ def connector(timeout: float | None, token: bytes | None, shared_memory: bool | 
     return functools.partial(_connect, timeout=timeout, token=token, shared_memory=shared_memory)
 
 
+async def _shm_room(store: Store, rank: int, world_size: int, local: list[int]) -> str | None:
+    """Why ``/dev/shm`` is too small for what the ranks ``local`` of this host would reserve
+    there (their rings, and the default group's workspace when the world is this host), or
+    ``None`` when it has room. The host's lowest rank looks and the others read its verdict
+    from the store, so that every rank of the host makes the same choice (Docker gives
+    containers 64 MiB unless told otherwise)."""
+    from .collectives.shm_workspace import workspace_bytes
+    from .transport._shm_segment import SHM_DIR, free_bytes
+    from .transport.shm import bytes_needed
+
+    key = f"shm/room/{local[0]}"
+    if rank == local[0]:
+        need = bytes_needed(len(local))
+        if len(local) == world_size:
+            need += workspace_bytes(len(local))
+        free = free_bytes()
+        verdict = (
+            ""
+            if free >= need
+            else f"{SHM_DIR} has {free} bytes free, but the {len(local)} ranks of this host "
+            f"would reserve {need} there; enlarge it (docker: --shm-size) for shared memory"
+        )
+        await store.set(key, verdict)
+    else:
+        verdict = (await store.get(key)).decode()
+    return verdict or None
+
+
 async def connect_members(
     store: Store, rank: int, size: int, connect: Connect, op: str = "init_process_group"
 ) -> Transport:
@@ -277,13 +305,16 @@ async def _connect(
         local, refused = await plan_shared_memory(store, rank, world_size, timeout=timeout)
         if len(local) == 1:
             return tcp
-        if refused is not None:
+        small = None if refused is not None else await _shm_room(store, rank, world_size, local)
+        if refused is not None or small is not None:
             if shared_memory:
                 raise DistUsageError(
                     f"init_process_group: shared_memory=True, but ranks {local} of this host "
-                    f"cannot share memory: {refused}"
+                    f"cannot share memory: {refused or small}"
                 )
-            logger.info("rank %d: ranks %s talk over TCP: %s", rank, local, refused)
+            # A small /dev/shm costs speed the user can get back: said louder.
+            log = logger.info if small is None else logger.warning
+            log("rank %d: ranks %s talk over TCP: %s", rank, local, refused or small)
             return tcp
         try:
             shm = await ShmTransport.create(

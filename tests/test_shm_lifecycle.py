@@ -7,10 +7,12 @@ import asyncio
 import functools
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -173,3 +175,62 @@ def test_a_full_dev_shm_is_a_clear_error_not_a_sigbus() -> None:
         "4194304 bytes: it is full"
     )
     assert errors["left"] == []
+
+
+_SMALL_SHM = textwrap.dedent(
+    """
+    import asyncio, json, logging, sys
+    import numpy as np
+    import aiodist
+    from aiodist.testing import start_world_processes
+
+    async def rank_main(rank, size):
+        said = []
+        handler = logging.Handler()
+        handler.emit = lambda record: said.append(record.getMessage())
+        logging.getLogger("aiodist").addHandler(handler)
+        pg = await aiodist.init_process_group(timeout=60)
+        x = np.full(4, float(rank))
+        await aiodist.all_reduce(x)
+        kind = type(pg.world.transport).__name__
+        await aiodist.destroy_process_group()
+        return kind, x.tolist(), [s for s in said if "talk over TCP" in s]
+
+    if __name__ == "__main__":
+        size = int(sys.argv[1])
+        print(json.dumps(start_world_processes(rank_main, size, init_group=False).results()))
+    """
+)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("size", "fits"), [(2, True), (4, False)])
+def test_a_dev_shm_too_small_for_the_host_falls_back_to_tcp(
+    size: int, fits: bool, tmp_path: Path
+) -> None:
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare to mount a small /dev/shm privately")
+    worker = tmp_path / "small_shm.py"  # (a file: spawned ranks import their function)
+    worker.write_text(_SMALL_SHM)
+    # 16 MiB: two ranks' rings and workspace fit (12 MiB); four ranks' (56 MiB) do not.
+    script = f"mount -t tmpfs -o size=16m tmpfs /dev/shm && exec {sys.executable} {worker} {size}"
+    proc = subprocess.run(
+        ["unshare", "-m", "sh", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    expected = [float(sum(range(size)))] * 4
+    for rank, (kind, x, said) in enumerate(json.loads(proc.stdout.splitlines()[-1])):
+        assert x == expected
+        if fits:
+            assert (kind, said) == ("RoutedTransport", []), (rank, kind, said)
+            continue
+        assert kind == "TCPTransport", (rank, kind)
+        assert len(said) == 1 and re.fullmatch(
+            rf"rank {rank}: ranks \[0, 1, 2, 3\] talk over TCP: /dev/shm has \d+ bytes free, "
+            r"but the 4 ranks of this host would reserve 58753024 there; enlarge it \(docker: "
+            r"--shm-size\) for shared memory",
+            said[0],
+        ), said

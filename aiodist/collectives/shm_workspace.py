@@ -76,6 +76,7 @@ __all__ = [
     "Call",
     "NodeWorkspace",
     "Turn",
+    "workspace_bytes",
     "WorkspaceStatistics",
 ]
 
@@ -162,6 +163,16 @@ class Call(NamedTuple):
     shared: list[bool]
     entries: list[list[_shared_array.Location]]
     sizes: list[list[tuple[int, int]]]
+
+
+def workspace_bytes(size: int) -> int:
+    """Bytes of ``/dev/shm`` the workspace of a group of ``size`` ranks reserves, with the
+    default block size."""
+    return size * (_ctrl_bytes(size) + 2 * _default_block_bytes(size))
+
+
+def _default_block_bytes(size: int) -> int:
+    return max(DEFAULT_BLOCK_BYTES, -(-64 * size // mmap.PAGESIZE) * mmap.PAGESIZE)
 
 
 class NodeWorkspace:
@@ -309,7 +320,7 @@ class NodeWorkspace:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < size:
             raise DistUsageError(f"rank must be in [0, {size}), got {rank!r}")
         if block_bytes is None:
-            block_bytes = max(DEFAULT_BLOCK_BYTES, -(-64 * size // mmap.PAGESIZE) * mmap.PAGESIZE)
+            block_bytes = _default_block_bytes(size)
         elif (
             isinstance(block_bytes, bool)
             or not isinstance(block_bytes, int)

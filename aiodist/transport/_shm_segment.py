@@ -36,6 +36,7 @@ from ..errors import DistError
 
 __all__ = [
     "SHM_DIR",
+    "free_bytes",
     "ProcessId",
     "Segment",
     "SharedMemoryError",
@@ -163,6 +164,15 @@ def _pidfd_works() -> bool:
         except (AttributeError, OSError):
             _PIDFD_OK = False
     return _PIDFD_OK
+
+
+def free_bytes() -> int:
+    """Bytes free in ``/dev/shm`` now (0 when it cannot be read)."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
 
 
 def unavailable_reason() -> str | None:

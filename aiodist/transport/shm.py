@@ -22,6 +22,7 @@ import asyncio
 import functools
 import hashlib
 import logging
+import mmap
 import os
 import struct
 import time
@@ -70,7 +71,13 @@ from .base import (
     lost_peer_error,
 )
 
-__all__ = ["DEFAULT_RING_BYTES", "ShmTransport", "default_job_key", "find_local_ranks"]
+__all__ = [
+    "DEFAULT_RING_BYTES",
+    "ShmTransport",
+    "bytes_needed",
+    "default_job_key",
+    "find_local_ranks",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +164,13 @@ async def plan_shared_memory(
     if reason is None:
         reason = (await store.get(f"shm/why/{refusing[0]}")).decode()
     return local, f"rank {refusing[0]}: {reason}"
+
+
+def bytes_needed(local_count: int) -> int:
+    """Bytes of ``/dev/shm`` the transports of ``local_count`` ranks of one host reserve
+    together with the default ring size (each rank: a ring to each peer, and a page)."""
+    peers = local_count - 1
+    return local_count * (peers * _default_ring_bytes(peers) + mmap.PAGESIZE)
 
 
 def _default_ring_bytes(peers: int) -> int:
