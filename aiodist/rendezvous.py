@@ -13,8 +13,8 @@ Schemes, with torch's rules:
 * ``file:///abs/path?rank=R&world_size=W``: a :class:`~aiodist.FileStore` on that path.
 
 ``env://`` and ``tcp://`` give a :class:`~aiodist.TCPStore`: rank 0 hosts it and the others
-connect, except under an agent that hosts the store itself (``TORCHELASTIC_USE_AGENT_STORE=True``),
-where every rank connects. Other schemes come from :func:`register_rendezvous_handler` or
+connect, except under an agent that hosts the store itself (``TORCHELASTIC_USE_AGENT_STORE=True``)
+at the URL's address (``MASTER_ADDR:MASTER_PORT``), where every rank connects. Other schemes come from :func:`register_rendezvous_handler` or
 from packages that declare an entry point in the ``aiodist.rendezvous`` group (name: the
 scheme; value: the handler).
 """
@@ -216,8 +216,11 @@ async def _tcp_store(
         raise _error(scheme, f"port must be from 0 to 65535, got {port}")
     from .store.tcp import TCPStore
 
-    # A launcher's agent may host the store for the whole job; then rank 0 is a client too.
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    # A launcher's agent may host the store for the whole job; then rank 0 is a client too,
+    # of that store only: a URL naming another address still has rank 0 host it (torch 2.15).
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and (
+        host == os.environ.get("MASTER_ADDR") and str(port) == os.environ.get("MASTER_PORT")
+    )
     is_master = rank == 0 and not agent_store
     logger.debug(
         "%s:// rendezvous: rank %d/%d %s the store at %s:%d",

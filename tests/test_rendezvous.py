@@ -281,6 +281,23 @@ async def test_env_rendezvous_with_an_agent_store(monkeypatch: pytest.MonkeyPatc
         await agent.aclose()
 
 
+async def test_a_tcp_url_elsewhere_than_the_agent_store_is_hosted_by_rank_0(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Under an agent (its store at MASTER_ADDR:MASTER_PORT), a tcp:// URL naming another
+    # address is a store of the script's own: rank 0 hosts it, as torch 2.15 does.
+    agent = await aiodist.TCPStore.create("127.0.0.1", 0, is_master=True, timeout=10)
+    try:
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(agent.port))
+        monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+        port = free_port()
+        await _four_ranks([f"tcp://127.0.0.1:{port}?rank={r}&world_size=4" for r in range(4)])
+        assert not await agent.check(["r2"])  # the agent's store was not used
+    finally:
+        await agent.aclose()
+
+
 async def test_tcp_rendezvous_without_a_server_fails_within_its_timeout() -> None:
     import time
 
