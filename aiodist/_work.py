@@ -11,6 +11,7 @@ import asyncio
 import enum
 from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from ._fingerprint import NO_FINGERPRINT
@@ -97,6 +98,13 @@ class Work(Generic[T]):
     def op(self) -> str:
         """The operation's name, e.g. ``"all_reduce"``."""
         return self._name
+
+    @property
+    def timeout(self) -> timedelta | None:
+        """The operation's deadline from its start (the group's timeout unless the call gave
+        its own); ``None``: none (or a call that was not issued)."""
+        seconds = None if self._op is None else self._op.timeout
+        return None if seconds is None else timedelta(seconds=seconds)
 
     @property
     def seq(self) -> int:

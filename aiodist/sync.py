@@ -249,6 +249,11 @@ class Work(Generic[T]):
         """Return whether the operation has finished, successfully or not."""
         return self._work.is_completed()
 
+    @property
+    def timeout(self) -> timedelta | None:
+        """The operation's deadline from its start, as torch's ``Work.timeout``."""
+        return self._work.timeout
+
     def is_success(self) -> bool:
         """Return whether the operation has finished without an error."""
         return self._work.is_success()

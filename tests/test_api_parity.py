@@ -11,6 +11,7 @@ import logging
 import subprocess
 import sys
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -159,6 +160,10 @@ def _blocking_parity(rank: int, size: int) -> list[object]:
         assert got == ["hello", 0]
     work = dist.all_reduce(np.ones(2), async_op=True)
     assert work.wait() and work.is_completed()
+    assert work.timeout == timedelta(seconds=60)  # the group's (run_world_processes')
+    dist.set_timeout(timedelta(seconds=7))
+    work = dist.barrier(async_op=True)
+    assert work.wait() and work.timeout == timedelta(seconds=7)
     return [x[0], dist.get_pg_count()]
 
 
