@@ -96,7 +96,8 @@ def get_args_parser() -> argparse.ArgumentParser:
         *_flag("--nproc-per-node"),
         action=_EnvDefault,
         default="1",
-        help="workers per node: an integer, or auto/cpu for one per CPU (default 1)",
+        help="workers per node: an integer, gpu for one per GPU, cpu for one per CPU, or "
+        "auto for one per GPU if there are any, else per CPU (default 1)",
     )
     add(
         *_flag("--node-rank"),
@@ -191,6 +192,12 @@ def get_args_parser() -> argparse.ArgumentParser:
     )
     add("--role", action=_EnvDefault, default="default", help="exported as ROLE_NAME")
     add("-m", "--module", action=_EnvFlag, help="run the script as a module, like python -m")
+    add(
+        *_flag("--virtual-local-rank"),
+        action=_EnvFlag,
+        help="give every worker LOCAL_RANK=0 and only its own GPU (CUDA_VISIBLE_DEVICES: the "
+        "local rank's entry of the launcher's list, or the local rank), as torchrun does",
+    )
     add(
         *_flag("--run-path"),
         action=_EnvFlag,
@@ -287,6 +294,7 @@ class LaunchConfig:
         shutdown_timeout: the grace period between the stop signal and SIGKILL.
         status_port: where the launcher serves the live view of the ranks (``None``: it
             does not; 0: any free port).
+        virtual_local_rank: every worker sees ``LOCAL_RANK=0`` and only its own GPU.
     """
 
     nnodes: int
@@ -310,6 +318,7 @@ class LaunchConfig:
     signals: tuple[signal.Signals, ...]
     shutdown_timeout: float
     status_port: int | None = None
+    virtual_local_rank: bool = False
 
 
 def _parse_std(text: str, what: str, nproc: int) -> tuple[Std, ...]:
@@ -359,14 +368,34 @@ def _parse_nnodes(text: str) -> int:
     return sizes[0]
 
 
+def _cuda_devices() -> tuple[int, str]:
+    """The number of CUDA devices cupy sees, and why none when it is 0."""
+    try:
+        import cupy
+    except ImportError:
+        return 0, "cupy is not installed"
+    try:
+        return int(cupy.cuda.runtime.getDeviceCount()), "cupy found no CUDA device"
+    except Exception as exc:  # (cupy's CUDARuntimeError: no driver, no device)
+        return 0, f"{type(exc).__name__}: {exc}"
+
+
 def _parse_nproc(text: str) -> int:
+    if text in ("gpu", "auto"):
+        # As torchrun: one worker per GPU; auto counts CPUs when there is none.
+        count, why = _cuda_devices()
+        if count:
+            return count
+        if text == "gpu":
+            raise DistUsageError(f"--nproc-per-node=gpu: no GPU to count ({why})")
     if text in ("auto", "cpu"):
         return os.cpu_count() or 1
     try:
         nproc = int(text)
     except ValueError:
         raise DistUsageError(
-            f"--nproc-per-node={text!r} is not valid: expected a positive integer, auto or cpu"
+            f"--nproc-per-node={text!r} is not valid: expected a positive integer, gpu, auto "
+            "or cpu"
         ) from None
     if nproc < 1:
         raise DistUsageError(f"--nproc-per-node={text!r} is not valid: expected at least 1")
@@ -531,4 +560,5 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         signals=_parse_signals(str(ns.signals_to_handle)),
         shutdown_timeout=float(ns.shutdown_timeout),
         status_port=None if ns.status_port is None else int(ns.status_port),
+        virtual_local_rank=bool(ns.virtual_local_rank),
     )

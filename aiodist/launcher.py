@@ -296,6 +296,8 @@ class _Launcher:
         env.setdefault("OMP_NUM_THREADS", "1")
         if cfg.status_port is not None:
             env["AIODIST_STATUS"] = "1"
+        if cfg.virtual_local_rank:
+            env.update(LOCAL_RANK="0", CUDA_VISIBLE_DEVICES=_own_device(local))
         if cfg.local_addr is not None:
             env["AIODIST_HOST"] = cfg.local_addr
         elif self._local_addr is not None:
@@ -482,6 +484,20 @@ class _Launcher:
             lines += ["    " + s for s in f.stderr_tail]
         lines += ["=" * 72, ""]
         return "\n".join(lines)
+
+
+def _own_device(local: int) -> str:
+    """The GPU of local rank ``local`` for ``--virtual-local-rank``: its entry of the
+    launcher's ``CUDA_VISIBLE_DEVICES``, or its index."""
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if not visible:
+        return str(local)
+    if local >= len(visible):
+        raise DistUsageError(
+            f"--virtual-local-rank: local rank {local} has no GPU: CUDA_VISIBLE_DEVICES lists "
+            f"{len(visible)}"
+        )
+    return visible[local].strip()
 
 
 async def _first(*aws: Any) -> None:

@@ -68,7 +68,7 @@ def main() -> None:
         keys += [
             "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
             "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR",
-            "MASTER_PORT", "OMP_NUM_THREADS",
+            "MASTER_PORT", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES",
         ]  # fmt: skip
         print(json.dumps({k: os.environ.get(k) for k in keys} | {"argv": args}))
     elif mode == "allreduce":

@@ -20,6 +20,7 @@ import pytest
 
 import aiodist
 import aiodist.sync as dist
+from aiodist._launch_cli import _cuda_devices
 from aiodist.testing import run_world, run_world_processes
 
 pytestmark = pytest.mark.both_loops
@@ -280,9 +281,6 @@ PARAMETERS_NOT_TAKEN: dict[str, dict[str, str]] = {
 #: torchrun 2.15 options aiodist-run does not take, with what to do instead (the list of
 #: docs/launcher.md). An option here that aiodist-run gains fails the test.
 FLAGS_NOT_SUPPORTED: dict[str, str] = {
-    "--virtual-local-rank": (
-        "set CUDA_VISIBLE_DEVICES from LOCAL_RANK in the worker before it touches the GPU"
-    ),
     "--numa-binding": "bind in the worker (os.sched_setaffinity) or wrap it with numactl",
     "--log-line-prefix-template": "lines are always prefixed [rank<N>]: (the global rank)",
     "--duplicate-stdout-filters": "--tee with --log-dir, then grep the log files",
@@ -293,7 +291,8 @@ FLAGS_NOT_SUPPORTED: dict[str, str] = {
 }
 #: Values of options aiodist-run takes that it rejects, with the message it gives.
 VALUES_NOT_SUPPORTED: dict[tuple[str, str], str] = {
-    ("--nproc-per-node", "gpu"): "is not valid",  # give the number of GPUs
+    # taken, but it needs a GPU to count
+    **({("--nproc-per-node", "gpu"): "no GPU to count"} if not _cuda_devices()[0] else {}),
     ("--nproc-per-node", "xpu"): "is not valid",  # no XPU backend
     ("--nnodes", "1:2"): "elastic node counts are not supported",  # a fixed count
     ("--rdzv-backend", "etcd"): "invalid choice",  # node 0's store is the rendezvous

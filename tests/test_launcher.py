@@ -184,7 +184,7 @@ def test_c10d_rendezvous_settings_are_ignored() -> None:
         (["--nnodes=1:4"], r"elastic node counts are not supported"),
         (["--nnodes=x"], r"--nnodes='x' is not valid"),
         (["--nproc-per-node=0"], r"--nproc-per-node='0' is not valid: expected at least 1"),
-        (["--nproc-per-node=gpux"], r"expected a positive integer, auto or cpu"),
+        (["--nproc-per-node=gpux"], r"expected a positive integer, gpu, auto or cpu"),
         (["--nnodes=2", "--node-rank=2"], r"--node-rank=2 is not valid with --nnodes=2"),
         (["--standalone", "--nnodes=2"], r"--standalone runs one node, but --nnodes=2"),
         (["--nnodes=2", "--master-port=0"], r"several nodes need a fixed port"),
@@ -272,6 +272,21 @@ def test_worker_environment() -> None:
     env = json.loads(by_rank(result.stdout)[0][0])
     assert env["OMP_NUM_THREADS"] == "1"
     assert env["AIODIST_HOST"] == "127.0.0.1"
+
+
+@pytest.mark.parametrize(("visible", "expected"), [(None, ["0", "1"]), ("5,3,4", ["5", "3"])])
+def test_virtual_local_rank_gives_each_worker_its_own_gpu(
+    visible: str | None, expected: list[str]
+) -> None:
+    env = clean_env()
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible
+    result = launch("--nproc-per-node=2", "--virtual-local-rank", WORKER, "env", env=env)
+    assert result.returncode == 0, result.stderr
+    envs = {r: json.loads(lines[0]) for r, lines in by_rank(result.stdout).items()}
+    assert [envs[r]["CUDA_VISIBLE_DEVICES"] for r in (0, 1)] == expected
+    assert [(envs[r]["RANK"], envs[r]["LOCAL_RANK"]) for r in (0, 1)] == [("0", "0"), ("1", "0")]
 
 
 def test_compatibility_flags_are_accepted() -> None:
