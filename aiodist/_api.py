@@ -73,7 +73,7 @@ from ._membership import SHRINK_ABORT, SHRINK_DEFAULT
 from ._ops import PremulSum, ReduceOp
 from ._recorder import record_comm
 from ._timeouts import Timeout, to_seconds
-from .errors import DistUsageError
+from .errors import DistNetworkError, DistUsageError
 from .group import (
     DEFAULT_PG_TIMEOUT,
     NON_GROUP_MEMBER,
@@ -131,6 +131,7 @@ __all__ = [
     "new_subgroups_by_enumeration",
     "recv",
     "record_comm",
+    "recover",
     "recv_object_list",
     "reduce",
     "reduce_scatter",
@@ -237,14 +238,17 @@ async def join_process_group(
     *,
     auth_token: str | bytes | None = None,
     shared_memory: bool | None = None,
+    state: Sequence[Any] = (),
 ) -> ProcessGroup:
     """Join a running world as a new rank, when its members next call :func:`admit`.
 
     For a process started after the world formed: a replacement for a lost rank, or one more
     worker. It registers in the job's store and waits (up to ``timeout``) until the members
     admit it; it then gets the next free rank (after the members', in the order the waiting
-    processes registered) and the world's default group, with every member. Receive the
-    state it needs from a member with ordinary collectives (a ``broadcast`` from rank 0).
+    processes registered) and the world's default group, with every member. ``state``
+    receives the members' state, written in place (the arrays the members pass to
+    ``admit(state=...)``, alike in number, shapes and dtypes); or receive it with ordinary
+    collectives (a ``broadcast`` from rank 0).
 
     The arguments are :func:`init_process_group`'s, without ``rank`` and ``world_size``:
     ``store`` (connected to the job's store), or an ``init_method`` URL that reaches it
@@ -270,24 +274,30 @@ async def join_process_group(
     membership = _group.Membership(
         connector(seconds, token, shared_memory), job_store(store, group_name)
     )
-    return await _membership.join(
+    pg = await _membership.join(
         membership, backend=name, backends=devices, timeout=seconds, owned=owned
     )
+    for x in state:
+        await broadcast(x, src=0)
+    return pg
 
 
-async def admit(group: ProcessGroup | None = None) -> list[int]:
+async def admit(group: ProcessGroup | None = None, *, state: Sequence[Any] = ()) -> list[int]:
     """Admit the processes waiting to join (:func:`join_process_group`); return their ranks.
 
     Every member of the default group calls it at the same point (a step boundary of
     training, say), like a collective. When processes are waiting, the members and they form
     a grown world: the members keep their ranks, the new processes take the next ones in the
     order they registered, and the grown world becomes the default (the old one is closed,
-    with every other group of it). Then send the new ranks what they need, for instance
-    ``await aiodist.broadcast(weights, src=0)``. With nobody waiting it changes nothing and
-    costs a few store requests.
+    with every other group of it). Then the new ranks get rank 0's ``state`` (broadcast, in
+    order), or send them what they need yourself, for instance ``await
+    aiodist.broadcast(weights, src=0)``. With nobody waiting it changes nothing and costs a
+    few store requests.
 
     Args:
         group: the default group (``None``); only the default group admits.
+        state: arrays to send from rank 0 to the admitted ranks (which pass theirs to
+            ``join_process_group(state=...)``); sent only when someone was admitted.
 
     Returns:
         The ranks of the admitted processes in the grown world (empty: nobody was waiting).
@@ -302,7 +312,39 @@ async def admit(group: ProcessGroup | None = None) -> list[int]:
     pg = resolve_group(group, "admit")
     if pg is not pg.world.default_group:
         raise DistUsageError("admit: only the default group admits new processes")
-    return await _membership.admit(pg.world)
+    admitted = await _membership.admit(pg.world)
+    if admitted:
+        for x in state:
+            await broadcast(x, src=0)
+    return admitted
+
+
+async def recover(error: BaseException, group: ProcessGroup | None = None) -> list[int]:
+    """Go on without the ranks that are gone, after an operation failed with ``error``.
+
+    The step of an elastic loop that follows a failed collective: when ranks of ``group``
+    (default: the default group) left for good (:func:`lost_ranks`), shrink it to the others
+    (:func:`shrink_group`, every survivor calls this) and return the lost ranks, in the old
+    numbering; when none is gone, the failure was something else (a deadline, a bad call),
+    and ``error`` is raised again rather than hidden::
+
+        try:
+            await aiodist.all_reduce(grad)
+        except aiodist.DistError as exc:
+            await aiodist.recover(exc)
+            continue  # redo the step with the survivors
+
+    Raises:
+        BaseException: ``error``, when no rank of the group is lost.
+        DistError: as :func:`shrink_group`.
+    """
+    # A lost connection means a rank went: its record in the store may be moments behind.
+    expected = isinstance(error, DistNetworkError)
+    lost = await _membership.lost(resolve_group(group, "recover"), expected=expected)
+    if not lost:
+        raise error
+    await shrink_group(lost, group)
+    return lost
 
 
 def _options(

@@ -59,8 +59,13 @@ _MOVED_ON = "moved on to the group of its"
 _SHRUNK_GROUP_BIT = 1 << 30
 
 
-async def lost(group: ProcessGroup) -> list[int]:
-    """The ranks of ``group`` that left its world for good; see :func:`aiodist.lost_ranks`."""
+async def lost(group: ProcessGroup, *, expected: bool = False) -> list[int]:
+    """The ranks of ``group`` that left its world for good; see :func:`aiodist.lost_ranks`.
+
+    ``expected``: a rank is known to have gone (an operation failed for a lost connection),
+    so a record still on its way is waited for (as in a broken world), up to
+    :data:`LOST_GRACE`.
+    """
     world = group.world
     loop = asyncio.get_running_loop()
     deadline = loop.time() + LOST_GRACE
@@ -73,7 +78,7 @@ async def lost(group: ProcessGroup) -> list[int]:
         ]
         # A rank noticed through its connection may not be in the store yet: its lease fires
         # as the store's server sees the same connection end, moments later.
-        if ranks or world.broken is None or loop.time() >= deadline:
+        if ranks or (world.broken is None and not expected) or loop.time() >= deadline:
             return sorted(ranks)
         await asyncio.sleep(_LOST_POLL)
 

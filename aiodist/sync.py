@@ -34,7 +34,7 @@ import multiprocessing.util
 import os
 import sys
 import threading
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from datetime import timedelta
 from typing import Any, Generic, Self, TypeVar
 
@@ -154,6 +154,7 @@ __all__ = [
     "recv",
     "record_comm",
     "recv_object_list",
+    "recover",
     "reduce",
     "reduce_op",
     "reduce_scatter",
@@ -518,10 +519,12 @@ def join_process_group(
     *,
     auth_token: str | bytes | None = None,
     shared_memory: bool | None = None,
+    state: Sequence[Any] = (),
 ) -> None:
     """Join a running world as a new rank, when its members next call :func:`admit`.
 
-    See :func:`aiodist.join_process_group`; ``store`` is a blocking store here.
+    See :func:`aiodist.join_process_group`; ``store`` is a blocking store here, and
+    ``state`` receives rank 0's arrays, as the members pass them to ``admit(state=...)``.
 
     Raises:
         DistUsageError: initialized already, or bad arguments.
@@ -540,6 +543,7 @@ def join_process_group(
             _aio_api.join_process_group(
                 backend, init_method, timeout, None if store is None else store.async_store,
                 group_name, auth_token=auth_token, shared_memory=shared_memory,
+                state=state,
             )
         )  # fmt: skip
     _joined()
@@ -647,6 +651,7 @@ split_group = _sync_group_call(_aio_api.split_group)
 shrink_group = _sync_group_call(_aio_api.shrink_group)
 lost_ranks = _sync_group_call(_aio_api.lost_ranks)
 admit = _sync_group_call(_aio_api.admit)
+recover = _sync_group_call(_aio_api.recover)
 #: ``shrink_group``'s flag to let the operations in flight end before shrinking.
 SHRINK_DEFAULT = _aio_api.SHRINK_DEFAULT
 #: ``shrink_group``'s flag to fail the operations in flight at once.

@@ -10,12 +10,12 @@ and the workers sum the gradients (all_reduce).
 
 At ``--kill-step`` the worker of rank ``--kill-rank`` kills itself with ``SIGKILL``, as the
 OOM killer or a lost host would. The all_reduce of the others fails within milliseconds;
-they ask which ranks are gone (``lost_ranks``), go on without them (``shrink_group``:
-renumbered, over new connections, none of them restarting), re-shard the data among
-themselves and redo the step. Meanwhile the launcher (``--restart-policy=failed``) starts a
+they go on without the ranks that are gone (``recover``: ``lost_ranks`` then
+``shrink_group``, renumbered, over new connections, none of them restarting), re-shard the
+data among themselves and redo the step. Meanwhile the launcher (``--restart-policy=failed``) starts a
 replacement for the dead worker alone; it waits to be admitted (``join_process_group``).
-Every ``ADMIT_EVERY`` steps the workers admit whoever waits (``admit``) and send them the
-step and the weights (broadcast); with ``--wait-for-replacements`` they wait there until
+Every ``ADMIT_EVERY`` steps the workers admit whoever waits and send them the step and the
+weights (``admit(state=...)``); with ``--wait-for-replacements`` they wait there until
 the world is whole again. The gradient is a sum over the whole data set however it
 is sharded, so every worker, the replacement too, ends with the weights one process
 computes with numpy, and says so.
@@ -88,8 +88,7 @@ def main() -> None:
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         name = f"replacement of worker {os.environ['RANK']}"
         started = time.perf_counter()
-        dist.join_process_group("gloo")
-        dist.broadcast(state, src=0)  # the members send where they are
+        dist.join_process_group("gloo", state=[state])  # the members send where they are
         say(
             f"{name}: admitted as rank {dist.get_rank()} of {dist.get_world_size()} at "
             f"step {int(state[0])}, {time.perf_counter() - started:.2f} s after it started"
@@ -109,8 +108,7 @@ def main() -> None:
             dist.all_reduce(grad)
         except dist.DistError as exc:
             started = time.perf_counter()
-            lost = dist.lost_ranks()
-            dist.shrink_group(lost)
+            lost = dist.recover(exc)  # shrink_group(lost_ranks()), or raise exc if none is lost
             say(
                 f"{name}: step {step} failed ({type(exc).__name__}); ranks {lost} lost; now "
                 f"rank {dist.get_rank()} of {dist.get_world_size()} after "
@@ -120,13 +118,12 @@ def main() -> None:
         w -= LR * grad / SAMPLES
         step += 1
         if step % ADMIT_EVERY == 0 and step < STEPS:
-            admitted = dist.admit()
+            state[0], state[1:] = step, w  # sent to the admitted ranks, if any
+            admitted = dist.admit(state=[state])
             while args.wait_for_replacements and not admitted and dist.get_world_size() < full:
                 time.sleep(0.05)
-                admitted = dist.admit()  # (every member calls it as often: they all see the same)
-            if admitted:
-                state[0], state[1:] = step, w
-                dist.broadcast(state, src=0)  # to the admitted ranks (the others have it)
+                # (every member calls it as often: they all see the same)
+                admitted = dist.admit(state=[state])
     match = bool(np.allclose(w, reference(), rtol=1e-12, atol=0))
     say(f"{name}: done as rank {dist.get_rank()}; weights match the reference: {match}")
     dist.destroy_process_group()

@@ -260,30 +260,37 @@ async def test_processes_started_later_are_admitted_and_receive_the_state(
 
 async def test_a_replacement_takes_the_place_of_a_lost_rank() -> None:
     store = HashStore(timeout=60)
+    step, weights = np.array([12]), np.linspace(0, 1, 5)
 
-    async def member(rank: int) -> tuple[int, np.ndarray] | None:
+    async def member(rank: int) -> tuple[int, list[int], np.ndarray] | None:
         aiodist.group.isolate_context()
         await aiodist.init_process_group("cpu", store=store, rank=rank, world_size=3, timeout=60)
         try:
             await aiodist.barrier()
             if rank == 1:
-                return None  # leaves; a replacement comes
-            await aiodist.shrink_group([1])
+                return None  # leaves while the others start an all_reduce
+            x = _value(rank)
+            with pytest.raises(aiodist.DistError) as failed:
+                await aiodist.all_reduce(x)
+            lost = await aiodist.recover(failed.value)
             await _registered(store, 1)
-            assert await aiodist.admit() == [2]
+            assert await aiodist.admit(state=[step, weights]) == [2]
             x = _value(aiodist.get_rank())
             await aiodist.all_reduce(x)
-            return aiodist.get_world_size(), x
+            return aiodist.get_world_size(), lost, x
         finally:
             await aiodist.destroy_process_group()
 
-    async def replacement() -> tuple[int, np.ndarray]:
+    async def replacement() -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
         aiodist.group.isolate_context()
-        await aiodist.join_process_group("cpu", store=store, timeout=60)
+        got_step, got_weights = np.zeros(1, int), np.zeros(5)
+        await aiodist.join_process_group(
+            "cpu", store=store, timeout=60, state=[got_step, got_weights]
+        )
         try:
             x = _value(aiodist.get_rank())
             await aiodist.all_reduce(x)
-            return aiodist.get_world_size(), x
+            return aiodist.get_world_size(), got_step, got_weights, x
         finally:
             await aiodist.destroy_process_group()
 
@@ -291,9 +298,25 @@ async def test_a_replacement_takes_the_place_of_a_lost_rank() -> None:
         asyncio.gather(member(0), member(1), member(2), replacement()), timeout=60
     )
     assert results[1] is None
-    for size, x in (results[0], results[2], results[3]):
-        assert size == 3
+    for size, lost, x in (results[0], results[2]):
+        assert (size, lost) == (3, [1])
         np.testing.assert_array_equal(x, _sum([0, 1, 2]))
+    size, got_step, got_weights, x = results[3]
+    assert size == 3 and got_step.tolist() == [12]
+    np.testing.assert_array_equal(got_weights, weights)
+    np.testing.assert_array_equal(x, _sum([0, 1, 2]))
+
+
+async def test_recover_raises_the_error_again_when_no_rank_is_lost() -> None:
+    async def fn(rank: int, size: int) -> None:
+        error = aiodist.DistTimeoutError("a deadline passed, every rank still there")
+        with pytest.raises(aiodist.DistTimeoutError) as info:
+            await aiodist.recover(error)
+        assert info.value is error
+        assert aiodist.get_world_size() == 2  # nothing was shrunk
+        await aiodist.barrier()  # (neither leaves while the other still looks)
+
+    await run_world(fn, 2, transport="tcp")
 
 
 async def test_admit_outside_the_default_group_is_refused() -> None:
