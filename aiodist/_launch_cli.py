@@ -193,6 +193,13 @@ def get_args_parser() -> argparse.ArgumentParser:
     add("--role", action=_EnvDefault, default="default", help="exported as ROLE_NAME")
     add("-m", "--module", action=_EnvFlag, help="run the script as a module, like python -m")
     add(
+        *_flag("--log-line-prefix-template"),
+        action=_EnvDefault,
+        default=os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
+        help="the prefix of each console line of a worker, with ${rank}, ${local_rank}, "
+        "${role_name} and ${hostname} replaced (default [rank${rank}]:)",
+    )
+    add(
         *_flag("--virtual-local-rank"),
         action=_EnvFlag,
         help="give every worker LOCAL_RANK=0 and only its own GPU (CUDA_VISIBLE_DEVICES: the "
@@ -295,6 +302,7 @@ class LaunchConfig:
         status_port: where the launcher serves the live view of the ranks (``None``: it
             does not; 0: any free port).
         virtual_local_rank: every worker sees ``LOCAL_RANK=0`` and only its own GPU.
+        line_prefix: the template of a worker's console prefix (``None``: ``[rank<N>]:``).
     """
 
     nnodes: int
@@ -319,6 +327,7 @@ class LaunchConfig:
     shutdown_timeout: float
     status_port: int | None = None
     virtual_local_rank: bool = False
+    line_prefix: str | None = None
 
 
 def _parse_std(text: str, what: str, nproc: int) -> tuple[Std, ...]:
@@ -561,4 +570,5 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         shutdown_timeout=float(ns.shutdown_timeout),
         status_port=None if ns.status_port is None else int(ns.status_port),
         virtual_local_rank=bool(ns.virtual_local_rank),
+        line_prefix=ns.log_line_prefix_template,
     )

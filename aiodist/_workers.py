@@ -64,6 +64,7 @@ class WorkerSpec:
         console: whether the console shows this worker at all (``--local-ranks-filter``).
         log_dir: where ``stdout.log``/``stderr.log`` go when ``redirect | tee`` asks for them.
         error_file: the path given as ``TORCHELASTIC_ERROR_FILE``.
+        prefix: what starts each of its lines on the console (``[rankN]: ``).
     """
 
     rank: int
@@ -75,6 +76,7 @@ class WorkerSpec:
     console: bool
     log_dir: Path
     error_file: Path
+    prefix: str = ""
 
 
 @dataclass
@@ -291,7 +293,7 @@ class WorkerGroup:
         worker = _Worker(spec, proc)
         worker.files = list(files.values())
         assert proc.stdout is not None and proc.stderr is not None
-        prefix = f"[rank{spec.rank}]: ".encode()
+        prefix = (spec.prefix or f"[rank{spec.rank}]: ").encode()
         for reader, name, flag, console in (
             (proc.stdout, "stdout", Std.OUT, self._stdout),
             (proc.stderr, "stderr", Std.ERR, self._stderr),

@@ -28,6 +28,8 @@ import logging
 import os
 import shutil
 import signal
+import socket
+import string
 import sys
 import tempfile
 import time
@@ -312,7 +314,21 @@ class _Launcher:
             console=cfg.local_ranks_filter is None or local in cfg.local_ranks_filter,
             log_dir=attempt_dir / str(rank),
             error_file=attempt_dir / str(rank) / "error.json",
+            prefix=self._line_prefix(rank, local),
         )
+
+    def _line_prefix(self, rank: int, local: int) -> str:
+        """``--log-line-prefix-template`` for this worker (empty: the default prefix)."""
+        template = self._cfg.line_prefix
+        if template is None:
+            return ""
+        fields = {
+            "rank": rank,
+            "local_rank": local,
+            "role_name": self._cfg.role,
+            "hostname": socket.gethostname(),
+        }
+        return string.Template(template).safe_substitute(fields) + " "
 
     def _can_restart_alone(self, failure: WorkerFailure) -> bool:
         cfg = self._cfg

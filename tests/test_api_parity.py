@@ -282,7 +282,6 @@ PARAMETERS_NOT_TAKEN: dict[str, dict[str, str]] = {
 #: docs/launcher.md). An option here that aiodist-run gains fails the test.
 FLAGS_NOT_SUPPORTED: dict[str, str] = {
     "--numa-binding": "bind in the worker (os.sched_setaffinity) or wrap it with numactl",
-    "--log-line-prefix-template": "lines are always prefixed [rank<N>]: (the global rank)",
     "--duplicate-stdout-filters": "--tee with --log-dir, then grep the log files",
     "--duplicate-stderr-filters": "--tee with --log-dir, then grep the log files",
     "--logs-specs": "--log-dir, --redirects and --tee (no LogsSpecs plug-ins)",

@@ -289,6 +289,19 @@ def test_virtual_local_rank_gives_each_worker_its_own_gpu(
     assert [(envs[r]["RANK"], envs[r]["LOCAL_RANK"]) for r in (0, 1)] == [("0", "0"), ("1", "0")]
 
 
+def test_log_line_prefix_template() -> None:
+    result = launch(
+        "--nproc-per-node=2", "--role=trainer", "--log-line-prefix-template=<${role_name}${rank}|${local_rank}>",
+        WORKER, "stdio",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert sorted(result.stdout.splitlines()) == [
+        "<trainer0|0> out line of rank 0",
+        "<trainer1|1> out line of rank 1",
+    ]
+    assert "<trainer1|1> err line of rank 1" in result.stderr.splitlines()
+
+
 def test_compatibility_flags_are_accepted() -> None:
     result = launch(
         "--rdzv-backend=c10d", "--start-method=fork", "--rdzv-id=x", "--nnodes=1:1", WORKER, "env"
