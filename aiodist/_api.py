@@ -572,8 +572,18 @@ def set_timeout(timeout: Timeout, group: ProcessGroup | None = None) -> None:
     resolve_group(group, "set_timeout").timeout = to_seconds(timeout)
 
 
-def supports_complex(reduce_op: Op) -> bool:
-    """Return whether ``reduce_op`` can reduce complex arrays (not MIN, MAX or bitwise ops)."""
+def supports_complex(reduce_op: Op | None = None, *, reduceOp: Op | None = None) -> bool:
+    """Return whether ``reduce_op`` can reduce complex arrays (not MIN, MAX or bitwise ops).
+
+    ``reduceOp`` is torch's name of the argument.
+
+    Raises:
+        DistUsageError: no operation given, or both names.
+    """
+    if (reduce_op is None) == (reduceOp is None):
+        raise DistUsageError("supports_complex takes one reduction: reduce_op (or reduceOp)")
+    reduce_op = reduce_op if reduce_op is not None else reduceOp
+    assert reduce_op is not None
     if isinstance(reduce_op, PremulSum):
         return True
     return int(reduce_op) not in (

@@ -759,10 +759,12 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work[Any]]:
     return on_loop(lambda: [Work(w) for w in _aio_api.batch_isend_irecv(ops)])
 
 
-def breakpoint(rank: int = 0, skip: int = 0) -> None:
+def breakpoint(rank: int = 0, skip: int = 0, timeout_s: float = 3600) -> None:
     """Stop rank ``rank`` in the debugger; the other ranks wait for it in a barrier.
 
-    ``skip`` is accepted for torch compatibility: the first ``skip`` calls are ignored.
+    ``skip``: the first ``skip`` calls are ignored. ``timeout_s``: how long the others wait
+    (the barrier's own deadline, not the group's timeout, which may be shorter than a
+    debugging session).
 
     Raises:
         DistUsageError: not initialized.
@@ -775,7 +777,7 @@ def breakpoint(rank: int = 0, skip: int = 0) -> None:
         import pdb
 
         pdb.Pdb().set_trace(sys._getframe(1))
-    barrier()
+    barrier(timeout=timeout_s)
 
 
 _breakpoints = 0

@@ -132,6 +132,9 @@ async def test_object_point_to_point() -> None:
 def test_small_functions() -> None:
     assert aiodist.supports_complex(aiodist.ReduceOp.SUM)
     assert not aiodist.supports_complex(aiodist.ReduceOp.MAX)
+    assert not dist.supports_complex(reduceOp=dist.ReduceOp.BXOR)  # torch's keyword
+    with pytest.raises(aiodist.DistUsageError, match="takes one reduction"):
+        aiodist.supports_complex()
     assert aiodist.get_default_backend_for_device("cuda:1") == "cuda"
     previous = logging.getLogger("aiodist").level
     try:
@@ -265,11 +268,7 @@ PARAMETERS_NOT_TAKEN: dict[str, dict[str, str]] = {
         "sort_ranks": "group ranks always follow the sorted global ranks",
     },
     "split_group": {"backend": "a split group always keeps its parent's backend"},
-    "breakpoint": {
-        "timeout_s": "not accepted: the other ranks wait in a barrier with the group's timeout"
-    },
     "init_device_mesh": {"backend_override": "every dimension uses the default group's backend"},
-    "supports_complex": {"reduceOp": "named reduce_op; pass the operation by position"},
     "send_object_list": {"weights_only": _WEIGHTS_ONLY},
     "recv_object_list": {"weights_only": _WEIGHTS_ONLY},
     "broadcast_object_list": {"weights_only": _WEIGHTS_ONLY},
