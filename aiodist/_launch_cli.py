@@ -403,8 +403,7 @@ def _parse_nproc(text: str) -> int:
         nproc = int(text)
     except ValueError:
         raise DistUsageError(
-            f"--nproc-per-node={text!r} is not valid: expected a positive integer, gpu, auto "
-            "or cpu"
+            f"--nproc-per-node={text!r} is not valid: expected a positive integer, gpu, auto or cpu"
         ) from None
     if nproc < 1:
         raise DistUsageError(f"--nproc-per-node={text!r} is not valid: expected at least 1")

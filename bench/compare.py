@@ -8,8 +8,9 @@ machine; ``unshare -n`` needs root, ``unshare -rn`` works without):
 That is 2 and 4 ranks, every operation, 8 B .. 64 MiB, 5 repetitions; it prints the tables
 and writes ``compare.md`` and ``compare_all_reduce.png`` to a temporary folder, or with
 ``--write`` to ``bench/results/compare.md`` and ``docs/images/compare_all_reduce.png``
-(``--out``, ``--plot``: other paths; ``--plot ''``: none; the plot needs matplotlib). A
-short run: ``--ranks 2 --ops all_reduce,barrier --sizes 8,1M,64M --reps 3``. MPI needs
+(``--out``, ``--plot``: other paths; ``--plot ''``: none). The results file is written
+first; the plot needs matplotlib (``pip install -e '.[bench]'``), and ``--replot RESULTS``
+draws it again from a results file without measuring. A short run: ``--ranks 2 --ops all_reduce,barrier --sizes 8,1M,64M --reps 3``. MPI needs
 ``mpirun`` (Debian: ``apt-get install -y openmpi-bin libopenmpi-dev``) and ``pip install
 mpi4py`` in this environment, gloo needs ``pip install torch==2.13.0``; without them their
 columns are left out, with the reason printed.
@@ -371,9 +372,20 @@ def environment(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
+#: How the report names the process group's transport (in the user documentation's words,
+#: not the library's class names).
+TRANSPORT_WORDS = {
+    "RoutedTransport": "shared memory between the ranks of this host (TCP to other hosts)",
+    "ShmTransport": "shared memory",
+    "TCPTransport": "TCP over loopback",
+}
+
+
 def describe_transport(pg: Any) -> str:
     transport = getattr(getattr(pg, "world", None), "transport", None)
-    return type(transport).__name__ if transport is not None else "?"
+    if transport is None:
+        return "?"
+    return TRANSPORT_WORDS.get(type(transport).__name__, type(transport).__name__)
 
 
 class SharedArrays:
@@ -904,19 +916,64 @@ def targets(worlds: dict[int, dict[str, Any]], cpus: int) -> list[str]:
     return [c.line() for c in checks.values()]
 
 
-def plot(worlds: dict[int, dict[str, Any]], path: str) -> None:
+def busbw_points(worlds: dict[int, dict[str, Any]]) -> dict[int, dict[str, list[Any]]]:
+    """all_reduce busbw (GB/s) against size (bytes), per world size and library, 1 KiB up."""
+    points: dict[int, dict[str, list[Any]]] = {}
+    for n, w in sorted(worlds.items()):
+        for lib in LIBS:
+            pts = sorted(
+                (w["counts"]["all_reduce", size] * 4, t)
+                for (name, size, lb), t in w["times"].items()
+                if name == "all_reduce" and lb == lib and size >= 1024
+            )
+            if pts:
+                factor = bus_factor("all_reduce", n)
+                points.setdefault(n, {})[lib] = [(b, b / t * factor / 1e9) for b, t in pts]
+    return points
+
+
+def read_busbw(path: str) -> dict[int, dict[str, list[Any]]]:
+    """The all_reduce busbw of a results file this script wrote, as ``plot`` takes it."""
+    points: dict[int, dict[str, list[Any]]] = {}
+    n, header = 0, []
+    for line in Path(path).read_text().splitlines():
+        if line.startswith("### "):
+            title = line[4:].split(", ")
+            n = int(title[1].split()[0]) if title[0] == "all_reduce" else 0
+            header = []
+        elif n and line.startswith("| size |"):
+            header = [c.strip() for c in line.strip("| ").split("|")]
+        elif n and header and line.startswith("| ") and "---" not in line:
+            cells = [c.strip() for c in line.strip("| ").split("|")]
+            size = int(cells[header.index("count")]) * np.dtype(DTYPE).itemsize
+            for lib in LIBS:
+                # From the time (four digits), not the busbw column (three decimals).
+                column = f"{'MPI' if lib == 'mpi' else lib} time"
+                if size >= 1024 and column in header and cells[header.index(column)]:
+                    value, unit = cells[header.index(column)].split()
+                    t = float(value) * {"µs": 1e-6, "ms": 1e-3, "s": 1.0}[unit]
+                    busbw = size / t * bus_factor("all_reduce", n) / 1e9
+                    points.setdefault(n, {}).setdefault(lib, []).append((size, busbw))
+    if not points:
+        raise SystemExit(f"{path}: no all_reduce table of bench/compare.py in it")
+    return points
+
+
+def plot(points: dict[int, dict[str, list[Any]]], path: str) -> None:
+    """One panel per world size, stacked: legible at the page's width (about 800 pixels)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("no plot: matplotlib is not installed (pip install matplotlib)")
+        print("plot skipped: matplotlib is not installed (pip install matplotlib)")
         return
-    ns = sorted(n for n, w in worlds.items() if any(k[0] == "all_reduce" for k in w["times"]))
-    if not ns:
+    if not points:
         return
-    fig, axes = plt.subplots(1, len(ns), figsize=(6 * len(ns), 4.5), squeeze=False)
+    ns = sorted(points)
+    # 8 inches at 100 dpi: shown 800 pixels wide, the 12-point labels are 16 pixels high.
+    fig, axes = plt.subplots(len(ns), 1, figsize=(8, 4.8 * len(ns)), squeeze=False)
     styles = {
         "aiodist": ("C0", "o", "-"),
         "shared": ("C2", "^", "-"),
@@ -924,33 +981,36 @@ def plot(worlds: dict[int, dict[str, Any]], path: str) -> None:
         "gloo": ("C3", "v", "-"),
         "mpi": ("C1", "D", "-"),
     }
-    for ax, n in zip(axes[0], ns, strict=True):
-        w = worlds[n]
+    ticks = [s for s in SIZES if s >= 1024]
+    for ax, n in zip(axes[:, 0], ns, strict=True):
         for lib in LIBS:
-            pts = sorted(
-                (w["counts"]["all_reduce", size] * 4, t)
-                for (name, size, lb), t in w["times"].items()
-                if name == "all_reduce" and lb == lib and size >= 1024
-            )
+            pts = points[n].get(lib)
             if not pts:
                 continue
             color, marker, line = styles[lib]
-            xs = [p[0] for p in pts]
-            ys = [p[0] / p[1] * bus_factor("all_reduce", n) / 1e9 for p in pts]
-            ax.plot(xs, ys, color=color, marker=marker, linestyle=line, label=LABELS[lib])
+            ax.plot(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                color=color,
+                marker=marker,
+                markersize=7,
+                linewidth=2,
+                linestyle=line,
+                label=LABELS[lib],
+            )
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ticks = [s for s in SIZES if s >= 1024]
-        ax.set_xticks(ticks, [fmt_size(s).replace(" ", "") for s in ticks], rotation=45)
-        ax.set_xlabel("size")
-        ax.set_ylabel("busbw (GB/s)")
-        ax.set_title(f"all_reduce float32, {n} ranks, one host")
+        ax.set_xticks(ticks, [fmt_size(s).replace(" ", "") for s in ticks])
+        ax.tick_params(labelsize=12)
+        ax.set_xlabel("size of the array", fontsize=12)
+        ax.set_ylabel("bus bandwidth (GB/s)", fontsize=12)
+        ax.set_title(f"all_reduce float32, {n} ranks on one host", fontsize=14)
         ax.grid(True, which="both", alpha=0.3)
-        if ax.lines:  # (none where every size was under 1 KiB)
-            ax.legend(fontsize="small")
+        if ax.lines:
+            ax.legend(fontsize=12, loc="best")
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     print(f"wrote {path}")
 
@@ -976,6 +1036,9 @@ def main() -> None:
     parser.add_argument("--out", help="the results file (overrides --write's)")
     parser.add_argument("--plot", help="PNG of all_reduce busbw ('' for none; overrides --write's)")
     parser.add_argument("--world-timeout", type=float, default=1800, help="seconds per world")
+    parser.add_argument(
+        "--replot", metavar="RESULTS", help="only draw the plot of this results file again"
+    )
     parser.add_argument("--verbose", action="store_true", help="progress on stderr")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--tcp-sink", type=int, help=argparse.SUPPRESS)
@@ -1017,6 +1080,10 @@ def main() -> None:
                 if args.write
                 else folder / "compare_all_reduce.png"
             )
+    if args.replot:
+        if args.plot:
+            plot(read_busbw(args.replot), args.plot)
+        return
     try:
         import torch
 
@@ -1102,7 +1169,7 @@ def main() -> None:
             f.write("\n".join(head + summary + picture + body).rstrip() + "\n")
         print(f"wrote {args.out}")
     if args.plot:
-        plot(worlds, args.plot)
+        plot(busbw_points(worlds), args.plot)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
 """One-shot check of aiodist's CUDA backend on a GPU machine (one GPU is enough).
 
-    NCCL_DEBUG=WARN timeout 480 python bench/gpu_check.py            # on the GPU machine
+    NCCL_DEBUG=WARN timeout 480 python bench/gpu_check.py --write    # on the GPU machine
     python bench/gpu_check.py --dry-run --out /tmp/gpu.md             # anywhere, no cupy
 
-Phases, each printed as it finishes (a run that is cut off still shows what it did), and
-bench/results/gpu.md rewritten after each:
+Phases, each printed as it finishes (a run that is cut off still shows what it did), and the
+results file rewritten after each: ``gpu.md`` in a temporary folder, or with ``--write``
+``bench/results/gpu.md`` (``--out``: another path):
 
 1. environment: CUDA driver and runtime, cupy, NCCL (runtime and build), the device;
 2. device ceilings: device-to-device copy bandwidth, pinned host copies both ways;
@@ -359,7 +360,7 @@ class Report:
             + (" -- DRY RUN on the CPU, no GPU numbers" if self.dry else "")
             + ".",
             "",
-            "Command: `NCCL_DEBUG=WARN timeout 480 python bench/gpu_check.py`",
+            "Command: `NCCL_DEBUG=WARN timeout 480 python bench/gpu_check.py --write`",
             "",
         ]
         self.out.parent.mkdir(parents=True, exist_ok=True)
@@ -470,16 +471,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="numpy on the CPU, no cupy needed")
     parser.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help=f"markdown file to write (default {RESULTS}; a dry run: the temp directory)",
+        "--write",
+        action="store_true",
+        help=f"write {RESULTS.relative_to(RESULTS.parents[2])} (else a temp folder)",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="markdown file to write (overrides --write's)"
     )
     parser.add_argument("--budget", type=float, default=450.0, help="seconds for the whole run")
     args = parser.parse_args(argv)
     dry = args.dry_run
+    if dry and args.write:
+        parser.error("--write records a real run: a dry run writes to a temp folder or --out")
+    # Committed results change only on purpose: without --write they go to a fresh folder.
     if args.out is None:
-        args.out = Path(tempfile.gettempdir()) / "aiodist-gpu-check-dry-run.md" if dry else RESULTS
+        args.out = (
+            RESULTS if args.write else Path(tempfile.mkdtemp(prefix="aiodist-bench-"), "gpu.md")
+        )
     started = time.monotonic()
     report = Report(args.out, dry)
 

@@ -7,12 +7,15 @@ Run (in a private network namespace: torch's store does reverse DNS):
 Options: ``--ranks 2,4``, ``--transports shm,tcp``, ``--calls 2000`` (per round), ``--rounds
 5``, ``--loop auto|asyncio``; the results go to a temporary folder, or with ``--write`` to
 ``bench/results/latency.md`` and ``docs/images/latency.png`` (``--out``, ``--plot``: other
-paths; ``--plot ''``: none). Needs ``mpirun`` and ``pip install mpi4py torch``;
-the plot needs matplotlib.
+paths; ``--plot ''``: none). The results file is written before the plot, which needs
+matplotlib (``pip install -e '.[bench]'``); ``--replot RESULTS`` draws the plot of a results
+file again without measuring. The gloo column needs torch (``pip install torch==2.13.0``),
+the MPI column ``mpirun`` and mpi4py (``apt-get install -y openmpi-bin libopenmpi-dev``,
+``pip install mpi4py``); without them the script leaves those columns out and says why.
 
-Every world of the run is one ``mpirun`` launch (one process per rank, all on this host) in
-which each process joins four libraries at once, and every row times them round after round
-in turn, so that a change in the machine's load hits them alike:
+Every world of the run is one launch (one process per rank, all on this host: ``mpirun``
+when MPI is there) in which each process joins every library at once, and every row times
+them round after round in turn, so that a change in the machine's load hits them alike:
 
 * ``async``: aiodist's async API, ``await aiodist.all_reduce(x)``;
 * ``sync``: ``aiodist.sync``, the blocking facade a ported torch script uses;
@@ -23,8 +26,8 @@ A world runs on one transport: ``shm`` is each library's default on one host (ai
 node workspace, Open MPI's shared-memory BTL); ``tcp`` is loopback TCP for all
 (``AIODIST_SHM=0``; Open MPI with ``--mca btl tcp,self``). gloo always uses TCP.
 
-Each call is timed on its own (``perf_counter`` around it) after an MPI barrier that lines
-the ranks up for the round; a cell is the median and the 99th percentile of every call of
+Each call is timed on its own (``perf_counter`` around it) after a barrier that lines the
+ranks up for the round (MPI's, or ``aiodist.sync``'s without MPI); a cell is the median and the 99th percentile of every call of
 every round, on the slowest rank (for ping-pong: rank 0's round trip, the other ranks wait).
 ``spread`` is the largest over the smallest of the per-round medians. ``idle CPU`` is the
 share of one CPU a process used while its aiodist worlds (one of each kind) had nothing to
@@ -36,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextvars
+import importlib.util
 import json
 import os
 import pickle
@@ -63,24 +67,35 @@ ROWS = {
     "send/recv 8 B round trip": ("pingpong", 8),
 }
 WARMUP = 50
+#: Row names on the plot's axis.
+SHORT = {
+    "all_reduce 8 B": "all_reduce\n8 B",
+    "all_reduce 1 KiB": "all_reduce\n1 KiB",
+    "all_reduce 64 KiB": "all_reduce\n64 KiB",
+    "broadcast 8 B": "broadcast\n8 B",
+    "send/recv 8 B round trip": "send/recv\nround trip",
+}
 
 
 # -- one rank -----------------------------------------------------------------------------------
 
 
-def _calls(rank: int, comm: Any, aio: Any) -> dict[str, dict[str, Any]]:
-    """The operations of every row, per library: a callable doing one call (an awaitable
-    for ``async``)."""
-    import torch
-    import torch.distributed as dist
-    from mpi4py import MPI
-
+def _calls(rank: int, comm: Any, aio: Any, libs: list[str]) -> dict[str, dict[str, Any]]:
+    """The operations of every row, per library of ``libs``: a callable doing one call (an
+    awaitable for ``async``)."""
     from aiodist import sync
+
+    torch = dist = MPI = None
+    if "gloo" in libs:
+        import torch
+        import torch.distributed as dist
+    if "MPI" in libs:
+        from mpi4py import MPI
 
     table: dict[str, dict[str, Any]] = {}
     for row, (op, size) in ROWS.items():
         x = np.zeros(max(size // 8, 1), np.float64)  # (zeros: sums never overflow)
-        t = torch.from_numpy(x)
+        t = torch.from_numpy(x) if torch is not None else None
         if op == "all_reduce":
             table[row] = {
                 "async": lambda x=x: aio.all_reduce(x),
@@ -96,22 +111,23 @@ def _calls(rank: int, comm: Any, aio: Any) -> dict[str, dict[str, Any]]:
                 "MPI": lambda x=x: comm.Bcast(x, root=0),
             }
         elif op == "barrier":
-            table[row] = {
-                "async": aio.barrier,
-                "sync": sync.barrier,
-                "gloo": dist.barrier,
-                "MPI": comm.Barrier,
-            }
+            table[row] = {"async": aio.barrier, "sync": sync.barrier}
+            if dist is not None:
+                table[row]["gloo"] = dist.barrier
+            if comm is not None:
+                table[row]["MPI"] = comm.Barrier
         else:
             table[row] = _pingpong(rank, x, t, comm, aio)
+        table[row] = {lib: fn for lib, fn in table[row].items() if lib in libs}
     return table
 
 
 def _pingpong(rank: int, x: np.ndarray, t: Any, comm: Any, aio: Any) -> dict[str, Any]:
     """Rank 0 sends to rank 1 and waits for the answer; rank 1 answers; the others idle."""
-    import torch.distributed as dist
-
     from aiodist import sync
+
+    if t is not None:
+        import torch.distributed as dist
 
     if rank > 1:
 
@@ -123,9 +139,11 @@ def _pingpong(rank: int, x: np.ndarray, t: Any, comm: Any, aio: Any) -> dict[str
     pairs = {  # (send, receive) of each library
         "async": (lambda: aio.send(x, dst=peer), lambda: aio.recv(x, src=peer)),
         "sync": (lambda: sync.send(x, dst=peer), lambda: sync.recv(x, src=peer)),
-        "gloo": (lambda: dist.send(t, dst=peer), lambda: dist.recv(t, src=peer)),
-        "MPI": (lambda: comm.Send(x, dest=peer), lambda: comm.Recv(x, source=peer)),
     }
+    if t is not None:
+        pairs["gloo"] = (lambda: dist.send(t, dst=peer), lambda: dist.recv(t, src=peer))
+    if comm is not None:
+        pairs["MPI"] = (lambda: comm.Send(x, dest=peer), lambda: comm.Recv(x, source=peer))
     ordered = {lib: pair if rank == 0 else pair[::-1] for lib, pair in pairs.items()}
 
     async def round_trip() -> None:
@@ -162,34 +180,41 @@ def _timed(fn: Callable[[], Any], calls: int) -> np.ndarray:
 
 
 def worker(tmp: str) -> None:
-    """One rank, started by mpirun."""
-    import mpi4py
-
-    mpi4py.rc.thread_level = "funneled"  # only this thread calls MPI
-    import torch
-    import torch.distributed as dist
-    from mpi4py import MPI
-
+    """One rank, started by mpirun, or by this script (``RANK``, ``WORLD_SIZE``) without MPI."""
     import aiodist
     from aiodist import sync
     from aiodist._default import isolate_context
     from aiodist._loop import loop_factory
 
     cfg = json.loads(Path(tmp, "config.json").read_text())
-    comm = MPI.COMM_WORLD
-    rank, n = comm.Get_rank(), comm.Get_size()
+    libs: list[str] = cfg["libs"]
+    comm = MPI = torch = dist = None
+    if "MPI" in libs:
+        import mpi4py
+
+        mpi4py.rc.thread_level = "funneled"  # only this thread calls MPI
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+        rank, n = comm.Get_rank(), comm.Get_size()
+    else:
+        rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(n))
     if cfg["transport"] == "tcp":
         os.environ["AIODIST_SHM"] = "0"
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp}/gloo",
-        rank=rank,
-        world_size=n,
-        timeout=timedelta(seconds=120),
-    )
+    if "gloo" in libs:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{tmp}/gloo",
+            rank=rank,
+            world_size=n,
+            timeout=timedelta(seconds=120),
+        )
     # The async world lives in a context of its own, so that the sync facade's world can be
     # this process's default group beside it.
     loop = loop_factory(cfg["loop"])()
@@ -203,24 +228,26 @@ def worker(tmp: str) -> None:
     async_url, sync_url = (f"tcp://127.0.0.1:{port}" for port in cfg["ports"])
     run(aiodist.init_process_group("cpu", init_method=async_url, rank=rank, world_size=n))
     sync.init_process_group("cpu", init_method=sync_url, rank=rank, world_size=n)
-    table = _calls(rank, comm, aiodist)
+    # Lines the ranks up before each batch: MPI's barrier, or the sync facade's without MPI.
+    line_up = comm.Barrier if comm is not None else sync.barrier
+    table = _calls(rank, comm, aiodist, libs)
     samples: dict[tuple[str, str], list[np.ndarray]] = {}
-    for row, libs in table.items():
-        for lib, fn in libs.items():  # warm up, untimed
-            comm.Barrier()
+    for row, calls in table.items():
+        for lib, fn in calls.items():  # warm up, untimed
+            line_up()
             if lib == "async":
                 run(_timed_async(fn, WARMUP))
             else:
                 _timed(fn, WARMUP)
         for _ in range(cfg["rounds"]):
-            for lib, fn in libs.items():
-                comm.Barrier()
+            for lib, fn in calls.items():
+                line_up()
                 if lib == "async":
                     got = run(_timed_async(fn, cfg["calls"]))
                 else:
                     got = _timed(fn, cfg["calls"])
                 samples.setdefault((row, lib), []).append(got)
-    comm.Barrier()
+    line_up()
     idle = []
     for _ in range(2):
         cpu = time.process_time()
@@ -228,24 +255,45 @@ def worker(tmp: str) -> None:
         idle.append(time.process_time() - cpu)
     info = {
         "aiodist": aiodist.__version__,
-        "torch": torch.__version__,
-        "mpi": MPI.Get_library_version().replace("\0", "").split(",")[0],
+        "torch": torch.__version__ if torch is not None else "",
+        "mpi": MPI.Get_library_version().replace("\0", "").split(",")[0] if MPI else "",
         "loop": type(loop).__module__.split(".")[0],
     }
-    everything = comm.gather({"samples": samples, "idle": idle, "info": info}, root=0)
+    result = {"samples": samples, "idle": idle, "info": info}
+    Path(tmp, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+    line_up()  # every rank's file is there before any rank leaves
     sync.destroy_process_group()
     run(aiodist.destroy_process_group())
     loop.close()
-    dist.destroy_process_group()
-    if rank == 0:
-        Path(tmp, "result.pkl").write_bytes(pickle.dumps(everything))
+    if dist is not None:
+        dist.destroy_process_group()
 
 
 # -- the run ------------------------------------------------------------------------------------
 
 
-def run_world(n: int, transport: str, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Launch one world under mpirun and return each rank's samples."""
+def mpi_available() -> tuple[bool, str]:
+    """Whether the MPI column can be measured, and what MPI is (or why not)."""
+    if shutil.which("mpirun") is None:
+        return False, "mpirun not found (apt-get install -y openmpi-bin libopenmpi-dev)"
+    if importlib.util.find_spec("mpi4py") is None:
+        return False, f"mpi4py is not installed in {sys.prefix} (pip install mpi4py)"
+    probe = subprocess.run(
+        [sys.executable, "-c", "from mpi4py import MPI; print(MPI.Get_library_version())"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    if probe.returncode != 0:
+        return False, f"mpi4py cannot load MPI: {probe.stderr.strip().splitlines()[-1:]}"
+    return True, probe.stdout.replace("\0", "").strip().splitlines()[0].split(",")[0]
+
+
+def run_world(
+    n: int, transport: str, args: argparse.Namespace, libs: list[str]
+) -> list[dict[str, Any]]:
+    """Launch one world (under mpirun when MPI is measured) and return each rank's samples."""
     from aiodist.testing import free_port
 
     with tempfile.TemporaryDirectory(prefix="aiodist-latency-") as tmp:
@@ -255,23 +303,33 @@ def run_world(n: int, transport: str, args: argparse.Namespace) -> list[dict[str
             "rounds": args.rounds,
             "loop": args.loop,
             "ports": [free_port(), free_port()],
+            "libs": libs,
         }
         Path(tmp, "config.json").write_text(json.dumps(cfg))
-        mpirun = ["mpirun", "-n", str(n), "--bind-to", "none"]
-        if os.geteuid() == 0:
-            mpirun.append("--allow-run-as-root")
-        if n > (os.cpu_count() or 1):
-            mpirun.append("--oversubscribe")  # which also makes Open MPI yield as it waits
-        if transport == "tcp":
-            mpirun += ["--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "lo"]
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        subprocess.run(
-            [*mpirun, sys.executable, __file__, "--worker", tmp],
-            env=env,
-            check=True,
-            timeout=args.world_timeout,
-        )
-        return pickle.loads(Path(tmp, "result.pkl").read_bytes())  # type: ignore[no-any-return]
+        env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE=str(n))
+        command = [sys.executable, __file__, "--worker", tmp]
+        if "MPI" in libs:
+            mpirun = ["mpirun", "-n", str(n), "--bind-to", "none"]
+            if os.geteuid() == 0:
+                mpirun.append("--allow-run-as-root")
+            if n > (os.cpu_count() or 1):
+                mpirun.append("--oversubscribe")  # which also makes Open MPI yield as it waits
+            if transport == "tcp":
+                mpirun += ["--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "lo"]
+            subprocess.run([*mpirun, *command], env=env, check=True, timeout=args.world_timeout)
+        else:
+            procs = [subprocess.Popen(command, env=dict(env, RANK=str(r))) for r in range(n)]
+            try:
+                for p in procs:
+                    p.wait(timeout=args.world_timeout)
+            finally:
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+                        p.wait()
+            if any(p.returncode for p in procs):
+                raise RuntimeError(f"{n} ranks, {transport}: a rank failed (see above)")
+        return [pickle.loads(Path(tmp, f"rank{r}.pkl").read_bytes()) for r in range(n)]
 
 
 def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
@@ -291,7 +349,8 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
             "spread": max(rounds) / min(rounds),
         }
     idle = [max(r["idle"][i] for r in ranks) for i in range(2)]
-    return {"cells": cells, "idle": idle, "info": ranks[0]["info"]}
+    libs = [lib for lib in LIBS if any(k[1] == lib for k in cells)]
+    return {"cells": cells, "idle": idle, "info": ranks[0]["info"], "libs": libs}
 
 
 def us(seconds: float) -> str:
@@ -300,21 +359,21 @@ def us(seconds: float) -> str:
 
 
 def table(n: int, transport: str, s: dict[str, Any]) -> list[str]:
-    c = s["cells"]
+    c, libs = s["cells"], s["libs"]
+    head = ["operation", *libs, *(f"{lib}/async" for lib in libs[1:]), "sync spread"]
     lines = [
         f"### {n} ranks, {transport}",
         "",
         "Median / p99 per call in µs (slowest rank); ratios are the other's median over "
         "aiodist async's (above 1: aiodist is faster).",
         "",
-        "| operation | async | sync | gloo | MPI | sync/async | gloo/async | MPI/async |"
-        " sync spread |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| " + " | ".join(head) + " |",
+        "| --- |" + " ---: |" * (len(head) - 1),
     ]
     for row in ROWS:
         a = c[(row, "async")]["median"]
-        cols = [f"{us(c[(row, lib)]['median'])} / {us(c[(row, lib)]['p99'])}" for lib in LIBS]
-        ratios = [f"{c[(row, lib)]['median'] / a:.2f}x" for lib in LIBS[1:]]
+        cols = [f"{us(c[(row, lib)]['median'])} / {us(c[(row, lib)]['p99'])}" for lib in libs]
+        ratios = [f"{c[(row, lib)]['median'] / a:.2f}x" for lib in libs[1:]]
         lines.append(
             f"| {row} | {' | '.join(cols)} | {' | '.join(ratios)} | "
             f"{c[(row, 'sync')]['spread']:.2f}x |"
@@ -377,38 +436,75 @@ def targets(worlds: dict[tuple[int, str], dict[str, Any]]) -> list[str]:
 
 
 def plot(worlds: dict[tuple[int, str], dict[str, Any]], path: str) -> None:
+    """Median per call of every row, one panel per world; legible at 800 pixels wide."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("no plot: matplotlib is not installed (pip install matplotlib)")
+        print("plot skipped: matplotlib is not installed (pip install matplotlib)")
         return
     rows = (len(worlds) + 1) // 2
-    fig, axes = plt.subplots(rows, 2, figsize=(12, 5 * rows), squeeze=False)
-    width = 0.2
+    # 8 inches at 100 dpi: shown at the page's width (about 800 pixels) the 12-point labels
+    # are 16 pixels high, the smallest 14.
+    fig, axes = plt.subplots(rows, 2, figsize=(8, 4.6 * rows), squeeze=False, sharey="row")
+    libs = [lib for lib in LIBS if any(lib in s["libs"] for s in worlds.values())]
+    width = 0.8 / len(libs)
     for ax, ((n, transport), s) in zip(axes.flat, worlds.items(), strict=False):
-        for i, lib in enumerate(LIBS):
+        for i, lib in enumerate(libs):
+            if lib not in s["libs"]:
+                continue
             values = [s["cells"][(row, lib)]["median"] * 1e6 for row in ROWS]
-            ax.bar(np.arange(len(ROWS)) + (i - 1.5) * width, values, width, label=lib)
+            offset = (i - (len(libs) - 1) / 2) * width
+            ax.bar(np.arange(len(ROWS)) + offset, values, width, label=lib)
         ax.set_yscale("log")
         ax.set_title(f"{n} ranks, {transport}", fontsize=13)
         ax.set_xticks(
             np.arange(len(ROWS)),
-            [r.replace(" round trip", "\nround trip") for r in ROWS],
-            rotation=35,
+            [SHORT.get(r, r) for r in ROWS],
+            rotation=40,
             ha="right",
-            fontsize=10,
+            rotation_mode="anchor",
+            fontsize=11,
         )
-        ax.set_ylabel("median µs per call (log)", fontsize=11)
+        ax.tick_params(axis="y", labelsize=11)
         ax.grid(axis="y", alpha=0.3)
-    axes[0][0].legend(fontsize=11)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("median µs per call", fontsize=12)
     for ax in list(axes.flat)[len(worlds) :]:
         ax.set_visible(False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=len(libs), fontsize=12, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / (4.6 * rows)))
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
     print(f"wrote {path}")
+
+
+def read_results(path: str) -> dict[tuple[int, str], dict[str, Any]]:
+    """The medians of a results file this script wrote, as ``plot`` takes them."""
+    worlds: dict[tuple[int, str], dict[str, Any]] = {}
+    world = None
+    header: list[str] = []
+    for line in Path(path).read_text().splitlines():
+        if line.startswith("### "):
+            ranks, _, transport = line[4:].partition(" ranks, ")
+            world = worlds[(int(ranks), transport.strip())] = {"cells": {}, "libs": []}
+            header = []
+        elif world is not None and line.startswith("| operation |"):
+            header = [c.strip() for c in line.strip("| \n").split("|")]
+            world["libs"] = [lib for lib in LIBS if lib in header]
+        elif world is not None and header and line.startswith("| ") and "---" not in line:
+            cells = [c.strip() for c in line.strip("| \n").split("|")]
+            if cells[0] in ROWS:
+                for lib in world["libs"]:
+                    median = float(cells[header.index(lib)].split(" / ")[0])
+                    world["cells"][(cells[0], lib)] = {"median": median * 1e-6}
+    if not worlds:
+        raise SystemExit(f"{path}: no table of bench/latency.py in it")
+    return worlds
 
 
 def main() -> None:
@@ -427,6 +523,9 @@ def main() -> None:
     )
     parser.add_argument("--out", help="the results file (overrides --write's)")
     parser.add_argument("--plot", help="the plot ('' for none; overrides --write's)")
+    parser.add_argument(
+        "--replot", metavar="RESULTS", help="only draw the plot of this results file again"
+    )
     args = parser.parse_args()
     if args.worker:
         worker(args.worker)
@@ -441,35 +540,51 @@ def main() -> None:
             args.plot = str(
                 folder / "docs/images/latency.png" if args.write else folder / "latency.png"
             )
-    if shutil.which("mpirun") is None:
-        sys.exit("needs mpirun: apt-get install -y openmpi-bin libopenmpi-dev")
-    for module in ("mpi4py", "torch"):
-        try:
-            __import__(module)
-        except ImportError:
-            sys.exit(f"needs {module}: pip install {module}")
+    if args.replot:
+        if args.plot:
+            plot(read_results(args.replot), args.plot)
+        return
+    libs = ["async", "sync"]
+    left_out = []
+    if importlib.util.find_spec("torch") is not None:
+        libs.append("gloo")
+    else:
+        print("gloo skipped: torch is not installed (pip install torch==2.13.0)", flush=True)
+        left_out.append("gloo (no torch)")
+    use_mpi, mpi_note = mpi_available()
+    if use_mpi:
+        libs.append("MPI")
+    else:
+        print(f"MPI skipped: {mpi_note}", flush=True)
+        left_out.append(f"MPI ({mpi_note})")
     worlds: dict[tuple[int, str], dict[str, Any]] = {}
     for n in map(int, args.ranks.split(",")):
         for transport in args.transports.split(","):
             print(f"{n} ranks, {transport} ...", flush=True)
-            worlds[(n, transport)] = summarize(run_world(n, transport, args))
+            worlds[(n, transport)] = summarize(run_world(n, transport, args, libs))
             print("\n".join(table(n, transport, worlds[(n, transport)])), flush=True)
     info = next(iter(worlds.values()))["info"]
+    versions = [f"aiodist {info['aiodist']} (async API on {info['loop']})"]
+    if info["torch"]:
+        versions.append(f"torch {info['torch']} (gloo)")
+    if info["mpi"]:
+        versions.append(f"{info['mpi']} (mpi4py)")
     lines = [
         "# Latency of small operations",
         "",
         f"`{' '.join(['python', *sys.argv])}` on {time.strftime('%Y-%m-%d')}: "
-        f"{len(os.sched_getaffinity(0))} CPUs, aiodist {info['aiodist']} (async API on "
-        f"{info['loop']}), "
-        f"torch {info['torch']} (gloo), {info['mpi']} (mpi4py); {args.rounds} rounds of "
-        f"{args.calls} calls per cell. How it measures: the docstring of `bench/latency.py`.",
+        f"{len(os.sched_getaffinity(0))} CPUs, {', '.join(versions)}; {args.rounds} rounds of "
+        f"{args.calls} calls per cell. How it measures: the docstring of `bench/latency.py`."
+        + (f" Left out: {'; '.join(left_out)}." if left_out else ""),
         "",
         *targets(worlds),
     ]
     for (n, transport), s in worlds.items():
         lines += table(n, transport, s)
     print("\n".join(targets(worlds)))
+    # The results first, so that a failing plot cannot lose them.
     if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         Path(args.out).write_text("\n".join(lines))
         print(f"wrote {args.out}")
     if args.plot:

@@ -12,7 +12,9 @@ Two numbers, in microseconds per ``await aiodist.all_reduce(x)`` (8 bytes of flo
   rank's median per call.
 
 To compare two versions of the library, run the script with ``PYTHONPATH`` pointing at each
-checkout in turn; it imports whatever ``aiodist`` comes first.
+checkout in turn; it imports whatever ``aiodist`` comes first. The table is printed and
+written to ``op_layer.md`` in a temporary folder, or with ``--write`` to
+``bench/results/op_layer.md`` (``--out``: another path).
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ import multiprocessing as mp
 import os
 import socket
 import statistics
+import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -89,18 +94,44 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=20000)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument(
+        "--write", action="store_true", help="write bench/results/op_layer.md (else a temp folder)"
+    )
+    parser.add_argument("--out", help="the results file (overrides --write's)")
     args = parser.parse_args()
+    # Committed results change only on purpose: without --write they go to a fresh folder.
+    if args.out is None:
+        args.out = str(
+            Path(__file__).resolve().parent / "results" / "op_layer.md"
+            if args.write
+            else Path(tempfile.mkdtemp(prefix="aiodist-bench-"), "op_layer.md")
+        )
     import aiodist
     from aiodist._loop import loop_factory
 
     with asyncio.Runner(loop_factory=loop_factory("auto")) as runner:
         one = runner.run(_world_of_one(args.iters, args.repeat))
     two = _two_processes(args.iters // 2)
-    print(f"aiodist from {os.path.dirname(aiodist.__file__)}")
-    print("| setting | us per 8 B all_reduce |")
-    print("| --- | --- |")
-    print(f"| world size 1 (median of {args.repeat}) | {statistics.median(one):.2f} |")
-    print(f"| 2 processes, loopback TCP (slower rank's median) | {two:.2f} |")
+    text = "\n".join(
+        [
+            "# The operation layer's cost per call",
+            "",
+            f"`{' '.join(['python', 'bench/op_layer.py', *sys.argv[1:]])}` on "
+            f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, aiodist from "
+            f"`{os.path.dirname(aiodist.__file__)}`.",
+            "",
+            "| setting | us per 8 B all_reduce |",
+            "| --- | ---: |",
+            f"| world size 1 (median of {args.repeat}) | {statistics.median(one):.2f} |",
+            f"| 2 processes, loopback TCP (slower rank's median) | {two:.2f} |",
+            "",
+        ]
+    )
+    print(text)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

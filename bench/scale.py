@@ -20,7 +20,8 @@ Per run it records the phase times, store calls per second during the rendezvous
 rank), the server's CPU time and peak RSS (``VmHWM``), descriptors open in the server and per
 rank in the workers. Cost per rank (server CPU, server memory, time) should stay flat as N
 grows. Needs torch for the torch configurations (``pip install torch==2.13.0``; without it
-they are left out) and matplotlib for the plot.
+they are left out, saying so) and matplotlib for the plot (``pip install -e '.[bench]'``;
+without it the results are still written, and the plot skipped).
 
 Usage::
 
@@ -30,7 +31,8 @@ Usage::
 
 The table goes to ``scale.md`` and the plot to ``scale.png`` in a temporary folder, or with
 ``--write`` to ``bench/results/scale.md`` and ``docs/images/scale.png`` (``--out``,
-``--plot``: other paths; ``--plot ''``: none).
+``--plot``: other paths; ``--plot ''``: none); the table first, then the plot. ``--replot
+RESULTS`` draws the plot of a results file again, without measuring.
 """
 
 from __future__ import annotations
@@ -373,27 +375,49 @@ def _plot(rows: list[tuple[str, int, dict[str, float]]], path: Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("no plot: matplotlib is not installed (pip install matplotlib)")
+        print("plot skipped: matplotlib is not installed (pip install matplotlib)")
         return
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    # 8 inches at 100 dpi: shown 800 pixels wide, the 12-point labels are 16 pixels high.
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
     styles = {"aiodist": "o-", "torch": "s-", "aiodist-torch": "^--"}
     for config in CONFIGS:
         points = [(n, r) for c, n, r in rows if c == config]
         if not points:
             continue
         xs = [n for n, _ in points]
-        ax.plot(xs, [r["rendezvous_ms"] for _, r in points], styles[config], label=LABELS[config])
+        ax.plot(
+            xs,
+            [r["rendezvous_ms"] for _, r in points],
+            styles[config],
+            label=LABELS[config],
+            markersize=7,
+            linewidth=2,
+        )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel("ranks (one TCP connection each)")
-    ax.set_ylabel("rendezvous time (ms, median)")
-    ax.set_title("Rendezvous through one store: add, set, 2 gets, barrier per rank")
+    ax.tick_params(labelsize=12)
+    ax.set_xlabel("ranks (one TCP connection each)", fontsize=12)
+    ax.set_ylabel("rendezvous time (ms, median)", fontsize=12)
+    ax.set_title("Rendezvous through one store: add, set, 2 gets, barrier per rank", fontsize=13)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=12)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     print(f"wrote {path}")
+
+
+def _read_results(path: Path) -> list[tuple[str, int, dict[str, float]]]:
+    """The rendezvous times of a results file this script wrote, as ``_plot`` takes them."""
+    configs = {label: config for config, label in LABELS.items()}
+    rows = []
+    for line in path.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and len(cells) > 3 and cells[1] in configs:
+            rows.append((configs[cells[1]], int(cells[0]), {"rendezvous_ms": float(cells[3])}))
+    if not rows:
+        raise SystemExit(f"{path}: no table of bench/scale.py in it")
+    return rows
 
 
 def main() -> None:
@@ -410,6 +434,9 @@ def main() -> None:
     )
     parser.add_argument("--out", help="the results file (overrides --write's)")
     parser.add_argument("--plot", help="the plot ('' for none; overrides --write's)")
+    parser.add_argument(
+        "--replot", metavar="RESULTS", help="only draw the plot of this results file again"
+    )
     args = parser.parse_args()
     if args.worker:
         _worker_main()
@@ -424,6 +451,10 @@ def main() -> None:
             args.plot = str(
                 folder / "docs/images/scale.png" if args.write else folder / "scale.png"
             )
+    if args.replot:
+        if args.plot:
+            _plot(_read_results(Path(args.replot)), Path(args.plot))
+        return
     configs = args.configs.split(",")
     if any("torch" in CONFIGS.get(c, ()) for c in configs):
         try:

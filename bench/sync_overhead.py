@@ -7,8 +7,9 @@ Each of ``--ranks`` processes joins an aiodist group through env:// twice: first
 event loop (the async API: ``await aiodist.all_reduce(x, op=MAX)``), then through the blocking
 facade (``aiodist.sync.all_reduce(x, op=MAX)``, and ``all_reduce(..., async_op=True).wait()``),
 whose loop runs in a thread of the process. With ``--torch`` a torch gloo group runs the same
-loop for comparison (``pip install torch==2.13.0``; without it that row is left out). The
-tables are printed only. MAX keeps the repeatedly reduced values finite. Every rank times each
+loop for comparison (``pip install torch==2.13.0``; without it that row is left out, saying
+so). The tables are printed and written to ``sync_overhead.md`` in a temporary folder, or
+with ``--write`` to ``bench/results/sync_overhead.md`` (``--out``: another path). MAX keeps the repeatedly reduced values finite. Every rank times each
 operation; the table shows the slowest rank's median and mean, in microseconds. A second
 table times blocking store calls against the async ones (HashStore and a TCPStore client,
 in one process).
@@ -58,8 +59,10 @@ import os
 import socket
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -194,7 +197,20 @@ def main() -> int:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--iters", type=int, default=3000)
     parser.add_argument("--torch", action="store_true", help="also time torch gloo")
+    parser.add_argument(
+        "--write",
+        action="store_true",
+        help="write bench/results/sync_overhead.md (else a temp folder)",
+    )
+    parser.add_argument("--out", help="the results file (overrides --write's)")
     args = parser.parse_args()
+    # Committed results change only on purpose: without --write they go to a fresh folder.
+    if args.out is None:
+        args.out = str(
+            Path(__file__).resolve().parent / "results" / "sync_overhead.md"
+            if args.write
+            else Path(tempfile.mkdtemp(prefix="aiodist-bench-"), "sync_overhead.md")
+        )
     if args.torch:
         try:
             import torch  # noqa: F401
@@ -214,18 +230,37 @@ def main() -> int:
     per_rank = dict(q.get(timeout=600) for _ in procs)
     for p in procs:
         p.join()
-    print(
-        f"8-byte all_reduce (MAX: repeated ops stay finite), {args.ranks} ranks, {args.iters} operations per row"
-    )
-    print("| how | median µs | mean µs |\n| --- | ---: | ---: |")
+    lines = [
+        "# The blocking facade's cost",
+        "",
+        f"`{' '.join(['python', 'bench/sync_overhead.py', *sys.argv[1:]])}` on "
+        f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs (load average "
+        f"{os.getloadavg()[0]:.1f} at the end).",
+        "",
+        f"8-byte all_reduce (MAX: repeated ops stay finite), {args.ranks} ranks, "
+        f"{args.iters} operations per row:",
+        "",
+        "| how | median µs | mean µs |",
+        "| --- | ---: | ---: |",
+    ]
     for label in per_rank[0]:
         medians, means = zip(*(_stats(per_rank[r][label]) for r in per_rank), strict=True)
-        print(f"| {label} | {max(medians):.1f} | {max(means):.1f} |")
-    print()
-    print(f"store get of a present key, one process, {args.iters} calls per row")
-    print("| how | median µs | mean µs |\n| --- | ---: | ---: |")
+        lines.append(f"| {label} | {max(medians):.1f} | {max(means):.1f} |")
+    lines += [
+        "",
+        f"Store get of a present key, one process, {args.iters} calls per row:",
+        "",
+        "| how | median µs | mean µs |",
+        "| --- | ---: | ---: |",
+    ]
     for label, med, mean in _store_table(args.iters):
-        print(f"| {label} | {med:.1f} | {mean:.1f} |")
+        lines.append(f"| {label} | {med:.1f} | {mean:.1f} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(f"wrote {out}")
     return 0
 
 

@@ -6,7 +6,8 @@ Run:  python bench/transport.py [--iters 2000] [--max-size 64M] [--loop uvloop|a
 Two processes on this machine exchange messages over loopback. The latency table is a
 ping-pong of 8 bytes (half the round trip is the one-way latency); the bandwidth table sends
 a window of messages of each size from rank 0 to rank 1, which answers with one byte once
-the last arrives.
+the last arrives. The results are printed and written to ``transport.md`` in a temporary
+folder, or with ``--write`` to ``bench/results/transport.md`` (``--out``: another path).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -151,24 +153,43 @@ async def rank_main(rank: int, path: str, args: argparse.Namespace) -> None:
         seq += 2
     await ping_pong(t, 5)
     if rank == 0:
-        print(f"TCPTransport, 2 processes, loop={args.loop}, spin={args.spin}")
         us = sorted(x * 1e6 for x in times)
-        print(
+        lines = [
+            "# TCP transport between two processes",
+            "",
+            f"`{' '.join(['python', 'bench/transport.py', *args.argv])}` on "
+            f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, loop={args.loop}, "
+            f"spin={args.spin}.",
+            "",
             f"8 B round trip over {args.iters} iterations: p50 {us[len(us) // 2]:.1f} us, "
             f"p90 {us[int(len(us) * 0.9)]:.1f} us, mean {statistics.fmean(us):.1f} us "
-            f"(one-way ~{us[len(us) // 2] / 2:.1f} us)"
-        )
+            f"(one-way ~{us[len(us) // 2] / 2:.1f} us)",
+            "",
+        ]
         us = sorted(x * 1e6 for x in swaps)
-        print(
+        lines += [
             f"8 B exchange (both ranks send and receive at once): p50 {us[len(us) // 2]:.1f} us, "
-            f"p90 {us[int(len(us) * 0.9)]:.1f} us"
-        )
-        print(f"{'size':>10} {'time/msg (us)':>14} {'GB/s':>8}")
-        for size, seconds in rows:
-            print(f"{size:>10} {seconds * 1e6:>14.1f} {size / seconds / 1e9:>8.3f}")
-        print("both ranks sending at once (GB/s per direction):")
-        for size, seconds in duplex:
-            print(f"{size:>10} {seconds * 1e6:>14.1f} {size / seconds / 1e9:>8.3f}")
+            f"p90 {us[int(len(us) * 0.9)]:.1f} us",
+            "",
+            "One way, a window of messages in flight:",
+            "",
+            "| size (bytes) | time/msg (us) | GB/s |",
+            "| ---: | ---: | ---: |",
+            *(f"| {size} | {sec * 1e6:.1f} | {size / sec / 1e9:.3f} |" for size, sec in rows),
+            "",
+            "Both ranks sending at once (GB/s per direction):",
+            "",
+            "| size (bytes) | time/msg (us) | GB/s |",
+            "| ---: | ---: | ---: |",
+            *(f"| {size} | {sec * 1e6:.1f} | {size / sec / 1e9:.3f} |" for size, sec in duplex),
+            "",
+        ]
+        text = "\n".join(lines)
+        print(text)
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)  # noqa: ASYNC240 - once, at the end
+        print(f"wrote {out}")
     await t.aclose()
     await store.aclose()
 
@@ -195,7 +216,19 @@ def main() -> None:
     parser.add_argument("--loop", default="auto", choices=["auto", "uvloop", "asyncio"])
     parser.add_argument("--spin", default="auto")
     parser.add_argument("--profile", help="write rank 0's cProfile stats here")
+    parser.add_argument(
+        "--write", action="store_true", help="write bench/results/transport.md (else a temp folder)"
+    )
+    parser.add_argument("--out", help="the results file (overrides --write's)")
     args = parser.parse_args()
+    args.argv = sys.argv[1:]
+    # Committed results change only on purpose: without --write they go to a fresh folder.
+    if args.out is None:
+        args.out = str(
+            Path(__file__).resolve().parent / "results" / "transport.md"
+            if args.write
+            else Path(tempfile.mkdtemp(prefix="aiodist-bench-"), "transport.md")
+        )
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "store")
         ctx = mp.get_context("spawn")

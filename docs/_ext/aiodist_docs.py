@@ -14,6 +14,18 @@
 They read the code being documented, so the pages cannot drift from it; a command that
 fails fails the build.
 
+The performance page reads the benchmarks' results the same way:
+
+``{bench}`FILE; HEADING; ROW; COLUMN[; PART]```
+    A role: the text of one cell of a table in ``bench/results/FILE`` (the first table under
+    the heading ``HEADING`` with that row and column; ``ROW`` matches a row's first cell, or
+    its first cells joined by ", ", backquotes left out; ``PART`` picks the n-th of the
+    cell's values written ``a / b``, counting from 1). A lookup that finds no such cell fails the build, so every
+    figure of the page's summary table is one of the results files'.
+``include-read``
+    A results file included into a page is shown with the words of the user documentation
+    where the file names aiodist's internals (:data:`PUBLIC_WORDS`).
+
 It also links a name that a docstring spells through another module than the one it is
 documented in (``DistUsageError`` in ``aiodist``'s namespace, ``aiodist.store.Store``) to the
 entry of the same object, when the name resolves to exactly that object.
@@ -36,7 +48,7 @@ from docutils import nodes
 from docutils.parsers.rst import directives
 from sphinx import addnodes
 from sphinx.application import Sphinx
-from sphinx.util.docutils import SphinxDirective
+from sphinx.util.docutils import SphinxDirective, SphinxRole
 from sphinx.util.nodes import make_id
 
 
@@ -215,6 +227,130 @@ class EnvironmentVariables(SphinxDirective):
         return [table]
 
 
+#: The benchmarks' results files, which the performance page reads.
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
+
+
+class ResultsLookupError(LookupError):
+    """A ``bench`` role that names no cell of a results file."""
+
+
+def _cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def results_tables(text: str) -> list[tuple[str, list[str], list[list[str]]]]:
+    """The Markdown tables of a results file: (the heading above it, header, rows)."""
+    tables: list[tuple[str, list[str], list[list[str]]]] = []
+    heading = ""
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        line = lines[i].strip()
+        if line.startswith("#"):
+            heading = line.lstrip("#").strip()
+        elif (
+            line.startswith("|")
+            and i + 1 < len(lines)
+            and re.fullmatch(r"\|?(\s*:?-+:?\s*\|)+\s*:?-*:?\s*", lines[i + 1].strip())
+        ):
+            header, rows = _cells(line), []
+            i += 2
+            while i < len(lines) and lines[i].strip().startswith("|"):
+                rows.append(_cells(lines[i]))
+                i += 1
+            tables.append((heading, header, rows))
+            continue
+        i += 1
+    return tables
+
+
+def results_cell(spec: str, results: Path = RESULTS) -> str:
+    """The cell ``FILE; HEADING; ROW; COLUMN[; PART]`` names (the ``bench`` role's text)."""
+    parts = [p.strip() for p in spec.split(";")]
+    if len(parts) not in (4, 5) or not all(parts):
+        raise ResultsLookupError(f"{spec!r}: expected FILE; HEADING; ROW; COLUMN[; PART]")
+    name, heading, row, column = parts[:4]
+    path = results / name
+    if path.parent != results or not path.is_file():
+        raise ResultsLookupError(f"{spec!r}: no results file {path}")
+    for title, header, rows in results_tables(path.read_text(encoding="utf-8")):
+        if title != heading or column not in header:
+            continue
+        for cells in rows:
+            plain = [c.replace("`", "") for c in cells]
+            if any(", ".join(plain[:k]) == row for k in range(1, len(cells) + 1)):
+                value = cells[header.index(column)]
+                if len(parts) == 5:
+                    values = [v.strip() for v in value.split(" / ")]
+                    index = int(parts[4]) if parts[4].isdigit() else 0
+                    if not 1 <= index <= len(values):
+                        raise ResultsLookupError(
+                            f"{spec!r}: the cell {value!r} has no part {index}"
+                        )
+                    value = values[index - 1]
+                if not value or value == "-":
+                    raise ResultsLookupError(f"{spec!r}: the cell is empty")
+                return value
+    raise ResultsLookupError(
+        f"{spec!r}: no table under the heading {heading!r} of {path.name} has the row {row!r} "
+        f"and the column {column!r}"
+    )
+
+
+class BenchFigure(SphinxRole):
+    """``{bench}`latency.md; 2 ranks, shm; all_reduce 8 B; async; 1``` shows that cell."""
+
+    def run(self) -> tuple[list[nodes.Node], list[nodes.system_message]]:
+        try:
+            value = results_cell(self.text)
+        except ResultsLookupError as exc:
+            msg = self.inliner.reporter.error(str(exc), line=self.lineno)
+            return [self.inliner.problematic(self.rawtext, self.rawtext, msg)], [msg]
+        self.env.note_dependency(str(RESULTS / self.text.split(";")[0].strip()))
+        return [nodes.inline(value, value, classes=["bench-figure"])], []
+
+
+#: What the user documentation calls the internals that the results files name: a results
+#: file included into a page is shown with these words (the benchmarks write them too, from
+#: now on). ``tests/test_performance_page.py`` checks that no internal name is left.
+PUBLIC_WORDS: list[tuple[str, str]] = [
+    # bench/compare.py: the process group's transport, as the library's class name.
+    (
+        r"RoutedTransport",
+        "shared memory between the ranks of this host (TCP to other hosts)",
+    ),
+    (r"(?<=AIODIST_SHM=0 transport: )TCPTransport", "TCP over loopback"),
+    # bench/shm.py: what each mode of its tables runs.
+    (
+        r"Modes: `tcp` and `shm` run the transport algorithms of\s+`aiodist\.collectives` over"
+        r"\s+`TCPTransport` and `ShmTransport`; `direct` and `shared` run\s+"
+        r"`aiodist\.collectives\.shm` on private arrays and on arrays from\s+"
+        r"`aiodist\._shared_array`\.",
+        "Modes: `tcp` and `shm` run aiodist's collective algorithms alone (no process group, "
+        "no operation layer) over TCP and over shared memory; `direct` and `shared` run its "
+        "shared-memory all_reduce alone, on private arrays and on arrays allocated in shared "
+        "memory. All four leave out the layers that a call through the public API goes "
+        "through: they are the floor under the figures of the summary table, not what a "
+        "call costs.",
+    ),
+]
+
+
+def public_text(text: str) -> str:
+    """A results file's text with :data:`PUBLIC_WORDS` applied."""
+    for pattern, words in PUBLIC_WORDS:
+        text = re.sub(pattern, words, text)
+    return text
+
+
+def _include_read(
+    app: Sphinx, relative_path: Path, parent_docname: str, content: list[str]
+) -> None:
+    if Path(app.srcdir, relative_path).resolve().parent == RESULTS:
+        content[0] = public_text(content[0])
+
+
 def _import(dotted: str) -> Any:
     """The object ``dotted`` names (longest importable module, then attributes), or ``None``."""
     parts = dotted.split(".")
@@ -269,5 +405,7 @@ def setup(app: Sphinx) -> dict[str, Any]:
     app.add_directive("program-output", ProgramOutput)
     app.add_directive("argparse-options", ArgparseOptions)
     app.add_directive("environment-variables", EnvironmentVariables)
+    app.add_role("bench", BenchFigure())
+    app.connect("include-read", _include_read)
     app.connect("missing-reference", _resolve_reexport)
     return {"parallel_read_safe": True, "parallel_write_safe": True, "version": "1"}
