@@ -543,6 +543,18 @@ def test_example_manifests_start_aiodist_run() -> None:
         for container in containers(docs[kind]):
             assert container["command"][0] == "aiodist-run"
             assert container["command"][-1] == "/app/data_parallel_sgd.py"
+    # The pods that set their own volumes give the ranks a memory-backed /dev/shm.
+    pods = [
+        s["template"]["spec"] for s in docs["PyTorchJob"]["spec"]["pytorchReplicaSpecs"].values()
+    ]
+    pods.append(docs["Job"]["spec"]["template"]["spec"])
+    for pod in pods:
+        memory = [
+            v["name"] for v in pod["volumes"] if v.get("emptyDir", {}).get("medium") == "Memory"
+        ]
+        for container in pod["containers"]:
+            mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+            assert mounts["/dev/shm"] in memory, pod
     # The PyTorchJob operator finds the master's port by this container and port name.
     master = docs["PyTorchJob"]["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
     assert master["containers"][0]["name"] == "pytorch"
