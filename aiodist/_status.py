@@ -3,7 +3,7 @@
 With ``AIODIST_STATUS=1`` (``aiodist-run --status-port`` sets it for its workers), every
 process that forms a world starts one small HTTP server on a thread of its own, on the
 address its rank listens on, and records ``host:port`` in the job's namespace of the store
-(``status/<rank>``). ``GET /status`` answers with what the process knows now: for each of
+(under ``status``). ``GET /status`` answers with what the process knows now: for each of
 its ranks, the operations in flight and the last ones (from the flight recorder) and the last
 error; and the stack of every thread. The server runs on its own thread, so it answers while
 the rank's event loop is blocked (a hung rank is exactly when the view is wanted); reading
@@ -45,8 +45,9 @@ logger = logging.getLogger(__name__)
 
 #: Set to ``1`` to give every process of the job a status endpoint.
 STATUS_ENV = "AIODIST_STATUS"
-#: The key, in a job's namespace, of rank N's status endpoint: ``status/N``.
-STATUS_KEY = "status/"
+#: The key, in a job's namespace, where each rank appends ``N=host:port,``: its endpoint
+#: (appended again by the rank numbers of later worlds; the last entry of a rank wins).
+STATUS_KEY = "status"
 #: How many of a rank's last operations its status shows.
 RECENT_OPS = 8
 
@@ -128,7 +129,7 @@ async def register_status(job: Store, rank: int, host: str) -> None:
     addr, port = serve_status(host if host not in ("", "0.0.0.0", "::") else "0.0.0.0")
     if addr in ("0.0.0.0", "::"):
         addr = "127.0.0.1"
-    await job.set(f"{STATUS_KEY}{rank}", f"{addr}:{port}")
+    await job.append(STATUS_KEY, f"{rank}={addr}:{port},")
 
 
 async def _fetch(address: str, timeout: float) -> dict[str, Any]:
@@ -159,12 +160,12 @@ async def gather_status(job: Store, *, timeout: float = 1.0) -> list[dict[str, A
 
     current = (await job.get(CURRENT)).decode()
     size = int(current.rpartition("|")[2])
-    keys = [f"{STATUS_KEY}{r}" for r in range(size)]
-    present = [await job.check([k]) for k in keys]
-    addresses = await job.multi_get([k for k, p in zip(keys, present, strict=True) if p])
-    by_rank = dict(
-        zip([r for r, p in enumerate(present) if p], (a.decode() for a in addresses), strict=True)
-    )
+    recorded = (await job.get(STATUS_KEY)).decode() if await job.check([STATUS_KEY]) else ""
+    by_rank: dict[int, str] = {}
+    for entry in filter(None, recorded.split(",")):
+        number, _, address = entry.partition("=")
+        if int(number) < size:
+            by_rank[int(number)] = address
     results = await asyncio.gather(
         *(_fetch(by_rank[r], timeout) for r in sorted(by_rank)), return_exceptions=True
     )
