@@ -529,12 +529,14 @@ def send_object_list(
     device: object = None,
     group_dst: int | None = None,
     use_batch: bool = False,
+    weights_only: bool = False,
     *,
     timeout: Timeout = None,
 ) -> Work[None]:
     """Send the picklable objects of ``object_list`` to rank ``dst`` (see :func:`recv_object_list`).
 
-    ``device`` and ``use_batch`` are accepted for torch compatibility and ignored.
+    ``device`` and ``use_batch`` are accepted for torch compatibility and ignored, and so is
+    ``weights_only``: the receiver's decides how it unpickles.
 
     Raises:
         DistUsageError: not a non-empty list, an object that cannot be pickled, or a bad
@@ -562,13 +564,16 @@ def recv_object_list(
     device: object = None,
     group_src: int | None = None,
     use_batch: bool = False,
+    weights_only: bool = False,
     *,
     timeout: Timeout = None,
 ) -> Work[int]:
     """Receive objects sent with :func:`send_object_list` into ``object_list``, in place.
 
-    ``object_list`` must have as many entries as the sender's list. ``device`` and
-    ``use_batch`` are accepted for torch compatibility and ignored. Unpickling runs code
+    ``object_list`` must have as many entries as the sender's list. ``weights_only=True`` unpickles data only (builtin values, containers, numpy arrays) and
+    refuses anything else with a :class:`~aiodist.errors.DistError`, as torch's
+    ``weights_only``. ``device`` and ``use_batch`` are accepted for torch compatibility and
+    ignored. Unpickling runs code
     chosen by the sender: use only between trusted ranks.
 
     Returns:
@@ -581,7 +586,7 @@ def recv_object_list(
     if isinstance(group, NonGroupMember):
         return _group.not_in_group("recv_object_list", -1)
     pg = resolve_group(group, "recv_object_list")
-    args = (object_list, group_src is not None)
+    args = (object_list, group_src is not None, weights_only)
     return pg.issue_p2p(
         "recv_object_list",
         _backends.plan,
@@ -678,14 +683,17 @@ def broadcast_object_list(
     group: Group = None,
     device: object = None,
     group_src: int | None = None,
+    weights_only: bool = False,
     *,
     timeout: Timeout = None,
 ) -> Work[list[Any]]:
     """Broadcast the picklable objects of ``object_list`` from ``src``, in place elsewhere.
 
     Every rank passes a list of the same length; the sizes of the pickles travel first.
-    Unpickling runs code chosen by the sender: use only between trusted ranks.
-    ``device`` is accepted for torch compatibility and ignored.
+    Unpickling runs code chosen by the sender: use only between trusted ranks, or
+    ``weights_only=True`` unpickles data only (builtin values, containers, numpy arrays) and
+    refuses anything else with a :class:`~aiodist.errors.DistError`, as torch's
+    ``weights_only``. ``device`` is accepted for torch compatibility and ignored.
 
     Returns:
         A :class:`Work` whose result is ``object_list``.
@@ -693,14 +701,23 @@ def broadcast_object_list(
     Raises:
         DistUsageError: not a non-empty list, or an object that cannot be pickled.
     """
-    args = (object_list, src, group_src)
+    args = (object_list, src, group_src, weights_only)
     return _collective("broadcast_object_list", group, args, timeout=timeout)
 
 
 def all_gather_object(
-    object_list: list[Any], obj: Any, group: Group = None, *, timeout: Timeout = None
+    object_list: list[Any],
+    obj: Any,
+    group: Group = None,
+    weights_only: bool = False,
+    *,
+    timeout: Timeout = None,
 ) -> Work[list[Any]]:
     """Gather the picklable ``obj`` of every rank into ``object_list`` (one slot per rank).
+
+    ``weights_only=True`` unpickles data only (builtin values, containers, numpy arrays) and
+    refuses anything else with a :class:`~aiodist.errors.DistError`, as torch's
+    ``weights_only``.
 
     Returns:
         A :class:`Work` whose result is ``object_list``.
@@ -708,7 +725,8 @@ def all_gather_object(
     Raises:
         DistUsageError: the list length is not the group size, or ``obj`` cannot be pickled.
     """
-    return _collective("all_gather_object", group, (object_list, obj), timeout=timeout)
+    args = (object_list, obj, weights_only)
+    return _collective("all_gather_object", group, args, timeout=timeout)
 
 
 def gather_object(
@@ -717,10 +735,15 @@ def gather_object(
     dst: int | None = None,
     group: Group = None,
     group_dst: int | None = None,
+    weights_only: bool = False,
     *,
     timeout: Timeout = None,
 ) -> Work[list[Any] | None]:
     """Gather the picklable ``obj`` of every rank into ``object_gather_list`` on ``dst``.
+
+    ``weights_only=True`` unpickles data only (builtin values, containers, numpy arrays) and
+    refuses anything else with a :class:`~aiodist.errors.DistError`, as torch's
+    ``weights_only``.
 
     Returns:
         A :class:`Work` whose result is ``object_gather_list`` (``None`` elsewhere).
@@ -729,7 +752,7 @@ def gather_object(
         DistUsageError: a bad list on the destination, a list on another rank, or ``obj``
             cannot be pickled.
     """
-    args = (obj, object_gather_list, dst, group_dst)
+    args = (obj, object_gather_list, dst, group_dst, weights_only)
     return _collective("gather_object", group, args, timeout=timeout)
 
 
@@ -739,10 +762,15 @@ def scatter_object_list(
     src: int | None = None,
     group: Group = None,
     group_src: int | None = None,
+    weights_only: bool = False,
     *,
     timeout: Timeout = None,
 ) -> Work[list[Any]]:
     """Send ``scatter_object_input_list[i]`` of ``src`` to rank ``i``'s output list slot 0.
+
+    ``weights_only=True`` unpickles data only (builtin values, containers, numpy arrays) and
+    refuses anything else with a :class:`~aiodist.errors.DistError`, as torch's
+    ``weights_only``.
 
     Returns:
         A :class:`Work` whose result is ``scatter_object_output_list``.
@@ -750,5 +778,5 @@ def scatter_object_list(
     Raises:
         DistUsageError: bad lists, or an object that cannot be pickled.
     """
-    args = (scatter_object_output_list, scatter_object_input_list, src, group_src)
+    args = (scatter_object_output_list, scatter_object_input_list, src, group_src, weights_only)
     return _collective("scatter_object_list", group, args, timeout=timeout)

@@ -534,22 +534,37 @@ def _object_list(value: object, name: str, size: int | None = None) -> list[Any]
     return value
 
 
+def _weights_only(value: object) -> bool:
+    """torch's ``weights_only``: the received objects are unpickled as data only."""
+    if not isinstance(value, bool):
+        raise DistUsageError(f"weights_only must be True or False, got {value!r}")
+    return value
+
+
 @_operation("broadcast_object_list", "none", algorithm="broadcast_objects", nseq=2)
 def _broadcast_object_list(
-    intake: Intake, pg: ProcessGroup, object_list: object, src: int | None, group_src: int | None
+    intake: Intake,
+    pg: ProcessGroup,
+    object_list: object,
+    src: int | None,
+    group_src: int | None,
+    weights_only: object,
 ) -> Call:
     root = _root(pg, src, group_src, _SRC)
     objs = _object_list(object_list, "object_list")
+    data_only = _weights_only(weights_only)
     mine = pg.rank == root
     payloads = [_dumps(o, f"object_list[{i}]") for i, o in enumerate(objs)] if mine else []
     fp = fingerprint("broadcast_object_list", root=root)
-    return Call((objs, payloads, root), fp)
+    return Call((objs, payloads, root, data_only), fp)
 
 
 @_operation("all_gather_object", "none", algorithm="all_gather_objects", nseq=2)
-def _all_gather_object(intake: Intake, pg: ProcessGroup, object_list: object, obj: object) -> Call:
+def _all_gather_object(
+    intake: Intake, pg: ProcessGroup, object_list: object, obj: object, weights_only: object
+) -> Call:
     objs = _object_list(object_list, "object_list", pg.size)
-    return Call((objs, _dumps(obj, "obj")), _ALL_GATHER_OBJECT_FP)
+    return Call((objs, _dumps(obj, "obj"), _weights_only(weights_only)), _ALL_GATHER_OBJECT_FP)
 
 
 _ALL_GATHER_OBJECT_FP = fingerprint("all_gather_object")
@@ -563,15 +578,17 @@ def _gather_object(
     object_gather_list: object,
     dst: int | None,
     group_dst: int | None,
+    weights_only: object,
 ) -> Call:
     root = _root(pg, dst, group_dst, _DST)
+    data_only = _weights_only(weights_only)
     objs = None
     if pg.rank == root:
         objs = _object_list(object_gather_list, "object_gather_list", pg.size)
     else:
         _absent_on_non_root(object_gather_list, "object_gather_list", root)
     fp = fingerprint("gather_object", root=root)
-    return Call((objs, _dumps(obj, "obj"), root), fp)
+    return Call((objs, _dumps(obj, "obj"), root, data_only), fp)
 
 
 @_operation("scatter_object_list", "none", algorithm="scatter_objects", nseq=2)
@@ -582,8 +599,10 @@ def _scatter_object_list(
     input_list: object,
     src: int | None,
     group_src: int | None,
+    weights_only: object,
 ) -> Call:
     root = _root(pg, src, group_src, _SRC)
+    data_only = _weights_only(weights_only)
     outs = _object_list(output_list, "scatter_object_output_list")
     payloads = []
     if pg.rank == root:
@@ -591,7 +610,7 @@ def _scatter_object_list(
         payloads = [_dumps(o, f"scatter_object_input_list[{i}]") for i, o in enumerate(ins)]
     # (On the other ranks the input list is ignored, whatever it holds, as torch documents.)
     fp = fingerprint("scatter_object_list", root=root)
-    return Call((outs, payloads, root), fp)
+    return Call((outs, payloads, root, data_only), fp)
 
 
 @_operation("send_object_list", "none", algorithm="send_objects")
@@ -604,7 +623,12 @@ def _send_object_list(intake: Intake, pg: ProcessGroup, peer: int, object_list: 
 
 @_operation("recv_object_list", "result", algorithm="recv_objects")
 def _recv_object_list(
-    intake: Intake, pg: ProcessGroup, peer: int | None, object_list: object, group_ranks: bool
+    intake: Intake,
+    pg: ProcessGroup,
+    peer: int | None,
+    object_list: object,
+    group_ranks: bool,
+    weights_only: object,
 ) -> Call:
     objs = _object_list(object_list, "object_list")
-    return Call((peer, objs, pg.ranks, group_ranks))
+    return Call((peer, objs, pg.ranks, group_ranks, _weights_only(weights_only)))

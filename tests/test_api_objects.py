@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
+import numpy as np
 import pytest
 
 import aiodist
@@ -93,3 +95,59 @@ async def test_object_usage_errors() -> None:
                 await aiodist.gather_object(rank, [None, None], dst=0)
 
     await run_world(list_on_non_root, 2, timeout=20)
+
+
+class Code:
+    """An object whose unpickling could run code: weights_only refuses it."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (print, ("this must not run",))
+
+
+async def test_weights_only_unpickles_data_and_refuses_code() -> None:
+    data = {"w": np.arange(3.0), "step": np.int64(7), "cfg": OrderedDict(lr=0.1), "s": {1, 2j}}
+
+    async def fn(rank: int, size: int) -> tuple[list[Any], list[Any]]:
+        objects: list[Any] = [data, np.dtype("f4")] if rank == 0 else [None, None]
+        await aiodist.broadcast_object_list(objects, src=0, weights_only=True)
+        gathered: list[Any] = [None] * size
+        await aiodist.all_gather_object(gathered, [rank, b"x"], weights_only=True)
+        return objects, gathered
+
+    for objects, gathered in await run_world(fn, 2):
+        np.testing.assert_array_equal(objects[0]["w"], data["w"])
+        assert objects[0]["step"] == 7 and objects[0]["cfg"] == data["cfg"]
+        assert objects[0]["s"] == data["s"] and objects[1] == np.dtype("f4")
+        assert gathered == [[0, b"x"], [1, b"x"]]
+
+    # Code is refused on every rank that receives it (and the group, left part-way, aborts).
+    refusal = (
+        "received bytes did not unpickle: weights_only=True does not unpickle builtins.print: "
+        "only builtin values, containers and numpy arrays"
+    )
+
+    async def collective(rank: int, size: int) -> None:
+        out: list[Any] = [None] * size
+        with pytest.raises(aiodist.DistError) as refused:
+            await aiodist.all_gather_object(out, Code() if rank == 0 else rank, weights_only=True)
+        assert str(refused.value) == f"object from group rank 0: {refusal}"
+
+    await run_world(collective, 2)
+
+    async def p2p(rank: int, size: int) -> None:
+        if rank == 0:
+            await aiodist.send_object_list([Code()], dst=1)
+            return
+        with pytest.raises(aiodist.DistError) as refused:
+            await aiodist.recv_object_list([None], src=0, weights_only=True)
+        assert str(refused.value) == f"object_list[0]: {refusal}"
+
+    await run_world(p2p, 2)
+
+
+async def test_weights_only_must_be_a_bool() -> None:
+    async def fn(rank: int, size: int) -> None:
+        with pytest.raises(aiodist.DistUsageError, match="weights_only must be True or False"):
+            aiodist.gather_object(rank, None, dst=0, weights_only="yes")  # type: ignore[arg-type]
+
+    await run_world(fn, 1)

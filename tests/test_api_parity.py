@@ -256,10 +256,6 @@ IGNORED_OUTSIDE_SIGNATURE: dict[str, tuple[str, ...]] = {
     "split_group": ("pg_options",),
     "shrink_group": ("pg_options",),
 }
-_WEIGHTS_ONLY = (
-    "not accepted yet (new in torch 2.15: torch.save/torch.load(weights_only=True) instead of "
-    "pickle); aiodist's auth token keeps unauthenticated peers out instead"
-)
 #: torch 2.15 parameters of functions aiodist.sync provides that it does not take (passing
 #: them raises TypeError), and why. A parameter here that aiodist.sync gains fails the test.
 PARAMETERS_NOT_TAKEN: dict[str, dict[str, str]] = {
@@ -269,12 +265,6 @@ PARAMETERS_NOT_TAKEN: dict[str, dict[str, str]] = {
     },
     "split_group": {"backend": "a split group always keeps its parent's backend"},
     "init_device_mesh": {"backend_override": "every dimension uses the default group's backend"},
-    "send_object_list": {"weights_only": _WEIGHTS_ONLY},
-    "recv_object_list": {"weights_only": _WEIGHTS_ONLY},
-    "broadcast_object_list": {"weights_only": _WEIGHTS_ONLY},
-    "all_gather_object": {"weights_only": _WEIGHTS_ONLY},
-    "gather_object": {"weights_only": _WEIGHTS_ONLY},
-    "scatter_object_list": {"weights_only": _WEIGHTS_ONLY},
 }
 
 #: torchrun 2.15 options aiodist-run does not take, with what to do instead (the list of

@@ -4,12 +4,14 @@ Each algorithm takes two ``OpComm`` (one per sequence number: the sizes, then th
 the arguments :mod:`aiodist._operations` checked; it runs on the CPU, whatever devices the
 group's arrays live on. A peer's announced sizes are checked before anything is allocated
 (:data:`MAX_OBJECT_SIZE`), and received bytes are unpickled, which trusts the peers (as
-torch does).
+torch does), or with ``weights_only`` as data only: builtin values, containers and numpy
+arrays, never a class or function that could run code.
 """
 
 from __future__ import annotations
 
 import asyncio
+import io
 import pickle
 from collections.abc import Sequence
 from typing import Any
@@ -72,8 +74,47 @@ def _bytes(shape: int | tuple[int, int], op: str) -> Array:
         ) from exc
 
 
-def _loads(buf: Array, name: str) -> Any:
+#: What ``weights_only=True`` lets a pickle name: builtin values and containers, and numpy
+#: arrays, scalars and dtypes (in numpy 2's module and numpy 1's); nothing that runs code.
+_DATA_GLOBALS = frozenset(
+    {
+        *(
+            ("builtins", name)
+            for name in ("bytearray", "complex", "frozenset", "range", "set", "slice")
+        ),
+        ("collections", "OrderedDict"),
+        ("numpy", "dtype"),
+        ("numpy", "ndarray"),
+        *(
+            (module, name)
+            for module in ("numpy._core.multiarray", "numpy.core.multiarray")
+            for name in ("_reconstruct", "scalar")
+        ),
+    }
+)
+
+
+class _DataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in _DATA_GLOBALS:
+            raise pickle.UnpicklingError(
+                f"weights_only=True does not unpickle {module}.{name}: only builtin values, "
+                "containers and numpy arrays"
+            )
+        return super().find_class(module, name)
+
+
+def _loads(buf: Array, name: str, weights_only: bool) -> Any:
+    """Unpickle ``buf`` (what ``name`` received): as data only with ``weights_only`` (see
+    ``_DATA_GLOBALS``), else trusting its sender.
+
+    Raises:
+        DistError: the bytes do not unpickle (or, with ``weights_only``, name a global that
+            is not data).
+    """
     try:
+        if weights_only:
+            return _DataUnpickler(io.BytesIO(buf.tobytes())).load()
         return pickle.loads(buf.tobytes())
     except Exception as exc:
         raise DistError(f"{name}: received bytes did not unpickle: {exc}") from exc
@@ -87,7 +128,12 @@ def _padded(rows: Sequence[Array], width: int) -> Array:
 
 
 async def broadcast_objects(
-    c_sizes: OpComm, c_data: OpComm, objs: list[Any], payloads: list[Array], root: int
+    c_sizes: OpComm,
+    c_data: OpComm,
+    objs: list[Any],
+    payloads: list[Array],
+    root: int,
+    weights_only: bool,
 ) -> list[Any]:
     """Unpickle the root's ``payloads`` into every rank's ``objs``; return ``objs``."""
     mine = c_sizes.rank == root
@@ -102,12 +148,12 @@ async def broadcast_objects(
     if not mine:
         offsets = np.cumsum([0, *sizes.tolist()])
         for i in range(len(objs)):
-            objs[i] = _loads(data[offsets[i] : offsets[i + 1]], f"object_list[{i}]")
+            objs[i] = _loads(data[offsets[i] : offsets[i + 1]], f"object_list[{i}]", weights_only)
     return objs
 
 
 async def all_gather_objects(
-    c_sizes: OpComm, c_data: OpComm, objs: list[Any], mine: Array
+    c_sizes: OpComm, c_data: OpComm, objs: list[Any], mine: Array, weights_only: bool
 ) -> list[Any]:
     """Gather every rank's pickled object (``mine``) into ``objs``; return ``objs``."""
     n = c_sizes.size
@@ -117,12 +163,17 @@ async def all_gather_objects(
     rows = _bytes((n, width), "all_gather_object")
     await all_gather(c_data, list(rows), _padded([mine], width)[0])
     for i in range(n):
-        objs[i] = _loads(rows[i, : sizes[i]], f"object from group rank {i}")
+        objs[i] = _loads(rows[i, : sizes[i]], f"object from group rank {i}", weights_only)
     return objs
 
 
 async def gather_objects(
-    c_sizes: OpComm, c_data: OpComm, objs: list[Any] | None, mine: Array, root: int
+    c_sizes: OpComm,
+    c_data: OpComm,
+    objs: list[Any] | None,
+    mine: Array,
+    root: int,
+    weights_only: bool,
 ) -> list[Any] | None:
     """Gather every rank's pickled object into the root's ``objs``; return ``objs``."""
     # Every rank learns the largest size, so all contributions pad to one width.
@@ -134,12 +185,17 @@ async def gather_objects(
     await gather(c_data, None if rows is None else list(rows), _padded([mine], width)[0], root)
     if objs is not None and rows is not None:
         for i in range(n):
-            objs[i] = _loads(rows[i, : sizes[i]], f"object from group rank {i}")
+            objs[i] = _loads(rows[i, : sizes[i]], f"object from group rank {i}", weights_only)
     return objs
 
 
 async def scatter_objects(
-    c_sizes: OpComm, c_data: OpComm, outs: list[Any], payloads: list[Array], root: int
+    c_sizes: OpComm,
+    c_data: OpComm,
+    outs: list[Any],
+    payloads: list[Array],
+    root: int,
+    weights_only: bool,
 ) -> list[Any]:
     """Unpickle the root's ``payloads[i]`` into rank ``i``'s ``outs[0]``; return ``outs``."""
     mine = c_sizes.rank == root
@@ -149,7 +205,7 @@ async def scatter_objects(
     row = _bytes(width, "scatter_object_list")
     rows = list(_padded(payloads, width)) if mine else None
     await scatter(c_data, row, rows, root)
-    outs[0] = _loads(row[: sizes[c_sizes.rank]], "scattered object")
+    outs[0] = _loads(row[: sizes[c_sizes.rank]], "scattered object", weights_only)
     return outs
 
 
@@ -160,7 +216,12 @@ async def send_objects(comm: OpComm, peer: int, sizes: Array, data: Array) -> No
 
 
 async def recv_objects(
-    comm: OpComm, peer: int | None, objs: list[Any], ranks: tuple[int, ...], group_ranks: bool
+    comm: OpComm,
+    peer: int | None,
+    objs: list[Any],
+    ranks: tuple[int, ...],
+    group_ranks: bool,
+    weights_only: bool,
 ) -> int:
     """Receive objects sent by :func:`send_objects` into ``objs``; return the sender.
 
@@ -173,5 +234,5 @@ async def recv_objects(
     await comm.recv_into(source, 1, byte_view(data))
     offsets = np.cumsum([0, *sizes.tolist()])
     for i in range(len(objs)):
-        objs[i] = _loads(data[offsets[i] : offsets[i + 1]], f"object_list[{i}]")
+        objs[i] = _loads(data[offsets[i] : offsets[i + 1]], f"object_list[{i}]", weights_only)
     return source if group_ranks else sender
