@@ -669,6 +669,7 @@ def tcp_limit(total: int = 1 << 30) -> float:
 
 
 def mpi_available() -> tuple[bool, str]:
+    """Whether the MPI column can be measured, and what MPI is (or why not)."""
     if shutil.which("mpirun") is None:
         return False, "mpirun not found (apt-get install -y openmpi-bin libopenmpi-dev)"
     if importlib.util.find_spec("mpi4py") is None:

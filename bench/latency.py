@@ -43,7 +43,6 @@ import importlib.util
 import json
 import os
 import pickle
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -55,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from compare import mpi_available  # (bench/ is the script's directory)
 
 LIBS = ("async", "sync", "gloo", "MPI")
 #: Row name -> (operation, bytes).
@@ -270,24 +270,6 @@ def worker(tmp: str) -> None:
 
 
 # -- the run ------------------------------------------------------------------------------------
-
-
-def mpi_available() -> tuple[bool, str]:
-    """Whether the MPI column can be measured, and what MPI is (or why not)."""
-    if shutil.which("mpirun") is None:
-        return False, "mpirun not found (apt-get install -y openmpi-bin libopenmpi-dev)"
-    if importlib.util.find_spec("mpi4py") is None:
-        return False, f"mpi4py is not installed in {sys.prefix} (pip install mpi4py)"
-    probe = subprocess.run(
-        [sys.executable, "-c", "from mpi4py import MPI; print(MPI.Get_library_version())"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    if probe.returncode != 0:
-        return False, f"mpi4py cannot load MPI: {probe.stderr.strip().splitlines()[-1:]}"
-    return True, probe.stdout.replace("\0", "").strip().splitlines()[0].split(",")[0]
 
 
 def run_world(
