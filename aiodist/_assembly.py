@@ -290,20 +290,22 @@ async def _connect(
     from .transport._shm_segment import SharedMemoryError
     from .transport.base import PeerDirectory
     from .transport.routed import RoutedTransport
-    from .transport.shm import ShmTransport, plan_shared_memory
+    from .transport.shm import ShmTransport, plan_hosts, plan_shared_memory
     from .transport.tcp import TCPTransport
 
     host = listen_host(store.local_address())
     tcp = await TCPTransport.create(
         PeerDirectory(store), rank, world_size, host=host, timeout=timeout, auth_token=token
     )
-    if world_size == 1 or shared_memory is False:
+    if world_size == 1:
         return tcp
     try:
         # Ranks on one host talk through shared memory, the others over TCP: every rank of a
-        # host makes the same choice, from one list in the store.
+        # host makes the same choice, from one list in the store. The hosts' lists let the
+        # collectives of a world on several hosts work in two levels.
         local, refused = await plan_shared_memory(store, rank, world_size, timeout=timeout)
-        if len(local) == 1:
+        tcp.hosts = await plan_hosts(store, rank, world_size, local, timeout=timeout)
+        if len(local) == 1 or shared_memory is False:
             return tcp
         small = None if refused is not None else await _shm_room(store, rank, world_size, local)
         if refused is not None or small is not None:

@@ -1,4 +1,5 @@
-"""Two "hosts" for tests: network namespaces joined by a veth pair, IPv4 and IPv6 on it.
+"""Pretend hosts for tests: network namespaces joined by a veth pair (two hosts, IPv4 and
+IPv6 on it), or by veths to a bridge (three hosts).
 
 The tests run inside a private network namespace (scripts/test.sh), so creating these needs
 root and iproute2 but touches nothing outside the test.
@@ -28,9 +29,11 @@ def ip(*args: str) -> None:
 class Hosts:
     """The two namespaces: ``prefix(i)`` runs a command on host ``i``."""
 
-    def __init__(self, names: list[str], veths: list[str]) -> None:
+    def __init__(self, names: list[str], veths: list[str], addresses: list[str]) -> None:
         self.names = names
         self.veths = veths
+        #: Each host's IPv4 address.
+        self.addresses = addresses
 
     def prefix(self, i: int) -> list[str]:
         """The command prefix that runs a program on host ``i``."""
@@ -44,33 +47,57 @@ class Hosts:
 @pytest.fixture
 def hosts() -> Iterator[Hosts]:
     """Two namespaces joined by a veth pair, with IPV4 and IPV6 addresses; removed after."""
+    yield from _hosts(2)
+
+
+@pytest.fixture
+def three_hosts() -> Iterator[Hosts]:
+    """Three namespaces, each with a veth to one bridge (10.99.0.1-3); removed after."""
+    yield from _hosts(3)
+
+
+def _hosts(count: int) -> Iterator[Hosts]:
     if shutil.which("ip") is None:
         pytest.skip("iproute2 (ip) is not installed")
     if os.geteuid() != 0:
         pytest.skip("creating network namespaces needs root")
     tag = f"{os.getpid() % 100000}"
-    names = [f"aiodh{tag}a", f"aiodh{tag}b"]
-    veths = [f"vha{tag}", f"vhb{tag}"]
+    names = [f"aiodh{tag}{chr(97 + i)}" for i in range(count)]
+    veths = [f"vh{chr(97 + i)}{tag}" for i in range(count)]
+    addresses = [f"10.99.0.{i + 1}" for i in range(count)]
+    bridge = f"aiodbr{tag}"
     try:
         for ns in names:
             ip("netns", "add", ns)
-        ip("link", "add", veths[0], "type", "veth", "peer", "name", veths[1])
+        if count == 2:
+            ip("link", "add", veths[0], "type", "veth", "peer", "name", veths[1])
+        else:
+            ip("link", "add", bridge, "type", "bridge")
+            ip("link", "set", bridge, "up")
+            for i, veth in enumerate(veths):
+                ip("link", "add", veth, "type", "veth", "peer", "name", f"vb{i}{tag}")
+                ip("link", "set", f"vb{i}{tag}", "master", bridge, "up")
         for i, (ns, veth) in enumerate(zip(names, veths, strict=True)):
             ip("link", "set", veth, "netns", ns)
-            ip("-n", ns, "addr", "add", f"{IPV4[i]}/24", "dev", veth)
-            ip("-n", ns, "addr", "add", f"{IPV6[i]}/64", "dev", veth, "nodad")
+            ip("-n", ns, "addr", "add", f"{addresses[i]}/24", "dev", veth)
+            if count == 2:
+                ip("-n", ns, "addr", "add", f"{IPV6[i]}/64", "dev", veth, "nodad")
             ip("-n", ns, "link", "set", veth, "up")
             ip("-n", ns, "link", "set", "lo", "up")
     except subprocess.CalledProcessError as exc:
-        for ns in names:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        _remove(names, bridge)
         pytest.skip(f"cannot create network namespaces here: {exc.stderr.strip()}")
     try:
-        yield Hosts(names, veths)
+        yield Hosts(names, veths, addresses)
     finally:
-        for ns in names:
-            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
-            for pid in pids.stdout.split():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(int(pid), signal.SIGKILL)
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        _remove(names, bridge)
+
+
+def _remove(names: list[str], bridge: str) -> None:
+    for ns in names:
+        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
+        for pid in pids.stdout.split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    subprocess.run(["ip", "link", "del", bridge], capture_output=True)

@@ -3,8 +3,10 @@
 Its intake (:func:`aiodist._arrays.as_array`) turns each array argument into the C-contiguous
 numpy array the algorithms of :mod:`aiodist.collectives` take, or refuses it naming the
 argument; the operations' argument rules are in :mod:`aiodist._operations`. Its data paths:
-the transport algorithms (:mod:`aiodist.collectives`), and, for a group whose ranks all share
-this host, the direct algorithms of a shared-memory workspace (:mod:`aiodist.collectives.shm`).
+the transport algorithms (:mod:`aiodist.collectives`); for a group whose ranks all share
+this host, the direct algorithms of a shared-memory workspace (:mod:`aiodist.collectives.shm`);
+for a group spread over hosts with several of its ranks on some, the two-level algorithms
+(:mod:`aiodist.collectives.two_level`).
 Object collectives, barriers and point to point run here for every backend.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -22,7 +25,8 @@ from .. import _shared_array, collectives
 from .._arrays import as_array, byte_view
 from .._operations import OPERATIONS, Call
 from .._ops import ReduceOp
-from ..collectives import objects, shm
+from ..collectives import objects, shm, two_level
+from ..collectives.two_level import HostPlan
 from ..group import Plan, ProcessGroup
 from ..store import PrefixStore
 from ..transport._shm_segment import SharedMemoryError
@@ -44,11 +48,22 @@ async def _setup(group: ProcessGroup) -> None:
     # collectives in a shared-memory workspace: the direct algorithms of collectives.shm.
     # (With a second backend a rank whose call was rejected could not tell whether its
     # peers took a turn in the workspace.)
-    local = group.world.transport.local_ranks
+    transport = group.world.transport
+    local = transport.local_ranks
     if group.size > 1 and len(group.backends) == 1 and set(group.ranks) <= set(local):
         workspace = _Workspace(group, len(local))
         await workspace.get()
         group.paths[_NAME] = workspace
+        return
+    # A group over several hosts, with several of its ranks on some, works in two levels.
+    plan = HostPlan.of_group(transport.hosts, group.ranks, group.rank)
+    if plan is not None and os.environ.get("AIODIST_TWO_LEVEL", "1").strip().lower() not in (
+        "0",
+        "false",
+        "no",
+        "off",
+    ):
+        group.paths[_NAME] = _TwoLevel(plan)
 
 
 _Turn = tuple["asyncio.Future[None] | None", "asyncio.Future[None]"]
@@ -140,6 +155,39 @@ class _Workspace:
                 self._ready.cancel()
 
 
+class _TwoLevel:
+    """A group's hosts, for the two-level algorithms (its
+    :class:`~aiodist.group.DataPath`; the algorithms run over the transport, in no order
+    of their own, and hold nothing to release)."""
+
+    def __init__(self, plan: HostPlan) -> None:
+        self.plan = plan
+
+    def __repr__(self) -> str:
+        return f"<two levels: {self.plan!r}>"
+
+    def covers(self, name: str) -> bool:
+        return False
+
+    def waiting_for(self) -> list[int]:
+        return []
+
+    async def skip(self, reason: str) -> None:
+        return None
+
+    def abort(self, cause: BaseException) -> None:
+        return None
+
+    async def aclose(self) -> None:
+        return None
+
+
+def _hosts(group: ProcessGroup) -> HostPlan | None:
+    """The group's plan of hosts, when its collectives work in two levels."""
+    path = group.paths.get(_NAME)
+    return path.plan if isinstance(path, _TwoLevel) else None
+
+
 def _empty(group: ProcessGroup, dims: tuple[int, ...], dt: np.dtype[Any], zeroed: bool) -> Array:
     # In shared memory when the group has a workspace (its ranks all share this host);
     # a /dev/shm that cannot hold it is logged and gives an ordinary array.
@@ -166,13 +214,16 @@ def on_transport(algorithm: Callable[..., Coroutine[Any, Any, Any]]) -> Path:
 
 
 def _direct(group: ProcessGroup, call: Call, algorithm: str, args: tuple[Any, ...]) -> Plan:
-    """``algorithm(*args)`` over the transport, or its direct twin in the group's
-    shared-memory workspace when the group has one."""
+    """``algorithm(*args)`` over the transport: its direct twin in the group's
+    shared-memory workspace when the group has one, its two-level twin when the group
+    spreads over hosts, else the flat algorithm."""
     transport, direct = _DIRECT[algorithm]
-    ws = group.paths.get(_NAME)
-    if isinstance(ws, _Workspace):
-        turn = (ws, ws.reserve(), direct, call.fingerprint, *args)
+    path = group.paths.get(_NAME)
+    if isinstance(path, _Workspace):
+        turn = (path, path.reserve(), direct, call.fingerprint, *args)
         return Plan(_in_workspace, turn, call.fingerprint, call.output, sequenced=True)
+    if isinstance(path, _TwoLevel) and algorithm in _TWO_LEVEL:
+        return Plan(_TWO_LEVEL[algorithm], (path.plan, *args), call.fingerprint, call.output)
     return Plan(transport, args, call.fingerprint, call.output)
 
 
@@ -185,48 +236,74 @@ async def _in_workspace(
 def _all_reduce(group: ProcessGroup, call: Call) -> Plan:
     x, op, factor = call.args
     if factor is not None:  # (premultiplied: over the transport, in every group)
-        return Plan(_premul_all_reduce, (x, factor), call.fingerprint, call.output)
+        args = (x, factor, _hosts(group))
+        return Plan(_premul_all_reduce, args, call.fingerprint, call.output)
     return _direct(group, call, "all_reduce", (x, op))
 
 
-async def _premul_all_reduce(comm: OpComm, x: Array, factor: float) -> None:
+async def _premul_all_reduce(comm: OpComm, x: Array, factor: float, hosts: HostPlan | None) -> None:
     np.multiply(x, x.dtype.type(factor), out=x)
-    await collectives.all_reduce(comm, x, ReduceOp.SUM)
+    await _all_reduce_on(comm, hosts, x, ReduceOp.SUM)
+
+
+async def _all_reduce_on(comm: OpComm, hosts: HostPlan | None, x: Array, op: ReduceOp) -> None:
+    # all_reduce for the paths that prepare their data first: in two levels, or flat.
+    if hosts is None:
+        await collectives.all_reduce(comm, x, op)
+    else:
+        await two_level.all_reduce(comm, hosts, x, op)
 
 
 def _reduce(group: ProcessGroup, call: Call) -> Plan:
     x, root, op, factor = call.args
     if factor is not None:
-        return Plan(_premul_reduce, (x, root, factor), call.fingerprint, call.output)
+        args = (x, root, factor, _hosts(group))
+        return Plan(_premul_reduce, args, call.fingerprint, call.output)
     return _direct(group, call, "reduce", (x, root, op))
 
 
-async def _premul_reduce(comm: OpComm, x: Array, root: int, factor: float) -> None:
+async def _premul_reduce(
+    comm: OpComm, x: Array, root: int, factor: float, hosts: HostPlan | None
+) -> None:
     # Only the root's array is the caller's to change.
     scaled = np.multiply(x, x.dtype.type(factor), out=x if comm.rank == root else None)
-    await collectives.reduce(comm, scaled, root, ReduceOp.SUM)
+    if hosts is None:
+        await collectives.reduce(comm, scaled, root, ReduceOp.SUM)
+    else:
+        await two_level.reduce(comm, hosts, scaled, root, ReduceOp.SUM)
 
 
 def _reduce_scatter(group: ProcessGroup, call: Call) -> Plan:
     out, ins, op, factor = call.args
     if factor is not None:
-        return Plan(_premul_reduce_scatter, (out, ins, factor), call.fingerprint, call.output)
+        args = (out, ins, factor, _hosts(group))
+        return Plan(_premul_reduce_scatter, args, call.fingerprint, call.output)
     return _direct(group, call, "reduce_scatter", (out, ins, op))
 
 
-async def _premul_reduce_scatter(comm: OpComm, out: Array, ins: list[Array], factor: float) -> None:
+async def _premul_reduce_scatter(
+    comm: OpComm, out: Array, ins: list[Array], factor: float, hosts: HostPlan | None
+) -> None:
     scaled = [np.multiply(a, a.dtype.type(factor)) for a in ins]
-    await collectives.reduce_scatter(comm, out, scaled, ReduceOp.SUM)
+    if hosts is None:
+        await collectives.reduce_scatter(comm, out, scaled, ReduceOp.SUM)
+    else:
+        await two_level.reduce_scatter(comm, hosts, out, scaled, ReduceOp.SUM)
 
 
-async def _all_reduce_coalesced(
-    comm: OpComm, xs: list[Array], op: ReduceOp, factor: float | None
+def _all_reduce_coalesced(group: ProcessGroup, call: Call) -> Plan:
+    args = (*call.args, _hosts(group))
+    return Plan(_coalesced_all_reduce, args, call.fingerprint, call.output)
+
+
+async def _coalesced_all_reduce(
+    comm: OpComm, xs: list[Array], op: ReduceOp, factor: float | None, hosts: HostPlan | None
 ) -> None:
     flat = np.concatenate([x.reshape(-1) for x in xs])
     if factor is not None:
         np.multiply(flat, flat.dtype.type(factor), out=flat)
         op = ReduceOp.SUM
-    await collectives.all_reduce(comm, flat, op)
+    await _all_reduce_on(comm, hosts, flat, op)
     offset = 0
     for x in xs:
         x.reshape(-1)[:] = flat[offset : offset + x.size]
@@ -267,10 +344,20 @@ _DIRECT: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
     "barrier": (collectives.barrier, shm.barrier),
 }
 
+# The algorithms with a two-level twin, for groups spread over hosts.
+_TWO_LEVEL: dict[str, Callable[..., Any]] = {
+    "all_reduce": two_level.all_reduce,
+    "broadcast": two_level.broadcast,
+    "reduce": two_level.reduce,
+    "all_gather": two_level.all_gather,
+    "reduce_scatter": two_level.reduce_scatter,
+    "barrier": two_level.barrier,
+}
+
 #: Algorithm -> the CPU backend's data path.
 PATHS: dict[str, Path] = {
     "all_reduce": _all_reduce,
-    "all_reduce_coalesced": on_transport(_all_reduce_coalesced),
+    "all_reduce_coalesced": _all_reduce_coalesced,
     "broadcast": lambda g, c: _direct(g, c, "broadcast", c.args),
     "reduce": _reduce,
     "all_gather": lambda g, c: _direct(g, c, "all_gather", c.args[:2]),

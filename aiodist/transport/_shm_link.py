@@ -40,7 +40,6 @@ from ._frames import BYE, HEADER, MAX_MESSAGE, ControlText, is_control
 from ._mailbox import Inbound
 from ._shm_segment import ProcessId, Segment
 from ._shm_signal import Bell, PeerWatch, fence
-from .base import peer_aborted_error
 
 if TYPE_CHECKING:
     from .shm import ShmTransport
@@ -58,6 +57,7 @@ __all__ = [
     "QueuedSend",
     "ShmLink",
     "control_send",
+    "leave_cause",
 ]
 
 _HEADER = HEADER
@@ -68,6 +68,11 @@ _ALIGN_MASK = 63
 CTRL_BYTES = 4096
 # Word indices in the control page (each on a cache line of its own).
 W_MAGIC, W_STATE, W_SLEEP = 0, 8, 16
+# Where in the control page an aborting owner leaves its cause: a u32 length, then UTF-8.
+# (A message may be half written into a ring when the owner aborts, so the cause cannot
+# follow it there.)
+_CAUSE_AT = 1024
+_CAUSE_MAX = CTRL_BYTES - _CAUSE_AT - 4
 RING_HDR_BYTES = 256
 # Word indices in a ring's header, relative to its first word.
 _R_HEAD, _R_TAIL, _R_WANT = 0, 8, 16
@@ -89,6 +94,14 @@ class QueuedSend:
         self.data = data
         self.fut = fut
         self.off = -1  # -1: the header is not written yet
+
+
+def leave_cause(buf: memoryview, text: str) -> None:
+    """Write why this rank aborts into its control page ``buf``, before its state says
+    aborted (the peers read it with :meth:`ShmLink.peer_cause`)."""
+    data = text.encode(errors="replace")[:_CAUSE_MAX]
+    buf[_CAUSE_AT + 4 : _CAUSE_AT + 4 + len(data)] = data
+    buf[_CAUSE_AT : _CAUSE_AT + 4] = len(data).to_bytes(4, "little")
 
 
 def control_send(frame: bytes, fut: asyncio.Future[None]) -> QueuedSend:
@@ -152,6 +165,13 @@ class ShmLink:
 
     def peer_state(self) -> int:
         return self.tx_words[W_STATE]
+
+    def peer_cause(self) -> str:
+        """What the peer aborted for (see :func:`leave_cause`), once its state says so."""
+        fence()  # (the state was loaded before)
+        buf = self.tx_buf
+        n = min(int.from_bytes(buf[_CAUSE_AT : _CAUSE_AT + 4], "little"), _CAUSE_MAX)
+        return bytes(buf[_CAUSE_AT + 4 : _CAUSE_AT + 4 + n]).decode(errors="replace")
 
     # -- sending ---------------------------------------------------------------------------
 
@@ -326,11 +346,9 @@ class ShmLink:
             self.owner._loop.call_soon(self.owner._peer_exited, self)
 
     def _said(self, kind: int, text: str) -> None:
-        # A goodbye (the peer's state says closed next) or the cause it aborts for.
+        # A goodbye: the peer's state says closed next.
         if kind == BYE:
             self.bye = text
-        else:
-            self.owner._lose(self, peer_aborted_error(self.peer, text))
 
     def drain(self) -> None:
         """Take everything the peer wrote (it is gone): complete messages are delivered."""

@@ -33,6 +33,7 @@ from ._mailbox import (
 __all__ = [
     "CLOSED_REASON",
     "Departure",
+    "PHASES",
     "OpComm",
     "PeerDirectory",
     "Tag",
@@ -107,6 +108,9 @@ class Transport(abc.ABC):
         #: The ranks this one shares memory with (itself included): collectives of a
         #: group within them may run in shared memory directly.
         self.local_ranks: tuple[int, ...] = (rank,)
+        #: The world's ranks by host, when known: each host's ranks in order, the hosts in
+        #: the order of their first ranks. ``None`` (unknown) makes every algorithm flat.
+        self.hosts: tuple[tuple[int, ...], ...] | None = None
 
     @abc.abstractmethod
     def send(self, peer: int, tag: Tag, data: memoryview) -> asyncio.Future[None]:
@@ -181,6 +185,12 @@ class Transport(abc.ABC):
         return self.mailbox.waiting_for(group, seq)
 
 
+#: Phases of one operation (see :meth:`OpComm.part`): each numbers its steps from its own
+#: base, above every step an algorithm uses (``collectives._common.READY_STEP`` included).
+PHASES = 1 << 12
+_PHASE_STEPS = 1 << 52
+
+
 class OpComm:
     """One operation's view of a transport: group ranks and numbered steps.
 
@@ -189,24 +199,48 @@ class OpComm:
     are bound in, and group ranks are translated to the transport's global ranks.
     """
 
-    __slots__ = ("_group_id", "_ranks", "_seq", "_transport", "rank", "size")
+    __slots__ = ("_base", "_group_id", "_ranks", "_seq", "_transport", "rank", "size")
 
     def __init__(
-        self, transport: Transport, ranks: Sequence[int], rank: int, group_id: int, seq: int
+        self,
+        transport: Transport,
+        ranks: Sequence[int],
+        rank: int,
+        group_id: int,
+        seq: int,
+        *,
+        base: int = 0,
     ) -> None:
         self._transport = transport
         self._ranks = ranks
         self._group_id = group_id
         self._seq = seq
+        self._base = base
         self.rank = rank
         self.size = len(ranks)
 
     def __repr__(self) -> str:
         return f"<OpComm rank={self.rank}/{self.size} group={self._group_id} seq={self._seq}>"
 
+    def part(self, members: Sequence[int], phase: int) -> OpComm:
+        """The view of this operation that the ranks ``members`` (ranks of this view,
+        this one among them) share in ``phase`` of an algorithm made of several.
+
+        Its ranks are the positions in ``members``; its steps are numbered apart from
+        every other phase's (``phase`` in ``[1, PHASES)``), so that an algorithm may run
+        one collective per phase, side by side, over the same operation.
+        """
+        assert 0 < phase < PHASES, phase
+        ranks = [self._ranks[m] for m in members]
+        base = self._base + phase * _PHASE_STEPS
+        return OpComm(
+            self._transport, ranks, members.index(self.rank), self._group_id, self._seq, base=base
+        )
+
     def send(self, peer: int, step: int, data: memoryview) -> asyncio.Future[None]:
         """Send ``data`` to group rank ``peer`` as step ``step`` of this operation."""
-        return self._transport.send(self._ranks[peer], (self._group_id, self._seq, step), data)
+        tag = (self._group_id, self._seq, self._base + step)
+        return self._transport.send(self._ranks[peer], tag, data)
 
     def recv_into(self, peer: int | None, step: int, out: memoryview) -> asyncio.Future[int]:
         """Receive step ``step`` of this operation from group rank ``peer`` into ``out``.
@@ -215,4 +249,6 @@ class OpComm:
         future's result is the sender's *global* rank).
         """
         source = None if peer is None else self._ranks[peer]
-        return self._transport.recv_into(source, (self._group_id, self._seq, step), out)
+        return self._transport.recv_into(
+            source, (self._group_id, self._seq, self._base + step), out
+        )

@@ -34,6 +34,7 @@ class RoutedTransport(Transport):
         self.tcp = tcp
         self.shm = shm
         self.local_ranks = shm.local_ranks
+        self.hosts = tcp.hosts
         self._local = frozenset(shm.local_ranks)
         tcp.reached_elsewhere(self._local)
 

@@ -34,7 +34,7 @@ from .._timeouts import DEFAULT_SETUP_TIMEOUT, Timeout, to_seconds
 from ..errors import DistNetworkError, DistProtocolError, DistUsageError
 from ..store import Store
 from . import _shm_setup
-from ._frames import ABORTING, BYE, HEADER, REJECTION, control_frame
+from ._frames import BYE, HEADER, REJECTION, control_frame
 from ._mailbox import Mailbox, as_bytes, fail_future
 from ._shm_link import (
     ABORTED,
@@ -49,6 +49,7 @@ from ._shm_link import (
     QueuedSend,
     ShmLink,
     control_send,
+    leave_cause,
 )
 from ._shm_segment import (
     ProcessId,
@@ -69,6 +70,7 @@ from .base import (
     abort_text,
     departure_of,
     lost_peer_error,
+    peer_aborted_error,
 )
 
 __all__ = [
@@ -77,6 +79,7 @@ __all__ = [
     "bytes_needed",
     "default_job_key",
     "find_local_ranks",
+    "plan_hosts",
 ]
 
 logger = logging.getLogger(__name__)
@@ -164,6 +167,53 @@ async def plan_shared_memory(
     if reason is None:
         reason = (await store.get(f"shm/why/{refusing[0]}")).decode()
     return local, f"rank {refusing[0]}: {reason}"
+
+
+async def plan_hosts(
+    store: Store, rank: int, world_size: int, local: list[int], *, timeout: Timeout = None
+) -> tuple[tuple[int, ...], ...]:
+    """Return the world's ranks by host, each host's in order and the hosts in the order of
+    their first ranks, given the ranks of this host (``local``, from
+    :func:`plan_shared_memory` on the same store).
+
+    Collective over the world. A world on one host needs no request; otherwise the lowest
+    rank of each host appends its host's ranks (as ranges, so the value stays small for
+    hosts of consecutive ranks) to one key, and every rank passes a store barrier and reads
+    the key: two requests per rank, three for the lowest.
+
+    Raises:
+        DistTimeoutError: a rank did not arrive within ``timeout`` (default: the store's).
+        DistProtocolError: the hosts' lists do not cover the world exactly once.
+    """
+    if len(local) == world_size:
+        return (tuple(local),)
+    if rank == local[0]:
+        await store.append("shm/plan", _ranges(local) + ";")
+    await store.barrier("shm/planned", world_size, to_seconds(timeout, store.timeout))
+    text = (await store.get("shm/plan")).decode()
+    hosts = sorted(tuple(_unranges(entry)) for entry in text.split(";") if entry)
+    if sorted(r for host in hosts for r in host) != list(range(world_size)):
+        raise DistProtocolError(f"the hosts' rank lists {text!r} do not cover the world once")
+    return tuple(hosts)
+
+
+def _ranges(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"`` (``ranks`` sorted)."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and runs[-1][1] == r - 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ",".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in runs)
+
+
+def _unranges(text: str) -> list[int]:
+    ranks: list[int] = []
+    for run in text.split(","):
+        lo, _, hi = run.partition("-")
+        ranks.extend(range(int(lo), int(hi or lo) + 1))
+    return ranks
 
 
 def bytes_needed(local_count: int) -> int:
@@ -574,16 +624,16 @@ class ShmTransport(Transport):
 
     def _shutdown(self, exc: BaseException, state: int, last: bytes | None = None) -> None:
         self._closed = exc
-        if state == ABORTED:
-            last = control_frame(ABORTING, 0, 0, abort_text(exc))
         if last is not None:
-            # The peers read this before they see our state change: the cause, or the
-            # goodbye, reaches them.
+            # The peers read this before they see our state change: the goodbye reaches them.
             for link in self._links:
                 if link.error is None and not link.queue:
                     link.queue.append(control_send(last, self._loop.create_future()))
                     link.tx(len(last))
         if self._seg is not None:
+            if state == ABORTED:
+                leave_cause(self._seg.buf, abort_text(exc))
+                fence()
             self._seg.words[W_STATE] = state
             fence()
         for link in self._links:
@@ -743,7 +793,7 @@ class ShmTransport(Transport):
         if state == CLOSED:
             error = lost_peer_error(link.peer, f"it {link.bye or CLOSED_REASON}", Departure.LEFT)
         elif state == ABORTED:
-            error = lost_peer_error(link.peer, "its transport was aborted")
+            error = peer_aborted_error(link.peer, link.peer_cause())
         else:
             reason = f"its process (pid {link.proc.pid}) exited"
             error = lost_peer_error(link.peer, reason, Departure.GONE)
