@@ -83,6 +83,16 @@ VARIABLES: tuple[Variable, ...] = (
         ("aiodist.transport._shm_segment",),
     ),
     Variable(
+        "AIODIST_TWO_LEVEL",
+        "aiodist",
+        "on",
+        "`0`, `false`, `no` or `off`: the collectives of a group over several hosts run flat "
+        "(every rank in one ring or tree) instead of within each host first and across "
+        "hosts once. For comparisons; set it on every rank.",
+        "`init_process_group`, `new_group`",
+        ("aiodist.backends.cpu",),
+    ),
+    Variable(
         "AIODIST_LOOP",
         "aiodist",
         "`auto`",
