@@ -323,12 +323,15 @@ async def _connect(
                 store, rank, world_size, local, mailbox=tcp.mailbox, timeout=timeout
             )
         except SharedMemoryError as exc:
-            # Only this rank could not, after every rank of the host agreed: it leaves this
-            # generation, and its peers hear why (see _unless_left) instead of waiting.
-            raise DistUsageError(
-                f"rank {rank}: shared memory with ranks {local} failed after they agreed to "
-                f"use it: {exc}; set AIODIST_SHM=0 on every rank to use TCP only"
-            ) from exc
+            # A rank of this host could not create or map its segment after all: every rank
+            # of the host learnt it during the set-up, and they all use TCP.
+            if shared_memory:
+                raise DistUsageError(
+                    f"init_process_group: shared_memory=True, but ranks {local} of this host "
+                    f"could not set up shared memory: {exc}"
+                ) from exc
+            logger.warning("rank %d: ranks %s talk over TCP: %s", rank, local, exc)
+            return tcp
         return RoutedTransport(tcp, shm)
     except BaseException:
         await tcp.aclose()

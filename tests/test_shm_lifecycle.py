@@ -166,7 +166,9 @@ def test_a_full_dev_shm_is_a_clear_error_not_a_sigbus() -> None:
     assert proc.returncode == 0, proc.stderr
     errors = json.loads(proc.stdout)
     transport = errors["transport"]
-    assert transport.startswith("cannot reserve 4198656 bytes of shared memory in /dev/shm for ")
+    assert transport.startswith(
+        "rank 0: cannot reserve 4198656 bytes of shared memory in /dev/shm for "
+    )
     assert "it is full" in transport and "bytes are free" in transport
     assert "fall back to TCP (AIODIST_SHM=0)" in transport
     assert errors["workspace"].startswith("cannot reserve 4202496 bytes of shared memory")
@@ -232,5 +234,54 @@ def test_a_dev_shm_too_small_for_the_host_falls_back_to_tcp(
             rf"rank {rank}: ranks \[0, 1, 2, 3\] talk over TCP: /dev/shm has \d+ bytes free, "
             r"but the 4 ranks of this host would reserve 58753024 there; enlarge it \(docker: "
             r"--shm-size\) for shared memory",
+            said[0],
+        ), said
+
+
+_ONE_RANK_CANNOT = textwrap.dedent(
+    """
+    import asyncio, json, logging, resource, signal, sys
+    import numpy as np
+    import aiodist
+    from aiodist.testing import start_world_processes
+
+    async def rank_main(rank, size):
+        said = []
+        handler = logging.Handler()
+        handler.emit = lambda record: said.append(record.getMessage())
+        logging.getLogger("aiodist").addHandler(handler)
+        if rank == 1:
+            # Files of this process may not grow past 1 MiB: its 4 MiB of rings cannot be
+            # reserved, after the host's room check passed.
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+        pg = await aiodist.init_process_group(timeout=60)
+        x = np.full(4, float(rank))
+        await aiodist.all_reduce(x)
+        kind = type(pg.world.transport).__name__
+        await aiodist.destroy_process_group()
+        return kind, x.tolist(), [s for s in said if "talk over TCP" in s]
+
+    if __name__ == "__main__":
+        print(json.dumps(start_world_processes(rank_main, 3, init_group=False).results()))
+    """
+)
+
+
+@pytest.mark.multiprocess
+def test_a_rank_that_cannot_reserve_its_rings_takes_its_host_to_tcp(tmp_path: Path) -> None:
+    worker = tmp_path / "one_rank_cannot.py"  # (a file: spawned ranks import their function)
+    worker.write_text(_ONE_RANK_CANNOT)
+    proc = subprocess.run(
+        [sys.executable, str(worker)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    for rank, (kind, x, said) in enumerate(json.loads(proc.stdout.splitlines()[-1])):
+        assert x == [3.0] * 4
+        assert kind == "TCPTransport", (rank, kind)
+        assert len(said) == 1 and re.fullmatch(
+            rf"rank {rank}: ranks \[0, 1, 2\] talk over TCP: rank 1: cannot reserve 8393216 "
+            r"bytes of shared memory in /dev/shm for the rings of rank 1 \(2 x 4194304 "
+            r"bytes\): \[Errno 27\] File too large \(\d+ bytes are free\); .*",
             said[0],
         ), said

@@ -17,7 +17,7 @@ from ..errors import DistNetworkError, DistProtocolError, DistTimeoutError
 from ..store import Store
 from ._shm_segment import ProcessId, is_alive
 
-__all__ = ["barrier", "exchange"]
+__all__ = ["barrier", "exchange", "publish"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,11 @@ async def _wait_keys(
                 raise DistNetworkError(f"{what}: rank {r} (pid {proc.pid}) exited")
 
 
+async def publish(store: Store, key: str, rank: int, record: Mapping[str, Any]) -> None:
+    """Publish this rank's ``record`` under ``key/<rank>`` (for :func:`exchange`)."""
+    await store.set(f"{key}/{rank}", json.dumps(record))
+
+
 async def exchange(
     store: Store,
     key: str,
@@ -69,7 +74,7 @@ async def exchange(
         DistTimeoutError: a peer did not publish before ``deadline`` (loop time).
         DistProtocolError: a peer's record is not what this version writes.
     """
-    await store.set(f"{key}/{rank}", json.dumps(record))
+    await publish(store, key, rank, record)
     keys = {r: f"{key}/{r}" for r in ranks if r != rank}
     await _wait_keys(store, keys, deadline, {}, what)
     values = await store.multi_get(list(keys.values()))
@@ -93,13 +98,20 @@ async def barrier(
     deadline: float | None,
     procs: Mapping[int, ProcessId],
     what: str,
-) -> None:
-    """Return once every rank of ``ranks`` has reached the barrier ``key``.
+    failure: str | None = None,
+) -> str | None:
+    """Return once every rank of ``ranks`` has reached the barrier ``key``, saying whether
+    it failed: the first ``"rank R: failure"`` any of them (this one included) passed, else
+    ``None``. Every rank gets the same answer.
 
     Raises:
         DistTimeoutError: a peer did not arrive before ``deadline`` (loop time).
         DistNetworkError: a peer's process (``procs``) exited meanwhile.
     """
-    await store.set(f"{key}/{rank}", b"1")
+    await store.set(f"{key}/{rank}", "" if failure is None else failure)
     keys = {r: f"{key}/{r}" for r in ranks if r != rank}
     await _wait_keys(store, keys, deadline, procs, what)
+    said = dict(zip(keys, await store.multi_get(list(keys.values())), strict=True))
+    said[rank] = b"" if failure is None else failure.encode()
+    failed = [r for r in sorted(said) if said[r]]
+    return f"rank {failed[0]}: {said[failed[0]].decode()}" if failed else None

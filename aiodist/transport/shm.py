@@ -330,7 +330,9 @@ class ShmTransport(Transport):
         Raises:
             SharedMemoryError: shared memory cannot be used here (disabled with
                 ``AIODIST_SHM=0``, not x86-64, ``/dev/shm`` full: the message names the
-                size needed); the caller may fall back to TCP.
+                size needed), or a local rank could not create or map a segment (every
+                local rank raises it then, naming that rank); the caller may fall back to
+                TCP.
             DistUsageError: a bad argument, or a peer that is not on this host (its host
                 key differs) or disagrees on ``local_ranks`` or ``ring_bytes``.
             DistTimeoutError: a local rank did not arrive in time (the ranks are named).
@@ -412,26 +414,38 @@ class ShmTransport(Transport):
         records: dict[int, dict[str, Any]] = {}
         self: ShmTransport | None = None
         try:
-            seg = Segment.create(
-                segment_path(job, "t", rank),
-                size,
-                f"the rings of rank {rank} ({len(peers)} x {cap} bytes)",
-            )
-            seg.words[W_MAGIC] = _MAGIC
-            seg.words[W_SLEEP] = 1  # a rank that is not polling wants its doorbell rung
-            doorbell = Doorbell(segment_path(job, "tb", rank))
-            record = {
-                "v": _VERSION,
-                "host": host_key(),
-                "pid": me.pid,
-                "start": me.start,
-                "seg": seg.path,
-                "size": size,
-                "bell": doorbell.path,
-                "ring": cap,
-                "ranks": list(local),
-            }
+            # A rank that cannot create its segment or map a peer's says so to the others
+            # (in its record, at the barrier), so that they all give up shared memory
+            # together (SharedMemoryError: the caller falls back to TCP).
+            record: dict[str, Any] = {"v": _VERSION, "host": host_key()}
+            try:
+                seg = Segment.create(
+                    segment_path(job, "t", rank),
+                    size,
+                    f"the rings of rank {rank} ({len(peers)} x {cap} bytes)",
+                )
+                seg.words[W_MAGIC] = _MAGIC
+                seg.words[W_SLEEP] = 1  # a rank that is not polling wants its doorbell rung
+                doorbell = Doorbell(segment_path(job, "tb", rank))
+            except SharedMemoryError as exc:
+                # The others learn it from this record; this rank knows enough already.
+                record["failed"] = f"rank {rank}: {exc}"
+                await _shm_setup.publish(store, "shm/t", rank, record)
+                raise SharedMemoryError(record["failed"]) from exc
+            else:
+                record.update(
+                    pid=me.pid,
+                    start=me.start,
+                    seg=seg.path,
+                    size=size,
+                    bell=doorbell.path,
+                    ring=cap,
+                    ranks=list(local),
+                )
             records = await _shm_setup.exchange(store, "shm/t", rank, local, record, deadline, what)
+            failed = [str(records[r]["failed"]) for r in sorted(records) if "failed" in records[r]]
+            if failed:
+                raise SharedMemoryError(failed[0])
             for r, rec in records.items():
                 if rec.get("v") != _VERSION or rec.get("host") != record["host"]:
                     raise DistUsageError(
@@ -446,15 +460,24 @@ class ShmTransport(Transport):
                         f"and {cap}-byte rings; every local rank must pass the same"
                     )
             procs = {r: ProcessId(int(rec["pid"]), int(rec["start"])) for r, rec in records.items()}
-            for r in peers:
-                peer_seg = Segment.attach(str(records[r]["seg"]), int(records[r]["size"]))
-                attached.append(peer_seg)
-                if peer_seg.words[W_MAGIC] != _MAGIC:
-                    raise DistProtocolError(
-                        f"rank {r}'s shared-memory segment {peer_seg.path} is not an aiodist one"
-                    )
-                bells.append(Bell(str(records[r]["bell"])))
-            await _shm_setup.barrier(store, "shm/t/mapped", rank, local, deadline, procs, what)
+            failure = None
+            try:
+                for r in peers:
+                    peer_seg = Segment.attach(str(records[r]["seg"]), int(records[r]["size"]))
+                    attached.append(peer_seg)
+                    if peer_seg.words[W_MAGIC] != _MAGIC:
+                        raise DistProtocolError(
+                            f"rank {r}'s shared-memory segment {peer_seg.path} is not an "
+                            "aiodist one"
+                        )
+                    bells.append(Bell(str(records[r]["bell"])))
+            except SharedMemoryError as exc:
+                failure = str(exc)
+            failure = await _shm_setup.barrier(
+                store, "shm/t/mapped", rank, local, deadline, procs, what, failure
+            )
+            if failure is not None:
+                raise SharedMemoryError(failure)
             # Every peer holds our segment and doorbell open: the names can go.
             seg.unlink()
             doorbell.unlink()
