@@ -86,6 +86,26 @@ async def test_all_reduce(run: Runner, layout: str, count: int, op: ReduceOp, dt
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize(("op", "dtype"), [(ReduceOp.SUM, np.int64), (ReduceOp.AVG, np.float32)])
+async def test_all_reduce_in_segments(
+    run: Runner, layout: str, op: ReduceOp, dtype: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Segments of 128 KiB: 800 KB of int64 (400 KB of float32) move as 7 (4) of them, two
+    # in flight at a time.
+    monkeypatch.setattr(two_level, "SEGMENT_BYTES", 128 << 10)
+    n = _size(layout)
+    xs = [sample(np.dtype(dtype), (100_003,), seed=r, op=op) for r in range(n)]
+    expected = numpy_reduce(op, xs)
+
+    async def rank(comm: OpComm) -> None:
+        await two_level.all_reduce(comm, _plan(layout, comm), xs[comm.rank], op)
+
+    await run(n, rank)
+    for x in xs:
+        np.testing.assert_array_equal(x, expected)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("count", [5, 3 * RING_THRESHOLD_BYTES // 4 + 1])
 async def test_all_reduce_of_ordinary_floats_is_bitwise_the_same_on_every_rank(
     run: Runner, layout: str, count: int

@@ -27,8 +27,8 @@ import numpy.typing as npt
 
 from .._arrays import byte_view
 from .._ops import ReduceOp, finish_into, reduce_into
-from ..transport.base import OpComm
-from ._common import EMPTY, YIELD_BYTES, Flight, copy_into, split
+from ..transport.base import PHASES, OpComm
+from ._common import EMPTY, YIELD_BYTES, Flight, copy_into, num_chunks, split
 from .all_reduce import RING_THRESHOLD_BYTES, all_reduce as flat_all_reduce
 from .barrier import barrier as flat_barrier
 from .gather import all_gather as flat_all_gather
@@ -47,8 +47,12 @@ __all__ = [
 Array = npt.NDArray[Any]
 
 # The phases of an operation (see OpComm.part): within the host, then across hosts, where
-# column j takes phase _ACROSS + j.
+# column j takes phase _ACROSS + j. (all_reduce numbers each segment's phases apart.)
 _GATHER, _SPREAD, _ACROSS = 1, 2, 3
+
+#: all_reduce moves larger messages in segments of about this many bytes.
+SEGMENT_BYTES = 4 << 20
+_SEGMENTS_IN_FLIGHT = 2
 
 
 class HostPlan:
@@ -117,25 +121,42 @@ async def all_reduce(comm: OpComm, plan: HostPlan, x: Array, op: ReduceOp) -> No
 
     Below :data:`~aiodist.collectives.RING_THRESHOLD_BYTES` the message is one column
     (the host's first rank carries it, fewest messages); from there on it is cut into
-    ``plan.width`` columns, so that every rank carries its share across the network.
+    ``plan.width`` columns, so that every rank carries its share across the network. From
+    :data:`SEGMENT_BYTES` on, it moves in segments, two at a time, so that one crosses the
+    network while the host works on the next.
     """
-    raw = ReduceOp.SUM if op is ReduceOp.AVG else op
     flat = x.reshape(-1)
-    pieces = split(flat.size, plan.width if x.nbytes >= RING_THRESHOLD_BYTES else 1)
-    k = len(plan.mine)
-    carried = [j for j in range(len(pieces)) if j % k == plan.local]
-    if k > 1:
-        await _reduce_onto_carriers(comm.part(plan.mine, _GATHER), flat, pieces, raw)
+    phases = 2 + plan.width  # of one segment: within the host twice, and each column
+    count = min(num_chunks(x.nbytes, SEGMENT_BYTES), (PHASES - 1) // phases)
+    segments = split(flat.size, count)
+    await _run(
+        [
+            _all_reduce_segment(comm, plan, flat[lo:hi], op, 1 + s * phases)
+            for s, (lo, hi) in enumerate(segments)
+        ],
+        window=_SEGMENTS_IN_FLIGHT,
+    )
 
-    async def across(j: int) -> None:
+
+async def _all_reduce_segment(
+    comm: OpComm, plan: HostPlan, flat: Array, op: ReduceOp, first_phase: int
+) -> None:
+    raw = ReduceOp.SUM if op is ReduceOp.AVG else op
+    pieces = split(flat.size, plan.width if flat.nbytes >= RING_THRESHOLD_BYTES else 1)
+    k = len(plan.mine)
+    gather, spread, across = first_phase, first_phase + 1, first_phase + 2
+    if k > 1:
+        await _reduce_onto_carriers(comm.part(plan.mine, gather), flat, pieces, raw)
+
+    async def column(j: int) -> None:
         lo, hi = pieces[j]
         part = flat[lo:hi]
-        await flat_all_reduce(comm.part(plan.column(j), _ACROSS + j), part, raw)
+        await flat_all_reduce(comm.part(plan.column(j), across + j), part, raw)
         finish_into(op, part, comm.size)
 
-    await _together([across(j) for j in carried])
+    await _run([column(j) for j in range(len(pieces)) if j % k == plan.local])
     if k > 1:
-        await _spread_from_carriers(comm.part(plan.mine, _SPREAD), flat, pieces)
+        await _spread_from_carriers(comm.part(plan.mine, spread), flat, pieces)
 
 
 async def _reduce_onto_carriers(
@@ -218,7 +239,7 @@ async def all_gather(comm: OpComm, plan: HostPlan, outs: Sequence[Array], x: Arr
         column = plan.column(j)
         await flat_all_gather(comm.part(column, _ACROSS + j), [outs[r] for r in column], x)
 
-    await _together([across(j) for j in range(plan.width) if j % k == plan.local])
+    await _run([across(j) for j in range(plan.width) if j % k == plan.local])
     if k == 1:
         return
     host = comm.part(plan.mine, _SPREAD)
@@ -324,19 +345,30 @@ async def _all(futs: Any) -> None:
         raise
 
 
-async def _together(coros: list[Coroutine[Any, Any, None]]) -> None:
-    """Run ``coros`` side by side; on the first failure cancel the others, wait for them
-    to let go of their arrays, and raise it."""
+async def _run(coros: list[Coroutine[Any, Any, None]], window: int | None = None) -> None:
+    """Run ``coros`` side by side, at most ``window`` at once (default all); on the first
+    failure cancel the others, wait for them to let go of their arrays, and raise it."""
     if len(coros) == 1:
         await coros[0]
         return
-    tasks = [asyncio.ensure_future(c) for c in coros]
+    running: set[asyncio.Future[None]] = set()
+    started: list[asyncio.Future[None]] = []
     try:
-        await asyncio.gather(*tasks)
+        for coro in coros:
+            if window is not None and len(running) >= window:
+                done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    task.result()
+            task = asyncio.ensure_future(coro)
+            started.append(task)
+            running.add(task)
+        await asyncio.gather(*running)
     except BaseException:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        for coro in coros[len(started) :]:
+            coro.close()
+        for task in started:
+            task.cancel()
+        await asyncio.gather(*started, return_exceptions=True)
         raise
 
 
