@@ -555,3 +555,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:
         logger.error("%s", exc)
         return 1
+
+
+if __name__ == "__main__":  # python -m aiodist.launcher, like python -m aiodist.run
+    sys.exit(main())

@@ -242,6 +242,23 @@ def test_console_script_runs_the_example() -> None:
         assert "weights match the single-process numpy reference" in lines[rank][-1]
 
 
+@pytest.mark.parametrize("module", ["aiodist.run", "aiodist.launcher"])
+def test_python_m_runs_the_launcher(module: str, tmp_path: Path) -> None:
+    script = tmp_path / "hello.py"
+    script.write_text(
+        'import os\nprint("rank", os.environ["RANK"], "of", os.environ["WORLD_SIZE"])\n'
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", module, "--nproc-per-node=2", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=clean_env(),
+    )
+    assert result.returncode == 0, result.stderr
+    assert by_rank(result.stdout) == {0: ["rank 0 of 2"], 1: ["rank 1 of 2"]}
+
+
 def test_worker_environment() -> None:
     result = launch(
         "--nproc-per-node=2", "--rdzv-id=job7", "--role=trainer", "--max-restarts=3",
