@@ -63,6 +63,7 @@ from ._recorder import FlightRecorder, payload_nbytes
 from ._timeouts import DEFAULT_PG_TIMEOUT, Timeout, to_seconds
 from ._work import ANY_TAG, MAX_TAG, P2P_GROUP_BIT, Operation, OpKind, Plan, Work
 from ._world import FailureDomain
+from .collectives._common import ResultError
 from .errors import DistError, DistNetworkError, DistTimeoutError, DistUsageError
 from .store import PrefixStore, Store
 from .transport.base import Departure, OpComm, Transport, departure_of, lost_peer_error
@@ -876,7 +877,9 @@ class ProcessGroup:
             op.settle(DistUsageError(f"{op.name} was cancelled"))
             raise
         except Exception as exc:
-            if isinstance(exc, DistUsageError) and (op.kind is OpKind.P2P or op.sequenced):
+            if isinstance(exc, ResultError):
+                op.settle(exc)  # (only this rank's result failed: nothing is broken)
+            elif isinstance(exc, DistUsageError) and (op.kind is OpKind.P2P or op.sequenced):
                 # A receive whose sender rejected its send, or whose message had another
                 # size (point-to-point messages keep no order across the group); or a turn
                 # on a data path that every rank failed alike: only this operation fails.

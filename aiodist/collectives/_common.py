@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from ..errors import DistError
 from ..transport.base import OpComm
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,12 @@ READY_STEP = 1 << 48
 #: a mismatch then reaches the length check of the receive instead of leaving both sides
 #: waiting for each other.
 READY_BYTES = 256 * 1024
+
+
+class ResultError(DistError):
+    """This rank's part of an operation is done, but its result cannot be made here (bytes
+    it received do not unpickle): only this rank's call fails. Its peers need nothing more
+    from it, so the group, and their calls, go on."""
 
 
 class Flight:

@@ -22,6 +22,7 @@ import numpy.typing as npt
 from .._arrays import byte_view
 from ..errors import DistError, DistProtocolError
 from ..transport.base import OpComm
+from ._common import ResultError
 from .gather import all_gather, gather, scatter
 from .tree import broadcast
 
@@ -109,15 +110,16 @@ def _loads(buf: Array, name: str, weights_only: bool) -> Any:
     ``_DATA_GLOBALS``), else trusting its sender.
 
     Raises:
-        DistError: the bytes do not unpickle (or, with ``weights_only``, name a global that
-            is not data).
+        ResultError: the bytes do not unpickle (or, with ``weights_only``, name a global
+            that is not data): called once this rank's part of the transfer is done, so
+            only its call fails.
     """
     try:
         if weights_only:
             return _DataUnpickler(io.BytesIO(buf.tobytes())).load()
         return pickle.loads(buf.tobytes())
     except Exception as exc:
-        raise DistError(f"{name}: received bytes did not unpickle: {exc}") from exc
+        raise ResultError(f"{name}: received bytes did not unpickle: {exc}") from exc
 
 
 def _padded(rows: Sequence[Array], width: int) -> Array:
