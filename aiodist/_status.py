@@ -21,6 +21,7 @@ import asyncio
 import json
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -124,11 +125,12 @@ def serve_status(host: str = "127.0.0.1") -> tuple[str, int]:
 
 
 async def register_status(job: Store, rank: int, host: str) -> None:
-    """Start the status endpoint on ``host`` (any interface: loopback) and record it in the
-    job's namespace ``job`` as ``rank``'s."""
+    """Start the status endpoint on ``host`` and record it in the job's namespace ``job`` as
+    ``rank``'s. On every interface (a wildcard ``host``), what is recorded is this machine's
+    host name, as the transport publishes it, so that other hosts reach it too."""
     addr, port = serve_status(host if host not in ("", "0.0.0.0", "::") else "0.0.0.0")
     if addr in ("0.0.0.0", "::"):
-        addr = "127.0.0.1"
+        addr = socket.gethostname()
     await job.append(STATUS_KEY, f"{rank}={addr}:{port},")
 
 

@@ -168,3 +168,32 @@ def test_the_launcher_serves_the_view(tmp_path: Path) -> None:
     finally:
         launcher.send_signal(signal.SIGINT)  # rank 2, in time.sleep, is killed after 1 s
         launcher.communicate(timeout=60)
+
+
+_WILDCARD = """
+import asyncio, json, socket, urllib.request
+from aiodist._status import STATUS_KEY, register_status
+from aiodist.store import HashStore
+
+async def main():
+    store = HashStore()
+    await register_status(store, 3, "")  # as with MASTER_ADDR on another host
+    entry = (await store.get(STATUS_KEY)).decode()
+    port = int(entry.rsplit(":", 1)[1].rstrip(","))
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=10) as reply:
+        answered = reply.status
+    print(json.dumps([entry, socket.gethostname(), port, answered]))
+
+asyncio.run(main())
+"""
+
+
+def test_an_endpoint_on_every_interface_is_recorded_under_the_host_name() -> None:
+    # (A process of its own: the endpoint is started once per process.)
+    proc = subprocess.run(
+        [sys.executable, "-c", _WILDCARD], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    entry, hostname, port, answered = json.loads(proc.stdout)
+    assert entry == f"3={hostname}:{port},"
+    assert answered == 200
