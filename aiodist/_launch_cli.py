@@ -90,7 +90,8 @@ def get_args_parser() -> argparse.ArgumentParser:
         *_flag("--nnodes"),
         action=_EnvDefault,
         default="1:1",
-        help="number of nodes, N or MIN:MAX with MIN == MAX (default 1:1)",
+        help="number of nodes: N, or MIN:MAX to start with at least MIN and up to MAX, "
+        "take in nodes that come later and go on without lost ones (default 1:1)",
     )
     add(
         *_flag("--nproc-per-node"),
@@ -105,7 +106,8 @@ def get_args_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="rank of this node, 0 <= K < nnodes; node 0 hosts the store (default "
-        "PET_NODE_RANK, else a Kubernetes Indexed Job's JOB_COMPLETION_INDEX, else 0)",
+        "PET_NODE_RANK, else a Kubernetes Indexed Job's JOB_COMPLETION_INDEX, else 0); "
+        "ignored with MIN:MAX nodes, whose ranks follow their arrival",
     )
     add(
         *_flag("--master-addr"),
@@ -278,9 +280,9 @@ class LaunchConfig:
     """A validated ``aiodist-run`` command line.
 
     Attributes:
-        nnodes: number of nodes.
+        nnodes: number of nodes (the least, with ``max_nnodes``).
         nproc_per_node: workers on this node.
-        node_rank: this node's rank.
+        node_rank: this node's rank (ignored with ``max_nnodes``).
         master_addr: node 0's address.
         master_port: node 0's store port; 0 picks a free one (single node only).
         local_addr: this node's address for the workers' transport, if given.
@@ -303,6 +305,9 @@ class LaunchConfig:
             does not; 0: any free port).
         virtual_local_rank: every worker sees ``LOCAL_RANK=0`` and only its own GPU.
         line_prefix: the template of a worker's console prefix (``None``: ``[rank<N>]:``).
+        max_nnodes: the most nodes, with ``--nnodes=MIN:MAX`` (``None``: a fixed count).
+        last_call_timeout: with ``max_nnodes``, seconds the store's node waits for more
+            nodes once ``nnodes`` have come.
     """
 
     nnodes: int
@@ -328,6 +333,13 @@ class LaunchConfig:
     status_port: int | None = None
     virtual_local_rank: bool = False
     line_prefix: str | None = None
+    max_nnodes: int | None = None
+    last_call_timeout: float = 30.0
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the node count may change (``--nnodes=MIN:MAX`` with ``MIN < MAX``)."""
+        return self.max_nnodes is not None
 
 
 def _parse_std(text: str, what: str, nproc: int) -> tuple[Std, ...]:
@@ -361,20 +373,18 @@ def _parse_std(text: str, what: str, nproc: int) -> tuple[Std, ...]:
         ) from None
 
 
-def _parse_nnodes(text: str) -> int:
+def _parse_nnodes(text: str) -> tuple[int, int]:
+    """``N`` or ``MIN:MAX`` -> ``(MIN, MAX)``."""
     parts = text.split(":")
     try:
         sizes = [int(p) for p in parts]
     except ValueError:
         raise DistUsageError(f"--nnodes={text!r} is not valid: expected N or MIN:MAX") from None
-    if len(sizes) > 2 or min(sizes) < 1:
-        raise DistUsageError(f"--nnodes={text!r} is not valid: expected N >= 1 or MIN:MAX")
-    if len(sizes) == 2 and sizes[0] != sizes[1]:
+    if len(sizes) > 2 or min(sizes) < 1 or sizes[0] > sizes[-1]:
         raise DistUsageError(
-            f"--nnodes={text!r}: elastic node counts are not supported, give a fixed count "
-            "(N or N:N)"
+            f"--nnodes={text!r} is not valid: expected N >= 1 or MIN:MAX with 1 <= MIN <= MAX"
         )
-    return sizes[0]
+    return sizes[0], sizes[-1]
 
 
 def _cuda_devices() -> tuple[int, str]:
@@ -426,7 +436,6 @@ def _parse_endpoint(text: str, default_port: int) -> tuple[str, int]:
 #: c10d rendezvous settings of torchrun that mean nothing here (node 0's store is the
 #: rendezvous): accepted and ignored, so that torchrun command lines run unchanged.
 _C10D_ONLY_CONF = (
-    "last_call_timeout",
     "close_timeout",
     "heartbeat_timeout",
     "read_timeout",
@@ -442,6 +451,7 @@ def _parse_rdzv_conf(text: str) -> dict[str, float]:
         "timeout": 600.0,
         "keep_alive_interval": 5.0,
         "keep_alive_max_attempt": 3.0,
+        "last_call_timeout": 30.0,
     }
     conf: dict[str, float] = {}
     for item in filter(None, (s.strip() for s in text.split(","))):
@@ -463,7 +473,7 @@ def _parse_rdzv_conf(text: str) -> dict[str, float]:
         if conf[key] <= 0:
             raise DistUsageError(f"--rdzv-conf {key}={value!r} must be positive")
     conf.setdefault("join_timeout", conf.get("timeout", known["join_timeout"]))
-    for key in ("keep_alive_interval", "keep_alive_max_attempt"):
+    for key in ("keep_alive_interval", "keep_alive_max_attempt", "last_call_timeout"):
         conf.setdefault(key, known[key])
     return conf
 
@@ -488,25 +498,26 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         SystemExit: argparse rejected the command line (unknown flag, missing script).
     """
     ns = get_args_parser().parse_args(argv)
-    nnodes = _parse_nnodes(str(ns.nnodes))
+    nnodes, max_nnodes = _parse_nnodes(str(ns.nnodes))
+    elastic = max_nnodes > nnodes
     nproc = _parse_nproc(str(ns.nproc_per_node))
     conf = _parse_rdzv_conf(str(ns.rdzv_conf))
-    node_rank = int(ns.node_rank)
+    node_rank = 0 if elastic else int(ns.node_rank)
     if not 0 <= node_rank < nnodes:
         raise DistUsageError(f"--node-rank={node_rank} is not valid with --nnodes={nnodes}")
     master_addr, master_port = str(ns.master_addr), ns.master_port
     run_id = str(ns.rdzv_id)
     if ns.standalone:
-        if nnodes != 1:
-            raise DistUsageError(f"--standalone runs one node, but --nnodes={nnodes}")
+        if max_nnodes != 1:
+            raise DistUsageError(f"--standalone runs one node, but --nnodes={ns.nnodes}")
         master_addr, master_port, run_id = "127.0.0.1", 0, uuid.uuid4().hex[:12]
     elif ns.rdzv_endpoint:
         master_addr, master_port = _parse_endpoint(str(ns.rdzv_endpoint), 29400)
     elif master_port is None:
         # torchrun does the same switch: one node and no port asked for means any free port.
-        master_port = 0 if nnodes == 1 else 29500
+        master_port = 0 if max_nnodes == 1 else 29500
     master_port = int(master_port)
-    if not 0 <= master_port < 65536 or (master_port == 0 and nnodes > 1):
+    if not 0 <= master_port < 65536 or (master_port == 0 and max_nnodes > 1):
         raise DistUsageError(
             f"--master-port={master_port} is not valid"
             + (": several nodes need a fixed port" if master_port == 0 else "")
@@ -570,4 +581,6 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         status_port=None if ns.status_port is None else int(ns.status_port),
         virtual_local_rank=bool(ns.virtual_local_rank),
         line_prefix=ns.log_line_prefix_template,
+        max_nnodes=max_nnodes if elastic else None,
+        last_call_timeout=conf["last_call_timeout"],
     )

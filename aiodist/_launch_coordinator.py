@@ -10,11 +10,12 @@ supervision of the local workers that uses it is in :mod:`aiodist.launcher`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import time
 import uuid
-from typing import Any
+from typing import Any, NamedTuple
 
 from ._launch_cli import LaunchConfig
 from ._workers import WorkerFailure
@@ -30,20 +31,41 @@ LAUNCHER_PREFIX = "aiodist-run/"
 
 
 class NodeLostError(DistNetworkError):
-    """Another node's launcher, or node 0's store, stopped answering."""
+    """Another node's launcher, or node 0's store, stopped answering.
+
+    Attributes:
+        node: the node whose heartbeats stopped, or ``None`` for the store's.
+    """
 
     # Re-exported by aiodist.launcher, where it is public: tracebacks and pickles keep naming
     # the module it was always in.
     __module__ = "aiodist.launcher"
 
+    def __init__(self, message: str, node: int | None = None) -> None:
+        super().__init__(message)
+        self.node = node
+
+
+class Round(NamedTuple):
+    """This node's place in one attempt: what its workers are told."""
+
+    attempt: int
+    node_rank: int
+    nnodes: int
+    rank_base: int
+    world_size: int
+
 
 class Coordinator:
     """What the launchers of a job agree on through node 0's store.
 
-    Keys (under ``aiodist-run/<run_id>/``): ``hb/<node>`` heartbeat counters; ``node/<node>``
+    Keys (under ``aiodist-run/<run_id>/``): ``hb/<token>`` heartbeat counters; ``node/<node>``
     a node's claim (token and worker count); ``a<k>/go`` attempt ``k`` may start (set by
     node 0); ``a<k>/failure`` the first failure of attempt ``k`` (compare-and-set, so every node
-    reports the same one); ``a<k>/done``, ``a<k>/stopped``, ``a<k>/acks`` counters.
+    reports the same one); ``a<k>/done``, ``a<k>/stopped``, ``a<k>/acks`` counters. With
+    ``--nnodes=MIN:MAX`` the nodes of each attempt come together anew (:meth:`join_round`):
+    ``a<k>/arrived`` counts them in, ``a<k>/claim/<i>`` holds the ``i``-th one's claim and
+    ``a<k>/members`` the arrivals node 0 took, in node-rank order.
     Every request is bounded by the lost-node timeout, so a vanished store is an error, not a
     hang; the supervisor is the only task using the store, so requests never overlap.
     """
@@ -53,7 +75,8 @@ class Coordinator:
         self._cfg = cfg
         self._p = f"{LAUNCHER_PREFIX}{cfg.run_id}/"
         self._token = uuid.uuid4().hex
-        self._beats: dict[int, tuple[int, float]] = {}
+        #: The other nodes of this attempt: token -> (node rank, heartbeat count, since).
+        self._beats: dict[str, tuple[int, int, float]] = {}
 
     def __repr__(self) -> str:
         return f"<Coordinator node={self._cfg.node_rank}/{self._cfg.nnodes} run={self._cfg.run_id}>"
@@ -75,8 +98,8 @@ class Coordinator:
                 f"during {what}: {exc}"
             ) from exc
 
-    async def join(self) -> tuple[int, int]:
-        """Register this node; return (its first global rank, the world size).
+    async def join(self) -> Round:
+        """Register this node (a fixed node count); return its place in the job.
 
         Raises:
             DistUsageError: another launcher already joined with this node rank.
@@ -84,7 +107,7 @@ class Coordinator:
             NodeLostError: the store stopped answering.
         """
         cfg, s = self._cfg, self._store
-        await self._op("the heartbeat", s.add(f"{self._p}hb/{cfg.node_rank}", 1))
+        await self._op("the heartbeat", s.add(f"{self._p}hb/{self._token}", 1))
         mine = f"{self._token} {cfg.nproc_per_node}".encode()
         got = await self._op("the join", s.compare_set(f"{self._p}node/{cfg.node_rank}", b"", mine))
         if got != mine:
@@ -102,10 +125,92 @@ class Coordinator:
                     f"{cfg.master_addr}:{cfg.master_port} within {cfg.join_timeout:g} s"
                 )
             await asyncio.sleep(cfg.monitor_interval)
-        sizes = [int(v.split()[1]) for v in await self._op("the join", s.multi_get(keys))]
+        claims = [v.decode().split() for v in await self._op("the join", s.multi_get(keys))]
+        return self._place(0, claims, cfg.node_rank)
+
+    def _place(self, attempt: int, claims: list[list[str]], node_rank: int) -> Round:
+        """This node's :class:`Round` among the nodes whose claims (token, worker count) are
+        ``claims``, in node-rank order; the others' heartbeats are watched from now on."""
+        sizes = [int(size) for _, size in claims]
         now = time.monotonic()
-        self._beats = {i: (0, now) for i in range(cfg.nnodes) if i != cfg.node_rank}
-        return sum(sizes[: cfg.node_rank]), sum(sizes)
+        self._beats = {
+            token: (node, -1, now) for node, (token, _) in enumerate(claims) if node != node_rank
+        }
+        return Round(attempt, node_rank, len(claims), sum(sizes[:node_rank]), sum(sizes))
+
+    async def join_round(self, attempt: int, hosting: bool) -> Round | None:
+        """With ``--nnodes=MIN:MAX``: come to ``attempt`` with the other nodes; return this
+        node's place in it, or in a later attempt if ``attempt`` was full (this node waits
+        as a spare, and its arrival tells the running nodes that one is waiting).
+
+        The node hosting the store closes each attempt: once ``MAX`` nodes came, or once
+        ``MIN`` did and ``last_call_timeout`` passed; it takes itself and the first others
+        to come, up to ``MAX``, in that order. ``None``: the job ended while this node
+        waited (:meth:`end`).
+
+        Raises:
+            DistTimeoutError: fewer than ``MIN`` nodes came within the join timeout.
+            NodeLostError: the store stopped answering.
+        """
+        cfg, s = self._cfg, self._store
+        assert cfg.max_nnodes is not None
+        while True:
+            a = f"{self._p}a{attempt}/"
+            await self._op("the join", s.add(f"{self._p}hb/{self._token}", 1))
+            mine = f"{self._token} {cfg.nproc_per_node}"
+            arrival = await self._op("the join", s.add(f"{a}arrived", 1)) - 1
+            await self._op("the join", s.set(f"{a}claim/{arrival}", mine))
+            if hosting:
+                await self._close(attempt, arrival)
+            while not await self._op("the join", s.check([f"{a}members"])):
+                if await self._op("the join", s.check([f"{self._p}end"])):
+                    return None
+                await asyncio.sleep(cfg.monitor_interval)
+            members = [int(i) for i in (await self._op("the join", s.get(f"{a}members"))).split()]
+            if arrival in members:
+                keys = [f"{a}claim/{i}" for i in members]
+                claims = [v.decode().split() for v in await self._op("the join", s.multi_get(keys))]
+                return self._place(attempt, claims, members.index(arrival))
+            logger.info("attempt %d started without this node: waiting for the next", attempt)
+            attempt += 1
+
+    async def _close(self, attempt: int, mine: int) -> None:
+        """The store's node: decide who takes part in ``attempt`` (see :meth:`join_round`)."""
+        cfg, s = self._cfg, self._store
+        assert cfg.max_nnodes is not None
+        key = f"{self._p}a{attempt}/arrived"
+        deadline = time.monotonic() + cfg.join_timeout
+        enough_since: float | None = None
+        while True:
+            arrived = int(await self._op("the join", s.add(key, 0)))
+            now = time.monotonic()
+            if arrived >= cfg.nnodes and enough_since is None:
+                enough_since = now
+            if arrived >= cfg.max_nnodes or (
+                enough_since is not None and now - enough_since >= cfg.last_call_timeout
+            ):
+                break
+            if enough_since is None and now > deadline:
+                raise DistTimeoutError(
+                    f"only {arrived} of at least {cfg.nnodes} nodes joined run {cfg.run_id!r} "
+                    f"at {cfg.master_addr}:{cfg.master_port} within {cfg.join_timeout:g} s"
+                )
+            await asyncio.sleep(cfg.monitor_interval)
+        others = [i for i in range(arrived) if i != mine][: cfg.max_nnodes - 1]
+        await self.release(attempt)
+        members = " ".join(map(str, [mine, *others]))
+        await self._op("the start", s.set(f"{self._p}a{attempt}/members", members))
+
+    async def end(self, status: int) -> None:
+        """The store's node, with MIN:MAX nodes: the job ended with exit ``status``; nodes
+        still waiting to join stop waiting."""
+        with contextlib.suppress(NodeLostError):
+            await self._op("the end", self._store.set(f"{self._p}end", str(status)))
+
+    async def waiting(self, attempt: int) -> bool:
+        """Whether a node came for the attempt after ``attempt`` (it waits to join)."""
+        key = f"{self._p}a{attempt + 1}/arrived"
+        return int(await self._op("a check for waiting nodes", self._store.add(key, 0))) > 0
 
     async def beat(self) -> None:
         """Send this node's heartbeat and check everyone else's.
@@ -114,18 +219,19 @@ class Coordinator:
             NodeLostError: a node's heartbeat did not move for the lost-node timeout.
         """
         cfg, s = self._cfg, self._store
-        await self._op("a heartbeat", s.add(f"{self._p}hb/{cfg.node_rank}", 1))
+        await self._op("a heartbeat", s.add(f"{self._p}hb/{self._token}", 1))
         others = sorted(self._beats)
-        values = await self._op("a heartbeat", s.multi_get([f"{self._p}hb/{i}" for i in others]))
+        values = await self._op("a heartbeat", s.multi_get([f"{self._p}hb/{t}" for t in others]))
         now = time.monotonic()
-        for node, raw in zip(others, values, strict=True):
-            count, since = self._beats[node]
+        for token, raw in zip(others, values, strict=True):
+            node, count, since = self._beats[token]
             if int(raw) != count:
-                self._beats[node] = (int(raw), now)
+                self._beats[token] = (node, int(raw), now)
             elif now - since > cfg.lost_after:
                 raise NodeLostError(
                     f"node {node} stopped sending heartbeats {now - since:.1f} s ago: its "
-                    "launcher died or the network to it failed"
+                    "launcher died or the network to it failed",
+                    node,
                 )
 
     async def count(self, attempt: int, name: str) -> int:
@@ -183,9 +289,31 @@ async def open_store(cfg: LaunchConfig) -> TCPStore:
         DistNetworkError: node 0 cannot listen on the address (e.g. the port is in use), or
             node 0's store could not be reached within the join timeout.
     """
+    if cfg.elastic and _is_local(cfg.master_addr):
+        # With MIN:MAX nodes, whichever launcher can listen on the address hosts the store
+        # (as torchrun's c10d rendezvous does); the others find the port taken and connect.
+        with contextlib.suppress(DistNetworkError):
+            return await TCPStore.create(
+                cfg.master_addr, cfg.master_port, is_master=True, timeout=cfg.join_timeout
+            )
     return await TCPStore.create(
-        cfg.master_addr, cfg.master_port, is_master=cfg.node_rank == 0, timeout=cfg.join_timeout
+        cfg.master_addr,
+        cfg.master_port,
+        is_master=cfg.node_rank == 0 and not cfg.elastic,
+        timeout=cfg.join_timeout,
     )
+
+
+def _is_local(host: str) -> bool:
+    """Whether ``host`` is an address of this machine (one a socket here can bind)."""
+    try:
+        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_DGRAM)
+        family, _type, _proto, _canon, addr = infos[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.bind(addr)
+        return True
+    except OSError:
+        return False
 
 
 def route_to(host: str, port: int) -> str | None:

@@ -45,6 +45,7 @@ from ._launch_coordinator import (
     LAUNCHER_PREFIX as LAUNCHER_PREFIX,
     Coordinator,
     NodeLostError,
+    Round,
     open_store,
     route_to,
 )
@@ -81,8 +82,13 @@ class _Launcher:
         self._main: asyncio.Task[int] | None = None
         self._port = cfg.master_port
         self._local_addr: str | None = None
-        self._rank_base = 0
-        self._world_size = cfg.nproc_per_node * cfg.nnodes
+        #: This node's place in the attempt that runs (with MIN:MAX nodes, each has its own).
+        self._round = Round(0, cfg.node_rank, cfg.nnodes, 0, cfg.nproc_per_node * cfg.nnodes)
+        #: Whether the launchers of several nodes coordinate through the store.
+        self._several = cfg.nnodes > 1 or cfg.elastic
+        #: Whether this node hosts the store (node 0 of a fixed count): it starts attempts,
+        #: and keeps the store up until the others are done with it.
+        self._hosting = False
         #: With ``--restart-policy=failed``: how many times each local rank was restarted.
         self._restarts = [0] * cfg.nproc_per_node
         self._log_base: Path = cfg.log_dir or Path(tempfile.mkdtemp(prefix="aiodist-run-"))
@@ -91,7 +97,8 @@ class _Launcher:
     def __repr__(self) -> str:
         cfg = self._cfg
         return (
-            f"<Launcher node={cfg.node_rank}/{cfg.nnodes} nproc={cfg.nproc_per_node} "
+            f"<Launcher node={self._round.node_rank}/{self._round.nnodes} "
+            f"nproc={cfg.nproc_per_node} "
             f"store={cfg.master_addr}:{self._port} signal={self._signal}>"
         )
 
@@ -142,24 +149,27 @@ class _Launcher:
         cfg = self._cfg
         store = await open_store(cfg)
         self._port = store.port
-        if cfg.nnodes > 1:
+        self._hosting = store.server is not None
+        if self._several:
             self._local_addr = route_to(cfg.master_addr, self._port)
         status = None if cfg.status_port is None else await self._serve_status(store)
         try:
             coord = Coordinator(store, cfg)
-            if cfg.nnodes > 1:
+            if self._several:
                 logger.info(
-                    "node %d of %d: %s the store at %s:%d",
-                    cfg.node_rank,
-                    cfg.nnodes,
-                    "hosting" if store.server is not None else "joining",
+                    "%s: %s the store at %s:%d",
+                    f"node {cfg.node_rank} of {cfg.nnodes}"
+                    if not cfg.elastic
+                    else f"{cfg.nnodes} to {cfg.max_nnodes} nodes",
+                    "hosting" if self._hosting else "joining",
                     cfg.master_addr,
                     self._port,
                 )
-            self._rank_base, self._world_size = await coord.join()
+            if not cfg.elastic:
+                self._round = await coord.join()
             return await self._attempts(coord)
         except NodeLostError as exc:
-            logger.error("%s; the workers of node %d were stopped", exc, cfg.node_rank)
+            logger.error("%s; the workers of node %d were stopped", exc, self._round.node_rank)
             return 1
         finally:
             if self._group is not None:
@@ -172,7 +182,7 @@ class _Launcher:
     async def _serve_status(self, store: TCPStore) -> asyncio.Server:
         """Serve the live view of the job's ranks: ``GET /`` as text, ``GET /json`` raw."""
         cfg = self._cfg
-        host = cfg.master_addr if cfg.node_rank == 0 else (self._local_addr or "127.0.0.1")
+        host = cfg.master_addr if self._hosting else (self._local_addr or "127.0.0.1")
 
         async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             try:
@@ -204,8 +214,25 @@ class _Launcher:
 
     async def _attempts(self, coord: Coordinator) -> int:
         cfg = self._cfg
-        for attempt in range(cfg.max_restarts + 1):
-            await self._wait_release(coord, attempt)
+        attempt, failures = 0, 0
+        while True:
+            if cfg.elastic:
+                round_ = await coord.join_round(attempt, self._hosting)
+                if round_ is None:
+                    logger.info("the job ended before this node was needed")
+                    return 0
+                self._round, attempt = round_, round_.attempt
+                logger.info(
+                    "attempt %d: node %d of %d, ranks %d-%d of %d",
+                    attempt,
+                    round_.node_rank,
+                    round_.nnodes,
+                    round_.rank_base,
+                    round_.rank_base + cfg.nproc_per_node - 1,
+                    round_.world_size,
+                )
+            else:
+                await self._wait_release(coord, attempt)
             if self._signal is not None:
                 return 128 + self._signal
             outcome = await self._run_attempt(coord, attempt)
@@ -213,48 +240,69 @@ class _Launcher:
                 await self._finish(coord, attempt)
                 return 0
             failure = outcome.failure
+            # Nodes waiting to join: the nodes come together again, which is no failure.
+            rejoin = failure is not None and failure.rank < 0 and failure.exitcode == 0
             # A launcher stopped by a signal is gone for good: restarting cannot bring it back.
-            # With --restart-policy=failed the attempt already used its restarts.
-            restart = (
-                cfg.restart_policy == "all"
-                and failure is not None
-                and failure.rank >= 0
-                and attempt < cfg.max_restarts
+            # With --restart-policy=failed the attempt already used its restarts; a lost node
+            # (MIN:MAX nodes) is left behind whatever the policy.
+            lost = failure is not None and failure.rank < 0 and failure.exitcode > 0
+            restart = rejoin or (
+                failure is not None
+                and failures < cfg.max_restarts
+                and ((cfg.restart_policy == "all" and failure.rank >= 0) or lost)
             )
             # Node 0 starts the next attempt once every node (this one too) counted in here.
             with contextlib.suppress(NodeLostError):
                 await coord.increment(attempt, "stopped")
-                if not restart and cfg.node_rank == 0 and cfg.nnodes > 1:
+                if not restart and self._hosting and self._several:
                     await self._linger(coord, attempt)
             if outcome.signum is not None:
+                if cfg.elastic and self._hosting:
+                    await coord.end(128 + outcome.signum)
                 return 128 + outcome.signum
             assert failure is not None
             if not restart:
-                self._write_summary(failure, attempt)
+                if cfg.elastic and self._hosting:
+                    await coord.end(1)
+                self._write_summary(failure, failures)
                 return 1
-            logger.warning(
-                "attempt %d failed: rank %d (node %d) exited with %s; restarting the "
-                "workers (%d of %d restarts left)",
-                attempt,
-                failure.rank,
-                failure.node_rank,
-                describe_exit(failure.exitcode),
-                cfg.max_restarts - attempt - 1,
-                cfg.max_restarts,
+            if rejoin:
+                logger.info("attempt %d: nodes are waiting to join: the nodes meet again", attempt)
+            else:
+                failures += 1
+                logger.warning(
+                    "attempt %d failed: %s; restarting the workers (%d of %d restarts left)",
+                    attempt,
+                    self._what_failed(failure),
+                    cfg.max_restarts - failures,
+                    cfg.max_restarts,
+                )
+            attempt += 1
+
+    @staticmethod
+    def _what_failed(failure: WorkerFailure) -> str:
+        if failure.rank >= 0:
+            return (
+                f"rank {failure.rank} (node {failure.node_rank}) exited with "
+                f"{describe_exit(failure.exitcode)}"
             )
-        return 1
+        if failure.exitcode == 0:
+            return "nodes are waiting to join"
+        if failure.exitcode > 0:
+            return f"node {failure.node_rank} was lost"
+        return f"the launcher of node {failure.node_rank} was stopped by {describe_exit(failure.exitcode)}"
 
     async def _linger(self, coord: Coordinator, attempt: int) -> None:
         """Node 0 keeps the store up until every node has read the failure (or is lost)."""
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self._cfg.lost_after):
-                while await coord.count(attempt, "stopped") < self._cfg.nnodes:
+                while await coord.count(attempt, "stopped") < self._round.nnodes:
                     await asyncio.sleep(self._cfg.monitor_interval)
 
     async def _wait_release(self, coord: Coordinator, attempt: int) -> None:
         """Node 0 starts ``attempt`` once every node stopped the previous one; others wait."""
         cfg = self._cfg
-        if cfg.node_rank == 0:
+        if self._hosting:
             while attempt > 0 and await coord.count(attempt - 1, "stopped") < cfg.nnodes:
                 await self._tick(coord)
             await coord.release(attempt)
@@ -263,7 +311,7 @@ class _Launcher:
             await self._tick(coord)
 
     async def _tick(self, coord: Coordinator) -> None:
-        if self._cfg.nnodes > 1:
+        if self._several:
             await coord.beat()
         await asyncio.sleep(self._cfg.monitor_interval)
 
@@ -271,18 +319,19 @@ class _Launcher:
         """The worker of local rank ``local`` after ``restarts`` restarts (of it or the group)."""
         cfg = self._cfg
         attempt_dir = self._log_base / cfg.run_id / f"attempt_{restarts}"
-        rank = self._rank_base + local
+        place = self._round
+        rank = place.rank_base + local
         env = dict(os.environ)
         env.update(
             RANK=str(rank),
             LOCAL_RANK=str(local),
-            WORLD_SIZE=str(self._world_size),
+            WORLD_SIZE=str(place.world_size),
             LOCAL_WORLD_SIZE=str(cfg.nproc_per_node),
-            GROUP_RANK=str(cfg.node_rank),
-            GROUP_WORLD_SIZE=str(cfg.nnodes),
+            GROUP_RANK=str(place.node_rank),
+            GROUP_WORLD_SIZE=str(place.nnodes),
             ROLE_NAME=cfg.role,
             ROLE_RANK=str(rank),
-            ROLE_WORLD_SIZE=str(self._world_size),
+            ROLE_WORLD_SIZE=str(place.world_size),
             MASTER_ADDR=cfg.master_addr,
             MASTER_PORT=str(self._port),
             TORCHELASTIC_USE_AGENT_STORE="True",
@@ -355,7 +404,7 @@ class _Launcher:
 
     async def _run_attempt(self, coord: Coordinator, attempt: int) -> _Outcome:
         cfg = self._cfg
-        group = WorkerGroup(cfg.node_rank, self._stdout, self._stderr)
+        group = WorkerGroup(self._round.node_rank, self._stdout, self._stderr)
         self._group = group
         try:
             await group.start([self._spec(local, attempt) for local in range(cfg.nproc_per_node)])
@@ -369,7 +418,7 @@ class _Launcher:
                 if self._signal is not None:
                     # Tell the other nodes first: their workers would otherwise see this
                     # node's workers leave and fail, and report that as the root cause.
-                    if cfg.nnodes > 1:
+                    if self._several:
                         with contextlib.suppress(NodeLostError):
                             await coord.publish_failure(attempt, self._signal_failure())
                     await group.stop(cfg.shutdown_timeout, self._signal)
@@ -383,21 +432,18 @@ class _Launcher:
                 if failure is not None:
                     failure.restarts = self._restarts[failure.local_rank]
                     await group.stop(cfg.shutdown_timeout)
-                    if cfg.nnodes > 1:
+                    if self._several:
                         try:
                             failure = await coord.publish_failure(attempt, failure)
                         except NodeLostError:
                             self._write_summary(failure, attempt)
                             raise
                     return _Outcome(failure=failure)
-                if cfg.nnodes > 1:
-                    await coord.beat()
-                    remote = await coord.failure(attempt)
+                if self._several:
+                    remote = await self._news(coord, attempt)
                     if remote is not None:
                         logger.info(
-                            "rank %d on node %d failed: stopping the workers of this node",
-                            remote.rank,
-                            remote.node_rank,
+                            "%s: stopping the workers of this node", self._what_failed(remote)
                         )
                         await group.stop(cfg.shutdown_timeout)
                         return _Outcome(failure=remote)
@@ -411,9 +457,9 @@ class _Launcher:
         finally:
             self._group = None
         # This node is done; the job is done once every node is.
-        if cfg.nnodes > 1:
+        if self._several:
             await coord.increment(attempt, "done")
-            while await coord.count(attempt, "done") < cfg.nnodes:
+            while await coord.count(attempt, "done") < self._round.nnodes:
                 remote = await coord.failure(attempt)
                 if remote is not None:
                     return _Outcome(failure=remote)
@@ -422,32 +468,58 @@ class _Launcher:
                 await self._tick(coord)
         return _Outcome()
 
+    async def _news(self, coord: Coordinator, attempt: int) -> WorkerFailure | None:
+        """What ends ``attempt`` on the other nodes, if anything: a failure there, a lost
+        node, or (MIN:MAX nodes) nodes waiting to join. The first one recorded is every
+        node's."""
+        cfg = self._cfg
+        try:
+            await coord.beat()
+        except NodeLostError as exc:
+            if not cfg.elastic or exc.node is None:
+                raise  # (a fixed set of nodes cannot go on without one, nor anyone without the store)
+            return await coord.publish_failure(attempt, self._node_failure(exc.node, 1, str(exc)))
+        if (
+            cfg.elastic
+            and cfg.max_nnodes is not None
+            and self._round.nnodes < cfg.max_nnodes
+            and await coord.waiting(attempt)
+        ):
+            news = "nodes are waiting to join"
+            return await coord.publish_failure(attempt, self._node_failure(-1, 0, news))
+        return await coord.failure(attempt)
+
+    def _node_failure(self, node: int, exitcode: int, text: str) -> WorkerFailure:
+        # How a node's launcher ends an attempt that no worker failed: rank -1, and exit code
+        # 0 when nodes wait to join, 1 when a node was lost, -N when stopped by signal N.
+        return WorkerFailure(
+            rank=-1,
+            local_rank=-1,
+            node_rank=self._round.node_rank if node < 0 else node,
+            pid=os.getpid(),
+            exitcode=exitcode,
+            timestamp=time.time(),
+            stderr_tail=[text],
+        )
+
     async def _finish(self, coord: Coordinator, attempt: int) -> None:
         """Node 0 keeps the store up until every other node has seen the job finish."""
-        cfg = self._cfg
-        if cfg.nnodes == 1:
+        if not self._several:
             return
-        if cfg.node_rank != 0:
+        if not self._hosting:
             await coord.increment(attempt, "acks")
             return
+        if self._cfg.elastic:
+            await coord.end(0)  # (nodes still waiting to join learn it and stop)
         with contextlib.suppress(NodeLostError):
-            while await coord.count(attempt, "acks") < cfg.nnodes - 1:
+            while await coord.count(attempt, "acks") < self._round.nnodes - 1:
                 await self._tick(coord)
 
     def _signal_failure(self) -> WorkerFailure:
         assert self._signal is not None
-        return WorkerFailure(
-            rank=-1,
-            local_rank=-1,
-            node_rank=self._cfg.node_rank,
-            pid=os.getpid(),
-            exitcode=-self._signal,
-            timestamp=time.time(),
-            stderr_tail=[
-                f"the launcher of node {self._cfg.node_rank} received "
-                f"{signal.Signals(self._signal).name}"
-            ],
-        )
+        name = signal.Signals(self._signal).name
+        text = f"the launcher of node {self._round.node_rank} received {name}"
+        return self._node_failure(-1, -self._signal, text)
 
     def _write_summary(self, failure: WorkerFailure, attempt: int) -> None:
         self._stderr.write(self._summary(failure, attempt).encode())
@@ -457,7 +529,7 @@ class _Launcher:
         cfg = self._cfg
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(f.timestamp))
         if f.rank < 0:
-            head = f"the launcher of node {f.node_rank} was stopped by {describe_exit(f.exitcode)}"
+            head = self._what_failed(f)
         else:
             head = (
                 f"rank {f.rank} (local rank {f.local_rank} on node {f.node_rank}, pid {f.pid}) "

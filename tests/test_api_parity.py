@@ -282,7 +282,6 @@ VALUES_NOT_SUPPORTED: dict[tuple[str, str], str] = {
     # taken, but it needs a GPU to count
     **({("--nproc-per-node", "gpu"): "no GPU to count"} if not _cuda_devices()[0] else {}),
     ("--nproc-per-node", "xpu"): "is not valid",  # no XPU backend
-    ("--nnodes", "1:2"): "elastic node counts are not supported",  # a fixed count
     ("--rdzv-backend", "etcd"): "invalid choice",  # node 0's store is the rendezvous
     ("--rdzv-backend", "etcd-v2"): "invalid choice",
 }

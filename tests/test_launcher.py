@@ -173,15 +173,27 @@ def test_output_and_signal_flags() -> None:
 
 
 def test_c10d_rendezvous_settings_are_ignored() -> None:
-    conf = "last_call_timeout=30,is_host=1,store_type=tcp,join_timeout=7,read_timeout=60"
+    conf = "last_call_timeout=3,is_host=1,store_type=tcp,join_timeout=7,read_timeout=60"
     cfg = parse_args([f"--rdzv-conf={conf}", "--rdzv-backend=c10d", "t.py"])
     assert cfg.join_timeout == 7.0
+    assert cfg.last_call_timeout == 3.0  # (taken: it closes the rendezvous of MIN:MAX nodes)
+
+
+def test_elastic_node_counts() -> None:
+    cfg = parse_args(["--nnodes=2:4", "--node-rank=3", "t.py"])
+    assert (cfg.nnodes, cfg.max_nnodes, cfg.elastic) == (2, 4, True)
+    assert cfg.node_rank == 0  # (ranks follow arrival)
+    assert cfg.master_port == 29500 and cfg.last_call_timeout == 30.0
+    for fixed in ("3", "3:3"):
+        cfg = parse_args([f"--nnodes={fixed}", "t.py"])
+        assert (cfg.nnodes, cfg.max_nnodes, cfg.elastic) == (3, None, False)
 
 
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--nnodes=1:4"], r"elastic node counts are not supported"),
+        (["--nnodes=4:1"], r"--nnodes='4:1' is not valid: expected N >= 1 or MIN:MAX with 1"),
+        (["--nnodes=1:2:3"], r"--nnodes='1:2:3' is not valid"),
         (["--nnodes=x"], r"--nnodes='x' is not valid"),
         (["--nproc-per-node=0"], r"--nproc-per-node='0' is not valid: expected at least 1"),
         (["--nproc-per-node=gpux"], r"expected a positive integer, gpu, auto or cpu"),
