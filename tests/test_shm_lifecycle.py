@@ -179,9 +179,12 @@ def test_a_full_dev_shm_is_a_clear_error_not_a_sigbus() -> None:
     assert errors["left"] == []
 
 
-_SMALL_SHM = textwrap.dedent(
+#: A world of argv[1] ranks on this host: each reports its transport, its all_reduce and the
+#: warnings that say it talks over TCP. With argv[2] == "limit", rank 1's files may not grow
+#: past 1 MiB, so its 4 MiB of rings cannot be reserved after the host's room check passed.
+_WORLD_ON_THIS_HOST = textwrap.dedent(
     """
-    import asyncio, json, logging, sys
+    import asyncio, json, logging, resource, signal, sys
     import numpy as np
     import aiodist
     from aiodist.testing import start_world_processes
@@ -191,6 +194,9 @@ _SMALL_SHM = textwrap.dedent(
         handler = logging.Handler()
         handler.emit = lambda record: said.append(record.getMessage())
         logging.getLogger("aiodist").addHandler(handler)
+        if rank == 1 and sys.argv[2:] == ["limit"]:
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
         pg = await aiodist.init_process_group(timeout=60)
         x = np.full(4, float(rank))
         await aiodist.all_reduce(x)
@@ -212,8 +218,8 @@ def test_a_dev_shm_too_small_for_the_host_falls_back_to_tcp(
 ) -> None:
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         pytest.skip("needs root and unshare to mount a small /dev/shm privately")
-    worker = tmp_path / "small_shm.py"  # (a file: spawned ranks import their function)
-    worker.write_text(_SMALL_SHM)
+    worker = tmp_path / "world.py"  # (a file: spawned ranks import their function)
+    worker.write_text(_WORLD_ON_THIS_HOST)
     # 16 MiB: two ranks' rings and workspace fit (12 MiB); four ranks' (56 MiB) do not.
     script = f"mount -t tmpfs -o size=16m tmpfs /dev/shm && exec {sys.executable} {worker} {size}"
     proc = subprocess.run(
@@ -238,42 +244,12 @@ def test_a_dev_shm_too_small_for_the_host_falls_back_to_tcp(
         ), said
 
 
-_ONE_RANK_CANNOT = textwrap.dedent(
-    """
-    import asyncio, json, logging, resource, signal, sys
-    import numpy as np
-    import aiodist
-    from aiodist.testing import start_world_processes
-
-    async def rank_main(rank, size):
-        said = []
-        handler = logging.Handler()
-        handler.emit = lambda record: said.append(record.getMessage())
-        logging.getLogger("aiodist").addHandler(handler)
-        if rank == 1:
-            # Files of this process may not grow past 1 MiB: its 4 MiB of rings cannot be
-            # reserved, after the host's room check passed.
-            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-            resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
-        pg = await aiodist.init_process_group(timeout=60)
-        x = np.full(4, float(rank))
-        await aiodist.all_reduce(x)
-        kind = type(pg.world.transport).__name__
-        await aiodist.destroy_process_group()
-        return kind, x.tolist(), [s for s in said if "talk over TCP" in s]
-
-    if __name__ == "__main__":
-        print(json.dumps(start_world_processes(rank_main, 3, init_group=False).results()))
-    """
-)
-
-
 @pytest.mark.multiprocess
 def test_a_rank_that_cannot_reserve_its_rings_takes_its_host_to_tcp(tmp_path: Path) -> None:
-    worker = tmp_path / "one_rank_cannot.py"  # (a file: spawned ranks import their function)
-    worker.write_text(_ONE_RANK_CANNOT)
+    worker = tmp_path / "world.py"  # (a file: spawned ranks import their function)
+    worker.write_text(_WORLD_ON_THIS_HOST)
     proc = subprocess.run(
-        [sys.executable, str(worker)], capture_output=True, text=True, timeout=120
+        [sys.executable, str(worker), "3", "limit"], capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, proc.stderr
     for rank, (kind, x, said) in enumerate(json.loads(proc.stdout.splitlines()[-1])):

@@ -73,16 +73,7 @@ _OPS = [
 @pytest.mark.parametrize("count", COUNTS)
 @pytest.mark.parametrize(("op", "dtype"), _OPS, ids=lambda v: getattr(v, "__name__", str(v)))
 async def test_all_reduce(run: Runner, layout: str, count: int, op: ReduceOp, dtype: Any) -> None:
-    n = _size(layout)
-    xs = [sample(np.dtype(dtype), (count,), seed=r, op=op) for r in range(n)]
-    expected = numpy_reduce(op, xs)
-
-    async def rank(comm: OpComm) -> None:
-        await two_level.all_reduce(comm, _plan(layout, comm), xs[comm.rank], op)
-
-    await run(n, rank)
-    for x in xs:
-        np.testing.assert_array_equal(x, expected)
+    await _check_all_reduce(run, layout, count, op, dtype)
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -93,8 +84,12 @@ async def test_all_reduce_in_segments(
     # Segments of 128 KiB: 800 KB of int64 (400 KB of float32) move as 7 (4) of them, two
     # in flight at a time.
     monkeypatch.setattr(two_level, "SEGMENT_BYTES", 128 << 10)
+    await _check_all_reduce(run, layout, 100_003, op, dtype)
+
+
+async def _check_all_reduce(run: Runner, layout: str, count: int, op: ReduceOp, dtype: Any) -> None:
     n = _size(layout)
-    xs = [sample(np.dtype(dtype), (100_003,), seed=r, op=op) for r in range(n)]
+    xs = [sample(np.dtype(dtype), (count,), seed=r, op=op) for r in range(n)]
     expected = numpy_reduce(op, xs)
 
     async def rank(comm: OpComm) -> None:
