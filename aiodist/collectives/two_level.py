@@ -146,7 +146,8 @@ async def _all_reduce_segment(
     k = len(plan.mine)
     gather, spread, across = first_phase, first_phase + 1, first_phase + 2
     if k > 1:
-        await _reduce_onto_carriers(comm.part(plan.mine, gather), flat, pieces, raw)
+        blocks = [(flat[lo:hi], flat[lo:hi], j % k) for j, (lo, hi) in enumerate(pieces)]
+        await _reduce_onto_carriers(comm.part(plan.mine, gather), blocks, raw)
 
     async def column(j: int) -> None:
         lo, hi = pieces[j]
@@ -160,23 +161,26 @@ async def _all_reduce_segment(
 
 
 async def _reduce_onto_carriers(
-    host: OpComm, flat: Array, pieces: list[tuple[int, int]], op: ReduceOp
+    host: OpComm, blocks: Sequence[tuple[Array, Array | None, int]], op: ReduceOp
 ) -> None:
-    # Every rank sends each piece it does not carry to its carrier; a carrier reduces its
-    # own and the others' in the order of their places, as the pieces arrive in full.
-    k, me = host.size, host.rank
+    """Sum blocks within the host: ``blocks[i]`` is this rank's block ``i``, where its
+    carrier (the host rank ``blocks[i][2]``) sums it, and the carrier's own running sum
+    (``None`` elsewhere). Every rank sends each block it does not carry to its carrier; a
+    carrier reduces the others' into its sum in the order of their places."""
+    me = host.rank
     flight = Flight()
     received: list[tuple[Array, Array]] = []
     try:
-        for j, (lo, hi) in enumerate(pieces):
-            if j % k != me:
-                flight.add(host.send(j % k, j, byte_view(flat[lo:hi])))
+        for i, (block, acc, carrier) in enumerate(blocks):
+            if carrier != me:
+                flight.add(host.send(carrier, i, byte_view(block)))
                 continue
-            for peer in range(k):
+            assert acc is not None
+            for peer in range(host.size):
                 if peer != me:
-                    buf = np.empty(hi - lo, flat.dtype)
-                    flight.add(host.recv_into(peer, j, byte_view(buf)))
-                    received.append((flat[lo:hi], buf))
+                    buf = np.empty_like(block)
+                    flight.add(host.recv_into(peer, i, byte_view(buf)))
+                    received.append((acc, buf))
         await flight.drain()
     except BaseException:
         flight.abandon()
@@ -277,26 +281,8 @@ async def reduce_scatter(
     for r in carried:
         await copy_into(sums[r], ins[r])
     if k > 1:
-        host = comm.part(plan.mine, _GATHER)
-        flight = Flight()
-        received: list[tuple[Array, Array]] = []
-        try:
-            for r in range(comm.size):
-                carrier = plan.carrier(r)
-                if carrier != me:
-                    flight.add(host.send(plan.mine.index(carrier), r, byte_view(ins[r])))
-                    continue
-                for peer in range(k):
-                    if peer != plan.local:
-                        buf = np.empty_like(ins[r])
-                        flight.add(host.recv_into(peer, r, byte_view(buf)))
-                        received.append((sums[r], buf))
-            await flight.drain()
-        except BaseException:
-            flight.abandon()
-            raise
-        for dst, src in received:
-            await _reduce_into(raw, dst, src)
+        blocks = [(ins[r], sums.get(r), plan.mine.index(plan.carrier(r))) for r in range(comm.size)]
+        await _reduce_onto_carriers(comm.part(plan.mine, _GATHER), blocks, raw)
     across = comm.part(range(comm.size), _ACROSS)
     others = [h for h in plan.hosts if h is not plan.mine]
     flight = Flight()
