@@ -28,7 +28,16 @@ import numpy.typing as npt
 from .._arrays import byte_view
 from .._ops import ReduceOp, finish_into, reduce_into
 from ..transport.base import PHASES, OpComm
-from ._common import EMPTY, YIELD_BYTES, Flight, copy_into, num_chunks, split
+from ._common import (
+    EMPTY,
+    READY_BYTES,
+    YIELD_BYTES,
+    Dataflow,
+    Flight,
+    copy_into,
+    num_chunks,
+    split,
+)
 from .all_reduce import RING_THRESHOLD_BYTES, all_reduce as flat_all_reduce
 from .barrier import barrier as flat_barrier
 from .gather import all_gather as flat_all_gather
@@ -168,43 +177,71 @@ async def _reduce_onto_carriers(
     (``None`` elsewhere). Every rank sends each block it does not carry to its carrier; a
     carrier reduces the others' into its sum in the order of their places."""
     me = host.rank
-    flight = Flight()
+    sends: list[tuple[int, int, memoryview]] = []
+    recvs: list[tuple[int, int, memoryview]] = []
     received: list[tuple[Array, Array]] = []
-    try:
-        for i, (block, acc, carrier) in enumerate(blocks):
-            if carrier != me:
-                flight.add(host.send(carrier, i, byte_view(block)))
-                continue
-            assert acc is not None
-            for peer in range(host.size):
-                if peer != me:
-                    buf = np.empty_like(block)
-                    flight.add(host.recv_into(peer, i, byte_view(buf)))
-                    received.append((acc, buf))
-        await flight.drain()
-    except BaseException:
-        flight.abandon()
-        raise
+    for i, (block, acc, carrier) in enumerate(blocks):
+        if carrier != me:
+            sends.append((carrier, i, byte_view(block)))
+            continue
+        assert acc is not None
+        for peer in range(host.size):
+            if peer != me:
+                buf = np.empty_like(block)
+                recvs.append((peer, i, byte_view(buf)))
+                received.append((acc, buf))
+    await _exchange(host, sends, recvs)
     for dst, src in received:
         await _reduce_into(op, dst, src)
 
 
 async def _spread_from_carriers(host: OpComm, flat: Array, pieces: list[tuple[int, int]]) -> None:
     k, me = host.size, host.rank
-    flight = Flight()
+    sends: list[tuple[int, int, memoryview]] = []
+    recvs: list[tuple[int, int, memoryview]] = []
+    for j, (lo, hi) in enumerate(pieces):
+        view = byte_view(flat[lo:hi])
+        if j % k == me:
+            sends += [(peer, j, view) for peer in range(k) if peer != me]
+        else:
+            recvs.append((j % k, j, view))
+    await _exchange(host, sends, recvs)
+
+
+async def _exchange(
+    comm: OpComm,
+    sends: Sequence[tuple[int, int, memoryview]],
+    recvs: Sequence[tuple[int, int, memoryview]],
+) -> None:
+    """Send and receive ``(peer, step, bytes)`` messages, none of them staged: every receive
+    is posted first and each peer that sends here is told so (one ready signal); what goes
+    to a peer leaves once that peer said the same, at once when it is small (as the flat
+    algorithms do, see ``collectives._common.READY_BYTES``)."""
+    flow = Dataflow(len(recvs))
+    outgoing: dict[int, list[tuple[int, memoryview]]] = {}
+    for peer, step, data in sends:
+        outgoing.setdefault(peer, []).append((step, data))
     try:
-        for j, (lo, hi) in enumerate(pieces):
-            view = byte_view(flat[lo:hi])
-            if j % k == me:
-                for peer in range(k):
-                    if peer != me:
-                        flight.add(host.send(peer, j, view))
+        for peer, step, out in recvs:
+            flow.on(comm.recv_into(peer, step, out), flow.finish_one)
+        for peer in {peer for peer, _, _ in recvs}:
+            flow.signal_ready(comm, peer)
+
+        def send(peer: int, messages: list[tuple[int, memoryview]]) -> None:
+            for step, data in messages:
+                flow.flight.add(comm.send(peer, step, data))
+
+        for peer, messages in outgoing.items():
+            if sum(len(data) for _, data in messages) >= READY_BYTES:
+                flow.after_ready(comm, peer, send, peer, messages)
             else:
-                flight.add(host.recv_into(j % k, j, view))
-        await flight.drain()
+                send(peer, messages)
+                flow.after_ready(comm, peer, lambda: None)
+        flow.stay_awake(comm, sum(len(d) for _, _, d in sends) + sum(len(o) for _, _, o in recvs))
     except BaseException:
-        flight.abandon()
+        flow.flight.abandon()
         raise
+    await flow.wait()
 
 
 async def broadcast(comm: OpComm, plan: HostPlan, x: Array, root: int) -> None:
@@ -246,23 +283,16 @@ async def all_gather(comm: OpComm, plan: HostPlan, outs: Sequence[Array], x: Arr
     await _run([across(j) for j in range(plan.width) if j % k == plan.local])
     if k == 1:
         return
-    host = comm.part(plan.mine, _SPREAD)
-    me = comm.rank
-    flight = Flight()
-    try:
-        for r in range(comm.size):
-            carrier = plan.carrier(r)
-            view = byte_view(outs[r])
-            if carrier == me:
-                for peer in range(k):
-                    if peer != plan.local:
-                        flight.add(host.send(peer, r, view))
-            else:
-                flight.add(host.recv_into(plan.mine.index(carrier), r, view))
-        await flight.drain()
-    except BaseException:
-        flight.abandon()
-        raise
+    sends: list[tuple[int, int, memoryview]] = []
+    recvs: list[tuple[int, int, memoryview]] = []
+    for r in range(comm.size):
+        carrier = plan.carrier(r)
+        view = byte_view(outs[r])
+        if carrier == comm.rank:
+            sends += [(peer, r, view) for peer in range(k) if peer != plan.local]
+        else:
+            recvs.append((plan.mine.index(carrier), r, view))
+    await _exchange(comm.part(plan.mine, _SPREAD), sends, recvs)
 
 
 async def reduce_scatter(
@@ -283,20 +313,13 @@ async def reduce_scatter(
     if k > 1:
         blocks = [(ins[r], sums.get(r), plan.mine.index(plan.carrier(r))) for r in range(comm.size)]
         await _reduce_onto_carriers(comm.part(plan.mine, _GATHER), blocks, raw)
-    across = comm.part(range(comm.size), _ACROSS)
     others = [h for h in plan.hosts if h is not plan.mine]
-    flight = Flight()
     bufs = [np.empty_like(out) for _ in others]
-    try:
-        for r in carried:
-            if r != me:
-                flight.add(across.send(r, 0, byte_view(sums[r])))
-        for h, buf in zip(others, bufs, strict=True):
-            flight.add(across.recv_into(h[plan.mine.index(me) % len(h)], 0, byte_view(buf)))
-        await flight.drain()
-    except BaseException:
-        flight.abandon()
-        raise
+    sends = [(r, 0, byte_view(sums[r])) for r in carried if r != me]
+    recvs = [
+        (h[plan.local % len(h)], 0, byte_view(buf)) for h, buf in zip(others, bufs, strict=True)
+    ]
+    await _exchange(comm.part(range(comm.size), _ACROSS), sends, recvs)
     for buf in bufs:
         await _reduce_into(raw, out, buf)
     finish_into(op, out, comm.size)
