@@ -38,7 +38,7 @@ mean over the hosts of the bytes a host sends per operation, against the least a
 algorithm must send (the formulas are in the results file).
 
 The results go to a temporary folder, or with ``--write`` to ``bench/results/multihost.md``
-and ``bench/results/multihost.png`` (``--out``, ``--plot``: other paths; ``--plot ''``:
+and ``docs/images/multihost.png`` (``--out``, ``--plot``: other paths; ``--plot ''``:
 none). The results file is written first; the plot needs matplotlib (``pip install -e
 '.[bench]'``), and ``--replot RESULTS`` draws it again from a results file.
 """
@@ -631,7 +631,7 @@ def main() -> None:
     parser.add_argument(
         "--write",
         action="store_true",
-        help="write bench/results/multihost.md and .png (else a temp folder)",
+        help="write bench/results/multihost.md and docs/images/multihost.png (else a temp folder)",
     )
     parser.add_argument("--out", help="the results file (overrides --write's)")
     parser.add_argument("--plot", help="the PNG ('' for none; overrides --write's)")
@@ -664,7 +664,9 @@ def main() -> None:
         if args.out is None:
             args.out = str(folder / "multihost.md")
         if args.plot is None:
-            args.plot = str(folder / "multihost.png")
+            # (With --write, where the documentation's pictures are: the results page
+            # includes the results file, picture and all.)
+            args.plot = str(ROOT / "docs/images" if args.write else folder) + "/multihost.png"
     if args.replot:
         if args.plot:
             plot(read_points(args.replot), args.plot)
