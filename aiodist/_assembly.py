@@ -297,7 +297,7 @@ async def _connect(
     tcp = await TCPTransport.create(
         PeerDirectory(store), rank, world_size, host=host, timeout=timeout, auth_token=token
     )
-    if world_size == 1:
+    if world_size == 1 or shared_memory is False:
         return tcp
     try:
         # Ranks on one host talk through shared memory, the others over TCP: every rank of a
@@ -305,7 +305,7 @@ async def _connect(
         # collectives of a world on several hosts work in two levels.
         local, refused = await plan_shared_memory(store, rank, world_size, timeout=timeout)
         tcp.hosts = await plan_hosts(store, rank, world_size, local, timeout=timeout)
-        if len(local) == 1 or shared_memory is False:
+        if len(local) == 1:
             return tcp
         small = None if refused is not None else await _shm_room(store, rank, world_size, local)
         if refused is not None or small is not None:

@@ -169,10 +169,15 @@ async def run_world(
                 failed_at[rank] = time.monotonic()  # before teardown makes the peers fail
                 why = _early_return(rank, _waited_in(exc), returned_at)
                 if why is None:
+                    if not isinstance(exc, asyncio.CancelledError):
+                        # (Kept now: a teardown that outlasts the grace below is cancelled.)
+                        raised[rank] = exc
                     raise
                 # Raised where fn awaited the operation (the line a test report shows); its
                 # own error, the cause, has every frame.
-                raise DistNetworkError(why).with_traceback(_to_own_code(exc.__traceback__)) from exc
+                error = DistNetworkError(why)
+                raised[rank] = error
+                raise error.with_traceback(_to_own_code(exc.__traceback__)) from exc
             else:
                 returned_at[rank] = time.monotonic()  # before teardown makes the peers fail
                 return result
@@ -188,14 +193,17 @@ async def run_world(
     failed_at: dict[int, float] = {}
     # rank -> when its fn returned: a peer that fails after that waited for it in vain.
     returned_at: dict[int, float] = {}
+    # rank -> what its fn raised (the exception its task ends with, unless its teardown
+    # was cancelled).
+    raised: dict[int, BaseException] = {}
     tasks = [asyncio.create_task(one(r), name=f"aiodist-rank-{r}") for r in range(world_size)]
     try:
         _, pending = await asyncio.wait(tasks, timeout=seconds, return_when=asyncio.FIRST_EXCEPTION)
-        # Ranks that already failed but are still tearing down finish first, so the
-        # earliest failure is reported, not the fastest teardown.
-        tearing_down = [tasks[r] for r in failed_at if tasks[r] in pending]
-        if tearing_down:
-            await asyncio.wait(tearing_down, timeout=_FAILURE_GRACE)
+        # The others get a grace period to end: a rank that failed too (usually because its
+        # group was aborted) or is still tearing down is reported, not cancelled, and the
+        # earliest failure is the root cause, not the fastest teardown.
+        if pending and failed_at:
+            await asyncio.wait(pending, timeout=_FAILURE_GRACE)
     except BaseException:
         await _cancel(tasks)
         raise
@@ -209,6 +217,7 @@ async def run_world(
         for r, t in enumerate(tasks)
         if t.done() and not t.cancelled() and (exc := t.exception()) is not None
     }
+    failures = {**raised, **failures}
     if failures:
         first = min(failures, key=lambda r: failed_at.get(r, float("inf")))
         raise _with_notes(failures, first, world_size)
