@@ -2,17 +2,23 @@
 
 One table, :data:`VARIABLES`: the documentation's "Environment variables" page renders it,
 and ``tests/test_environment_table.py`` fails when the package names an ``AIODIST_*``
-variable the table lacks, or when a row's modules no longer mention its variable. Nothing
-reads the variables through this module: each is read where it takes effect.
+variable the table lacks, or when a row's modules no longer mention its variable. Each
+variable is read where it takes effect; the on/off switches share :func:`turned_off`.
 
 Text in backquotes (```AIODIST_SHM=0```) is shown as code.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Literal, NamedTuple
 
-__all__ = ["VARIABLES", "Variable"]
+__all__ = ["VARIABLES", "Variable", "turned_off"]
+
+
+def turned_off(name: str) -> bool:
+    """Whether the switch ``name`` (on unless set) is ``0``, ``false``, ``no`` or ``off``."""
+    return os.environ.get(name, "1").strip().lower() in ("0", "false", "no", "off")
 
 
 class Variable(NamedTuple):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -23,6 +22,7 @@ import numpy.typing as npt
 
 from .. import _shared_array, collectives
 from .._arrays import as_array, byte_view
+from .._environment import turned_off
 from .._operations import OPERATIONS, Call
 from .._ops import ReduceOp
 from ..collectives import objects, shm, two_level
@@ -57,12 +57,7 @@ async def _setup(group: ProcessGroup) -> None:
         return
     # A group over several hosts, with several of its ranks on some, works in two levels.
     plan = HostPlan.of_group(transport.hosts, group.ranks, group.rank)
-    if plan is not None and os.environ.get("AIODIST_TWO_LEVEL", "1").strip().lower() not in (
-        "0",
-        "false",
-        "no",
-        "off",
-    ):
+    if plan is not None and not turned_off("AIODIST_TWO_LEVEL"):
         group.paths[_NAME] = _TwoLevel(plan)
 
 

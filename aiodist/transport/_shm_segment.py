@@ -32,6 +32,7 @@ import secrets
 import socket
 from typing import NamedTuple
 
+from .._environment import turned_off
 from ..errors import DistError
 
 __all__ = [
@@ -183,7 +184,7 @@ def unavailable_reason() -> str | None:
     ``/dev/shm``; no ``pidfd_open`` (Linux >= 5.3; peers watch each other's liveness with
     it).
     """
-    if os.environ.get("AIODIST_SHM", "1").strip().lower() in ("0", "false", "no", "off"):
+    if turned_off("AIODIST_SHM"):
         return "shared memory is disabled by AIODIST_SHM=0"
     machine = platform.machine().lower()
     if machine not in _TSO_MACHINES:
