@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cluster_helpers import clean_env
 
 from aiodist._workers import Std
 from aiodist.errors import DistUsageError
@@ -29,14 +30,6 @@ pytestmark = pytest.mark.multiprocess
 
 HERE = Path(__file__).parent
 WORKER = str(HERE / "launcher_worker.py")
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_"))}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    env.update(extra)
-    return env
 
 
 def launch(

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cluster_helpers import clean_env
 from proc_helpers import track
 
 from aiodist.testing import free_port
@@ -33,14 +34,6 @@ HERE = Path(__file__).parent
 WORKER = str(HERE / "launcher_worker.py")
 RUN = [sys.executable, "-m", "aiodist.run"]
 FAST_LOSS = "--rdzv-conf=keep_alive_interval=0.5,keep_alive_max_attempt=4"
-
-
-def clean_env() -> dict[str, str]:
-    drop = ("PET_", "TORCHELASTIC_", "AIODIST_HOST")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    return env
 
 
 def node(prefix: list[str], *args: str) -> subprocess.Popen[str]:

@@ -7,7 +7,6 @@ Every test starts the real launcher as a process with real worker processes
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -16,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cluster_helpers import clean_env
 from proc_helpers import track
 
 from aiodist.errors import DistUsageError
@@ -27,14 +27,6 @@ pytestmark = pytest.mark.multiprocess
 HERE = Path(__file__).parent
 WORKER = str(HERE / "launcher_worker.py")
 RUN = [sys.executable, "-m", "aiodist.run"]
-
-
-def clean_env() -> dict[str, str]:
-    drop = ("PET_", "TORCHELASTIC_", "AIODIST_HOST")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    return env
 
 
 def launch(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

@@ -3,7 +3,6 @@ torch's own ``torchrun``."""
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -11,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cluster_helpers import clean_env
 
 from aiodist.testing import free_port
 
@@ -21,13 +21,6 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.torch]
 HERE = Path(__file__).parent
 TORCH_WORKER = str(HERE / "launcher_torch_worker.py")
 WORKER = str(HERE / "launcher_worker.py")
-
-
-def clean_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_"))}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    return env
 
 
 def run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
