@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Awaitable, Callable
@@ -14,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from cluster_helpers import clean_env
 from collective_helpers import RUNNERS, numpy_reduce, sample
 from netns_helpers import Hosts
 from two_level_cases import CASES, expected
@@ -247,11 +247,6 @@ async def test_plan_hosts_over_the_store(layout: list[str]) -> None:
 
 # -- a world over network namespaces ---------------------------------------------------------
 WORKER = Path(__file__).with_name("two_level_worker.py")
-_CLEAN_ENV = {
-    k: v
-    for k, v in os.environ.items()
-    if not k.startswith(("AIODIST_", "MASTER_", "GLOO_")) and k not in ("RANK", "WORLD_SIZE")
-}
 
 
 def _start(hosts: Hosts, placement: list[int], mode: str, loop: str) -> list[subprocess.Popen[str]]:
@@ -264,7 +259,7 @@ def _start(hosts: Hosts, placement: list[int], mode: str, loop: str) -> list[sub
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env=_CLEAN_ENV,
+            env=clean_env(),
         )
         for r, h in enumerate(placement)
     ]
