@@ -381,6 +381,21 @@ TRANSPORT_WORDS = {
 }
 
 
+@contextlib.contextmanager
+def terminated_as_exit() -> Iterator[None]:
+    """SIGTERM and SIGHUP end the run through its ``finally`` clauses, as Ctrl-C does."""
+
+    def stop(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    saved = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+
+
 def describe_transport(pg: Any) -> str:
     transport = getattr(getattr(pg, "world", None), "transport", None)
     if transport is None:

@@ -86,12 +86,14 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compare import terminated_as_exit  # bench/compare.py, found through the path above
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = str(Path(__file__).resolve())
@@ -212,6 +214,13 @@ def watchdog(deadline: float) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
+def checkpoint_due(a: argparse.Namespace, step: int, rank: int) -> bool:
+    """Whether rank ``rank`` writes a checkpoint after ``step`` (the full-restart setups)."""
+    return (
+        bool(a.checkpoint_dir) and rank == 0 and step % a.checkpoint_every == 0 and step < a.steps
+    )
+
+
 def save_checkpoint(folder: Path, step: int, w: np.ndarray) -> None:
     """Write the model, then point ``latest`` at it (each by a rename: a kill in between
     leaves the previous checkpoint whole)."""
@@ -300,17 +309,19 @@ def aiodist_worker(a: argparse.Namespace) -> None:
         apply(w, grad)
         step += 1
         emit("step", step=step, size=dist.get_world_size())
-        if (
-            a.checkpoint_dir
-            and dist.get_rank() == 0
-            and step % a.checkpoint_every == 0
-            and step < a.steps
-        ):
+        if checkpoint_due(a, step, dist.get_rank()):
             save_checkpoint(Path(a.checkpoint_dir), step, w)
         if a.elastic and step % a.admit_every == 0 and step < a.steps:
             step_box[0] = step
             started = time.time()
             admitted = dist.admit(state=[step_box, w])
+            # The last admission point waits for the replacement, so that every repetition
+            # measures its admission however fast the steps go (every member calls admit as
+            # often: they all see the same).
+            last = step + a.admit_every >= a.steps
+            while last and not admitted and dist.get_world_size() < int(os.environ["WORLD_SIZE"]):
+                time.sleep(0.05)
+                admitted = dist.admit(state=[step_box, w])
             if admitted:
                 emit(
                     "admit",
@@ -354,12 +365,7 @@ def torch_worker(a: argparse.Namespace) -> None:
         w.sub_(grad)
         step += 1
         emit("step", step=step, size=dist.get_world_size())
-        if (
-            a.checkpoint_dir
-            and dist.get_rank() == 0
-            and step % a.checkpoint_every == 0
-            and step < a.steps
-        ):
+        if checkpoint_due(a, step, dist.get_rank()):
             save_checkpoint(Path(a.checkpoint_dir), step, w_np)
     emit("done", step=step, digest=digest(w_np), rank=dist.get_rank(), size=dist.get_world_size())
     dist.destroy_process_group()
@@ -796,21 +802,6 @@ def plot(reps: list[Rep], setups: list[str], path: str) -> None:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     print(f"wrote {path}")
-
-
-@contextlib.contextmanager
-def terminated_as_exit() -> Iterator[None]:
-    """SIGTERM and SIGHUP end the run through its ``finally`` clauses, as Ctrl-C does."""
-
-    def stop(signum: int, _frame: Any) -> None:
-        raise SystemExit(128 + signum)
-
-    saved = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for s, handler in saved.items():
-            signal.signal(s, handler)
 
 
 def main() -> None:

@@ -64,7 +64,7 @@ import tempfile
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -80,6 +80,7 @@ from compare import (  # bench/compare.py, found through the path above
     mpi_available,
     mpi_op,
     parse_size,
+    terminated_as_exit,
     torch_op,
 )
 
@@ -595,21 +596,6 @@ def commit() -> str:
                 return line[:9]
         return head[:9]
     return "?"
-
-
-@contextlib.contextmanager
-def terminated_as_exit() -> Iterator[None]:
-    """SIGTERM and SIGHUP end the run through its ``finally`` clauses, as Ctrl-C does."""
-
-    def stop(signum: int, _frame: Any) -> None:
-        raise SystemExit(128 + signum)
-
-    saved = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for s, handler in saved.items():
-            signal.signal(s, handler)
 
 
 def main() -> None:
