@@ -7,8 +7,9 @@ the host), and the ranks that carry column ``j``, one per host, run a flat algor
 :mod:`aiodist.collectives` among themselves. With ``k`` ranks on every host, every rank
 carries one column and every socket towards the network works; a host with fewer ranks
 carries several columns per rank. ``all_reduce`` of ``S`` bytes thus sends
-``2(H-1)/H x S`` per host across the network (``H`` hosts), where a flat ring sends up to
-``k`` times that.
+``2(H-1)/H x S`` per host across the network (``H`` hosts), where a flat ring through every
+rank sends about ``2 x S`` (``2(N-1)/N x S``, ``N`` ranks) from a host whose ranks are
+consecutive, and more from one whose ranks are not.
 
 Each phase of an algorithm runs on its own :meth:`~aiodist.transport.base.OpComm.part` of
 the operation (1 and 2 within the host, from 3 on across hosts), so phases and columns run
