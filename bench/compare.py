@@ -381,6 +381,25 @@ TRANSPORT_WORDS = {
 }
 
 
+def checkout_commit() -> str:
+    """The commit of this checkout (``git log``; worktrees too), and how many files of
+    aiodist/ differ from it; ``?`` without git."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", "-C", str(ROOT), *args], capture_output=True, text=True
+        ).stdout.strip()
+
+    try:
+        commit = git("log", "-1", "--format=%h") or "?"
+        changed = [line for line in git("status", "--porcelain", "aiodist").split("\n") if line]
+    except OSError:
+        return "?"
+    if changed:
+        commit += f" with uncommitted changes to {len(changed)} files of aiodist/"
+    return commit
+
+
 @contextlib.contextmanager
 def terminated_as_exit() -> Iterator[None]:
     """SIGTERM and SIGHUP end the run through its ``finally`` clauses, as Ctrl-C does."""
@@ -1113,14 +1132,7 @@ def main() -> None:
     use_mpi, mpi_note = (False, "left out by --no-mpi") if args.no_mpi else mpi_available()
     if not use_mpi:
         print(f"MPI skipped: {mpi_note}", flush=True)
-    commit = subprocess.run(
-        ["git", "-C", str(ROOT), "log", "-1", "--format=%h"], capture_output=True, text=True
-    ).stdout.strip()
-    changed = subprocess.run(
-        ["git", "-C", str(ROOT), "status", "--porcelain", "aiodist"], capture_output=True, text=True
-    ).stdout.split("\n")
-    if any(changed):
-        commit += f" with uncommitted changes to {sum(1 for c in changed if c)} files of aiodist/"
+    commit = checkout_commit()
     load_before = os.getloadavg()[0]
     limits = memory_limits()
     limits["loopback TCP, one direction"] = tcp_limit()

@@ -93,7 +93,10 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare import terminated_as_exit  # bench/compare.py, found through the path above
+from compare import (
+    checkout_commit,
+    terminated_as_exit,
+)  # bench/compare.py, found through the path above
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = str(Path(__file__).resolve())
@@ -623,21 +626,6 @@ def analyse(
 # -- results ---------------------------------------------------------------------------------
 
 
-def commit() -> str:
-    """The checkout's commit, read from .git/ (no git process)."""
-    git = ROOT / ".git"
-    with contextlib.suppress(OSError):
-        head = (git / "HEAD").read_text().strip()
-        ref = head.removeprefix("ref: ")
-        if (git / ref).is_file():
-            return (git / ref).read_text()[:9]
-        for line in (git / "packed-refs").read_text().splitlines():
-            if line.endswith(" " + ref):
-                return line[:9]
-        return head[:9]
-    return "?"
-
-
 def private_network() -> bool:
     """Whether this process's network namespace has the loopback interface only
     (``/proc/self/net`` is the namespace's; ``/sys/class/net`` may be the host's)."""
@@ -893,7 +881,7 @@ def main() -> None:
         f"(run in {net}), on {started}, {os.cpu_count()} CPUs, load average "
         f"{load_before[0]:.1f} / {load_before[1]:.1f} / {load_before[2]:.1f} (1 / 5 / 15 min) "
         f"at the start, {load_after[0]:.1f} / {load_after[1]:.1f} / {load_after[2]:.1f} at the "
-        f"end; aiodist commit `{commit()}`, numpy {np.__version__}, Python "
+        f"end; aiodist commit `{checkout_commit()}`, numpy {np.__version__}, Python "
         f"{sys.version.split()[0]}. "
         + "".join(f"{note} " for note in notes)
         + f"Run time {(time.monotonic() - t_start) / 60:.1f} min.",

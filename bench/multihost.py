@@ -73,6 +73,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare import (  # bench/compare.py, found through the path above
     aiodist_op,
     bus_factor,
+    checkout_commit,
     count_for,
     describe_transport,
     fmt_size,
@@ -583,21 +584,6 @@ def plot(points: dict[tuple[str, str], dict[str, dict[str, list[Any]]]], path: s
     print(f"wrote {path}")
 
 
-def commit() -> str:
-    """The checkout's commit, read from .git/ (no git process)."""
-    git = ROOT / ".git"
-    with contextlib.suppress(OSError):
-        head = (git / "HEAD").read_text().strip()
-        ref = head.removeprefix("ref: ")
-        if (git / ref).is_file():
-            return (git / ref).read_text()[:9]
-        for line in (git / "packed-refs").read_text().splitlines():
-            if line.endswith(" " + ref):
-                return line[:9]
-        return head[:9]
-    return "?"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rates", default="1gbit,10gbit", help="link rates (tc), comma-separated")
@@ -735,7 +721,7 @@ def main() -> None:
         "# aiodist across hosts: two-level, flat, torch gloo and Open MPI (`bench/multihost.py`)",
         "",
         f"Command: `.venv/bin/{command}`, {time.strftime('%Y-%m-%d %H:%M %Z')}, {cpus} CPUs, "
-        f"Linux {os.uname().release}, at commit `{commit()}`; {', '.join(libs)}. Load average "
+        f"Linux {os.uname().release}, at commit `{checkout_commit()}`; {', '.join(libs)}. Load average "
         f"(1 min) {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end "
         f"(above {cpus}: other processes took turns with the ranks); run time "
         f"{(time.monotonic() - started) / 60:.1f} min.",
