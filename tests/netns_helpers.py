@@ -67,7 +67,13 @@ def _hosts(count: int) -> Iterator[Hosts]:
     addresses = [f"10.99.0.{i + 1}" for i in range(count)]
     bridge = f"aiodbr{tag}"
     try:
-        for ns in names:
+        ip("netns", "add", names[0])
+    except subprocess.CalledProcessError as exc:
+        pytest.skip(f"cannot create network namespaces here: {exc.stderr.strip()}")
+    # From here a failure is an error, not a missing capability: a clash with what an
+    # earlier fixture left, say.
+    try:
+        for ns in names[1:]:
             ip("netns", "add", ns)
         if count == 2:
             ip("link", "add", veths[0], "type", "veth", "peer", "name", veths[1])
@@ -84,20 +90,23 @@ def _hosts(count: int) -> Iterator[Hosts]:
                 ip("-n", ns, "addr", "add", f"{IPV6[i]}/64", "dev", veth, "nodad")
             ip("-n", ns, "link", "set", veth, "up")
             ip("-n", ns, "link", "set", "lo", "up")
-    except subprocess.CalledProcessError as exc:
-        _remove(names, bridge)
-        pytest.skip(f"cannot create network namespaces here: {exc.stderr.strip()}")
+    except BaseException:
+        _remove(names, veths, bridge)
+        raise
     try:
         yield Hosts(names, veths, addresses)
     finally:
-        _remove(names, bridge)
+        _remove(names, veths, bridge)
 
 
-def _remove(names: list[str], bridge: str) -> None:
-    for ns in names:
+def _remove(names: list[str], veths: list[str], bridge: str) -> None:
+    for ns, veth in zip(names, veths, strict=True):
         pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
         for pid in pids.stdout.split():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(pid), signal.SIGKILL)
+        # The veth first, which deletes its peer at once: a namespace is dismantled later,
+        # in the background, and the next fixture's links of the same names would clash.
+        subprocess.run(["ip", "-n", ns, "link", "del", veth], capture_output=True)
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
     subprocess.run(["ip", "link", "del", bridge], capture_output=True)

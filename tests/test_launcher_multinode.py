@@ -1,7 +1,7 @@
 """aiodist-run with several nodes: one world from two launchers, and a node lost mid-run.
 
 The loopback tests run two launchers on one machine. The ``netns`` tests build two "hosts":
-two network namespaces joined by a veth pair, 10.77.0.1/24 and 10.77.0.2/24 (addresses that
+two network namespaces joined by a veth pair, 10.99.0.1/24 and 10.99.0.2/24 (addresses that
 exist only inside those namespaces), each running its own launcher; the test creates and
 removes them, and skips where the machine does not allow it.
 """
@@ -9,21 +9,18 @@ removes them, and skips where the machine does not allow it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from cluster_helpers import clean_env
+from netns_helpers import IPV4, Hosts
 from proc_helpers import track
 
 from aiodist.testing import free_port
@@ -179,59 +176,17 @@ def test_signalled_node_stops_the_job_without_restart() -> None:
     assert "restarting" not in err0
 
 
-# -- two hosts: network namespaces joined by a veth pair -----------------------------------------
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
-
-
-@pytest.fixture
-def two_hosts() -> Iterator[tuple[list[str], list[str]]]:
-    """Two namespaces, 10.77.0.1 and 10.77.0.2, joined by a veth pair; removed afterwards."""
-    if shutil.which("ip") is None:
-        pytest.skip("iproute2 (ip) is not installed")
-    if os.geteuid() != 0:
-        pytest.skip("creating network namespaces needs root")
-    tag = f"{os.getpid() % 100000}"
-    names = [f"aiodist{tag}a", f"aiodist{tag}b"]
-    veths = [f"va{tag}", f"vb{tag}"]
-    try:
-        for ns in names:
-            _ip("netns", "add", ns)
-        _ip("link", "add", veths[0], "type", "veth", "peer", "name", veths[1])
-        for i, (ns, veth) in enumerate(zip(names, veths, strict=True)):
-            _ip("link", "set", veth, "netns", ns)
-            _ip("-n", ns, "addr", "add", f"10.77.0.{i + 1}/24", "dev", veth)
-            _ip("-n", ns, "link", "set", veth, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-    except subprocess.CalledProcessError as exc:
-        for ns in names:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        pytest.skip(f"cannot create network namespaces here: {exc.stderr.strip()}")
-    try:
-        yield (["ip", "netns", "exec", names[0]], ["ip", "netns", "exec", names[1]])
-    finally:
-        for ns in names:
-            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
-            for pid in pids.stdout.split():
-                with_suppress_kill(int(pid))
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-
-
-def with_suppress_kill(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
-
-
+# -- two hosts: network namespaces joined by a veth pair (netns_helpers.hosts) -------------------
 def _common(nproc: int = 2) -> list[str]:
     return [
-        "--nnodes=2", "--master-addr=10.77.0.1", "--master-port=29400",
+        "--nnodes=2", f"--master-addr={IPV4[0]}", "--master-port=29400",
         f"--nproc-per-node={nproc}", FAST_LOSS,
     ]  # fmt: skip
 
 
 @pytest.mark.netns
-def test_two_hosts_form_one_world(two_hosts: tuple[list[str], list[str]]) -> None:
-    host_a, host_b = two_hosts
+def test_two_hosts_form_one_world(hosts: Hosts) -> None:
+    host_a, host_b = hosts.prefix(0), hosts.prefix(1)
     n1 = node(host_b, *_common(), "--node-rank=1", WORKER, "allreduce")
     n0 = node(host_a, *_common(), "--node-rank=0", WORKER, "allreduce")
     out0, err0 = n0.communicate(timeout=60)
@@ -245,12 +200,10 @@ def test_two_hosts_form_one_world(two_hosts: tuple[list[str], list[str]]) -> Non
 @pytest.mark.parametrize(
     ("killed", "mode"), [(1, "hang"), (0, "hang"), (1, "signals"), (0, "signals")]
 )
-def test_killed_node_makes_the_other_exit(
-    two_hosts: tuple[list[str], list[str]], killed: int, mode: str
-) -> None:
+def test_killed_node_makes_the_other_exit(hosts: Hosts, killed: int, mode: str) -> None:
     """``hang`` workers run collectives across the nodes; ``signals`` workers only sleep, so
     only the launchers' heartbeats can notice the lost node."""
-    host_a, host_b = two_hosts
+    host_a, host_b = hosts.prefix(0), hosts.prefix(1)
     n0 = node(host_a, *_common(), "--shutdown-timeout=2", WORKER, mode)
     n1 = node(host_b, *_common(), "--shutdown-timeout=2", "--node-rank=1", WORKER, mode)
     wait_ready(n0, 2)
@@ -267,7 +220,7 @@ def test_killed_node_makes_the_other_exit(
     if mode == "signals" and killed == 1:
         assert "node 1 stopped sending heartbeats" in err
     elif mode == "signals":
-        assert "the store at 10.77.0.1:29400 (node 0)" in err
+        assert f"the store at {IPV4[0]}:29400 (node 0)" in err
     else:
         # A worker noticed its dead peer (or the launcher noticed the node) first.
         assert "aiodist-run: the job failed" in err or "(node 0)" in err or "node 1 stopped" in err

@@ -314,6 +314,12 @@ def test_uneven_hosts(three_hosts: Hosts, loop: str) -> None:
 
 
 @pytest.mark.netns
+def test_two_hosts_through_the_blocking_facade(hosts: Hosts) -> None:
+    # A script ported from torch.distributed: the same cases through aiodist.sync.
+    _check_cases(_start(hosts, [0, 0, 1, 1], "sync", "asyncio"), (True, True))
+
+
+@pytest.mark.netns
 def test_a_rank_killed_on_the_other_host_is_named_everywhere(hosts: Hosts) -> None:
     procs = _start(hosts, [0, 0, 1, 1], "kill", "uvloop")
     outcomes = _finish(procs)

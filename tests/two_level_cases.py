@@ -5,13 +5,17 @@ numpy reference of what each rank ends with (as a digest of the result's bytes).
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from collections.abc import Coroutine
+from typing import Any, TypeVar, cast
 
 import numpy as np
 from collective_helpers import numpy_reduce, sample
 
 import aiodist
+import aiodist.sync
 from aiodist._ops import ReduceOp
+
+T = TypeVar("T")
 
 #: Below the ring threshold (one column across hosts) and above it (a column per rank).
 SMALL, LARGE = 7, 20000
@@ -63,38 +67,46 @@ def _digest(x: np.ndarray | list[np.ndarray]) -> str:
     return hashlib.sha256(b"".join(p.tobytes() for p in parts)).hexdigest()
 
 
-async def run_case(case: str, rank: int, n: int, group: Any) -> str:
-    """Run ``case`` as ``rank`` of ``n`` (in ``group``, default the world); return the
-    digest of what this rank ends with."""
+async def call(api: Any, name: str, *args: Any, **kwargs: Any) -> None:
+    """Call ``api.name(*args, **kwargs)``, awaiting it when ``api`` is ``aiodist``."""
+    result = getattr(api, name)(*args, **kwargs)
+    if api is aiodist:
+        await result
+
+
+async def run_case(case: str, rank: int, n: int, group: Any, api: Any = aiodist) -> str:
+    """Run ``case`` as ``rank`` of ``n`` (in ``group``, default the world) through ``api``
+    (``aiodist``, or ``aiodist.sync`` run by :func:`finish_now`); return the digest of
+    what this rank ends with."""
     kind, op, _, count = CASES[case]
     x = _input(case, rank, n)
     root = _ROOTS.get(case, 0)
     if kind in ("all_reduce", "all_reduce_floats"):
-        await aiodist.all_reduce(x, op, group=group)
+        await call(api, "all_reduce", x, op, group=group)
     elif kind == "all_reduce_premul":
-        await aiodist.all_reduce(x, aiodist.make_premul_sum(0.5), group=group)
+        await call(api, "all_reduce", x, aiodist.make_premul_sum(0.5), group=group)
     elif kind == "broadcast":
-        await aiodist.broadcast(x, src=root, group=group)
+        await call(api, "broadcast", x, src=root, group=group)
     elif kind == "reduce":
-        await aiodist.reduce(x, dst=root, op=op, group=group)
+        await call(api, "reduce", x, dst=root, op=op, group=group)
     elif kind == "all_gather":
         outs = [np.empty_like(x) for _ in range(n)]
-        await aiodist.all_gather(outs, x, group=group)
+        await call(api, "all_gather", outs, x, group=group)
         return _digest(outs)
     elif kind == "all_gather_into_tensor":
         out = np.empty(n * count, x.dtype)
-        await aiodist.all_gather_into_tensor(out, x, group=group)
+        await call(api, "all_gather_into_tensor", out, x, group=group)
         return _digest(out)
     elif kind == "reduce_scatter":
         out = np.empty(count, x.dtype)
-        await aiodist.reduce_scatter(out, list(x.reshape(n, count)), op, group=group)
+        await call(api, "reduce_scatter", out, list(x.reshape(n, count)), op, group=group)
         return _digest(out)
     elif kind == "reduce_scatter_tensor":
         out = np.empty(count, x.dtype)
-        await aiodist.reduce_scatter_tensor(out, x, op, group=group)
+        await call(api, "reduce_scatter_tensor", out, x, op, group=group)
         return _digest(out)
     else:
-        await aiodist.barrier(group=group)
+        await call(api, "barrier", group=group)
     return _digest(x)
 
 
@@ -119,3 +131,14 @@ def expected(case: str, rank: int, n: int) -> str | None:
     if kind in ("reduce_scatter", "reduce_scatter_tensor"):
         return _digest(numpy_reduce(op, [x.reshape(n, count)[rank] for x in xs]))
     return _digest(xs[rank])
+
+
+def finish_now(coro: Coroutine[Any, Any, T]) -> T:
+    """The result of ``coro``, which runs :func:`run_case` through ``aiodist.sync``: its calls
+    block and never suspend it, so it runs to its end in one step, with no event loop here."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return cast(T, done.value)
+    coro.close()
+    raise AssertionError("a run through aiodist.sync suspended")
