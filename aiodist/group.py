@@ -41,6 +41,7 @@ import functools
 import logging
 import math
 import threading
+import time
 from collections.abc import (
     Callable,
     Coroutine,
@@ -128,10 +129,12 @@ TWICE = (
 
 #: What the peers of a rank that destroyed its default group are told: "rank N ...".
 LEFT_REASON = "left the process group (destroy_process_group)"
-#: How many operations of a group may end inline, one after another, before the event loop
-#: must run again: an operation that ends inline never yields to the loop, so ranks in
-#: lockstep would otherwise keep every other task (leases, servers) waiting.
-EAGER_STREAK = 16
+#: How long (seconds) operations of a group may keep ending inline, one after another,
+#: before the event loop must run again: an operation that ends inline never yields to the
+#: loop, so ranks in lockstep would otherwise keep every other task (leases, servers)
+#: waiting. A time, not a count: an operation that waits for its peers in a short spin can
+#: take 200 µs inline, and sixteen of them stalled the loop for 3 ms.
+EAGER_SECONDS = 0.5e-3
 #: What they are told when its event loop ended with the group open.
 LOOP_ENDED_REASON = "left the process group as its event loop ended (no destroy_process_group)"
 
@@ -469,8 +472,9 @@ class ProcessGroup:
         self._order: asyncio.Lock | None = None
         #: What each backend keeps for this group, by backend name (:class:`DataPath`).
         self.paths: dict[str, DataPath] = {}
-        # Operations that may still end inline before the loop must run (see _start).
-        self._eager, self._refilling = EAGER_STREAK, False
+        # When the first operation that ended inline since the loop last ran started (see
+        # _start); None when none did.
+        self._inline_since: float | None = None
         #: How many times the members voted to change this group (``shrink_group``): each
         #: vote has keys of its own.
         self.membership_votes = 0
@@ -825,20 +829,19 @@ class ProcessGroup:
         op.device_sync = plan.device_sync
         op.sequenced = plan.sequenced
         coro = self._run(op, plan, comms)
-        # (A thread standing in for the loop's holds up no task of the loop: no streak.)
+        # (A thread standing in for the loop's holds up no task of the loop: no budget.)
         standing_in = threading.get_ident() != self._world.loop_thread
-        if standing_in or self._eager:
+        since, now = self._inline_since, time.perf_counter()
+        if standing_in or since is None or now - since < EAGER_SECONDS:
             # Run it here, up to where it would wait: an operation whose data can move at
             # once (its peers' messages are in, its turn in the workspace is free) ends
             # without a task or a turn of the loop, and its work is born done.
             try:
                 yielded = coro.send(None)
             except StopIteration:
-                if not standing_in:
-                    self._eager -= 1
-                    if not self._refilling:
-                        self._refilling = True
-                        loop.call_soon(self._refill_eager)
+                if not standing_in and since is None:
+                    self._inline_since = now
+                    loop.call_soon(self._loop_ran)
                 self._finished(op)
                 return op.work
             except BaseException:  # (_run keeps every Exception; KeyboardInterrupt and such)
@@ -862,9 +865,9 @@ class ProcessGroup:
         op.task = task
         return op.work
 
-    def _refill_eager(self) -> None:
-        # The loop ran: other tasks had their turn since the last operation ended inline.
-        self._eager, self._refilling = EAGER_STREAK, False
+    def _loop_ran(self) -> None:
+        # Other tasks had their turn since the last operation ended inline.
+        self._inline_since = None
 
     async def _run(self, op: Operation, plan: Plan, comms: list[OpComm]) -> None:
         if op.record is not None:

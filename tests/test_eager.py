@@ -13,14 +13,15 @@ import pytest
 import aiodist
 import aiodist.sync as dist
 from aiodist import _loop_thread
-from aiodist.group import EAGER_STREAK
 from aiodist.testing import run_world, run_world_processes
 
 pytestmark = pytest.mark.both_loops  # the standard loop (asyncio.run, uvicorn) too
 
 
-async def test_an_operation_that_can_end_at_once_is_born_done_and_the_loop_still_runs() -> None:
-    async def fn(rank: int, size: int) -> tuple[bool, int, float]:
+async def test_an_operation_that_can_end_at_once_is_born_done_and_the_loop_still_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def fn(rank: int, size: int) -> tuple[bool, int, int, float]:
         ticks = 0
 
         async def ticker() -> None:
@@ -29,22 +30,32 @@ async def test_an_operation_that_can_end_at_once_is_born_done_and_the_loop_still
                 ticks += 1
                 await asyncio.sleep(0)
 
+        async def ticks_over(calls: int) -> int:
+            start = ticks
+            for _ in range(calls):
+                await aiodist.all_reduce(x)
+            return ticks - start
+
         x = np.arange(4.0)
         work = aiodist.all_reduce(x)
         born_done = work.is_completed()
         await work
         task = asyncio.create_task(ticker())
         await asyncio.sleep(0)
-        start = ticks
-        for _ in range(10 * (EAGER_STREAK + 1)):
-            await aiodist.all_reduce(x)
+        # Thousands of operations that end inline, as fast as they go: the loop still runs
+        # (every EAGER_SECONDS at the latest).
+        many = await ticks_over(5000)
+        # No time for any: after each operation that ended inline, the next goes through the
+        # loop.
+        monkeypatch.setattr(aiodist.group, "EAGER_SECONDS", 0.0)
+        none = await ticks_over(100)
         task.cancel()
-        return born_done, ticks - start, float(x[1])
+        return born_done, many, none, float(x[1])
 
-    [(born_done, ticks, value)] = await run_world(fn, 1)
+    [(born_done, many, none, value)] = await run_world(fn, 1)
     assert born_done
-    # However many end inline, every EAGER_STREAK + 1st lets the loop run the other tasks.
-    assert ticks >= 10
+    assert many >= 1
+    assert none >= 50
     assert value == 1.0
 
 
