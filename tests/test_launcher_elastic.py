@@ -8,19 +8,19 @@ asks them to stop, recording the world size of each step.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 from cluster_helpers import clean_env
+from netns_helpers import Hosts
 from proc_helpers import track
 
 from aiodist.testing import free_port
@@ -55,28 +55,34 @@ asyncio.run(main())
 
 
 class _Job:
-    def __init__(self, tmp_path: Path) -> None:
+    """One job's launchers, their worker's log and its stop file; ``master`` is the
+    rendezvous address, and a ``prefix`` runs a launcher on another host."""
+
+    def __init__(self, tmp_path: Path, master: str = "127.0.0.1", nnodes: str = "2:3") -> None:
         self.worker = tmp_path / "worker.py"
         self.worker.write_text(_WORKER)
         self.log = tmp_path / "steps.log"
         self.stop = tmp_path / "stop"
+        self.master, self.nnodes = master, nnodes
         self.port = free_port()
 
-    def first_node(self) -> subprocess.Popen[str]:
+    def first_node(self, prefix: Sequence[str] = ()) -> subprocess.Popen[str]:
         """A launcher that hosts the store: the others start once it listens."""
-        proc = self.node()
+        proc = self.node(prefix)
+        probe = f"import socket; socket.create_connection(({self.master!r}, {self.port}))"
         deadline = time.monotonic() + 60
-        while True:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port)):
-                return proc
+        while subprocess.run(
+            [*prefix, sys.executable, "-c", probe], capture_output=True
+        ).returncode:
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.05)
+        return proc
 
-    def node(self) -> subprocess.Popen[str]:
+    def node(self, prefix: Sequence[str] = ()) -> subprocess.Popen[str]:
         args = [
-            "--nnodes=2:3",
+            f"--nnodes={self.nnodes}",
             "--nproc-per-node=1",
-            "--master-addr=127.0.0.1",
+            f"--master-addr={self.master}",
             f"--master-port={self.port}",
             "--rdzv-id=elastic-test",
             "--monitor-interval=0.1",
@@ -88,7 +94,7 @@ class _Job:
         ]
         return track(
             subprocess.Popen(
-                [sys.executable, "-m", "aiodist.run", *args],
+                [*prefix, sys.executable, "-m", "aiodist.run", *args],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
@@ -188,3 +194,24 @@ def test_a_silent_node_is_left_behind(tmp_path: Path) -> None:
         assert rc == 0, err
         assert f"node {node[1]} was lost" in err, err
         assert "restarting the workers (1 of 2 restarts left)" in err, err
+
+
+@pytest.mark.netns
+def test_min_max_across_hosts(three_hosts: Hosts, tmp_path: Path) -> None:
+    # Launchers on three hosts (network namespaces on a bridge), no variable set: the job
+    # starts with two, takes in the third, and goes on with two when the third is lost.
+    job = _Job(tmp_path, master=three_hosts.addresses[0], nnodes="2:3")
+    first = [job.first_node(three_hosts.prefix(0)), job.node(three_hosts.prefix(1))]
+    job.wait_for(2, *first)
+    third = job.node(three_hosts.prefix(2))
+    job.wait_for(3, *first, third)
+    os.killpg(third.pid, signal.SIGKILL)
+    third.communicate()
+    job.wait_for_next(2, *first)
+    for rc, err in job.finish(*first):
+        assert rc == 0, err
+        assert "nodes are waiting to join: the nodes meet again" in err, err
+        assert "restarting the workers (1 of 2 restarts left)" in err, err
+    last = [line.split() for line in job.log.read_text().splitlines()[-2:]]
+    assert sorted(int(rank) for _, rank, _, _ in last) == [0, 1]
+    assert all(int(size) == 2 for _, _, size, _ in last)
