@@ -123,10 +123,10 @@ async def open_world(
     )
     try:
         await pg.world.domain.leased()
-        await _backends.setup(pg)
-        await announce(pg.world)
         if status_enabled():
             await register_status(membership.lobby, pg.rank, listen_host(store.local_address()))
+        await _backends.setup(pg)  # (the last step that needs the store on every rank)
+        await announce(pg.world)
     except BaseException:
         _group.set_current_world(None)
         await pg.world.aclose()

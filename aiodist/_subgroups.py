@@ -46,11 +46,14 @@ async def new_group(
         )
     if problem is not None:
         await store.compare_set(f"{key}/problem", "", f"rank {world.rank}: {problem}")
-    if await store.add(f"{key}/votes", 1) == world.size:
-        await store.set(f"{key}/done", b"1")
-    await store.wait([f"{key}/done"], timeout)
+    await world.domain.meet(f"{key}/voted", world.size, timeout, "new_group")
+    first = None
     if await store.check([f"{key}/problem"]):
         first = (await store.get(f"{key}/problem")).decode()
+    # Every rank has read the outcome before any returns (see FailureDomain.meet); members
+    # meet again once the group is set up.
+    await world.domain.meet(f"{key}/read", world.size, timeout, "new_group")
+    if first is not None:
         if problem is not None and first.startswith(f"rank {world.rank}:"):
             raise DistUsageError(problem)
         raise DistUsageError(f"new_group (group {gid}) was rejected by {first}")

@@ -263,6 +263,41 @@ class FailureDomain:
             logger.warning("rank %d: could not count the ranks that arrived: %s", self.rank, exc)
             return None
 
+    async def meet(self, key: str, count: int, timeout: float | None, what: str) -> None:
+        """Return once ``count`` ranks have called this with ``key`` (a store barrier), or
+        raise as soon as the world breaks; ``what`` the ranks are doing names the error.
+
+        A store server answers every waiter of a barrier in one turn of its loop, so when
+        the rank hosting it returns from here, the others have their answers already: a
+        setup that ends with this needs nothing more from the store host, whose event loop
+        may stop running once it returns there (a loop driven by ``run_until_complete``,
+        or blocked by its owner).
+
+        Raises:
+            DistTimeoutError: fewer than ``count`` arrived within ``timeout`` seconds.
+            DistNetworkError: the world was aborted or closed, or a rank went without a
+                goodbye, meanwhile (its cause is chained).
+        """
+        if count == 1:
+            return
+        barrier = asyncio.ensure_future(self.store.barrier(key, count, timeout))
+        ended = asyncio.ensure_future(self._ended.wait())
+        try:
+            await asyncio.wait((barrier, ended), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ended.cancel()
+            if not barrier.done():
+                barrier.cancel()
+                with contextlib.suppress(BaseException):
+                    await barrier
+        if barrier.cancelled():
+            cause = self.broken
+            raise DistNetworkError(
+                f"{what}: the world "
+                + (f"broke before every rank got there: {cause}" if cause else "was closed")
+            ) from cause
+        barrier.result()
+
     async def departures(self) -> dict[int, str]:
         """The ranks that have left this world so far, with why (``left/<rank>``: a goodbye,
         or their lease if they went without one).

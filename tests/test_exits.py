@@ -360,6 +360,111 @@ def test_an_async_rank_whose_loop_ends_leaves_and_keeps_the_store(env: dict[str,
     assert lines[0][0]["ended"] >= max(lines[1][0]["t"], lines[2][0]["t"]), lines
 
 
+# -- an event loop that runs only while its owner waits for aiodist -----------------------------
+_STOPPED_LOOPS = """
+import asyncio, json, os, sys, time
+import numpy as np
+import aiodist
+
+rank, port, marks = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+if os.environ["AIODIST_LOOP"] == "uvloop":
+    import uvloop
+    loop = uvloop.new_event_loop()
+else:
+    loop = asyncio.new_event_loop()
+seen = {}
+
+def run(fn, *args, **kwargs):
+    async def call():
+        return await fn(*args, **kwargs)
+    return loop.run_until_complete(call())
+
+def everyone_done(step):
+    # No loop runs while the ranks wait here, rank 0's (which serves the store) included:
+    # every rank must be done with the step when the first returns from it.
+    os.makedirs(os.path.join(marks, step), exist_ok=True)
+    open(os.path.join(marks, step, str(rank)), "w").close()
+    end = time.monotonic() + 15
+    while len(os.listdir(os.path.join(marks, step))) < 3 and time.monotonic() < end:
+        time.sleep(0.01)
+    seen[step] = sorted(os.listdir(os.path.join(marks, step)))
+
+run(aiodist.init_process_group, "gloo", f"tcp://127.0.0.1:{port}", rank=rank, world_size=3)
+everyone_done("init")
+run(aiodist.new_group, [0, 2])
+everyone_done("new_group")
+x = np.array([rank + 1.0])
+run(aiodist.all_reduce, x)
+run(aiodist.destroy_process_group)
+print(json.dumps({"seen": seen, "sum": float(x[0])}))
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("env", TRANSPORTS)
+def test_no_rank_returns_from_setup_while_another_needs_the_store(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """A script may run its loop only while it awaits aiodist (``run_until_complete`` per
+    call): once rank 0 is back from a setup, its loop no longer serves the store, so the
+    others must not need it any more."""
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _STOPPED_LOOPS, str(r), port, str(tmp_path)],
+            env={**os.environ, **env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(3)
+    ]
+    outs = [p.communicate(timeout=90) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [e for _, e in outs]
+    everyone = ["0", "1", "2"]
+    for out, _ in outs:
+        assert json.loads(out) == {"seen": {"init": everyone, "new_group": everyone}, "sum": 6.0}
+
+
+_VANISHES_BEFORE_VOTING = """
+import json, os, sys, time
+import aiodist.sync as dist
+
+rank, port = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", f"tcp://127.0.0.1:{port}", rank=rank, world_size=3, timeout=60)
+if rank == 2:
+    os._exit(0)  # no goodbye: only its lease in the store says it went
+start = time.monotonic()
+try:
+    dist.new_group([0, 1])
+except Exception as exc:
+    print(json.dumps({"type": type(exc).__name__, "msg": str(exc), "t": time.monotonic() - start}))
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_rank_that_vanishes_before_new_group_fails_it_within_seconds() -> None:
+    """The others wait in the vote's store barrier, which ends when the world breaks: they
+    do not wait for the 60 s timeout."""
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _VANISHES_BEFORE_VOTING, str(r), port],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(3)
+    ]
+    outs = [p.communicate(timeout=90) for p in procs]
+    for out, err in outs[:2]:
+        error = json.loads(out)
+        assert error["type"] == "DistNetworkError", (error, err)
+        assert error["msg"].startswith("new_group: the world broke before every rank got"), error
+        assert "rank 2" in error["msg"], error
+        assert error["t"] < 20, error  # (a generous no-hang guard: the lease takes moments)
+
+
 # -- a rank that leaves while the others need it ------------------------------------------------
 async def _rank_two_leaves_mid_operation(rank: int, size: int) -> str:
     await aiodist.init_process_group(timeout=30)

@@ -319,6 +319,10 @@ def _mixed(op: str, first: str, second: str) -> DistUsageError:
 async def setup(group: ProcessGroup) -> None:
     """Let each backend of a new group set it up; collective over the group's members.
 
+    Returns on no member before every member is done: the setup talks through the store,
+    whose server may run on a member's event loop, and that loop need not run once setup
+    has returned there.
+
     Raises:
         DistError: a backend could not (a peer went away, the store cannot be reached).
     """
@@ -326,6 +330,8 @@ async def setup(group: ProcessGroup) -> None:
         backend_setup = load(name).setup
         if backend_setup is not None:
             await backend_setup(group)
+    what = f"setting up process group {group.group_id}"
+    await group.world.domain.meet(f"set_up/{group.group_id}", group.size, group.timeout, what)
 
 
 def empty(group: ProcessGroup, name: str, shape: object, dtype: Any, *, zeroed: bool) -> HostArray:
