@@ -24,6 +24,8 @@ pytestmark = pytest.mark.both_loops  # the standard loop (asyncio.run, uvicorn) 
 
 # -- run_world ----------------------------------------------------------------------------------
 async def _every_rank_fails(rank: int, world_size: int) -> None:
+    # In rank order: which rank's task runs first after init_process_group is up to the loop.
+    await asyncio.sleep(0.05 * rank)
     raise ValueError(f"rank {rank} of {world_size} failed")
 
 
