@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import proc_helpers
 import pytest
 from netns_helpers import IPV4, Hosts
 
@@ -270,6 +271,25 @@ def test_children_form_a_group_of_their_own(method: str, hold: bool) -> None:
     assert report["parent"] == (1.0 if hold else None)
 
 
+def _three_ranks(
+    script: str, *args: str, env: dict[str, str] | None = None
+) -> list[subprocess.Popen[str]]:
+    """Start ``python -c script <rank> *args`` for ranks 0-2 (output piped, as text), with
+    ``env`` over this process's environment; a test that fails leaves none running."""
+    return [
+        proc_helpers.track(
+            subprocess.Popen(
+                [sys.executable, "-c", script, str(r), *args],
+                env={**os.environ, **(env or {})},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+        for r in range(3)
+    ]
+
+
 # -- one timeout, from init_process_group down ------------------------------------------------
 _WORKSPACE_STRAGGLER = """
 import asyncio, json, sys, time
@@ -291,16 +311,7 @@ except Exception as exc:
 @pytest.mark.multiprocess
 def test_the_groups_timeout_bounds_the_shared_memory_workspace() -> None:
     port = str(free_port())
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _WORKSPACE_STRAGGLER, str(r), port],
-            env={**os.environ, "AIODIST_SHM": "1"},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(3)
-    ]
+    procs = _three_ranks(_WORKSPACE_STRAGGLER, port, env={"AIODIST_SHM": "1"})
     try:
         for rank in (0, 2):
             out, err = procs[rank].communicate(timeout=60)
@@ -342,16 +353,7 @@ print(json.dumps({"ended": time.time()}))
 @pytest.mark.parametrize("env", TRANSPORTS)
 def test_an_async_rank_whose_loop_ends_leaves_and_keeps_the_store(env: dict[str, str]) -> None:
     port = str(free_port())
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _ASYNC_HOST_FIRST, str(r), port],
-            env={**os.environ, **env},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(3)
-    ]
+    procs = _three_ranks(_ASYNC_HOST_FIRST, port, env=env)
     outs = [p.communicate(timeout=60) for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0], [e for _, e in outs]
     lines = [[json.loads(line) for line in out.splitlines()] for out, _ in outs]
@@ -409,16 +411,7 @@ def test_no_rank_returns_from_setup_while_another_needs_the_store(
     call): once rank 0 is back from a setup, its loop no longer serves the store, so the
     others must not need it any more."""
     port = str(free_port())
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _STOPPED_LOOPS, str(r), port, str(tmp_path)],
-            env={**os.environ, **env},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(3)
-    ]
+    procs = _three_ranks(_STOPPED_LOOPS, port, str(tmp_path), env=env)
     outs = [p.communicate(timeout=90) for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0], [e for _, e in outs]
     everyone = ["0", "1", "2"]
@@ -447,15 +440,7 @@ def test_a_rank_that_vanishes_before_new_group_fails_it_within_seconds() -> None
     """The others wait in the vote's store barrier, which ends when the world breaks: they
     do not wait for the 60 s timeout."""
     port = str(free_port())
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _VANISHES_BEFORE_VOTING, str(r), port],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(3)
-    ]
+    procs = _three_ranks(_VANISHES_BEFORE_VOTING, port)
     outs = [p.communicate(timeout=90) for p in procs]
     for out, err in outs[:2]:
         error = json.loads(out)
