@@ -334,17 +334,33 @@ async def recover(error: BaseException, group: ProcessGroup | None = None) -> li
             await aiodist.recover(exc)
             continue  # redo the step with the survivors
 
+    A rank lost while the survivors shrink (a second failure) is left out too: they shrink
+    again, and the ranks returned are every one lost.
+
     Raises:
         BaseException: ``error``, when no rank of the group is lost.
         DistError: as :func:`shrink_group`.
     """
+    pg = resolve_group(group, "recover")
     # A lost connection means a rank went: its record in the store may be moments behind.
-    expected = isinstance(error, DistNetworkError)
-    lost = await _membership.lost(resolve_group(group, "recover"), expected=expected)
+    lost = await _membership.lost(pg, expected=isinstance(error, DistNetworkError))
     if not lost:
         raise error
-    await shrink_group(lost, group)
-    return lost
+    # Another rank may go while the survivors shrink: some counted it lost and some not
+    # (their votes differ), or it died before or after it voted (the new group cannot form).
+    # Every survivor then fails the same attempt, and each tries again with the ranks lost
+    # by now. A failure for any other reason repeats: give up after as many attempts as
+    # there are ranks to lose.
+    attempts = pg.size - len(lost)
+    while True:
+        try:
+            await shrink_group(lost, pg)
+            return lost
+        except (DistNetworkError, DistUsageError):
+            attempts -= 1
+            if attempts <= 0:
+                raise
+            lost = await _membership.lost(pg, expected=True)
 
 
 def _options(

@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from typing import Any
 
 from . import backends as _backends
 from ._assembly import CURRENT, announce, connect_members, leave_forming, open_world
@@ -49,6 +50,9 @@ SHRINK_ABORT = 1
 #: Seconds :func:`lost` waits, in a broken world, for a rank that went away to be recorded.
 LOST_GRACE = 1.0
 _LOST_POLL = 0.02
+# How often the remaining ranks waiting for a vote check that those who have not voted yet
+# are still there (seconds).
+_LOST_CHECK = 0.25
 # How often a process waiting to join checks whether it was admitted (seconds).
 _ADMITTED_POLL = 0.1
 # Why a rank that moved on to a successor world left the old one: it is not lost.
@@ -116,7 +120,10 @@ async def shrink(
     if default:
         store = PrefixStore(f"{key}/world", world.store)
         rank, size = remaining.index(world.rank), len(remaining)
-        successor = await _successor(world, store, rank, size, "shrink_group")
+        others = [r for r in remaining if r != world.rank]
+        successor = await _successor(
+            world, store, rank, size, "shrink_group", _departed(world, others)
+        )
         return successor.default_group
     shrunk = ProcessGroup(
         world, remaining, _SHRUNK_GROUP_BIT | new_id, group.backend, group.backends, group.timeout
@@ -124,6 +131,40 @@ async def shrink(
     await _backends.setup(shrunk)
     await group.destroy()
     return shrunk
+
+
+async def _votes_in(group: ProcessGroup, key: str, remaining: list[int]) -> str | None:
+    """Wait until the vote at ``key`` is done: every one of the (global) ``remaining`` ranks
+    voted, or one named other ranks. A remaining rank that has not voted yet and leaves the
+    world meanwhile (it died after the others saw who was lost) ends the wait: return why
+    (``None`` once the vote is done).
+
+    Raises:
+        DistTimeoutError: a remaining rank did not vote within the group's timeout (named).
+    """
+    world, store = group.world, group.world.store
+    loop = asyncio.get_running_loop()
+    deadline = None if group.timeout is None else loop.time() + group.timeout
+    while True:
+        left = None if deadline is None else max(0.0, deadline - loop.time())
+        try:
+            await store.wait(
+                [f"{key}/done"], _LOST_CHECK if left is None else min(left, _LOST_CHECK)
+            )
+            return None
+        except DistTimeoutError:
+            pass
+        arrived = {int(r) for r in (await store.get(f"{key}/arrived")).decode().split(",") if r}
+        missing = [r for r in remaining if r not in arrived]
+        gone = await _departed(world, missing)()
+        if gone is not None:
+            return gone
+        if deadline is not None and loop.time() >= deadline:
+            ranks = [group.group_rank(r) for r in missing]
+            raise DistTimeoutError(
+                f"shrink_group: group ranks {ranks} did not call shrink_group within "
+                f"{group.timeout} s"
+            )
 
 
 def _check(ranks_to_exclude: Sequence[int], shrink_flags: int, group: ProcessGroup) -> set[int]:
@@ -199,23 +240,17 @@ async def _vote(group: ProcessGroup, excluded: set[int], remaining: list[int]) -
             await store.compare_set(f"{key}/done", "", "")  # (a completed vote stands)
         elif await store.add(f"{key}/votes", 1) == len(remaining):
             await store.set(f"{key}/done", str(await store.add("shrink/groups", 1)))
-        try:
-            await store.wait([f"{key}/done"], group.timeout)
-        except DistTimeoutError:
-            arrived = {int(r) for r in (await store.get(f"{key}/arrived")).decode().split(",") if r}
-            missing = [group.group_rank(r) for r in remaining if r not in arrived]
-            raise DistTimeoutError(
-                f"shrink_group: group ranks {missing} did not call shrink_group within "
-                f"{group.timeout} s"
-            ) from None
-        if await store.check([f"{key}/problem"]):
-            raise DistUsageError((await store.get(f"{key}/problem")).decode())
-        return key, int(await store.get(f"{key}/done"))
+        gone = await _votes_in(group, key, remaining)
+        if gone is None:
+            if await store.check([f"{key}/problem"]):
+                raise DistUsageError((await store.get(f"{key}/problem")).decode())
+            return key, int(await store.get(f"{key}/done"))
     except DistNetworkError as exc:
         raise DistNetworkError(
             f"shrink_group: the store cannot be reached ({exc}); the remaining ranks agree "
             "through it, so it must be served by one of them or from outside the job"
         ) from exc
+    raise DistNetworkError(f"shrink_group: {gone} went away before it voted")
 
 
 async def admit(world: World) -> list[int]:
@@ -247,8 +282,31 @@ async def admit(world: World) -> list[int]:
         [f"{round_text}|{world.size + n}|{size}|{seen}" for n in range(len(ids))],
     )
     store = PrefixStore(f"round/{round_text}", lobby)
-    await _successor(world, store, world.rank, size, "admit")
+    members = [r for r in range(world.size) if r != world.rank]
+    await _successor(world, store, world.rank, size, "admit", _departed(world, members, ids))
     return list(range(world.size, size))
+
+
+def _departed(
+    world: World, ranks: Sequence[int], joiners: Sequence[str] = ()
+) -> Callable[[], Awaitable[str | None]]:
+    """Why one of ``world``'s ``ranks``, or of the processes ``joiners`` waiting in its
+    lobby, went away (other than to a successor world), if one did: a process that dies
+    before it takes its part in forming a successor holds its lease there only."""
+
+    async def gone() -> str | None:
+        for r, why in (await world.domain.departures(ranks)).items():
+            if not why.startswith(_MOVED_ON):
+                return f"rank {r} ({why})"
+        assert world.membership is not None
+        lobby = world.membership.lobby
+        for i in joiners:
+            if await lobby.check([f"gone/{i}"]):
+                why = (await lobby.get(f"gone/{i}")).decode(errors="replace")
+                return f"a process being admitted ({why})"
+        return None
+
+    return gone
 
 
 async def join(
@@ -345,11 +403,19 @@ def _changeable(world: World, op: str) -> Membership:
     return world.membership
 
 
-async def _successor(world: World, store: Store, rank: int, size: int, why: str) -> World:
+async def _successor(
+    world: World,
+    store: Store,
+    rank: int,
+    size: int,
+    why: str,
+    gone: Callable[[], Awaitable[str | None]],
+) -> World:
     """Form the world of ``size`` ranks gathering in ``store`` as ``rank``, make it the
-    default, and close ``world`` (which hands it its stores)."""
+    default, and close ``world`` (which hands it its stores). ``gone`` says why one of the
+    processes expected there went away, if one did (see :func:`connect_members`)."""
     assert world.membership is not None
-    transport = await connect_members(store, rank, size, world.membership.connect, why)
+    transport = await connect_members(store, rank, size, world.membership.connect, why, gone)
     successor = World(
         transport,
         store,
@@ -360,9 +426,7 @@ async def _successor(world: World, store: Store, rank: int, size: int, why: str)
     )
     successor.start()
     try:
-        await successor.domain.leased()
-        await _backends.setup(successor.default_group)
-        await announce(successor)
+        await _unless_gone(_set_up(successor), gone, why)
     except BaseException:
         await successor.aclose()
         raise
@@ -371,3 +435,32 @@ async def _successor(world: World, store: Store, rank: int, size: int, why: str)
         set_current_world(successor)
     await world.aclose(f"{_MOVED_ON} {size} ranks ({why})")
     return successor
+
+
+async def _set_up(world: World) -> None:
+    await world.domain.leased()
+    await _backends.setup(world.default_group)
+    await announce(world)
+
+
+async def _unless_gone(
+    work: Coroutine[Any, Any, None], gone: Callable[[], Awaitable[str | None]], op: str
+) -> None:
+    """Await ``work`` (forming a successor world), unless ``gone`` says meanwhile that one of
+    its processes went away: until the successor holds their leases, only their leases in
+    the world it replaces (or the lobby) tell."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=_LOST_CHECK)
+            if done:
+                return task.result()
+            why = await gone()
+            if why is not None:
+                raise DistNetworkError(
+                    f"{op}: the new process group can never be complete: {why} went away"
+                )
+    except BaseException:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise

@@ -36,7 +36,7 @@ import asyncio
 import contextlib
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from .errors import DistError, DistNetworkError, DistTimeoutError
 from .store import Store
@@ -298,16 +298,16 @@ class FailureDomain:
             ) from cause
         barrier.result()
 
-    async def departures(self) -> dict[int, str]:
-        """The ranks that have left this world so far, with why (``left/<rank>``: a goodbye,
-        or their lease if they went without one).
+    async def departures(self, ranks: Iterable[int] | None = None) -> dict[int, str]:
+        """The ranks (of ``ranks``, default all) that have left this world so far, with why
+        (``left/<rank>``: a goodbye, or their lease if they went without one).
 
         Raises:
             DistNetworkError: the store cannot be reached.
         """
-        keys = [f"left/{r}" for r in range(self.size)]
-        left = [r for r, key in enumerate(keys) if await self.store.check([key])]
-        values = await self.store.multi_get([keys[r] for r in left]) if left else []
+        asked = range(self.size) if ranks is None else ranks
+        left = [r for r in asked if await self.store.check([f"left/{r}"])]
+        values = await self.store.multi_get([f"left/{r}" for r in left]) if left else []
         return {r: v.decode(errors="replace") for r, v in zip(left, values, strict=True)}
 
     async def wait_ended(self) -> BaseException | None:
