@@ -6,11 +6,18 @@ running world and receive its state."""
 from __future__ import annotations
 
 import asyncio
+import json
+import signal
+import subprocess
+import sys
+from datetime import timedelta
 
 import numpy as np
+import proc_helpers
 import pytest
 
 import aiodist
+import aiodist.sync as dist
 from aiodist import DistNetworkError, DistUsageError, HashStore
 from aiodist.testing import run_world
 
@@ -166,6 +173,46 @@ async def test_ranks_that_exclude_different_ranks_all_raise_and_can_vote_again()
     for _, x, _ in results:
         np.testing.assert_array_equal(x, _sum([0, 1, 2]))
     assert [size for *_, size in results] == [2, 2, -1]
+
+
+async def test_a_remaining_rank_that_leaves_before_it_votes_fails_the_vote() -> None:
+    async def fn(rank: int, size: int) -> str | None:
+        if rank == 3:
+            return None  # leaves by choice: the others exclude it
+        if rank == 2:
+            await asyncio.sleep(0.3)  # the others wait for its vote, which never comes,
+            return None  # and it leaves too
+        with pytest.raises(DistNetworkError) as gone:
+            await aiodist.shrink_group([3])
+        return str(gone.value)
+
+    # (The world's timeout is 60 s: a vote that waited for it would fail the guard.)
+    results = await asyncio.wait_for(run_world(fn, 4, transport="tcp"), 20)
+    assert results[2:] == [None, None]
+    for text in results[:2]:
+        assert text == (
+            "shrink_group: rank 2 (left the process group (destroy_process_group)) went away "
+            "before it voted"
+        )
+
+
+async def test_recover_leaves_out_a_rank_lost_while_the_survivors_shrink() -> None:
+    async def fn(rank: int, size: int) -> tuple[list[int], int, int, np.ndarray] | None:
+        if rank == 3:
+            return None
+        if rank == 2:
+            await asyncio.sleep(0.3)  # gone while the others shrink without rank 3 only
+            return None
+        lost = await aiodist.recover(DistNetworkError("lost connection to rank 3"))
+        x = _value(rank)
+        await aiodist.all_reduce(x)
+        return lost, aiodist.get_rank(), aiodist.get_world_size(), x
+
+    results = await asyncio.wait_for(run_world(fn, 4, transport="tcp"), 20)
+    for rank in (0, 1):
+        lost, new_rank, size, x = results[rank]
+        assert (lost, new_rank, size) == ([2, 3], rank, 2)
+        np.testing.assert_array_equal(x, _sum([0, 1]))
 
 
 @pytest.mark.parametrize("flags", [aiodist.SHRINK_DEFAULT, aiodist.SHRINK_ABORT])
@@ -378,3 +425,73 @@ async def test_a_process_not_admitted_in_time_raises_and_leaves_the_lobby() -> N
         "waiting processes when they call admit()"
     )
     assert admitted == [[], []]
+
+
+# -- a second rank killed while the survivors recover, in processes ----------------------------
+_KILLED_WHILE_SURVIVORS_RECOVER = """
+import json, os, signal, sys, time
+from datetime import timedelta
+import numpy as np
+import aiodist.sync as dist
+rank, port, where = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+dist.init_process_group("gloo", store=store, rank=rank, world_size=4, timeout=60)
+dist.barrier()
+if rank == 0:
+    os.kill(os.getpid(), signal.SIGKILL)
+if rank == 2:  # dies after it voted with the others to exclude rank 0
+    def die(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
+    if where == "before connecting":
+        import aiodist._membership as membership
+        membership._successor = die
+    else:  # in the new world's setup, connected to the others
+        import aiodist.backends.cpu as cpu
+        cpu._Workspace._create = die
+start = time.monotonic()
+try:
+    dist.all_reduce(np.ones(3))
+    lost = []
+except dist.DistError as exc:
+    lost = dist.recover(exc)
+x = np.full(3, float(rank))
+dist.all_reduce(x)
+print(json.dumps({"lost": lost, "rank": dist.get_rank(), "size": dist.get_world_size(),
+                  "x": x.tolist(), "t": time.monotonic() - start}))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("where", ["before connecting", "in the setup"])
+def test_a_rank_killed_after_it_voted_is_left_out_too(where: str) -> None:
+    """Ranks 1 and 3 recover from the loss of rank 0 with rank 2, which is killed once the
+    vote is done: they shrink again without it, within moments, not the 60 s timeout."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60))
+    procs = [
+        proc_helpers.track(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    _KILLED_WHILE_SURVIVORS_RECOVER,
+                    str(r),
+                    str(store.port),
+                    where,
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+        for r in range(4)
+    ]
+    outs = [p.communicate(timeout=60) for p in procs]
+    assert [p.returncode for p in procs] == [-signal.SIGKILL, 0, -signal.SIGKILL, 0], outs
+    for new_rank, (out, err) in enumerate((outs[1], outs[3])):
+        result = json.loads(out)
+        assert result["lost"] == [0, 2], (result, err)
+        assert (result["rank"], result["size"]) == (new_rank, 2)
+        assert result["x"] == [4.0, 4.0, 4.0]  # ranks 1 and 3
+        assert result["t"] < 20, result  # (a generous no-hang guard)
+    store.close()
