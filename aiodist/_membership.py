@@ -319,24 +319,35 @@ async def join(
 ) -> ProcessGroup:
     """Wait in the job's lobby (``membership.lobby``) until the members admit this process;
     return the default group it then joins. See :func:`aiodist.join_process_group`."""
-    me = secrets.token_hex(8)
     lobby = membership.lobby
-    try:
-        # Members that decide while this process is gone leave it out (and if it goes after
-        # they decided, they hear of it as the new world forms: see connect_members).
-        await lobby.lease(f"gone/{me}", "its process ended while it waited to be admitted")
-        await lobby.append("waiting", f"{me},")
-        await _admitted(lobby, f"ticket/{me}", timeout)
-        round_text, rank, size, seen = (await lobby.get(f"ticket/{me}")).decode().split("|")
-        store = PrefixStore(f"round/{round_text}", lobby)
-        connect = membership.connect
-        transport = await connect_members(store, int(rank), int(size), connect, "admit")
-        await lobby.lease(f"gone/{me}", None)
-    except BaseException as exc:
-        await _give_up(lobby, me, exc)
-        for s in owned:
-            await s.aclose()
-        raise
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout is None else loop.time() + timeout
+    while True:
+        me = secrets.token_hex(8)
+        admitted = False
+        try:
+            # Members that decide while this process is gone leave it out (and if it goes
+            # after they decided, they hear of it as the new world forms: connect_members).
+            await lobby.lease(f"gone/{me}", "its process ended while it waited to be admitted")
+            await lobby.append("waiting", f"{me},")
+            await _admitted(lobby, f"ticket/{me}", timeout, deadline)
+            admitted = True
+            round_text, rank, size, seen = (await lobby.get(f"ticket/{me}")).decode().split("|")
+            store = PrefixStore(f"round/{round_text}", lobby)
+            connect = membership.connect
+            transport = await connect_members(store, int(rank), int(size), connect, "admit")
+            await lobby.lease(f"gone/{me}", None)
+            break
+        except BaseException as exc:
+            await _give_up(lobby, me, exc)
+            # A member lost while the grown world formed fails it for every process in it;
+            # the members go on without that one (recover) and admit again: wait for that,
+            # under a new name.
+            if admitted and isinstance(exc, DistNetworkError):
+                continue
+            for s in owned:
+                await s.aclose()
+            raise
     membership.seen = int(seen)
     return await open_world(
         transport,
@@ -349,15 +360,17 @@ async def join(
     )
 
 
-async def _admitted(lobby: Store, ticket: str, timeout: float | None) -> None:
-    """Wait for ``ticket`` in ``lobby``.
+async def _admitted(
+    lobby: Store, ticket: str, timeout: float | None, deadline: float | None
+) -> None:
+    """Wait for ``ticket`` in ``lobby`` until the loop's time ``deadline``, ``timeout``
+    seconds after joining began.
 
     Raises:
-        DistTimeoutError: not within ``timeout``.
+        DistTimeoutError: not by ``deadline``.
         DistNetworkError: every rank of the job's world left it (none will admit).
     """
     loop = asyncio.get_running_loop()
-    deadline = None if timeout is None else loop.time() + timeout
     while not await lobby.check([ticket]):
         current = await lobby.compare_set(CURRENT, "", "")
         if current:

@@ -119,11 +119,17 @@ def main() -> None:
         step += 1
         if step % ADMIT_EVERY == 0 and step < STEPS:
             state[0], state[1:] = step, w  # sent to the admitted ranks, if any
-            admitted = dist.admit(state=[state])
-            while args.wait_for_replacements and not admitted and dist.get_world_size() < full:
-                time.sleep(0.05)
-                # (every member calls it as often: they all see the same)
+            try:
                 admitted = dist.admit(state=[state])
+                while args.wait_for_replacements and not admitted and dist.get_world_size() < full:
+                    time.sleep(0.05)
+                    # (every member calls it as often: they all see the same)
+                    admitted = dist.admit(state=[state])
+            except dist.DistError as exc:
+                # A member was lost as the world grew: go on without it (the processes
+                # being admitted wait for the next admission point).
+                lost = dist.recover(exc)
+                say(f"{name}: admission at step {step} failed; ranks {lost} lost")
     match = bool(np.allclose(w, reference(), rtol=1e-12, atol=0))
     say(f"{name}: done as rank {dist.get_rank()}; weights match the reference: {match}")
     dist.destroy_process_group()

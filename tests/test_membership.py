@@ -495,3 +495,72 @@ def test_a_rank_killed_after_it_voted_is_left_out_too(where: str) -> None:
         assert result["x"] == [4.0, 4.0, 4.0]  # ranks 1 and 3
         assert result["t"] < 20, result  # (a generous no-hang guard)
     store.close()
+
+
+_MEMBER_LOST_AS_THE_WORLD_GROWS = """
+import json, os, signal, sys, time
+from datetime import timedelta
+import numpy as np
+import aiodist.sync as dist
+role, port = sys.argv[1], int(sys.argv[2])
+store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+state = np.zeros(4)
+if role == "joiner":
+    dist.join_process_group("gloo", store=store, timeout=60, state=[state])
+else:
+    rank = int(role)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=3, timeout=60)
+    state[:] = [7, 1.5, 2.5, 3.5]
+    while not store.check(["aiodist/default_pg/waiting"]):  # the joiner registered
+        time.sleep(0.01)
+    if rank == 2:  # dies once the members decided to admit the joiner
+        import aiodist._membership as membership
+        def die(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGKILL)
+        membership._successor = die
+    try:
+        dist.admit(state=[state])
+    except dist.DistNetworkError as exc:
+        print(json.dumps({"admit": str(exc), "lost": dist.recover(exc)}), flush=True)
+    while not dist.admit(state=[state]):  # the joiner waits for the next admission
+        time.sleep(0.01)
+x = np.full(3, float(dist.get_rank() + 1))
+dist.all_reduce(x)
+print(json.dumps({"rank": dist.get_rank(), "size": dist.get_world_size(),
+                  "state": state.tolist(), "x": x.tolist()}))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_member_lost_as_the_world_grows_fails_admit_and_the_joiner_waits_again() -> None:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60))
+    roles = ["0", "1", "2", "joiner"]
+    procs = [
+        proc_helpers.track(
+            subprocess.Popen(
+                [sys.executable, "-c", _MEMBER_LOST_AS_THE_WORLD_GROWS, role, str(store.port)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+        for role in roles
+    ]
+    outs = [p.communicate(timeout=60) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, -signal.SIGKILL, 0], outs
+    for rank in (0, 1):
+        out, err = outs[rank]
+        failed, result = map(json.loads, out.splitlines())
+        assert failed["admit"].startswith(
+            "admit: this generation of the process group can never be complete: rank 2 (rank 2 "
+            "is gone: its connection to the store ended without a goodbye"
+        ), (failed, err)
+        assert failed["lost"] == [2]
+        assert (result["rank"], result["size"]) == (rank, 3)
+    joined = json.loads(outs[3][0])
+    assert (joined["rank"], joined["size"]) == (2, 3)
+    assert joined["state"] == [7, 1.5, 2.5, 3.5]
+    for out, _ in (outs[0], outs[1], outs[3]):
+        assert json.loads(out.splitlines()[-1])["x"] == [6.0, 6.0, 6.0]  # 1 + 2 + 3
+    store.close()
