@@ -14,7 +14,7 @@ import contextlib
 import functools
 import logging
 import os
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Coroutine, Mapping
 from typing import Any
 
 from . import backends as _backends, group as _group
@@ -198,21 +198,13 @@ async def _shm_room(store: Store, rank: int, world_size: int, local: list[int]) 
 
 
 async def connect_members(
-    store: Store,
-    rank: int,
-    size: int,
-    connect: Connect,
-    op: str = "init_process_group",
-    gone: Callable[[], Awaitable[str | None]] | None = None,
+    store: Store, rank: int, size: int, connect: Connect, op: str = "init_process_group"
 ) -> Transport:
     """Connect ``rank`` to the other ranks of the world of ``size`` gathering in ``store``.
 
     Unless one of them gives up meanwhile: a rank that fails, is cancelled, or whose process
     ends (its lease on the store) while the world forms makes the others raise at once
-    (``op``, the call that forms the world, starts the message). A rank that has not got
-    that far yet is seen only through ``gone``, when given: it says why one of the expected
-    ranks went away, if one did (a world that replaces another knows its members already,
-    and their leases in the old one).
+    (``op``, the call that forms the world, starts the message).
 
     Raises:
         DistNetworkError: a rank left the world as it formed (named).
@@ -221,7 +213,7 @@ async def connect_members(
     # (Stores without connections hold no leases: there a rank that dies is waited for.)
     await store.lease(_LEFT, f"rank {rank} (its process ended while the world formed)")
     try:
-        transport = await _unless_left(store, connect(store, rank, size), op, gone)
+        transport = await _unless_left(store, connect(store, rank, size), op)
         try:
             await store.lease(_LEFT, None)
         except BaseException:
@@ -257,14 +249,8 @@ async def left_by(store: Store) -> str | None:
     return (await store.get(_LEFT)).decode()
 
 
-async def _unless_left(
-    store: Store,
-    joining: Coroutine[Any, Any, Transport],
-    op: str,
-    gone: Callable[[], Awaitable[str | None]] | None,
-) -> Transport:
-    """Await ``joining`` a world, unless one of its ranks leaves it meanwhile (or ``gone``
-    says one went before it got that far).
+async def _unless_left(store: Store, joining: Coroutine[Any, Any, Transport], op: str) -> Transport:
+    """Await ``joining`` a world, unless one of its ranks leaves it meanwhile.
 
     Raises:
         DistNetworkError: naming that rank; joining again joins the next generation.
@@ -276,8 +262,6 @@ async def _unless_left(
             if done:
                 return task.result()
             who = await left_by(store)
-            if who is None and gone is not None:
-                who = await gone()
             if who is not None:
                 again = "; call init_process_group again to join the next"
                 raise DistNetworkError(

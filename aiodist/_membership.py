@@ -30,8 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 from . import backends as _backends
 from ._assembly import CURRENT, announce, connect_members, leave_forming, open_world
@@ -425,10 +424,41 @@ async def _successor(
     gone: Callable[[], Awaitable[str | None]],
 ) -> World:
     """Form the world of ``size`` ranks gathering in ``store`` as ``rank``, make it the
-    default, and close ``world`` (which hands it its stores). ``gone`` says why one of the
-    processes expected there went away, if one did (see :func:`connect_members`)."""
+    default, and close ``world`` (which hands it its stores).
+
+    ``gone`` says why one of the processes expected there went away, if one did: until the
+    new world holds their leases, only their leases in ``world`` (or the lobby) tell, so a
+    process that dies before it takes its part would be waited for until the timeout.
+    """
+    formed = asyncio.ensure_future(_formed(world, store, rank, size, why))
+    try:
+        while True:
+            done, _ = await asyncio.wait({formed}, timeout=_LOST_CHECK)
+            if done:
+                break
+            lost = await gone()
+            if lost is not None:
+                raise DistNetworkError(
+                    f"{why}: the new process group can never be complete: {lost} went away"
+                )
+    except BaseException:
+        formed.cancel()
+        await asyncio.gather(formed, return_exceptions=True)
+        if not formed.cancelled() and formed.exception() is None:
+            await formed.result().aclose()  # (formed in the same turn)
+        raise
+    successor = formed.result()
+    world.hand_over_stores(successor)
+    if peek_world() is world:
+        set_current_world(successor)
+    await world.aclose(f"{_MOVED_ON} {size} ranks ({why})")
+    return successor
+
+
+async def _formed(world: World, store: Store, rank: int, size: int, why: str) -> World:
+    """The world of ``size`` ranks gathering in ``store``, connected and set up."""
     assert world.membership is not None
-    transport = await connect_members(store, rank, size, world.membership.connect, why, gone)
+    transport = await connect_members(store, rank, size, world.membership.connect, why)
     successor = World(
         transport,
         store,
@@ -439,41 +469,10 @@ async def _successor(
     )
     successor.start()
     try:
-        await _unless_gone(_set_up(successor), gone, why)
+        await successor.domain.leased()
+        await _backends.setup(successor.default_group)
+        await announce(successor)
     except BaseException:
         await successor.aclose()
         raise
-    world.hand_over_stores(successor)
-    if peek_world() is world:
-        set_current_world(successor)
-    await world.aclose(f"{_MOVED_ON} {size} ranks ({why})")
     return successor
-
-
-async def _set_up(world: World) -> None:
-    await world.domain.leased()
-    await _backends.setup(world.default_group)
-    await announce(world)
-
-
-async def _unless_gone(
-    work: Coroutine[Any, Any, None], gone: Callable[[], Awaitable[str | None]], op: str
-) -> None:
-    """Await ``work`` (forming a successor world), unless ``gone`` says meanwhile that one of
-    its processes went away: until the successor holds their leases, only their leases in
-    the world it replaces (or the lobby) tell."""
-    task = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=_LOST_CHECK)
-            if done:
-                return task.result()
-            why = await gone()
-            if why is not None:
-                raise DistNetworkError(
-                    f"{op}: the new process group can never be complete: {why} went away"
-                )
-    except BaseException:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        raise

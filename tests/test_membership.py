@@ -553,8 +553,8 @@ def test_a_member_lost_as_the_world_grows_fails_admit_and_the_joiner_waits_again
         out, err = outs[rank]
         failed, result = map(json.loads, out.splitlines())
         assert failed["admit"].startswith(
-            "admit: this generation of the process group can never be complete: rank 2 (rank 2 "
-            "is gone: its connection to the store ended without a goodbye"
+            "admit: the new process group can never be complete: rank 2 (rank 2 is gone: its "
+            "connection to the store ended without a goodbye"
         ), (failed, err)
         assert failed["lost"] == [2]
         assert (result["rank"], result["size"]) == (rank, 3)
