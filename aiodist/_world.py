@@ -305,8 +305,11 @@ class FailureDomain:
         Raises:
             DistNetworkError: the store cannot be reached.
         """
-        asked = range(self.size) if ranks is None else ranks
-        left = [r for r in asked if await self.store.check([f"left/{r}"])]
+        asked = list(range(self.size) if ranks is None else ranks)
+        # (One request per rank, sent together: a check of several keys says only whether
+        # all of them are there.)
+        found = await asyncio.gather(*(self.store.check([f"left/{r}"]) for r in asked))
+        left = [r for r, there in zip(asked, found, strict=True) if there]
         values = await self.store.multi_get([f"left/{r}" for r in left]) if left else []
         return {r: v.decode(errors="replace") for r, v in zip(left, values, strict=True)}
 
