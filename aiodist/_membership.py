@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from typing import Any, TypeVar
 
 from . import backends as _backends
 from ._assembly import CURRENT, announce, connect_members, leave_forming, open_world
@@ -49,13 +50,15 @@ SHRINK_ABORT = 1
 #: Seconds :func:`lost` waits, in a broken world, for a rank that went away to be recorded.
 LOST_GRACE = 1.0
 _LOST_POLL = 0.02
-# How often the remaining ranks waiting for a vote check that those who have not voted yet
-# are still there (seconds).
+# How often a membership change checks that the processes it waits for are still there
+# (seconds; see _unless_gone).
 _LOST_CHECK = 0.25
 # How often a process waiting to join checks whether it was admitted (seconds).
 _ADMITTED_POLL = 0.1
 # Why a rank that moved on to a successor world left the old one: it is not lost.
 _MOVED_ON = "moved on to the group of its"
+
+T = TypeVar("T")
 
 # Ids of the groups that shrinking a group other than the default makes: apart from the ids
 # new_group hands out, which every rank of the world counts alike.
@@ -132,40 +135,6 @@ async def shrink(
     return shrunk
 
 
-async def _votes_in(group: ProcessGroup, key: str, remaining: list[int]) -> str | None:
-    """Wait until the vote at ``key`` is done: every one of the (global) ``remaining`` ranks
-    voted, or one named other ranks. A remaining rank that has not voted yet and leaves the
-    world meanwhile (it died after the others saw who was lost) ends the wait: return why
-    (``None`` once the vote is done).
-
-    Raises:
-        DistTimeoutError: a remaining rank did not vote within the group's timeout (named).
-    """
-    world, store = group.world, group.world.store
-    loop = asyncio.get_running_loop()
-    deadline = None if group.timeout is None else loop.time() + group.timeout
-    while True:
-        left = None if deadline is None else max(0.0, deadline - loop.time())
-        try:
-            await store.wait(
-                [f"{key}/done"], _LOST_CHECK if left is None else min(left, _LOST_CHECK)
-            )
-            return None
-        except DistTimeoutError:
-            pass
-        arrived = {int(r) for r in (await store.get(f"{key}/arrived")).decode().split(",") if r}
-        missing = [r for r in remaining if r not in arrived]
-        gone = await _departed(world, missing)()
-        if gone is not None:
-            return gone
-        if deadline is not None and loop.time() >= deadline:
-            ranks = [group.group_rank(r) for r in missing]
-            raise DistTimeoutError(
-                f"shrink_group: group ranks {ranks} did not call shrink_group within "
-                f"{group.timeout} s"
-            )
-
-
 def _check(ranks_to_exclude: Sequence[int], shrink_flags: int, group: ProcessGroup) -> set[int]:
     if shrink_flags not in (SHRINK_DEFAULT, SHRINK_ABORT) or isinstance(shrink_flags, bool):
         raise DistUsageError(
@@ -239,17 +208,33 @@ async def _vote(group: ProcessGroup, excluded: set[int], remaining: list[int]) -
             await store.compare_set(f"{key}/done", "", "")  # (a completed vote stands)
         elif await store.add(f"{key}/votes", 1) == len(remaining):
             await store.set(f"{key}/done", str(await store.add("shrink/groups", 1)))
-        gone = await _votes_in(group, key, remaining)
-        if gone is None:
-            if await store.check([f"{key}/problem"]):
-                raise DistUsageError((await store.get(f"{key}/problem")).decode())
-            return key, int(await store.get(f"{key}/done"))
+
+        async def arrived() -> set[int]:
+            return {int(r) for r in (await store.get(f"{key}/arrived")).decode().split(",") if r}
+
+        async def not_voted_gone() -> str | None:
+            voted = await arrived()
+            return await _departed(world, [r for r in remaining if r not in voted])()
+
+        try:
+            await _unless_gone(store.wait([f"{key}/done"], group.timeout), not_voted_gone)
+        except DistTimeoutError:
+            voted = await arrived()
+            missing = [group.group_rank(r) for r in remaining if r not in voted]
+            raise DistTimeoutError(
+                f"shrink_group: group ranks {missing} did not call shrink_group within "
+                f"{group.timeout} s"
+            ) from None
+        if await store.check([f"{key}/problem"]):
+            raise DistUsageError((await store.get(f"{key}/problem")).decode())
+        return key, int(await store.get(f"{key}/done"))
     except DistNetworkError as exc:
         raise DistNetworkError(
             f"shrink_group: the store cannot be reached ({exc}); the remaining ranks agree "
             "through it, so it must be served by one of them or from outside the job"
         ) from exc
-    raise DistNetworkError(f"shrink_group: {gone} went away before it voted")
+    except _Gone as gone:
+        raise DistNetworkError(f"shrink_group: {gone} went away before it voted") from None
 
 
 async def admit(world: World) -> list[int]:
@@ -426,28 +411,15 @@ async def _successor(
     """Form the world of ``size`` ranks gathering in ``store`` as ``rank``, make it the
     default, and close ``world`` (which hands it its stores).
 
-    ``gone`` says why one of the processes expected there went away, if one did: until the
-    new world holds their leases, only their leases in ``world`` (or the lobby) tell, so a
-    process that dies before it takes its part would be waited for until the timeout.
+    ``gone`` says why one of the processes expected there went away, if one did (see
+    :func:`_unless_gone`).
     """
-    formed = asyncio.ensure_future(_formed(world, store, rank, size, why))
     try:
-        while True:
-            done, _ = await asyncio.wait({formed}, timeout=_LOST_CHECK)
-            if done:
-                break
-            lost = await gone()
-            if lost is not None:
-                raise DistNetworkError(
-                    f"{why}: the new process group can never be complete: {lost} went away"
-                )
-    except BaseException:
-        formed.cancel()
-        await asyncio.gather(formed, return_exceptions=True)
-        if not formed.cancelled() and formed.exception() is None:
-            await formed.result().aclose()  # (formed in the same turn)
-        raise
-    successor = formed.result()
+        successor = await _unless_gone(_formed(world, store, rank, size, why), gone, World.aclose)
+    except _Gone as lost:
+        raise DistNetworkError(
+            f"{why}: the new process group can never be complete: {lost} went away"
+        ) from None
     world.hand_over_stores(successor)
     if peek_world() is world:
         set_current_world(successor)
@@ -476,3 +448,38 @@ async def _formed(world: World, store: Store, rank: int, size: int, why: str) ->
         await successor.aclose()
         raise
     return successor
+
+
+class _Gone(Exception):
+    """A process that a membership change waits for went away (the text says which, why)."""
+
+
+async def _unless_gone(
+    work: Coroutine[Any, Any, T],
+    gone: Callable[[], Awaitable[str | None]],
+    release: Callable[[T], Awaitable[object]] | None = None,
+) -> T:
+    """Await ``work`` unless ``gone``, asked every :data:`_LOST_CHECK` seconds, says that one
+    of the processes it waits for went away: then cancel it and raise :class:`_Gone`.
+
+    A process that dies before it holds a lease where ``work`` waits for it is seen only
+    through its leases elsewhere (the world being replaced, the lobby): without this,
+    ``work`` would wait for it until its timeout. ``release`` lets go of a result that came
+    too late to be returned (the caller was cancelled in the same turn).
+    """
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=_LOST_CHECK)
+            if not done:
+                lost = await gone()
+                if lost is not None and not task.done():
+                    raise _Gone(lost)
+            if task.done():
+                return task.result()
+    except BaseException:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        if release is not None and not task.cancelled() and task.exception() is None:
+            await release(task.result())
+        raise
