@@ -6,7 +6,8 @@ together, over the world's store:
 * the **abort key**: the first rank to abort records why (``compare_set``, so the first
   cause wins); every rank keeps a server-side ``get`` of the key parked, so a rank with no
   connection to the one that failed learns at once, and learns the reason in the same
-  answer;
+  answer. Every aborting rank also records what it aborted for under ``aborted/<rank>``
+  (see :meth:`FailureDomain.why_gone`);
 * **departures**: a rank whose connection to the store ends without a goodbye (its process
   exited without leaving, was killed, or its host became unreachable) has the server set
   ``departed`` (a lease); every rank keeps a ``get`` of it parked too;
@@ -40,7 +41,7 @@ from collections.abc import Callable, Iterable
 
 from .errors import DistError, DistNetworkError, DistTimeoutError
 from .store import Store
-from .transport.base import abort_text
+from .transport.base import abort_text, peer_aborted_error
 
 __all__ = ["ARRIVAL_GRACE", "FailureDomain"]
 
@@ -53,6 +54,11 @@ _GONE = re.compile(r"rank (\d+) is gone")
 
 #: Seconds an aborting rank waits for its reason to be recorded before closing the store.
 ABORT_RECORD_WAIT = 1.0
+
+#: Seconds a rank whose peer's connection ended without a word waits for the store to say
+#: whether that peer went away or aborted (see FailureDomain.why_gone); and its first poll.
+GONE_CHECK_WAIT = 0.5
+_GONE_POLL = 0.002
 
 #: Seconds a rank whose operation timed out waits for the other ranks to record that they
 #: entered it too, to name those that did not.
@@ -237,9 +243,53 @@ class FailureDomain:
     async def _record(self, reason: str) -> None:
         try:
             async with asyncio.timeout(ABORT_RECORD_WAIT):
-                await self.store.compare_set(_ABORT_KEY, "", reason)
+                await asyncio.gather(
+                    self.store.set(f"aborted/{self.rank}", reason),
+                    self.store.compare_set(_ABORT_KEY, "", reason),
+                )
         except (DistError, TimeoutError) as exc:
             logger.debug("rank %d: could not record the abort reason: %s", self.rank, exc)
+
+    async def why_gone(self, exc: BaseException) -> BaseException:
+        """Return why the peer that ``exc`` lost went: ``exc`` if it went away, or the
+        error of a peer that aborted, with its reason, if the store says it aborted.
+
+        ``exc`` is a lost connection to a peer that ended without a goodbye or a reason. A
+        rank that aborts in the middle of a message to this one cannot send its reason
+        after it (it cannot follow part of a frame): it closes the connection, which looks
+        the same as its death. The store tells them apart: an aborting rank records its
+        reason (``aborted/<rank>``), and a dead one's lease writes ``left/<rank>``. This
+        waits up to :data:`GONE_CHECK_WAIT` for either; a store that cannot answer leaves
+        ``exc`` as it is.
+        """
+        peer: int | None = getattr(exc, "peer", None)
+        if peer is None or peer == self.rank:
+            return exc
+        # (A task of its own, bounded by asyncio.wait: the operation that calls this may be
+        # running inline, in its caller's task, which a timeout must not cancel.)
+        asking = asyncio.get_running_loop().create_task(self._aborted_for(peer))
+        await asyncio.wait([asking], timeout=GONE_CHECK_WAIT)
+        if not asking.done():
+            asking.cancel()
+            return exc
+        if isinstance(asking.exception(), DistError):
+            return exc  # the store cannot answer
+        why = asking.result()
+        return exc if why is None else peer_aborted_error(peer, why)
+
+    async def _aborted_for(self, peer: int) -> str | None:
+        # What ``peer`` recorded it aborted for, or None once its lease says it went away.
+        delay = _GONE_POLL
+        while True:
+            aborted, left = await asyncio.gather(
+                self.store.check([f"aborted/{peer}"]), self.store.check([f"left/{peer}"])
+            )
+            if aborted:
+                return (await self.store.get(f"aborted/{peer}")).decode(errors="replace")
+            if left:
+                return None
+            await asyncio.sleep(delay)
+            delay *= 2
 
     async def missing(self, prefix: str, me: int, ranks: list[int]) -> list[int] | None:
         """Record that rank ``me`` arrived at ``prefix``; return which of ``ranks`` did not.

@@ -892,6 +892,10 @@ class ProcessGroup:
                 op.settle(exc)
             elif departure_of(exc) is Departure.LEFT:
                 self._fail_alone(op, exc)
+            elif departure_of(exc) is Departure.GONE and op not in self._expiring:
+                # Gone without a word: dead, or aborted in the middle of a message to this
+                # rank. The store says which (and why it aborted) within moments.
+                self._fail(op, await self._world.domain.why_gone(exc))
             elif op not in self._expiring:
                 # (An operation that timed out here already fails with the timeout, not
                 # with the abort of a rank that timed out a moment earlier.)

@@ -346,3 +346,56 @@ async def test_wait_timeout_names_awaited_ranks() -> None:
         r"ranks \[1\]",
         str(err),
     ), err
+
+
+@pytest.mark.multiprocess
+async def test_a_rank_that_aborts_in_the_middle_of_a_message_is_named_with_its_reason() -> None:
+    """Rank 0 aborts while part of a large message to rank 1 is on the wire. Its reason
+    cannot follow part of a frame, so the connection just ends; and the store, stopped
+    meanwhile (SIGSTOP), cannot tell rank 1 of the abort first. Rank 1 still reports that
+    rank 0 aborted, and why, once the store answers, rather than taking it for a death."""
+    server = await spawn("aiodist", "store", 0, 2, 0)
+    sent = asyncio.Event()
+    big = np.arange(16 << 20, dtype=np.float32)  # 64 MiB: many writes
+
+    async def rank_main(rank: int) -> str:
+        aiodist.group.isolate_context()  # ranks as tasks of one process
+        store = await TCPStore.create(HOST, port, timeout=30)
+        await aiodist.init_process_group(
+            "cpu", store=store, rank=rank, world_size=2, timeout=30, shared_memory=False
+        )
+        try:
+            if rank == 0:
+                await aiodist.send(np.ones(1, np.float32), 1)  # connected
+                work = aiodist.isend(big, 1)
+                await asyncio.sleep(0.002)  # part of the frame written
+                server.proc.send_signal(signal.SIGSTOP)
+                sent.set()
+                aiodist.group.current_world().default_group.abort("rank 0 gives up")
+                with pytest.raises(DistNetworkError):
+                    await work.wait()
+                return ""
+            await aiodist.recv(np.empty(1, np.float32), 0)
+            with pytest.raises(DistNetworkError) as info:
+                await aiodist.recv(np.empty_like(big), 0)
+            return str(info.value)
+        finally:
+            await aiodist.destroy_process_group()
+            await store.aclose()
+
+    async def resume_store() -> None:
+        await sent.wait()
+        await asyncio.sleep(0.1)  # rank 1 has seen the connection end
+        server.proc.send_signal(signal.SIGCONT)
+
+    try:
+        port = (await server.event("store"))["port"]
+        resuming = asyncio.create_task(resume_store())
+        _, message = await asyncio.wait_for(asyncio.gather(rank_main(0), rank_main(1)), NO_HANG)
+        await resuming
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
+        await server.finish()
+    assert message == (
+        "lost connection to rank 0: it aborted: rank 0: DistError: rank 0 gives up"
+    ), message

@@ -657,10 +657,12 @@ def lost_peer_error(peer: int, reason: str, departure: Departure | None = None) 
     """Return the error for receives and sends that depended on a lost ``peer``.
 
     ``departure`` says how it went, when it went without failing (``None``: it failed, or
-    the connection to it did); :func:`departure_of` reads it back.
+    the connection to it did); :func:`departure_of` reads it back. ``peer`` is kept as the
+    error's ``peer`` attribute.
     """
     error = DistNetworkError(f"lost connection to rank {peer}: {reason}")
     error.departure = departure  # type: ignore[attr-defined]
+    error.peer = peer  # type: ignore[attr-defined]
     return error
 
 
