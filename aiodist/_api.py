@@ -481,10 +481,14 @@ def empty(shape: int | tuple[int, ...], dtype: npt.DTypeLike, *, group: Group = 
     ordinary array, so the same code runs anywhere. Not collective: each rank allocates
     its own, in any order.
 
+    Any group whose ranks share this host reads it in place, not only ``group``: a
+    subgroup, or the group that replaces ``group`` (``shrink_group``, ``admit``), so a
+    gradient buffer made once stays shared through membership changes.
+
     Lifetime: the memory lives as long as any view of the array does (peers drop their
-    mappings at their next collective); it stays valid after the group is destroyed, and
-    with another group it is copied like any array. Do not touch it while a collective
-    that uses it runs: in ``all_reduce`` the peers write into it.
+    mappings at their next collective); it stays valid after the group is destroyed. Do
+    not touch it while a collective that uses it runs: in ``all_reduce`` the peers write
+    into it.
 
     Raises:
         DistUsageError: a bad shape or dtype, not initialized, or not a member of ``group``.

@@ -1,10 +1,13 @@
 """Arrays in shared memory, which a group's ranks on the same host read in place.
 
 ``empty(shape, dtype, ws)`` and ``zeros(shape, dtype, ws)`` return an ordinary numpy array
-whose memory a :class:`~aiodist.collectives.shm.NodeWorkspace`'s peers can map. A
-collective of that workspace on such an array skips the copy into the workspace (peers
-read it where it is) and, for ``all_reduce`` when every rank's array is shared, the copy
-out as well (each rank writes its reduced slice straight into every rank's array).
+whose memory the peers of any :class:`~aiodist.collectives.shm.NodeWorkspace` on this
+host can map. A collective of a workspace on such an array skips the copy into the
+workspace (peers read it where it is) and, for ``all_reduce`` when every rank's array is
+shared, the copy out as well (each rank writes its reduced slice straight into every
+rank's array). Any workspace: the one it was made for, a subgroup's, or the workspace of
+the world that replaced it (``shrink_group``, ``admit``), so an array outlives the group
+it was made for and stays a shared array for the next.
 
 Lifetime rules:
 
@@ -14,24 +17,25 @@ Lifetime rules:
   :class:`~aiodist.transport._shm_segment.SharedMemoryError` naming the size, never a
   ``SIGBUS`` later) and maps it. No message is exchanged: ranks allocate independently,
   in any order, any number of arrays.
-* **Peers map it lazily.** The first collective of the workspace that reads the array
-  publishes ``(allocation id, descriptor, offset)``; each peer opens
-  ``/proc/<pid>/fd/<descriptor>`` (the allocating rank holds the array, so the descriptor
-  is valid) and caches the mapping for later calls.
+* **Peers map it lazily.** The first collective of a workspace that reads the array
+  publishes ``(allocation id, descriptor, offset)`` (the ids are unique in the process);
+  each peer opens ``/proc/<pid>/fd/<descriptor>`` (the allocating rank holds the array, so
+  the descriptor is valid) and caches the mapping for later calls.
 * **Freed when the last view goes.** The memory stays valid on this rank as long as any
   view of the array exists (slices and reshapes included). When the last one is dropped,
   the descriptor is closed, this rank's mapping removed, and the allocation id recorded
-  in the workspace's freed list in shared memory; every peer drops its cached mapping at
-  its next collective on that workspace (or when it closes the workspace). The kernel
-  returns the memory once the last mapping, on any rank, is gone.
+  in the freed list, in shared memory, of every workspace that published it; every peer
+  drops its cached mapping at its next collective on that workspace (or when it closes
+  the workspace). The kernel returns the memory once the last mapping, on any rank, is
+  gone.
 * **One rank dropping its array affects nobody else.** Every rank's array is a separate
   allocation, and a peer needs it only while a collective runs, during which the caller
   holds it. A rank may use a shared array in one call and a private one in the next.
 * **Do not modify it while a collective that uses it runs** (true of every array), and
   remember that peers *write* into it during ``all_reduce`` (their slices of the result).
-* **It outlives the workspace**: after ``ws.aclose()`` the array stays valid here; used
-  with another workspace, or smaller than ``DIRECT_MIN_BYTES``, it is copied like any
-  array.
+* **It outlives the workspace**: after ``ws.aclose()`` the array stays valid here, and
+  other workspaces read it in place as before; smaller than ``DIRECT_MIN_BYTES``, it is
+  copied like any array.
 """
 
 from __future__ import annotations
@@ -82,14 +86,15 @@ class Location(NamedTuple):
 
 
 class _Allocation:
-    __slots__ = ("addr", "fd", "id", "size", "ws")
+    __slots__ = ("addr", "fd", "id", "published", "size")
 
-    def __init__(self, alloc_id: int, fd: int, size: int, addr: int, ws: Owner) -> None:
+    def __init__(self, alloc_id: int, fd: int, size: int, addr: int) -> None:
         self.id = alloc_id
         self.fd = fd
         self.size = size
         self.addr = addr
-        self.ws = weakref.ref(ws)
+        # The workspaces whose peers may have mapped it (told when it is freed).
+        self.published: weakref.WeakSet[Owner] = weakref.WeakSet()
 
 
 # Live allocations of this process, by start address (sorted), for locate().
@@ -129,7 +134,8 @@ def empty(shape: int | tuple[int, ...], dtype: npt.DTypeLike, ws: Owner) -> npt.
     Args:
         shape: the array's shape.
         dtype: a dtype collectives accept.
-        ws: the workspace whose collectives may read it in place.
+        ws: a workspace of the caller's group (its collectives, and those of any other
+            workspace on this host, read it in place).
 
     Returns:
         A C-contiguous, writable numpy array.
@@ -155,7 +161,7 @@ def empty(shape: int | tuple[int, ...], dtype: npt.DTypeLike, ws: Owner) -> npt.
         os.close(fd)
         raise
     base = np.frombuffer(mm, dtype=np.uint8)
-    alloc = _Allocation(next(_ids), fd, size, base.ctypes.data, ws)
+    alloc = _Allocation(next(_ids), fd, size, base.ctypes.data)
     with _lock:
         bisect.insort(_starts, alloc.addr)
         _by_start[alloc.addr] = alloc
@@ -180,20 +186,22 @@ def _free(alloc: _Allocation) -> None:
         i = bisect.bisect_left(_starts, alloc.addr)
         if i < len(_starts) and _starts[i] == alloc.addr:
             del _starts[i]
+        published = list(alloc.published)
     os.close(alloc.fd)
-    ws = alloc.ws()
-    if ws is not None:
+    for ws in published:
         ws.note_freed(alloc.id)
 
 
 def locate(a: npt.NDArray[Any], ws: Owner) -> Location | None:
-    """Return where ``a`` lives if it is (a view into) a shared array of ``ws``, else ``None``."""
+    """Return where ``a`` lives if it is (a view into) a shared array, else ``None``;
+    ``ws``, whose peers are about to read it, is told when it is freed."""
     addr: int = a.__array_interface__["data"][0]
     with _lock:
         i = bisect.bisect_right(_starts, addr) - 1
         if i < 0:
             return None
         alloc = _by_start[_starts[i]]
-    if alloc.ws() is not ws or addr + a.nbytes > alloc.addr + alloc.size:
-        return None
+        if addr + a.nbytes > alloc.addr + alloc.size:
+            return None
+        alloc.published.add(ws)
     return Location(alloc.id, alloc.fd, alloc.size, addr - alloc.addr)

@@ -7,7 +7,10 @@ leaves the machine; ``unshare -n`` needs root, ``unshare -rn`` works without):
 
 A job of 4 workers on this host trains data-parallel: every step each worker computes the
 gradient of its shard of the data, the workers sum it (all_reduce, the size of the model) and
-apply it to the model, ``--state-mib`` MiB of float32 (default 256). At ``--kill-step`` the
+apply it to the model, ``--state-mib`` MiB of float32 (default 256). The aiodist workers keep
+the gradient in an array of ``aiodist.empty`` (shared memory: their all_reduce reads it in
+place, in the worlds that replace theirs too), as a job on one host would; torch's in a
+tensor. At ``--kill-step`` the
 worker of rank ``--kill-rank`` prints the time and kills itself with ``SIGKILL``, as the OOM
 killer or a lost host would. Three setups (``--setups``, comma-separated), their repetitions
 interleaved (one of each in turn), so that a change in the machine's load hits all alike:
@@ -286,7 +289,9 @@ def aiodist_worker(a: argparse.Namespace) -> None:
         step, w = load_state(a.checkpoint_dir, n) if not first else (0, initial_model(n))
         dist.init_process_group("gloo")
         emit("joined", step=step, rank=dist.get_rank(), size=dist.get_world_size())
-    grad = np.empty_like(w)
+    # In shared memory (one host): the workers' all_reduce reads it in place, and so do the
+    # worlds that replace this one as ranks are lost and admitted.
+    grad = dist.empty(n, np.float32)
     while step < a.steps:
         if first and mine == a.kill_rank and step == a.kill_step:
             emit("kill", step=step)
@@ -887,8 +892,10 @@ def main() -> None:
         + f"Run time {(time.monotonic() - t_start) / 60:.1f} min.",
         "",
         f"The job: {NPROC} workers on this host, data-parallel, {a.steps} steps; the model is "
-        f"{a.state_mib} MiB of float32 and every step all_reduces a gradient of that size. At "
-        f"step {a.kill_step} the worker of rank {a.kill_rank} kills itself with SIGKILL. "
+        f"{a.state_mib} MiB of float32 and every step all_reduces a gradient of that size "
+        "(the aiodist workers' in an array of `aiodist.empty`, in shared memory, which every "
+        "world on the host reads in place, the worlds that replace theirs too; the torch "
+        f"workers' in a tensor). At step {a.kill_step} the worker of rank {a.kill_rank} kills itself with SIGKILL. "
         f"Repetitions of each setup: {a.reps}, taken in turn. The setups:",
         "",
         *[f"- {LABELS[s]}: {DESCRIPTIONS[s]}." for s in setups],

@@ -61,6 +61,37 @@ async def test_a_subgroup_gets_its_own_shared_arrays() -> None:
     await run_world(rank_fn, 3, transport="shm")
 
 
+def in_place(group: ProcessGroup) -> int:
+    """How many collectives of ``group``'s workspace had inputs peers read in place."""
+    workspace: Any = group.paths.get("cpu")
+    stats: int = workspace.get().result().statistics().in_place
+    return stats
+
+
+@pytest.mark.both_loops
+async def test_a_shared_array_is_read_in_place_by_every_group_on_the_host() -> None:
+    # Made for the world; then reduced in a subgroup, and in the world that replaces the
+    # first when a rank leaves (shrink_group): read in place there too, not copied.
+    async def rank_fn(rank: int, size: int) -> list[float] | None:
+        x = aiodist.empty(1 << 18, np.float32)
+        sub = await aiodist.new_group([0, 1, 2])
+        if rank == 3:
+            return None  # leaves
+        assert isinstance(sub, ProcessGroup)
+        x[:] = rank + 1
+        await aiodist.all_reduce(x, group=sub)
+        assert in_place(sub) == 1
+        sums = [float(x[0]), float(x[-1])]
+        pg = await aiodist.shrink_group([3])
+        x[:] = 10 * (rank + 1)
+        await aiodist.all_reduce(x, op=aiodist.ReduceOp.MAX)
+        assert in_place(pg) == 1
+        return [*sums, float(x[0]), float(x[-1])]
+
+    results = await run_world(rank_fn, 4, transport="shm")
+    assert results == [[6.0, 6.0, 30.0, 30.0]] * 3 + [None]
+
+
 async def test_over_tcp_they_are_ordinary_arrays() -> None:
     async def rank_fn(rank: int, size: int) -> None:
         x = aiodist.zeros((2, 2), np.complex64)
