@@ -322,14 +322,29 @@ def aiodist_worker(a: argparse.Namespace) -> None:
         if a.elastic and step % a.admit_every == 0 and step < a.steps:
             step_box[0] = step
             started = time.time()
-            admitted = dist.admit(state=[step_box, w])
-            # The last admission point waits for the replacement, so that every repetition
-            # measures its admission however fast the steps go (every member calls admit as
-            # often: they all see the same).
-            last = step + a.admit_every >= a.steps
-            while last and not admitted and dist.get_world_size() < int(os.environ["WORLD_SIZE"]):
-                time.sleep(0.05)
+            try:
                 admitted = dist.admit(state=[step_box, w])
+                # The last admission point waits for the replacement, so that every
+                # repetition measures its admission however fast the steps go (every member
+                # calls admit as often: they all see the same).
+                last = step + a.admit_every >= a.steps
+                full = int(os.environ["WORLD_SIZE"])
+                while last and not admitted and dist.get_world_size() < full:
+                    time.sleep(0.05)
+                    admitted = dist.admit(state=[step_box, w])
+            except dist.DistError as exc:
+                # A member lost as the world grew: go on without it, as after a failed step
+                # (the processes being admitted wait for the next admission point).
+                lost = dist.recover(exc)
+                emit(
+                    "recover",
+                    step=step,
+                    lost=lost,
+                    seconds=time.time() - started,
+                    rank=dist.get_rank(),
+                    size=dist.get_world_size(),
+                )
+                admitted = []
             if admitted:
                 emit(
                     "admit",
