@@ -262,8 +262,12 @@ async def join_process_group(
         DistUsageError: already initialized, or bad arguments (as ``init_process_group``).
         DistTimeoutError: not admitted within ``timeout`` (the members did not call
             :func:`admit`).
-        DistNetworkError: the store or a member could not be reached, or a member was
-            lost while the grown world formed.
+        DistNetworkError: the store could not be reached, or the job's world ended (every
+            member left) before it admitted this process.
+
+    A member lost while the grown world forms or sends the state does not end the wait:
+    the members go on without it (:func:`recover`), and this process leaves the grown
+    world, registers again and waits (up to ``timeout`` again) for their next ``admit``.
     """
     name, devices, seconds, token = _options(
         "join_process_group", backend, timeout, auth_token, group_name, shared_memory
@@ -274,12 +278,14 @@ async def join_process_group(
     membership = _group.Membership(
         connector(seconds, token, shared_memory), job_store(store, group_name)
     )
-    pg = await _membership.join(
-        membership, backend=name, backends=devices, timeout=seconds, owned=owned
+
+    async def receive(pg: ProcessGroup) -> None:
+        for x in state:
+            await broadcast(x, src=0, group=pg)
+
+    return await _membership.join(
+        membership, backend=name, backends=devices, timeout=seconds, owned=owned, receive=receive
     )
-    for x in state:
-        await broadcast(x, src=0)
-    return pg
 
 
 async def admit(group: ProcessGroup | None = None, *, state: Sequence[Any] = ()) -> list[int]:

@@ -300,9 +300,30 @@ async def join(
     backends: Mapping[str, str],
     timeout: float | None,
     owned: list[Store],
+    receive: Callable[[ProcessGroup], Awaitable[None]],
 ) -> ProcessGroup:
     """Wait in the job's lobby (``membership.lobby``) until the members admit this process;
-    return the default group it then joins. See :func:`aiodist.join_process_group`."""
+    return the default group it then joins, once ``receive(group)`` got the members' state.
+    See :func:`aiodist.join_process_group`."""
+    while True:
+        pg = await _join_once(membership, backend, backends, timeout, owned)
+        try:
+            await receive(pg)
+            return pg
+        except DistNetworkError:
+            # A member lost as the state came: the members go on without it (recover) and
+            # admit again. Leave the grown world, keeping the job's store, and wait for that.
+            owned = pg.world.release_stores()
+            await pg.destroy()
+
+
+async def _join_once(
+    membership: Membership,
+    backend: str,
+    backends: Mapping[str, str],
+    timeout: float | None,
+    owned: list[Store],
+) -> ProcessGroup:
     lobby = membership.lobby
     loop = asyncio.get_running_loop()
     deadline = None if timeout is None else loop.time() + timeout

@@ -284,9 +284,14 @@ class World:
         """Give the stores this world made to ``successor``, the world that replaces it
         (``shrink_group``): this one no longer closes them, nor keeps a store it serves up
         for its ranks; ``successor`` does."""
-        successor._owned.extend(self._owned)
         successor.domain.hosting = self.domain.hosting
-        self._owned, self.domain.hosting = [], False
+        successor._owned.extend(self.release_stores())
+
+    def release_stores(self) -> list[Store]:
+        """Return the stores this world made: it no longer closes them, nor keeps a store
+        it serves up for its ranks."""
+        owned, self._owned, self.domain.hosting = self._owned, [], False
+        return owned
 
     @property
     def group_count(self) -> int:

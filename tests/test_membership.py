@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -502,7 +503,7 @@ import json, os, signal, sys, time
 from datetime import timedelta
 import numpy as np
 import aiodist.sync as dist
-role, port = sys.argv[1], int(sys.argv[2])
+role, port, where = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
 state = np.zeros(4)
 if role == "joiner":
@@ -513,11 +514,14 @@ else:
     state[:] = [7, 1.5, 2.5, 3.5]
     while not store.check(["aiodist/default_pg/waiting"]):  # the joiner registered
         time.sleep(0.01)
-    if rank == 2:  # dies once the members decided to admit the joiner
-        import aiodist._membership as membership
+    if rank == 2:  # dies once the members decided to admit the joiner, or as they send
+        import aiodist._api as api, aiodist._membership as membership
         def die(*args, **kwargs):
             os.kill(os.getpid(), signal.SIGKILL)
-        membership._successor = die
+        if where == "forming":
+            membership._successor = die
+        else:
+            api.broadcast = die  # the grown world formed; the state is sent next
     try:
         dist.admit(state=[state])
     except dist.DistNetworkError as exc:
@@ -533,13 +537,18 @@ dist.destroy_process_group()
 
 
 @pytest.mark.multiprocess
-def test_a_member_lost_as_the_world_grows_fails_admit_and_the_joiner_waits_again() -> None:
+@pytest.mark.parametrize("where", ["forming", "state"])
+def test_a_member_lost_as_the_world_grows_fails_admit_and_the_joiner_waits_again(
+    where: str,
+) -> None:
+    # Member 2 dies as the grown world forms, or once it formed, before the state is sent.
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60))
     roles = ["0", "1", "2", "joiner"]
+    script = _MEMBER_LOST_AS_THE_WORLD_GROWS
     procs = [
         proc_helpers.track(
             subprocess.Popen(
-                [sys.executable, "-c", _MEMBER_LOST_AS_THE_WORLD_GROWS, role, str(store.port)],
+                [sys.executable, "-c", script, role, str(store.port), where],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
@@ -552,11 +561,18 @@ def test_a_member_lost_as_the_world_grows_fails_admit_and_the_joiner_waits_again
     for rank in (0, 1):
         out, err = outs[rank]
         failed, result = map(json.loads, out.splitlines())
-        assert failed["admit"].startswith(
-            "admit: the new process group can never be complete: rank 2 (rank 2 is gone: its "
-            "connection to the store ended without a goodbye"
-        ), (failed, err)
-        assert failed["lost"] == [2]
+        if where == "forming":
+            assert failed["admit"].startswith(
+                "admit: the new process group can never be complete: rank 2 (rank 2 is gone: "
+                "its connection to the store ended without a goodbye"
+            ), (failed, err)
+            assert failed["lost"] == [2]
+        else:
+            # The broadcast of the state failed, naming rank 2; the joiner, rank 3 of the
+            # grown world, left it to wait again, so the members lost both.
+            named = r"lost connection to rank 2\b|\brank 2 is gone"
+            assert re.search(named, failed["admit"]), (failed, err)
+            assert failed["lost"] == [2, 3]
         assert (result["rank"], result["size"]) == (rank, 3)
     joined = json.loads(outs[3][0])
     assert (joined["rank"], joined["size"]) == (2, 3)
