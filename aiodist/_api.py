@@ -267,7 +267,8 @@ async def join_process_group(
 
     A member lost while the grown world forms or sends the state does not end the wait:
     the members go on without it (:func:`recover`), and this process leaves the grown
-    world, registers again and waits (up to ``timeout`` again) for their next ``admit``.
+    world, registers again and waits (within the same ``timeout``) for their next
+    ``admit``.
     """
     name, devices, seconds, token = _options(
         "join_process_group", backend, timeout, auth_token, group_name, shared_memory

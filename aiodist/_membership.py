@@ -305,34 +305,17 @@ async def join(
     """Wait in the job's lobby (``membership.lobby``) until the members admit this process;
     return the default group it then joins, once ``receive(group)`` got the members' state.
     See :func:`aiodist.join_process_group`."""
-    while True:
-        pg = await _join_once(membership, backend, backends, timeout, owned)
-        try:
-            await receive(pg)
-            return pg
-        except DistNetworkError:
-            # A member lost as the state came: the members go on without it (recover) and
-            # admit again. Leave the grown world, keeping the job's store, and wait for that.
-            owned = pg.world.release_stores()
-            await pg.destroy()
-
-
-async def _join_once(
-    membership: Membership,
-    backend: str,
-    backends: Mapping[str, str],
-    timeout: float | None,
-    owned: list[Store],
-) -> ProcessGroup:
     lobby = membership.lobby
     loop = asyncio.get_running_loop()
     deadline = None if timeout is None else loop.time() + timeout
     while True:
         me = secrets.token_hex(8)
         admitted = False
+        pg: ProcessGroup | None = None
         try:
-            # Members that decide while this process is gone leave it out (and if it goes
-            # after they decided, they hear of it as the new world forms: connect_members).
+            # Members that decide while this process is gone leave it out; those that
+            # decided watch this lease as the grown world forms, so it is held until the
+            # grown world holds this process's own.
             await lobby.lease(f"gone/{me}", "its process ended while it waited to be admitted")
             await lobby.append("waiting", f"{me},")
             await _admitted(lobby, f"ticket/{me}", timeout, deadline)
@@ -341,28 +324,34 @@ async def _join_once(
             store = PrefixStore(f"round/{round_text}", lobby)
             connect = membership.connect
             transport = await connect_members(store, int(rank), int(size), connect, "admit")
+            membership.seen = int(seen)
+            # (The job's stores go to the grown world once it is whole: a retry keeps them.)
+            pg = await open_world(
+                transport,
+                store,
+                backend=backend,
+                backends=backends,
+                timeout=timeout,
+                owned=[],
+                membership=membership,
+            )
             await lobby.lease(f"gone/{me}", None)
-            break
+            await receive(pg)
         except BaseException as exc:
-            await _give_up(lobby, me, exc)
-            # A member lost while the grown world formed fails it for every process in it;
-            # the members go on without that one (recover) and admit again: wait for that,
-            # under a new name.
+            if pg is None:
+                await _give_up(lobby, me, exc)
+            else:
+                await pg.destroy()
+            # A member lost while the grown world formed, or sent the state, fails it for
+            # every process in it; the members go on without that one (recover) and admit
+            # again: wait for that, under a new name.
             if admitted and isinstance(exc, DistNetworkError):
                 continue
             for s in owned:
                 await s.aclose()
             raise
-    membership.seen = int(seen)
-    return await open_world(
-        transport,
-        store,
-        backend=backend,
-        backends=backends,
-        timeout=timeout,
-        owned=owned,
-        membership=membership,
-    )
+        pg.world.keep_stores(owned)
+        return pg
 
 
 async def _admitted(

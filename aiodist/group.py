@@ -284,14 +284,16 @@ class World:
         """Give the stores this world made to ``successor``, the world that replaces it
         (``shrink_group``): this one no longer closes them, nor keeps a store it serves up
         for its ranks; ``successor`` does."""
-        successor.domain.hosting = self.domain.hosting
-        successor._owned.extend(self.release_stores())
+        successor.keep_stores(self._owned)
+        self._owned, self.domain.hosting = [], False
 
-    def release_stores(self) -> list[Store]:
-        """Return the stores this world made: it no longer closes them, nor keeps a store
-        it serves up for its ranks."""
-        owned, self._owned, self.domain.hosting = self._owned, [], False
-        return owned
+    def keep_stores(self, stores: Sequence[Store]) -> None:
+        """Close ``stores`` too when this world closes, and keep up a store it serves until
+        every rank has left (stores made for it, handed over once it is whole)."""
+        self._owned.extend(stores)
+        self.domain.hosting = self.domain.hosting or any(
+            getattr(s, "server", None) is not None for s in stores
+        )
 
     @property
     def group_count(self) -> int:

@@ -580,3 +580,60 @@ def test_a_member_lost_as_the_world_grows_fails_admit_and_the_joiner_waits_again
     for out, _ in (outs[0], outs[1], outs[3]):
         assert json.loads(out.splitlines()[-1])["x"] == [6.0, 6.0, 6.0]  # 1 + 2 + 3
     store.close()
+
+
+_JOINER_LOST_AS_THE_WORLD_GROWS = """
+import json, os, signal, sys
+from datetime import timedelta
+import numpy as np
+import aiodist.sync as dist
+role, port = sys.argv[1], int(sys.argv[2])
+store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+if role == "joiner":  # dies connected to the members, before its leases in the grown world
+    import aiodist.backends as backends
+    async def die(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
+    backends.setup = die
+    dist.join_process_group("gloo", store=store, timeout=60)
+else:
+    dist.init_process_group("gloo", store=store, rank=int(role), world_size=3, timeout=60)
+    while not store.check(["aiodist/default_pg/waiting"]):  # the joiner registered
+        pass
+    try:
+        dist.admit()
+    except dist.DistNetworkError as exc:
+        print(json.dumps({"admit": str(exc)}), flush=True)
+    x = np.full(3, float(dist.get_rank() + 1))
+    dist.all_reduce(x)  # the world before the admission goes on
+    print(json.dumps({"rank": dist.get_rank(), "size": dist.get_world_size(), "x": x.tolist()}))
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_joiner_lost_as_the_world_grows_fails_admit_and_the_members_go_on() -> None:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60))
+    roles = ["0", "1", "2", "joiner"]
+    script = _JOINER_LOST_AS_THE_WORLD_GROWS
+    procs = [
+        proc_helpers.track(
+            subprocess.Popen(
+                [sys.executable, "-c", script, role, str(store.port)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+        for role in roles
+    ]
+    outs = [p.communicate(timeout=60) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0, -signal.SIGKILL], outs
+    for rank in range(3):
+        out, err = outs[rank]
+        failed, result = map(json.loads, out.splitlines())
+        assert failed["admit"] == (
+            "admit: the new process group can never be complete: a process being admitted "
+            "(its process ended while it waited to be admitted) went away"
+        ), (failed, err)
+        assert result == {"rank": rank, "size": 3, "x": [6.0, 6.0, 6.0]}
+    store.close()
