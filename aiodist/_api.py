@@ -265,6 +265,12 @@ async def join_process_group(
         DistNetworkError: the store could not be reached, or the job's world ended (every
             member left) before it admitted this process.
 
+    A process started before the job's world formed (under ``aiodist-run
+    --restart-policy=failed``, the replacement of a worker lost during start-up) finds no
+    world to join: it takes its rank (``RANK``, from ``env://``) in the world being formed,
+    as ``init_process_group`` would, and ``state`` is left as it is; should a world be
+    formed without it meanwhile, it waits to be admitted to that one instead.
+
     A member lost while the grown world forms or sends the state does not end the wait:
     the members go on without it (:func:`recover`), and this process leaves the grown
     world, registers again and waits (within the same ``timeout``) for their next
@@ -273,7 +279,7 @@ async def join_process_group(
     name, devices, seconds, token = _options(
         "join_process_group", backend, timeout, auth_token, group_name, shared_memory
     )
-    store, _, _, owned = await _reach_store(
+    store, rank, world_size, owned = await _reach_store(
         "join_process_group", init_method, store, None, None, seconds, token
     )
     membership = _group.Membership(
@@ -284,8 +290,30 @@ async def join_process_group(
         for x in state:
             await broadcast(x, src=0, group=pg)
 
+    async def form() -> ProcessGroup:
+        # This process's rank in the job's world as it forms, as init_process_group takes it
+        # (the job's stores stay with the caller until it is whole).
+        return await join_world(
+            store,
+            rank,
+            world_size,
+            [],
+            name=group_name,
+            backend=name,
+            backends=devices,
+            timeout=seconds,
+            token=token,
+            shared_memory=shared_memory,
+        )
+
     return await _membership.join(
-        membership, backend=name, backends=devices, timeout=seconds, owned=owned, receive=receive
+        membership,
+        backend=name,
+        backends=devices,
+        timeout=seconds,
+        owned=owned,
+        receive=receive,
+        form=form if rank >= 0 else None,
     )
 
 

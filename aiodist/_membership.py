@@ -301,13 +301,27 @@ async def join(
     timeout: float | None,
     owned: list[Store],
     receive: Callable[[ProcessGroup], Awaitable[None]],
+    form: Callable[[], Coroutine[Any, Any, ProcessGroup]] | None = None,
 ) -> ProcessGroup:
     """Wait in the job's lobby (``membership.lobby``) until the members admit this process;
     return the default group it then joins, once ``receive(group)`` got the members' state.
-    See :func:`aiodist.join_process_group`."""
+    While the job has no world yet, ``form()`` (if given) takes this process's rank in the
+    world being formed instead. See :func:`aiodist.join_process_group`."""
     lobby = membership.lobby
     loop = asyncio.get_running_loop()
     deadline = None if timeout is None else loop.time() + timeout
+    while form is not None and not await lobby.check([CURRENT]):
+        try:
+            formed = await _unless_announced(lobby, form())
+        except DistNetworkError:
+            # A rank left that generation as it formed (its replacement joins the next):
+            # join the next too, unless a world runs by now.
+            if deadline is not None and loop.time() >= deadline:
+                raise
+            continue
+        if formed is not None:
+            formed.world.keep_stores(owned)
+            return formed
     while True:
         me = secrets.token_hex(8)
         admitted = False
@@ -352,6 +366,34 @@ async def join(
             raise
         pg.world.keep_stores(owned)
         return pg
+
+
+async def _unless_announced(
+    lobby: Store, forming: Coroutine[Any, Any, ProcessGroup]
+) -> ProcessGroup | None:
+    """Await ``forming`` a world, unless the job announces a world (``CURRENT``) first:
+    then cancel it and return ``None``.
+
+    A world formed without this process (the worker it replaces died after the world had
+    formed, before it was announced) is announced moments later, or its successor is once
+    the members shrink it: this process then waits to be admitted.
+    """
+    task = asyncio.ensure_future(forming)
+    try:
+        while True:
+            done, _ = await asyncio.wait([task], timeout=_LOST_CHECK)
+            if done:
+                return task.result()
+            if await lobby.check([CURRENT]):
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                if not task.cancelled() and task.exception() is None:
+                    await task.result().destroy()  # formed in the same turn: let it go
+                return None
+    except BaseException:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise
 
 
 async def _admitted(

@@ -14,6 +14,12 @@ Modes:
                         the others' next all_reduce raises, they destroy and init the group
                         again and the replacement of rank R joins them; all_reduce of
                         rank + 1 + 10 * restart count in the rebuilt group
+    early R WHEN        for --restart-policy=failed: rank R is SIGKILLed before its group
+                        forms (WHEN: ``before`` init_process_group, or ``during`` it, once
+                        it joined the world being formed); a restarted worker calls
+                        join_process_group(state=[7, 7]), which takes its rank in the world
+                        being formed; all_reduce of rank + 1 + 10 * restart count; print
+                        the sum, the world size and the state
     graceful STEP HOW   print "ready", run steps of STEP seconds; on SIGTERM each rank does
                         what HOW (comma-separated, one per rank) says: finish (the current
                         step, then exit 0), finish143 (then exit 128 + SIGTERM) or ignore
@@ -156,6 +162,35 @@ def main() -> None:
             x = np.array([rank + 1.0 + 10 * attempt])
             await aiodist.all_reduce(x)
             print(f"rebuilt restart={attempt} sum={x[0]:g} pid={os.getpid()}", flush=True)
+            await shutdown()
+
+        asyncio.run(run())
+    elif mode == "early":
+
+        async def run() -> None:
+            import aiodist
+
+            if attempt == 0 and rank == int(args[0]):
+                if args[1] == "before":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                import aiodist._assembly as assembly
+
+                async def die(*_: object) -> None:
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+                assembly.connect_members = die  # its generation counted, its lease not yet
+            state = np.zeros(2)
+            if attempt == 0:
+                await aiodist.init_process_group(backend="gloo", timeout=60)
+            else:
+                await aiodist.join_process_group(backend="gloo", timeout=60, state=[state])
+            x = np.array([rank + 1.0 + 10 * attempt])
+            await aiodist.all_reduce(x)
+            print(
+                f"restart={attempt} sum={x[0]:g} size={aiodist.get_world_size()} "
+                f"state={state.tolist()}",
+                flush=True,
+            )
             await shutdown()
 
         asyncio.run(run())
