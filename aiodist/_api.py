@@ -341,8 +341,12 @@ async def admit(group: ProcessGroup | None = None, *, state: Sequence[Any] = ())
         DistUsageError: not initialized, ``group`` is not the default group, or a world
             made outside ``init_process_group``.
         DistError: the world was aborted (shrink it first, see :func:`shrink_group`).
-        DistNetworkError: the store could not be reached, or a member or a new process was
-            lost while the grown world formed.
+        DistNetworkError: the store could not be reached, or a member was lost while the
+            grown world formed or the state was sent (go on with :func:`recover`).
+
+    A process being admitted that is lost while the grown world forms admits nobody this
+    time (logged, and ``[]`` returned): the members' world is as it was, and the other
+    processes that were being admitted wait for the next ``admit``.
     """
     pg = resolve_group(group, "admit")
     if pg is not pg.world.default_group:

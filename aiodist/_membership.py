@@ -29,6 +29,7 @@ patched (see docs/architecture.md, "Membership changes").
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
@@ -53,6 +54,8 @@ _LOST_POLL = 0.02
 # How often a membership change checks that the processes it waits for are still there
 # (seconds; see _unless_gone).
 _LOST_CHECK = 0.25
+
+logger = logging.getLogger(__name__)
 # How often a process waiting to join checks whether it was admitted (seconds).
 _ADMITTED_POLL = 0.1
 # Why a rank that moved on to a successor world left the old one: it is not lost.
@@ -267,7 +270,15 @@ async def admit(world: World) -> list[int]:
     )
     store = PrefixStore(f"round/{round_text}", lobby)
     members = [r for r in range(world.size) if r != world.rank]
-    await _successor(world, store, world.rank, size, "admit", _departed(world, members, ids))
+    try:
+        await _successor(world, store, world.rank, size, "admit", _departed(world, members, ids))
+    except DistNetworkError as exc:
+        # Only processes being admitted were lost: the members' world is as it was, and
+        # admitting nobody is what happened (the others that wait register again).
+        if world.broken is not None or await _departed(world, members)() is not None:
+            raise
+        logger.warning("rank %d: admit: nobody admitted this time: %s", world.rank, exc)
+        return []
     return list(range(world.size, size))
 
 
