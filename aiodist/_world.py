@@ -37,7 +37,8 @@ import asyncio
 import contextlib
 import logging
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
+from typing import TypeVar
 
 from .errors import DistError, DistNetworkError, DistTimeoutError
 from .store import Store
@@ -46,6 +47,8 @@ from .transport.base import abort_text, peer_aborted_error
 __all__ = ["ARRIVAL_GRACE", "FailureDomain"]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 _ABORT_KEY = "abort"
 _DEPARTED_KEY = "departed"
@@ -328,25 +331,39 @@ class FailureDomain:
             DistNetworkError: the world was aborted or closed, or a rank went without a
                 goodbye, meanwhile (its cause is chained).
         """
-        if count == 1:
-            return
-        barrier = asyncio.ensure_future(self.store.barrier(key, count, timeout))
+        if count > 1:
+            await self.unless_broken(self.store.barrier(key, count, timeout), what)
+
+    async def unless_broken(self, work: Awaitable[T], what: str) -> T:
+        """Await ``work`` (a step of setting something up that waits for every rank),
+        unless the world breaks first: then cancel it and raise; ``what`` the ranks are
+        doing names the error.
+
+        A rank that dies before it does its part of such a step may hold no lease the step
+        watches (it waits in the store for that rank's record): its lost connections break
+        the world, which ends the wait.
+
+        Raises:
+            DistNetworkError: the world was aborted or closed, or a rank went without a
+                goodbye, meanwhile (its cause is chained).
+        """
+        task = asyncio.ensure_future(work)
         ended = asyncio.ensure_future(self._ended.wait())
         try:
-            await asyncio.wait((barrier, ended), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait((task, ended), return_when=asyncio.FIRST_COMPLETED)
         finally:
             ended.cancel()
-            if not barrier.done():
-                barrier.cancel()
+            if not task.done():
+                task.cancel()
                 with contextlib.suppress(BaseException):
-                    await barrier
-        if barrier.cancelled():
+                    await task
+        if task.cancelled():
             cause = self.broken
             raise DistNetworkError(
                 f"{what}: the world "
                 + (f"broke before every rank got there: {cause}" if cause else "was closed")
             ) from cause
-        barrier.result()
+        return task.result()
 
     async def departures(self, ranks: Iterable[int] | None = None) -> dict[int, str]:
         """The ranks (of ``ranks``, default all) that have left this world so far, with why

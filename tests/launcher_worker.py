@@ -15,8 +15,9 @@ Modes:
                         again and the replacement of rank R joins them; all_reduce of
                         rank + 1 + 10 * restart count in the rebuilt group
     early R WHEN        for --restart-policy=failed: rank R is SIGKILLed before its group
-                        forms (WHEN: ``before`` init_process_group, or ``during`` it, once
-                        it joined the world being formed); a restarted worker calls
+                        forms (WHEN: ``before`` init_process_group; ``during`` it, once
+                        it counted in the world being formed; ``connected``, once connected
+                        to every rank, before its leases); a restarted worker calls
                         join_process_group(state=[7, 7]), which takes its rank in the world
                         being formed; all_reduce of rank + 1 + 10 * restart count; print
                         the sum, the world size and the state
@@ -174,11 +175,15 @@ def main() -> None:
                 if args[1] == "before":
                     os.kill(os.getpid(), signal.SIGKILL)
                 import aiodist._assembly as assembly
+                import aiodist._world as world
 
                 async def die(*_: object) -> None:
                     os.kill(os.getpid(), signal.SIGKILL)
 
-                assembly.connect_members = die  # its generation counted, its lease not yet
+                if args[1] == "during":  # its generation counted, its lease not yet
+                    assembly.connect_members = die
+                else:  # "connected": to every rank, before its leases and set-up
+                    world.FailureDomain.leased = die  # type: ignore[method-assign]
             state = np.zeros(2)
             if attempt == 0:
                 await aiodist.init_process_group(backend="gloo", timeout=60)

@@ -123,23 +123,25 @@ def test_failed_rank_is_restarted_alone_and_the_group_is_rebuilt() -> None:
     assert "the job failed" not in result.stderr
 
 
-@pytest.mark.parametrize("when", ["before", "during"])
+@pytest.mark.parametrize("when", ["before", "during", "connected"])
 def test_a_worker_lost_before_the_group_formed_is_replaced_in_the_forming_group(
     when: str,
 ) -> None:
-    """Rank 1 dies before the job's group formed (before its init_process_group, or
-    inside it, once it counted in the world being formed). Its replacement calls
-    join_process_group, finds no running world to join and takes rank 1 in the one being
-    formed. Killed during the set-up, rank 1 already took part in that world: the others'
-    init_process_group fails ("can never be complete"), they are restarted alone too, and
-    the group forms with the replacements."""
+    """Rank 1 dies before the job's group formed (before its init_process_group; inside
+    it, once it counted in the world being formed; or once connected to the others, before
+    its leases, as they set the group up). Its replacement calls join_process_group, finds
+    no running world to join and takes rank 1 in the one being formed. Killed inside
+    init_process_group, rank 1 already took part in that world: the others'
+    init_process_group fails (the generation "can never be complete", or the world broke
+    during the set-up), they are restarted alone too, and the group forms with the
+    replacements."""
     result = launch(
         "--nproc-per-node=3", "--restart-policy=failed", "--max-restarts=1", WORKER, "early",
         "1", when,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     lines = by_rank(result.stdout)
-    restarts = [1, 1, 1] if when == "during" else [0, 1, 0]
+    restarts = [0, 1, 0] if when == "before" else [1, 1, 1]
     total = 6 + 10 * sum(restarts)
     for rank in range(3):
         assert lines[rank] == [f"restart={restarts[rank]} sum={total} size=3 state=[0.0, 0.0]"]

@@ -631,10 +631,11 @@ def test_a_joiner_lost_as_the_world_grows_is_not_admitted_and_the_members_go_on(
         out, err = outs[rank]
         admitted, result = map(json.loads, out.splitlines())
         assert admitted == {"admitted": []}, err
-        assert (
-            f"rank {rank}: admit: nobody admitted this time: admit: the new process group can "
-            "never be complete: a process being admitted (its process ended while it waited "
-            "to be admitted) went away"
-        ) in err
+        # Named as the joiner (rank 3 of the grown world): by its lease in the lobby, or by
+        # its lost connections as the grown world was set up, whichever came first.
+        warned = (
+            rf"rank {rank}: admit: nobody admitted this time: .*(a process being admitted|rank 3\b)"
+        )
+        assert re.search(warned, err), err
         assert result == {"rank": rank, "size": 3, "x": [6.0, 6.0, 6.0]}
     store.close()

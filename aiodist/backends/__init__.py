@@ -326,11 +326,13 @@ async def setup(group: ProcessGroup) -> None:
     Raises:
         DistError: a backend could not (a peer went away, the store cannot be reached).
     """
+    what = f"setting up process group {group.group_id}"
     for name in group.backends.values():
         backend_setup = load(name).setup
         if backend_setup is not None:
-            await backend_setup(group)
-    what = f"setting up process group {group.group_id}"
+            # (A member that dies before it publishes its part is waited for in the store:
+            # its lost connections break the world, which ends the wait.)
+            await group.world.domain.unless_broken(backend_setup(group), what)
     await group.world.domain.meet(f"set_up/{group.group_id}", group.size, group.timeout, what)
 
 
