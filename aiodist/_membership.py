@@ -43,6 +43,8 @@ from .store import PrefixStore, Store
 
 __all__ = ["LOST_GRACE", "SHRINK_ABORT", "SHRINK_DEFAULT", "admit", "join", "lost", "shrink"]
 
+logger = logging.getLogger(__name__)
+
 #: ``shrink_group``'s flag to let the operations in flight end before shrinking.
 SHRINK_DEFAULT = 0
 #: ``shrink_group``'s flag to fail the operations in flight at once.
@@ -54,8 +56,6 @@ _LOST_POLL = 0.02
 # How often a membership change checks that the processes it waits for are still there
 # (seconds; see _unless_gone).
 _LOST_CHECK = 0.25
-
-logger = logging.getLogger(__name__)
 # How often a process waiting to join checks whether it was admitted (seconds).
 _ADMITTED_POLL = 0.1
 # Why a rank that moved on to a successor world left the old one: it is not lost.

@@ -285,6 +285,7 @@ class World:
         (``shrink_group``): this one no longer closes them, nor keeps a store it serves up
         for its ranks; ``successor`` does."""
         successor.keep_stores(self._owned)
+        successor.domain.hosting = successor.domain.hosting or self.domain.hosting
         self._owned, self.domain.hosting = [], False
 
     def keep_stores(self, stores: Sequence[Store]) -> None:
