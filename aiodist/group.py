@@ -247,8 +247,8 @@ class World:
         self.recorder = FlightRecorder(self.rank, self.size)
         self._leaving = False
         self._keeper: asyncio.Task[None] | None = None
-        transport.mailbox.listener = self
         self.default_group = ProcessGroup(self, range(self.size), 0, backend, backends, timeout)
+        transport.mailbox.listen(self)  # (a peer lost since the transport connected too)
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "broken" if self.broken else "open"

@@ -239,3 +239,30 @@ async def test_a_backends_per_group_state_is_closed_and_aborted_with_its_group()
         assert "the test aborts" in world_path.events[0]
 
     await run_world(fn, 2, backend="keeping")
+
+
+async def test_a_world_hears_of_a_peer_lost_before_it_was_built() -> None:
+    # The transport connected, then rank 1 aborted before rank 0 built its world on it
+    # (as when a rank dies during init_process_group's set-up): the world is aborted,
+    # naming it, instead of waiting for rank 1's part of the set-up.
+    from aiodist.store import HashStore
+    from aiodist.transport.base import PeerDirectory
+    from aiodist.transport.tcp import TCPTransport
+
+    store = HashStore()
+    t0, t1 = await asyncio.gather(
+        *(TCPTransport.create(PeerDirectory(store), r, 2, timeout=10) for r in range(2))
+    )
+    await t1.send(0, (0, 1, 0), memoryview(b"x"))  # connected
+    await t0.recv_into(1, (0, 1, 0), memoryview(bytearray(1)))
+    t1.abort(aiodist.DistNetworkError("rank 1 gives up"))
+    with pytest.raises(aiodist.DistNetworkError, match="rank 1 gives up"):
+        await t0.recv_into(1, (0, 1, 0), memoryview(bytearray(1)))
+    aiodist.group.isolate_context()
+    pg = start_world(t0, store, backend="cpu", backends={"cpu": "cpu"})
+    try:
+        assert pg.is_aborted()
+        assert "rank 1 gives up" in str(pg.world.broken)
+    finally:
+        await pg.world.aclose()
+        await t1.aclose()

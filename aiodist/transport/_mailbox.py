@@ -608,6 +608,17 @@ class Mailbox:
             return next(reversed(self._lost.values()))  # the last rank to go
         return None
 
+    def listen(self, listener: MailboxListener) -> None:
+        """Make ``listener`` the :attr:`listener`, and tell it now of the peers lost so far.
+
+        A world is built on a transport that is already connected: a peer may die while
+        it is being built, and the world must hear of it like of any later loss.
+        """
+        self.listener = listener
+        for peer, exc in list(self._lost.items()):
+            if peer != self.rank:
+                listener.on_lost(peer, exc)
+
     def fail_peer(self, peer: int, exc: BaseException) -> None:
         """Record that ``peer`` is gone and fail the receives that wait for it.
 
