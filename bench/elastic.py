@@ -272,6 +272,20 @@ def worker_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def recover(dist: Any, exc: BaseException, step: int) -> None:
+    """``dist.recover(exc)`` (aiodist.sync), and a line saying what it lost and took."""
+    started = time.time()
+    lost = dist.recover(exc)
+    emit(
+        "recover",
+        step=step,
+        lost=lost,
+        seconds=time.time() - started,
+        rank=dist.get_rank(),
+        size=dist.get_world_size(),
+    )
+
+
 def aiodist_worker(a: argparse.Namespace) -> None:
     import aiodist.sync as dist
 
@@ -304,15 +318,7 @@ def aiodist_worker(a: argparse.Namespace) -> None:
                 emit("failed", step=step, error=type(exc).__name__)
                 raise
             started = time.time()
-            lost = dist.recover(exc)  # shrink_group(lost_ranks()), or raise exc
-            emit(
-                "recover",
-                step=step,
-                lost=lost,
-                seconds=time.time() - started,
-                rank=dist.get_rank(),
-                size=dist.get_world_size(),
-            )
+            recover(dist, exc, step)  # shrink_group(lost_ranks()), or raise exc
             continue  # redo the step, re-sharded among the survivors
         apply(w, grad)
         step += 1
@@ -335,15 +341,7 @@ def aiodist_worker(a: argparse.Namespace) -> None:
             except dist.DistError as exc:
                 # A member lost as the world grew: go on without it, as after a failed step
                 # (the processes being admitted wait for the next admission point).
-                lost = dist.recover(exc)
-                emit(
-                    "recover",
-                    step=step,
-                    lost=lost,
-                    seconds=time.time() - started,
-                    rank=dist.get_rank(),
-                    size=dist.get_world_size(),
-                )
+                recover(dist, exc, step)
                 admitted = []
             if admitted:
                 emit(

@@ -429,6 +429,26 @@ async def test_a_process_not_admitted_in_time_raises_and_leaves_the_lobby() -> N
 
 
 # -- a second rank killed while the survivors recover, in processes ----------------------------
+def _run_roles(
+    script: str, roles: list[str], *args: str
+) -> tuple[list[int], list[tuple[str, str]]]:
+    """Run ``python -c script ROLE *args`` for every role at once; return each process's
+    exit code and (stdout, stderr), in the order of ``roles``."""
+    procs = [
+        proc_helpers.track(
+            subprocess.Popen(
+                [sys.executable, "-c", script, role, *args],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+        for role in roles
+    ]
+    outs = [p.communicate(timeout=60) for p in procs]
+    return [p.returncode for p in procs], outs
+
+
 _KILLED_WHILE_SURVIVORS_RECOVER = """
 import json, os, signal, sys, time
 from datetime import timedelta
@@ -469,26 +489,9 @@ def test_a_rank_killed_after_it_voted_is_left_out_too(where: str) -> None:
     """Ranks 1 and 3 recover from the loss of rank 0 with rank 2, which is killed once the
     vote is done: they shrink again without it, within moments, not the 60 s timeout."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60))
-    procs = [
-        proc_helpers.track(
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-c",
-                    _KILLED_WHILE_SURVIVORS_RECOVER,
-                    str(r),
-                    str(store.port),
-                    where,
-                ],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-        for r in range(4)
-    ]
-    outs = [p.communicate(timeout=60) for p in procs]
-    assert [p.returncode for p in procs] == [-signal.SIGKILL, 0, -signal.SIGKILL, 0], outs
+    roles = ["0", "1", "2", "3"]
+    codes, outs = _run_roles(_KILLED_WHILE_SURVIVORS_RECOVER, roles, str(store.port), where)
+    assert codes == [-signal.SIGKILL, 0, -signal.SIGKILL, 0], outs
     for new_rank, (out, err) in enumerate((outs[1], outs[3])):
         result = json.loads(out)
         assert result["lost"] == [0, 2], (result, err)
@@ -544,20 +547,8 @@ def test_a_member_lost_as_the_world_grows_fails_admit_and_the_joiner_waits_again
     # Member 2 dies as the grown world forms, or once it formed, before the state is sent.
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60))
     roles = ["0", "1", "2", "joiner"]
-    script = _MEMBER_LOST_AS_THE_WORLD_GROWS
-    procs = [
-        proc_helpers.track(
-            subprocess.Popen(
-                [sys.executable, "-c", script, role, str(store.port), where],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-        for role in roles
-    ]
-    outs = [p.communicate(timeout=60) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0, -signal.SIGKILL, 0], outs
+    codes, outs = _run_roles(_MEMBER_LOST_AS_THE_WORLD_GROWS, roles, str(store.port), where)
+    assert codes == [0, 0, -signal.SIGKILL, 0], outs
     for rank in (0, 1):
         out, err = outs[rank]
         failed, result = map(json.loads, out.splitlines())
@@ -613,20 +604,8 @@ else:
 def test_a_joiner_lost_as_the_world_grows_is_not_admitted_and_the_members_go_on() -> None:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60))
     roles = ["0", "1", "2", "joiner"]
-    script = _JOINER_LOST_AS_THE_WORLD_GROWS
-    procs = [
-        proc_helpers.track(
-            subprocess.Popen(
-                [sys.executable, "-c", script, role, str(store.port)],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-        for role in roles
-    ]
-    outs = [p.communicate(timeout=60) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0, 0, -signal.SIGKILL], outs
+    codes, outs = _run_roles(_JOINER_LOST_AS_THE_WORLD_GROWS, roles, str(store.port))
+    assert codes == [0, 0, 0, -signal.SIGKILL], outs
     for rank in range(3):
         out, err = outs[rank]
         admitted, result = map(json.loads, out.splitlines())
