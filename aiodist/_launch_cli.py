@@ -219,6 +219,14 @@ def get_args_parser() -> argparse.ArgumentParser:
         help="run the script as an executable, without python",
     )
     add(
+        "--preload",
+        action=_EnvDefault,
+        default="",
+        help="comma-separated modules (numpy,aiodist.sync) that one starter process imports "
+        "once; every worker is then a fork of it instead of a new Python, which saves each "
+        "worker, and each replacement started while the others run, the time of those imports",
+    )
+    add(
         *_flag("--status-port"),
         action=_EnvDefault,
         type=int,
@@ -308,6 +316,8 @@ class LaunchConfig:
         max_nnodes: the most nodes, with ``--nnodes=MIN:MAX`` (``None``: a fixed count).
         last_call_timeout: with ``max_nnodes``, seconds the store's node waits for more
             nodes once ``nnodes`` have come.
+        preload: modules a starter process imports once, the workers being forks of it
+            (empty: each worker is a new process).
     """
 
     nnodes: int
@@ -335,6 +345,7 @@ class LaunchConfig:
     line_prefix: str | None = None
     max_nnodes: int | None = None
     last_call_timeout: float = 30.0
+    preload: tuple[str, ...] = ()
 
     @property
     def elastic(self) -> bool:
@@ -536,6 +547,11 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         raise DistUsageError(f"--status-port={ns.status_port} is not a port number")
     if ns.module and ns.no_python and not ns.run_path:
         raise DistUsageError("--module and --no-python cannot be used together")
+    preload = tuple(name.strip() for name in str(ns.preload).split(",") if name.strip())
+    if preload and ns.no_python and not ns.run_path:
+        raise DistUsageError(
+            f"--preload={ns.preload} needs Python workers: --no-python runs an executable"
+        )
     filt: frozenset[int] | None = None
     if str(ns.local_ranks_filter).strip():
         try:
@@ -583,4 +599,5 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         line_prefix=ns.log_line_prefix_template,
         max_nnodes=max_nnodes if elastic else None,
         last_call_timeout=conf["last_call_timeout"],
+        preload=preload,
     )

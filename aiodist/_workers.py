@@ -29,7 +29,10 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+if TYPE_CHECKING:
+    from aiodist._preload import ForkedProcess, Starter
 
 logger = logging.getLogger(__name__)
 
@@ -146,8 +149,9 @@ def _load_prctl() -> Any:
 _PRCTL = _load_prctl()
 
 
-def _die_with_parent(parent: int) -> None:
-    """Runs in the child before exec: get SIGKILL when the launcher dies."""
+def die_with_parent(parent: int) -> None:
+    """Runs in a new worker (or the starter of ``--preload``): get SIGKILL when the process
+    that started it, ``parent``, dies."""
     if _PRCTL is not None:
         _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     # The launcher may have died between fork and prctl; the death signal would never come.
@@ -158,7 +162,7 @@ def _die_with_parent(parent: int) -> None:
 class _Worker:
     """One running worker and the tasks that pump its output."""
 
-    def __init__(self, spec: WorkerSpec, proc: asyncio.subprocess.Process) -> None:
+    def __init__(self, spec: WorkerSpec, proc: asyncio.subprocess.Process | ForkedProcess) -> None:
         self.spec = spec
         self.proc = proc
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
@@ -192,10 +196,15 @@ class WorkerGroup:
         node_rank: this node's rank, for failure reports.
         stdout: where console output of the workers' stdout goes (bytes).
         stderr: where console output of the workers' stderr goes (bytes).
+        starter: where the workers are forked from (``--preload``); ``None``: each is a new
+            process.
     """
 
-    def __init__(self, node_rank: int, stdout: BinaryIO, stderr: BinaryIO) -> None:
+    def __init__(
+        self, node_rank: int, stdout: BinaryIO, stderr: BinaryIO, starter: Starter | None = None
+    ) -> None:
         self._node_rank = node_rank
+        self._starter = starter
         self._stdout = stdout
         self._stderr = stderr
         self._workers: list[_Worker] = []
@@ -274,16 +283,20 @@ class WorkerGroup:
         spec.error_file.parent.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(FileNotFoundError):
             spec.error_file.unlink()
+        proc: asyncio.subprocess.Process | ForkedProcess
         try:
-            proc = await asyncio.create_subprocess_exec(
-                *spec.cmd,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                env=dict(spec.env),
-                start_new_session=True,
-                preexec_fn=functools.partial(_die_with_parent, os.getpid()),
-            )
+            if self._starter is not None:
+                proc = await self._starter.spawn(spec.cmd, spec.env)
+            else:
+                proc = await asyncio.create_subprocess_exec(
+                    *spec.cmd,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.PIPE,
+                    env=dict(spec.env),
+                    start_new_session=True,
+                    preexec_fn=functools.partial(die_with_parent, os.getpid()),
+                )
         except OSError as exc:
             for f in files.values():
                 f.close()

@@ -50,6 +50,7 @@ from ._launch_coordinator import (
     route_to,
 )
 from ._loop import loop_factory
+from ._preload import Starter
 from ._workers import WorkerFailure, WorkerGroup, WorkerSpec, describe_exit
 from .debug import format_status, gather_status
 from .errors import DistError, DistUsageError
@@ -77,6 +78,8 @@ class _Launcher:
         self._stdout = stdout
         self._stderr = stderr
         self._group: WorkerGroup | None = None
+        #: Where the workers are forked from, with ``--preload``.
+        self._starter: Starter | None = None
         self._signal: int | None = None
         self._interrupted = asyncio.Event()
         self._main: asyncio.Task[int] | None = None
@@ -154,6 +157,8 @@ class _Launcher:
             self._local_addr = route_to(cfg.master_addr, self._port)
         status = None if cfg.status_port is None else await self._serve_status(store)
         try:
+            if cfg.preload:
+                self._starter = await Starter.open(cfg.preload, self._environment())
             coord = Coordinator(store, cfg)
             if self._several:
                 logger.info(
@@ -174,6 +179,8 @@ class _Launcher:
         finally:
             if self._group is not None:
                 await self._group.stop(cfg.shutdown_timeout)
+            if self._starter is not None:
+                await self._starter.close()
             if status is not None:
                 status.close()
             # Node 0 also stops its server here: every other node has seen the end by now.
@@ -321,7 +328,7 @@ class _Launcher:
         attempt_dir = self._log_base / cfg.run_id / f"attempt_{restarts}"
         place = self._round
         rank = place.rank_base + local
-        env = dict(os.environ)
+        env = self._environment()
         env.update(
             RANK=str(rank),
             LOCAL_RANK=str(local),
@@ -344,7 +351,6 @@ class _Launcher:
             AIODIST_RUN_ID=cfg.run_id,
             PYTHON_EXEC=sys.executable,
         )
-        env.setdefault("OMP_NUM_THREADS", "1")
         if cfg.status_port is not None:
             env["AIODIST_STATUS"] = "1"
         if cfg.virtual_local_rank:
@@ -365,6 +371,13 @@ class _Launcher:
             error_file=attempt_dir / str(rank) / "error.json",
             prefix=self._line_prefix(rank, local),
         )
+
+    @staticmethod
+    def _environment() -> dict[str, str]:
+        """What every worker's environment starts from (and the ``--preload`` starter's)."""
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        return env
 
     def _line_prefix(self, rank: int, local: int) -> str:
         """``--log-line-prefix-template`` for this worker (empty: the default prefix)."""
@@ -404,7 +417,7 @@ class _Launcher:
 
     async def _run_attempt(self, coord: Coordinator, attempt: int) -> _Outcome:
         cfg = self._cfg
-        group = WorkerGroup(self._round.node_rank, self._stdout, self._stderr)
+        group = WorkerGroup(self._round.node_rank, self._stdout, self._stderr, self._starter)
         self._group = group
         try:
             await group.start([self._spec(local, attempt) for local in range(cfg.nproc_per_node)])

@@ -1,0 +1,173 @@
+"""``aiodist-run --preload``: workers forked from a starter that imported their modules.
+
+Every test starts the real launcher as a process with real worker processes
+(``tests/preload_worker.py``) and checks what the workers saw and how they ended.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from cluster_helpers import clean_env
+from proc_helpers import track
+
+from aiodist.errors import DistUsageError
+from aiodist.launcher import parse_args
+
+pytestmark = pytest.mark.multiprocess
+
+HERE = Path(__file__).parent
+WORKER = str(HERE / "preload_worker.py")
+RUN = [sys.executable, "-m", "aiodist.run", "--standalone"]
+
+
+def launch(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*RUN, *args], capture_output=True, text=True, timeout=60, env=clean_env(), cwd=cwd
+    )
+
+
+def reports(stdout: str) -> list[dict[str, object]]:
+    """The workers' JSON lines, without the launcher's ``[rankN]: `` prefixes."""
+    found = [json.loads(line.split(": ", 1)[1]) for line in stdout.splitlines() if ": {" in line]
+    return sorted(found, key=lambda r: (r["rank"], r["restarts"]))
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+def test_a_preloaded_worker_runs_its_script_as_python_would() -> None:
+    done = launch("--nproc-per-node=3", "--preload=numpy,aiodist.sync", WORKER, "report")
+    assert done.returncode == 0, done.stderr
+    found = reports(done.stdout)
+    assert [r["rank"] for r in found] == [0, 1, 2]
+    for r in found:
+        assert r["preloaded"] == ["aiodist", "aiodist.sync", "numpy"]
+        assert r["name"] == "__main__"
+        assert r["argv"] == [WORKER, "report"]
+        assert r["path0"] == str(HERE)
+        assert r["session_leader"] is True
+        assert r["stdin"] == ""
+    # Forks of one starter (not of the launcher), each with its own random state.
+    assert len({r["ppid"] for r in found}) == 1
+    assert len({r["random"] for r in found}) == 3
+
+
+def test_without_preload_a_worker_starts_a_new_python() -> None:
+    done = launch("--nproc-per-node=2", WORKER, "report")
+    assert done.returncode == 0, done.stderr
+    assert [r["preloaded"] for r in reports(done.stdout)] == [[], []]
+
+
+def test_a_preloaded_module_worker_runs_as_python_m() -> None:
+    done = launch(
+        "--nproc-per-node=2", "--preload=numpy", "-m", "preload_worker", "report", cwd=HERE
+    )
+    assert done.returncode == 0, done.stderr
+    for r in reports(done.stdout):
+        assert r["preloaded"] == ["aiodist", "numpy"]  # the starter is aiodist's own code
+        assert r["name"] == "__main__"
+        assert r["argv"] == [WORKER, "report"]
+        assert r["path0"] == str(HERE)
+
+
+def test_a_preloaded_worker_that_raises_fails_with_its_traceback() -> None:
+    done = launch("--nproc-per-node=1", "--preload=numpy", WORKER, "raise")
+    assert done.returncode == 1
+    assert "with exit code 1" in done.stderr
+    # As python prints it: from the script's frame on, none of the starter's.
+    first = f'[rank0]: Traceback (most recent call last):\n[rank0]:   File "{WORKER}", line'
+    assert first in done.stderr, done.stderr
+    assert "[rank0]: ValueError: boom from rank 0\n" in done.stderr
+
+
+def test_a_preloaded_worker_killed_by_a_signal_is_reported_so() -> None:
+    done = launch("--nproc-per-node=2", "--preload=numpy", WORKER, "sigkill")
+    assert done.returncode == 1
+    assert "rank 1 (local rank 1 on node 0" in done.stderr
+    assert "with signal SIGKILL (9)" in done.stderr
+
+
+def test_a_failed_preloaded_worker_is_restarted_alone_from_the_same_starter() -> None:
+    done = launch(
+        "--nproc-per-node=2",
+        "--preload=numpy",
+        "--restart-policy=failed",
+        "--max-restarts=1",
+        WORKER,
+        "crash-once",
+    )
+    assert done.returncode == 0, done.stderr
+    found = reports(done.stdout)
+    assert [(r["rank"], r["restarts"]) for r in found] == [(0, 0), (1, 0), (1, 1)]
+    assert len({r["ppid"] for r in found}) == 1
+    assert found[1]["pid"] != found[2]["pid"]
+
+
+def test_a_module_that_cannot_be_preloaded_is_a_usage_error() -> None:
+    done = launch("--nproc-per-node=2", "--preload=numpy,no_such_module_here", WORKER, "report")
+    assert done.returncode == 2
+    assert "--preload=numpy,no_such_module_here: the starter could not import them" in done.stderr
+    assert "ModuleNotFoundError: No module named 'no_such_module_here'" in done.stderr
+    assert "{" not in done.stdout  # no worker ran
+
+
+def test_preload_needs_python_workers() -> None:
+    with pytest.raises(DistUsageError, match=r"--preload=numpy needs Python workers"):
+        parse_args(["--preload=numpy", "--no-python", "/bin/true"])
+
+
+def test_preloaded_workers_and_their_starter_die_with_a_killed_launcher() -> None:
+    proc = track(
+        subprocess.Popen(
+            [*RUN, "--nproc-per-node=2", "--preload=numpy", WORKER, "ready"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=clean_env(),
+        )
+    )
+    assert proc.stdout is not None
+    lines = [proc.stdout.readline(), proc.stdout.readline()]
+    assert all(line.endswith(": ready\n") for line in lines), lines
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    starter = next(int(c) for c in children if "_preload" in Path(f"/proc/{c}/cmdline").read_text())
+    workers = [int(w) for w in Path(f"/proc/{starter}/task/{starter}/children").read_text().split()]
+    assert len(workers) == 2
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in [starter, *workers]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(p) for p in [starter, *workers])
+
+
+def test_preloaded_workers_are_stopped_by_the_launchers_signal() -> None:
+    proc = track(
+        subprocess.Popen(
+            [*RUN, "--nproc-per-node=2", "--preload=numpy", WORKER, "ready"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=clean_env(),
+        )
+    )
+    assert proc.stdout is not None
+    for _ in range(2):
+        assert proc.stdout.readline().endswith(": ready\n")
+    proc.send_signal(signal.SIGTERM)
+    _out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert err.count("stopped") >= 2 and "with signal SIGTERM (15)" in err, err
