@@ -15,13 +15,17 @@ worker of rank ``--kill-rank`` prints the time and kills itself with ``SIGKILL``
 killer or a lost host would. Three setups (``--setups``, comma-separated), their repetitions
 interleaved (one of each in turn), so that a change in the machine's load hits all alike:
 
-    elastic      aiodist-run --restart-policy=failed --max-restarts=1: the survivors
+    elastic      aiodist-run --restart-policy=failed --max-restarts=1 --preload=numpy,aiodist.sync
+                 (the workers, the replacement too, are forks of one process that imported
+                 numpy and aiodist: a replacement does not take the CPU of those imports from
+                 the survivors as they recover): the survivors
                  ``recover`` (``shrink_group(lost_ranks())``) in the same processes, re-shard
                  and redo the step at 3; the launcher restarts the dead worker alone, which
                  calls ``join_process_group(state=...)`` and is admitted at the next admission
                  point (``admit(state=[step, model])`` every ``--admit-every`` steps), receiving
                  the step and the model from the members
-    aiodist-all  aiodist-run --restart-policy=all --max-restarts=1: every worker is stopped and
+    aiodist-all  aiodist-run --restart-policy=all --max-restarts=1 --preload=numpy,aiodist.sync:
+                 every worker is stopped and
                  restarted; the restarted workers load the last checkpoint (rank 0 writes the
                  step and the model every ``--checkpoint-every`` steps, to /dev/shm where there
                  is one: a checkpoint in memory, the fastest a restart can load) and go on
@@ -112,10 +116,13 @@ LABELS = {
 }
 DESCRIPTIONS = {
     "elastic": "`aiodist-run --standalone --nproc-per-node=4 --restart-policy=failed "
-    "--max-restarts=1`: the survivors recover in the same processes and go on at 3; the "
-    "replacement joins at the next admission point and receives the step and the model",
+    "--max-restarts=1 --preload=numpy,aiodist.sync`: the survivors recover in the same "
+    "processes and go on at 3; the replacement (a fork of the launcher's starter, which "
+    "imported numpy and aiodist once) joins at the next admission point and receives the step "
+    "and the model",
     "aiodist-all": "`aiodist-run --standalone --nproc-per-node=4 --restart-policy=all "
-    "--max-restarts=1`: every worker restarted; they load the last checkpoint",
+    "--max-restarts=1 --preload=numpy,aiodist.sync`: every worker restarted; they load the "
+    "last checkpoint",
     "torch-all": "`torchrun --standalone --nproc-per-node=4 --max-restarts=1`, torch gloo "
     "workers: every worker restarted; they load the last checkpoint. torchrun runs with "
     "`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`, a store of the workers' own per attempt: with "
@@ -438,12 +445,12 @@ def launcher_command(setup: str, a: argparse.Namespace, ckpt: str, deadline: flo
         f"--deadline={deadline:.3f}",
     ]
     common = ["--standalone", f"--nproc-per-node={NPROC}", "--max-restarts=1"]
+    aiodist_run = [sys.executable, "-m", "aiodist.run", *common, "--preload=numpy,aiodist.sync"]
     if setup == "elastic":
-        policy = "--restart-policy=failed"
-        return [sys.executable, "-m", "aiodist.run", *common, policy, *worker, "--elastic"]
+        return [*aiodist_run, "--restart-policy=failed", *worker, "--elastic"]
     worker.append(f"--checkpoint-dir={ckpt}")
     if setup == "aiodist-all":
-        return [sys.executable, "-m", "aiodist.run", *common, "--restart-policy=all", *worker]
+        return [*aiodist_run, "--restart-policy=all", *worker]
     return [*torchrun(), *common, *worker]
 
 
@@ -919,7 +926,8 @@ def main() -> None:
         "load the last one (the initial model if there is none).",
         "",
         "Measures (seconds from the workers' `time.time()` lines; a worker's first line is "
-        "printed as its worker code starts, after Python and numpy started):",
+        "printed as its worker code starts, after Python and numpy started; for the aiodist "
+        "setups, forks of the launcher's starter, that is just after the fork):",
         "",
         "- kill -> next step: from the kill to the first step completed after it on every "
         "survivor (the ranks other than the killed one, restarted or not), the last of them; a "
