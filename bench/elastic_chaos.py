@@ -5,13 +5,16 @@ Run (in a private network namespace, like the other benches):
     unshare -n bash -c 'ip link set lo up && .venv/bin/python bench/elastic_chaos.py --write'
 
 Each run starts ``examples/elastic_sgd.py`` as a job of 4 workers under ``aiodist-run
---standalone --nproc-per-node=4 --restart-policy=failed --max-restarts=4`` (steps of
+--standalone --nproc-per-node=4 --restart-policy=failed --max-restarts=4
+--preload=numpy,aiodist.sync`` (``--preload``: another list, or ``''`` for workers started
+as new processes; steps of
 ``--step-seconds``, 0.02 s; ``--wait-for-replacements``: at an admission point the members
 wait until the world is whole again; no worker kills itself) and ``SIGKILL``s workers from
 outside, as the OOM killer or a lost host would, at moments drawn at random (``--seed``).
 The scenarios (``--scenarios``, comma-separated), each ``--runs`` times, in turn:
 
-    one          one member, 0.3-0.8 s into the job
+    one          one member, 0-0.5 s after the workers started (in their start-up: joining
+                 the group; or training)
     two-apart    two members, the second 0-50 ms after the first: the second dies while the
                  survivors look up who was lost, vote, or form the shrunk world
     two-at-once  two members at once
@@ -34,6 +37,7 @@ The results go to ``elastic_chaos.md`` in a fresh temporary folder, or with ``--
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import signal
@@ -55,13 +59,6 @@ NPROC = 4
 
 
 @dataclass
-class Worker:
-    pid: int
-    rank: int
-    attempt: int
-
-
-@dataclass
 class Run:
     scenario: str
     index: int
@@ -71,57 +68,59 @@ class Run:
     tail: list[str] = field(default_factory=list)
 
 
-def workers(launcher: int) -> list[Worker]:
-    """The launcher's worker processes now, with their ``RANK`` and restart count."""
-    found = []
+def workers(launcher: int) -> set[int]:
+    """The process ids of the launcher's workers now: its children, or with ``--preload`` its
+    starter's (a fork shows the starter's command line and environment in ``/proc``, so
+    workers are told apart by process id, not by ``RANK``)."""
+    parents = {}
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
-            if ppid != launcher:
-                continue
-            env = dict(
-                item.split("=", 1)
-                for item in Path(f"/proc/{entry}/environ").read_text().split("\0")
-                if "=" in item
-            )
-        except (OSError, ValueError):
-            continue  # gone meanwhile
-        if "RANK" in env:
-            attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
-            found.append(Worker(int(entry), int(env["RANK"]), attempt))
-    return found
+        if entry.isdigit():
+            with contextlib.suppress(OSError, ValueError):
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                parents[int(entry)] = int(stat[stat.rindex(")") + 2 :].split()[1])
+    starters = set()
+    for pid, ppid in parents.items():
+        if ppid == launcher:
+            with contextlib.suppress(OSError):
+                if b"aiodist._preload" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    starters.add(pid)
+    return {pid for pid, ppid in parents.items() if ppid in {launcher, *starters}} - starters
 
 
-def kill(run: Run, worker: Worker, started: float, what: str) -> None:
-    with_time = f"{what} (rank {worker.rank}) at {time.monotonic() - started:.3f} s"
+def kill(run: Run, pid: int, started: float, what: str) -> None:
+    with_time = f"{what} (pid {pid}) at {time.monotonic() - started:.3f} s"
     try:
-        os.kill(worker.pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)
         run.kills.append(with_time)
     except ProcessLookupError:
         run.kills.append(f"{with_time}: already gone")
 
 
-def wait_for_replacement(launcher: int, proc: subprocess.Popen[bytes], deadline: float) -> bool:
-    """Wait until a restarted worker runs (True), or the job ends or the deadline passes."""
+def wait_for_replacement(
+    launcher: int, members: set[int], proc: subprocess.Popen[bytes], deadline: float
+) -> int | None:
+    """Wait until a worker that is not one of ``members`` runs and return its process id;
+    ``None`` if the job ends or the deadline passes first."""
     while time.monotonic() < deadline and proc.poll() is None:
-        if any(w.attempt > 0 for w in workers(launcher)):
-            return True
+        fresh = workers(launcher) - members
+        if fresh:
+            return min(fresh)
         time.sleep(0.005)
-    return False
+    return None
 
 
 def inject(run: Run, proc: subprocess.Popen[bytes], rng: random.Random, guard: float) -> None:
     """Kill workers of the job ``proc`` as ``run.scenario`` says."""
     started = time.monotonic()
-    time.sleep(rng.uniform(0.3, 0.8))
-    members = [w for w in workers(proc.pid) if w.attempt == 0]
+    members: set[int] = set()
+    while len(members) < NPROC and time.monotonic() < started + guard and proc.poll() is None:
+        time.sleep(0.005)
+        members = workers(proc.pid)  # nothing was killed yet: the workers first started
     if len(members) < NPROC:
         run.kills.append(f"only {len(members)} workers found")
         return
-    first, second = rng.sample(members, 2)
+    time.sleep(rng.uniform(0.0, 0.5))
+    first, second = rng.sample(sorted(members), 2)
     kill(run, first, started, "member")
     if run.scenario == "two-apart":
         time.sleep(rng.uniform(0.0, 0.05))
@@ -129,19 +128,17 @@ def inject(run: Run, proc: subprocess.Popen[bytes], rng: random.Random, guard: f
     elif run.scenario == "two-at-once":
         kill(run, second, started, "member")
     elif run.scenario in ("replacement", "admission"):
-        if not wait_for_replacement(proc.pid, proc, started + guard):
+        fresh = wait_for_replacement(proc.pid, members, proc, started + guard)
+        if fresh is None:
             run.kills.append("no replacement started")
             return
         time.sleep(rng.uniform(0.0, 0.4))
-        if run.scenario == "replacement":
-            fresh = [w for w in workers(proc.pid) if w.attempt > 0]
-            if fresh:
-                kill(run, fresh[0], started, "replacement")
-        else:
-            kill(run, second, started, "member")
+        kill(run, fresh if run.scenario == "replacement" else second, started, run.scenario)
 
 
-def one_run(scenario: str, index: int, rng: random.Random, guard: float, out: Path) -> Run:
+def one_run(
+    scenario: str, index: int, rng: random.Random, args: argparse.Namespace, out: Path
+) -> Run:
     run = Run(scenario, index)
     log = out / f"{scenario}-{index}.log"
     command = [
@@ -152,6 +149,7 @@ def one_run(scenario: str, index: int, rng: random.Random, guard: float, out: Pa
         f"--nproc-per-node={NPROC}",
         "--restart-policy=failed",
         "--max-restarts=4",
+        f"--preload={args.preload}",
         str(EXAMPLE),
         "--kill-step=1000000",  # no worker kills itself
         "--step-seconds=0.02",
@@ -161,12 +159,12 @@ def one_run(scenario: str, index: int, rng: random.Random, guard: float, out: Pa
     with log.open("wb") as sink:
         proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT)
         try:
-            inject(run, proc, rng, guard)
-            proc.wait(timeout=max(1.0, guard - (time.monotonic() - started)))
+            inject(run, proc, rng, args.guard)
+            proc.wait(timeout=max(1.0, args.guard - (time.monotonic() - started)))
         except subprocess.TimeoutExpired:
             run.outcome = "hung"
-            for w in workers(proc.pid):
-                os.kill(w.pid, signal.SIGKILL)
+            for pid in workers(proc.pid):
+                os.kill(pid, signal.SIGKILL)
             proc.kill()
             proc.wait()
     run.seconds = time.monotonic() - started
@@ -193,7 +191,8 @@ def report(runs: list[Run], args: argparse.Namespace, minutes: float) -> str:
         f"run time {minutes:.1f} min.",
         "",
         f"Each run: `aiodist-run --standalone --nproc-per-node={NPROC} "
-        "--restart-policy=failed --max-restarts=4 examples/elastic_sgd.py "
+        f"--restart-policy=failed --max-restarts=4 --preload={args.preload} "
+        "examples/elastic_sgd.py "
         "--kill-step=1000000 --step-seconds=0.02 --wait-for-replacements`, workers killed "
         "from outside as the scenario says (see the bench's docstring); a run passes when "
         "the launcher exits 0 and every worker's weights equal the numpy reference; a run "
@@ -234,6 +233,7 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=10, help="runs of each scenario")
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--preload", default="numpy,aiodist.sync", help="aiodist-run --preload")
     p.add_argument("--guard", type=float, default=60.0, help="seconds before a run is hung")
     p.add_argument("--write", action="store_true", help="write bench/results/elastic_chaos.md")
     p.add_argument("--out", default="", help="the results file (default: see --write)")
@@ -248,7 +248,7 @@ def main() -> None:
     runs = []
     for index in range(1, args.runs + 1):
         for scenario in args.scenarios:
-            run = one_run(scenario, index, rng, args.guard, logs)
+            run = one_run(scenario, index, rng, args, logs)
             print(f"{scenario} {index}: {run.outcome} in {run.seconds:.2f} s; {run.kills}")
             runs.append(run)
     text = report(runs, args, (time.monotonic() - t0) / 60)
