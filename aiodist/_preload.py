@@ -174,6 +174,15 @@ def main() -> None:
 # -- the launcher's side ----------------------------------------------------------------------
 
 
+class _PipeProtocol(asyncio.StreamReaderProtocol):
+    """A worker's output pipe: its transport closes at the end of the output (uvloop keeps a
+    transport open when ``eof_received`` returns true, as the stream protocol's does)."""
+
+    def eof_received(self) -> bool:
+        super().eof_received()
+        return False
+
+
 class ForkedProcess:
     """A worker forked by the starter: what the launcher reads of an ``asyncio`` process.
 
@@ -285,7 +294,7 @@ class Starter:
         for read_end, _ in pipes:
             reader = asyncio.StreamReader()
             transport, _protocol = await loop.connect_read_pipe(
-                functools.partial(asyncio.StreamReaderProtocol, reader),
+                functools.partial(_PipeProtocol, reader),
                 os.fdopen(read_end, "rb", 0),
             )
             readers.append(reader)
@@ -318,17 +327,25 @@ class Starter:
             return
         message = json.loads(data)
         if "started" in message:
+            pid = message["pid"]
+            if message["started"] not in self._starting:
+                # Its spawn was cancelled: nobody will watch this worker, so end it (the id
+                # is its until its exit is read below and reaped).
+                os.kill(pid, signal.SIGKILL)
+                return
             future, stdout, stderr = self._starting[message["started"]]
             # Known before the worker's exit can be read: that message comes after this one.
-            proc = self._running[message["pid"]] = ForkedProcess(message["pid"], stdout, stderr)
+            proc = self._running[pid] = ForkedProcess(pid, stdout, stderr)
             if not future.done():
                 future.set_result(proc)
         elif "failed" in message:
+            if message["failed"] not in self._starting:
+                return
             future = self._starting[message["failed"]][0]
             if not future.done():
                 future.set_exception(OSError(f"cannot start a worker: {message['error']}"))
         elif "exited" in message:
-            pid: int = message["exited"]
+            pid = message["exited"]
             if pid in self._running:
                 self._running.pop(pid)._end(message["status"])
             with contextlib.suppress(OSError):

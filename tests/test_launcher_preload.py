@@ -6,6 +6,7 @@ Every test starts the real launcher as a process with real worker processes
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -18,6 +19,7 @@ import pytest
 from cluster_helpers import clean_env
 from proc_helpers import track
 
+from aiodist._preload import Starter
 from aiodist.errors import DistUsageError
 from aiodist.launcher import parse_args
 
@@ -171,3 +173,51 @@ def test_preloaded_workers_are_stopped_by_the_launchers_signal() -> None:
     _out, err = proc.communicate(timeout=30)
     assert proc.returncode == 128 + signal.SIGTERM
     assert err.count("stopped") >= 2 and "with signal SIGTERM (15)" in err, err
+
+
+def starter_children(starter: Starter) -> list[int]:
+    pid = starter._proc.pid
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+@pytest.mark.both_loops
+async def test_the_starter_reports_each_workers_exit_status() -> None:
+    env = clean_env(RANK="0", AIODIST_RESTART_COUNT="0")
+    starter = await Starter.open(["numpy"], env)
+    try:
+        done = await starter.spawn([sys.executable, "-u", WORKER, "report"], env)
+        assert json.loads(await done.stdout.readline())["rank"] == 0
+        assert await done.wait() == 0
+        killed = await starter.spawn([sys.executable, "-u", WORKER, "ready"], env)
+        assert await killed.stdout.readline() == b"ready\n"
+        os.kill(killed.pid, signal.SIGKILL)
+        assert await killed.wait() == -signal.SIGKILL
+        missing = await starter.spawn([sys.executable, "-u", str(HERE / "no_such.py")], env)
+        assert await missing.wait() == 2
+        assert b"can't open file" in await missing.stderr.read()
+        with pytest.raises(ValueError, match="--preload runs Python workers only"):
+            await starter.spawn(["/bin/true"], env)
+        # Every exit was read, so the starter reaped every worker: no zombie is left.
+        await asyncio.sleep(0.2)
+        assert starter_children(starter) == []
+    finally:
+        await starter.close()
+
+
+@pytest.mark.both_loops
+async def test_a_worker_whose_start_was_cancelled_is_ended_and_reaped() -> None:
+    env = clean_env(RANK="0", AIODIST_RESTART_COUNT="0")
+    starter = await Starter.open([], env)
+    try:
+        spawn = asyncio.create_task(starter.spawn([sys.executable, "-u", WORKER, "ready"], env))
+        while not starter._starting:  # the request is sent once it is registered
+            await asyncio.sleep(0)
+        spawn.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await spawn
+        deadline = time.monotonic() + 10
+        while starter_children(starter) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert starter_children(starter) == []
+    finally:
+        await starter.close()
