@@ -3,6 +3,10 @@
     aiodist-run --standalone --nproc-per-node=4 --restart-policy=failed --max-restarts=1 \\
         examples/elastic_sgd.py --kill-rank=2 --kill-step=10
 
+With ``--preload=numpy,aiodist.sync`` every worker, the replacement too, is a fork of a
+process that has imported those, so the replacement takes no CPU from the survivors for its
+imports.
+
 Each worker joins the process group with the blocking API (``import aiodist.sync as dist``)
 through ``env://``; the launcher hosts the store, so any worker may die, rank 0 included.
 Every step, a worker computes the gradient of the squared error on its shard of the data,
