@@ -29,6 +29,7 @@ patched (see docs/architecture.md, "Membership changes").
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
@@ -60,6 +61,11 @@ _LOST_CHECK = 0.25
 _ADMITTED_POLL = 0.1
 # Why a rank that moved on to a successor world left the old one: it is not lost.
 _MOVED_ON = "moved on to the group of its"
+# Keys in the store where a successor world forms: how many of its processes formed it, and
+# whether it stands (_STANDS) or why not (see _stands).
+_FORMED = "formed"
+_OUTCOME = "outcome"
+_STANDS = "stands"
 
 T = TypeVar("T")
 
@@ -335,7 +341,7 @@ async def join(
             return formed
     while True:
         me = secrets.token_hex(8)
-        admitted = False
+        store: Store | None = None  # where the grown world forms, once admitted
         pg: ProcessGroup | None = None
         try:
             # Members that decide while this process is gone leave it out; those that
@@ -344,7 +350,6 @@ async def join(
             await lobby.lease(f"gone/{me}", "its process ended while it waited to be admitted")
             await lobby.append("waiting", f"{me},")
             await _admitted(lobby, f"ticket/{me}", timeout, deadline)
-            admitted = True
             round_text, rank, size, seen = (await lobby.get(f"ticket/{me}")).decode().split("|")
             store = PrefixStore(f"round/{round_text}", lobby)
             connect = membership.connect
@@ -360,9 +365,16 @@ async def join(
                 owned=[],
                 membership=membership,
             )
+            why_not = await _stands(pg.world, store, int(size))
+            if why_not is not None:
+                raise DistNetworkError(
+                    f"join_process_group: the grown world was given up as it formed: {why_not}"
+                )
             await lobby.lease(f"gone/{me}", None)
             await receive(pg)
         except BaseException as exc:
+            if store is not None:
+                await _give_up_forming(store, repr(exc))  # (no effect once it stands)
             if pg is None:
                 await _give_up(lobby, me, exc)
             else:
@@ -370,7 +382,7 @@ async def join(
             # A member lost while the grown world formed, or sent the state, fails it for
             # every process in it; the members go on without that one (recover) and admit
             # again: wait for that, under a new name.
-            if admitted and isinstance(exc, DistNetworkError):
+            if store is not None and isinstance(exc, DistNetworkError):
                 continue
             for s in owned:
                 await s.aclose()
@@ -472,17 +484,26 @@ async def _successor(
     gone: Callable[[], Awaitable[str | None]],
 ) -> World:
     """Form the world of ``size`` ranks gathering in ``store`` as ``rank``, make it the
-    default, and close ``world`` (which hands it its stores).
+    default once it stands (see :func:`_stands`), and close ``world`` (which hands it its
+    stores).
 
     ``gone`` says why one of the processes expected there went away, if one did (see
     :func:`_unless_gone`).
     """
     try:
         successor = await _unless_gone(_formed(world, store, rank, size, why), gone, World.aclose)
-    except _Gone as lost:
-        raise DistNetworkError(
-            f"{why}: the new process group can never be complete: {lost} went away"
-        ) from None
+    except BaseException as exc:
+        await _give_up_forming(store, f"{exc} went away" if isinstance(exc, _Gone) else repr(exc))
+        if isinstance(exc, _Gone):
+            raise DistNetworkError(
+                f"{why}: the new process group can never be complete: {exc} went away"
+            ) from None
+        raise
+    why_not = await _stands(successor, store, size)
+    if why_not is not None:
+        await successor.aclose()
+        raise DistNetworkError(f"{why}: the new process group was given up as it formed: {why_not}")
+    await announce(successor)
     world.hand_over_stores(successor)
     if peek_world() is world:
         set_current_world(successor)
@@ -506,11 +527,46 @@ async def _formed(world: World, store: Store, rank: int, size: int, why: str) ->
     try:
         await successor.domain.leased()
         await _backends.setup(successor.default_group)
-        await announce(successor)
     except BaseException:
         await successor.aclose()
         raise
     return successor
+
+
+async def _stands(world: World, store: Store, size: int) -> str | None:
+    """Whether ``world``, just formed in ``store`` by this process, stands: ``None`` if it
+    does, else why not.
+
+    Decided once for every process of it, through the store: it stands once all ``size``
+    have formed it, and not if one of them gave up forming it (:func:`_give_up_forming`), or
+    this process saw the world break or time out, first. Without it, a process that went
+    away as the world formed could leave some processes in it and others still in the
+    world it replaces (each deciding alone whether it came too late), where neither can
+    go on.
+    """
+    if await store.add(_FORMED, 1) == size:
+        await store.compare_set(_OUTCOME, "", _STANDS)
+    loop = asyncio.get_running_loop()
+    deadline = None if world.timeout is None else loop.time() + world.timeout
+    while not await store.check([_OUTCOME]):
+        if world.broken is not None:
+            await store.compare_set(_OUTCOME, "", str(world.broken))
+        elif deadline is not None and loop.time() >= deadline:
+            await store.compare_set(
+                _OUTCOME, "", f"not every process had formed it within {world.timeout} s"
+            )
+        else:
+            with contextlib.suppress(DistTimeoutError):
+                await store.wait([_OUTCOME], _LOST_CHECK)
+    outcome = (await store.get(_OUTCOME)).decode(errors="replace")
+    return None if outcome == _STANDS else outcome
+
+
+async def _give_up_forming(store: Store, why: str) -> None:
+    """Tell the processes forming a world in ``store`` that this one will not (see
+    :func:`_stands`): the world cannot stand, since this process did not form it."""
+    with contextlib.suppress(DistError, TimeoutError):
+        await asyncio.wait_for(store.compare_set(_OUTCOME, "", why), 5)
 
 
 class _Gone(Exception):
