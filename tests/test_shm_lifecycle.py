@@ -104,6 +104,47 @@ async def test_a_restart_removes_what_its_killed_predecessor_left(tmp_path: Any)
         await t.aclose()
 
 
+async def _create_workspace(path: str, job: str, rank: int, started: int) -> str:
+    """Rank ``rank`` of a workspace of two ranks, of which only ``started`` are processes."""
+    await NodeWorkspace.create(FileStore(path), rank, 2, timeout=30, job_key=job)
+    return "set up"
+
+
+async def test_a_workspace_whose_creator_died_and_was_swept_away_names_it(tmp_path: Any) -> None:
+    # Rank 0 creates the workspace's segment, publishes its record, and is killed before
+    # rank 1 maps the segment; rank 1's set-up sweeps the dead process's files away first, as
+    # leftovers. Rank 1 is told that rank 0 exited (a DistNetworkError, which recover()
+    # handles), not that a file is missing.
+    job = new_job()
+    path = str(tmp_path / "store")
+    rank_main = functools.partial(_create_workspace, path, job)
+    with start_world_processes(rank_main, 1, timeout=60, init_group=False) as world:
+        await FileStore(path).wait(["shm/ws/0"], timeout=30)
+        pid = world.procs[0].pid
+        world.procs[0].kill()
+        world.procs[0].join(10)
+    assert leftovers(job) != []
+    with pytest.raises(aiodist.DistNetworkError, match=rf": rank 0 \(pid {pid}\) exited$"):
+        await NodeWorkspace.create(FileStore(path), 1, 2, timeout=30, job_key=job)
+    assert leftovers(job) == []
+
+
+async def test_a_transport_whose_peer_died_and_was_swept_away_names_it(tmp_path: Any) -> None:
+    # The same for the rings: rank 0 published its segment and doorbell and was killed.
+    job = new_job()
+    path = str(tmp_path / "store")
+    rank_main = functools.partial(_set_up_and_wait, path, job, 2)
+    with start_world_processes(rank_main, 1, timeout=60, init_group=False) as world:
+        await FileStore(path).wait(["shm/t/0"], timeout=30)
+        pid = world.procs[0].pid
+        world.procs[0].kill()
+        world.procs[0].join(10)
+    assert leftovers(job) != []
+    with pytest.raises(aiodist.DistNetworkError, match=rf": rank 0 \(pid {pid}\) exited$"):
+        await ShmTransport.create(FileStore(path), 1, 2, timeout=30, job_key=job)
+    assert leftovers(job) == []
+
+
 async def test_a_failed_setup_unlinks_what_it_created() -> None:
     job = new_job()
     with pytest.raises(aiodist.DistTimeoutError):

@@ -58,6 +58,7 @@ from ..transport._shm_segment import (
     Segment,
     SharedMemoryError,
     host_key,
+    is_alive,
     remove_leftovers,
     segment_path,
     this_process,
@@ -413,8 +414,19 @@ class NodeWorkspace:
                         f"group rank {rank} for {block}; every rank must pass the same"
                     )
             procs = {r: ProcessId(int(rec["pid"]), int(rec["start"])) for r, rec in records.items()}
+
+            def gone(r: int, exc: Exception) -> Exception:
+                """What to raise when rank ``r``'s file would not open: its process exited
+                (and its files were swept away as leftovers), or ``exc``."""
+                if is_alive(procs[r]):
+                    return exc
+                return DistNetworkError(f"{what}: rank {r} (pid {procs[r].pid}) exited")
+
             if seg is None:
-                seg = Segment.attach(str(records[0]["seg"]), total)
+                try:
+                    seg = Segment.attach(str(records[0]["seg"]), total)
+                except SharedMemoryError as exc:
+                    raise gone(0, exc) from exc
                 if seg.words[_C_MAGIC // 8] != _MAGIC:
                     raise DistProtocolError(f"{seg.path} is not an aiodist workspace")
             # Peers' shared arrays are mapped through /proc/<pid>/fd/<fd>: check that this
@@ -425,7 +437,10 @@ class NodeWorkspace:
                     bells[r] = Bell(f"/proc/{rec['pid']}/fd/{rec['bell_fd']}")
                 except OSError:
                     can_map = False
-                    bells[r] = Bell(str(rec["bell"]))
+                    try:
+                        bells[r] = Bell(str(rec["bell"]))
+                    except OSError as exc:
+                        raise gone(r, exc) from exc
             seg.words[(rank * ctrl + _C_CANMAP) // 8] = 1 + int(can_map)
             seg.words[(rank * ctrl + _C_SLEEP) // 8] = 1
             await _shm_setup.barrier(

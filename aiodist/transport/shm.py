@@ -471,7 +471,9 @@ class ShmTransport(Transport):
                             "aiodist one"
                         )
                     bells.append(Bell(str(records[r]["bell"])))
-            except SharedMemoryError as exc:
+            except (SharedMemoryError, OSError) as exc:
+                # (A peer's files are gone if it exited and was swept away as leftovers: the
+                # barrier then names it.)
                 failure = str(exc)
             failure = await _shm_setup.barrier(
                 store, "shm/t/mapped", rank, local, deadline, procs, what, failure
