@@ -48,6 +48,15 @@ def test_torch_gloo_workers_restart_cleanly() -> None:
     assert "attempt 0 failed: rank 1 (node 0) exited with exit code 3" in result.stderr
 
 
+def test_torch_gloo_workers_forked_from_a_starter_that_imported_torch() -> None:
+    result = run(
+        [sys.executable, "-m", "aiodist.run", "--nproc-per-node=2", "--max-restarts=1",
+         "--preload=torch,torch.distributed", TORCH_WORKER, "crash-once"]
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert ranks_of(result.stdout) == dict.fromkeys(range(2), "torch attempt=1 sum=3 expected=3")
+
+
 @pytest.mark.parametrize("mode", ["sync-allreduce", "allreduce"])
 def test_aiodist_workers_under_torchrun(mode: str) -> None:
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
