@@ -1,7 +1,8 @@
 """``aiodist-run --preload``: workers forked from a starter that imported their modules.
 
-Every test starts the real launcher as a process with real worker processes
-(``tests/preload_worker.py``) and checks what the workers saw and how they ended.
+The tests start the real launcher as a process with real worker processes
+(``tests/preload_worker.py``) and check what the workers saw and how they ended; the last two
+drive the launcher's side of the starter (``Starter``) directly.
 """
 
 from __future__ import annotations
@@ -43,11 +44,11 @@ def reports(stdout: str) -> list[dict[str, object]]:
 
 
 def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie does not)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
         return False
-    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
 
 
 def test_a_preloaded_worker_runs_its_script_as_python_would() -> None:
