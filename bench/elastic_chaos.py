@@ -7,10 +7,10 @@ Run (in a private network namespace, like the other benches):
 Each run starts ``examples/elastic_sgd.py`` as a job of 4 workers under ``aiodist-run
 --standalone --nproc-per-node=4 --restart-policy=failed --max-restarts=4
 --preload=numpy,aiodist.sync`` (``--preload``: another list, or ``''`` for workers started
-as new processes; steps of
-``--step-seconds``, 0.02 s; ``--wait-for-replacements``: at an admission point the members
-wait until the world is whole again; no worker kills itself) and ``SIGKILL``s workers from
-outside, as the OOM killer or a lost host would, at moments drawn at random (``--seed``).
+as new processes; steps of ``--step-seconds``, 0.02 s; ``--wait-for-replacements``: at an
+admission point the members wait until the world is whole again; no worker kills itself)
+and ``SIGKILL``s workers from outside, as the OOM killer or a lost host would, at moments
+drawn at random (``--seed``).
 The scenarios (``--scenarios``, comma-separated), each ``--runs`` times, in turn:
 
     one          one member, 0-0.5 s after the workers started (in their start-up: joining
