@@ -229,17 +229,17 @@ class World:
         #: The thread of the event loop the world runs on (another thread may stand in for
         #: it: see ``aiodist._loop_thread.HandOverLoop``).
         self.loop_thread = threading.get_ident()
-        self._owned = list(owned)
-        hosting = any(getattr(s, "server", None) is not None for s in self._owned)
+        self._owned: list[Store] = []
         self.domain = FailureDomain(
             store,
             self.rank,
             self.size,
             on_abort=self._aborted,
             on_gone=self._gone,
-            hosting=hosting,
+            hosting=False,
             timeout=timeout,
         )
+        self.keep_stores(owned)
         self._next_group_id = 1
         self.groups: dict[int, ProcessGroup] = {}
         # Operations a peer rejected before this rank issued them: (group, seq) -> error.

@@ -324,7 +324,6 @@ def aiodist_worker(a: argparse.Namespace) -> None:
             if not a.elastic:
                 emit("failed", step=step, error=type(exc).__name__)
                 raise
-            started = time.time()
             recover(dist, exc, step)  # shrink_group(lost_ranks()), or raise exc
             continue  # redo the step, re-sharded among the survivors
         apply(w, grad)

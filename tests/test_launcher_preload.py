@@ -132,10 +132,11 @@ def test_preload_needs_python_workers() -> None:
         parse_args(["--preload=numpy", "--no-python", "/bin/true"])
 
 
-def test_preloaded_workers_and_their_starter_die_with_a_killed_launcher() -> None:
+def start_ready(nproc: int) -> subprocess.Popen[str]:
+    """A launcher of ``nproc`` preloaded workers in ``ready`` mode, once they all said so."""
     proc = track(
         subprocess.Popen(
-            [*RUN, "--nproc-per-node=2", "--preload=numpy", WORKER, "ready"],
+            [*RUN, f"--nproc-per-node={nproc}", "--preload=numpy", WORKER, "ready"],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -143,11 +144,20 @@ def test_preloaded_workers_and_their_starter_die_with_a_killed_launcher() -> Non
         )
     )
     assert proc.stdout is not None
-    lines = [proc.stdout.readline(), proc.stdout.readline()]
-    assert all(line.endswith(": ready\n") for line in lines), lines
-    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
-    starter = next(int(c) for c in children if "_preload" in Path(f"/proc/{c}/cmdline").read_text())
-    workers = [int(w) for w in Path(f"/proc/{starter}/task/{starter}/children").read_text().split()]
+    for _ in range(nproc):
+        assert proc.stdout.readline().endswith(": ready\n")
+    return proc
+
+
+def children(pid: int) -> list[int]:
+    """The processes ``pid`` started that still have it as parent."""
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def test_preloaded_workers_and_their_starter_die_with_a_killed_launcher() -> None:
+    proc = start_ready(2)
+    [starter] = children(proc.pid)
+    workers = children(starter)
     assert len(workers) == 2
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=10)
@@ -158,27 +168,11 @@ def test_preloaded_workers_and_their_starter_die_with_a_killed_launcher() -> Non
 
 
 def test_preloaded_workers_are_stopped_by_the_launchers_signal() -> None:
-    proc = track(
-        subprocess.Popen(
-            [*RUN, "--nproc-per-node=2", "--preload=numpy", WORKER, "ready"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=clean_env(),
-        )
-    )
-    assert proc.stdout is not None
-    for _ in range(2):
-        assert proc.stdout.readline().endswith(": ready\n")
+    proc = start_ready(2)
     proc.send_signal(signal.SIGTERM)
     _out, err = proc.communicate(timeout=30)
     assert proc.returncode == 128 + signal.SIGTERM
     assert err.count("stopped") >= 2 and "with signal SIGTERM (15)" in err, err
-
-
-def starter_children(starter: Starter) -> list[int]:
-    pid = starter._proc.pid
-    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
 @pytest.mark.both_loops
@@ -200,7 +194,7 @@ async def test_the_starter_reports_each_workers_exit_status() -> None:
             await starter.spawn(["/bin/true"], env)
         # Every exit was read, so the starter reaped every worker: no zombie is left.
         await asyncio.sleep(0.2)
-        assert starter_children(starter) == []
+        assert children(starter._proc.pid) == []
     finally:
         await starter.close()
 
@@ -217,8 +211,8 @@ async def test_a_worker_whose_start_was_cancelled_is_ended_and_reaped() -> None:
         with pytest.raises(asyncio.CancelledError):
             await spawn
         deadline = time.monotonic() + 10
-        while starter_children(starter) and time.monotonic() < deadline:
+        while children(starter._proc.pid) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        assert starter_children(starter) == []
+        assert children(starter._proc.pid) == []
     finally:
         await starter.close()

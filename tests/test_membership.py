@@ -574,72 +574,30 @@ def test_a_member_lost_as_the_world_grows_fails_admit_and_the_joiner_waits_again
 
 
 _JOINER_LOST_AS_THE_WORLD_GROWS = """
-import json, os, signal, sys
-from datetime import timedelta
-import numpy as np
-import aiodist.sync as dist
-role, port = sys.argv[1], int(sys.argv[2])
-store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-if role == "joiner":  # dies connected to the members, before its leases in the grown world
-    import aiodist.backends as backends
-    async def die(*args, **kwargs):
-        os.kill(os.getpid(), signal.SIGKILL)
-    backends.setup = die
-    dist.join_process_group("gloo", store=store, timeout=60)
-else:
-    import logging
-    logging.basicConfig(format="%(message)s")  # the warning of the admission that failed
-    dist.init_process_group("gloo", store=store, rank=int(role), world_size=3, timeout=60)
-    while not store.check(["aiodist/default_pg/waiting"]):  # the joiner registered
-        pass
-    print(json.dumps({"admitted": dist.admit()}), flush=True)
-    x = np.full(3, float(dist.get_rank() + 1))
-    dist.all_reduce(x)  # the world before the admission goes on
-    print(json.dumps({"rank": dist.get_rank(), "size": dist.get_world_size(), "x": x.tolist()}))
-    dist.destroy_process_group()
-"""
-
-
-@pytest.mark.multiprocess
-def test_a_joiner_lost_as_the_world_grows_is_not_admitted_and_the_members_go_on() -> None:
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60))
-    roles = ["0", "1", "2", "joiner"]
-    codes, outs = _run_roles(_JOINER_LOST_AS_THE_WORLD_GROWS, roles, str(store.port))
-    assert codes == [0, 0, 0, -signal.SIGKILL], outs
-    for rank in range(3):
-        out, err = outs[rank]
-        admitted, result = map(json.loads, out.splitlines())
-        assert admitted == {"admitted": []}, err
-        # Named as the joiner (rank 3 of the grown world): by its lease in the lobby, or by
-        # its lost connections as the grown world was set up, whichever came first.
-        warned = (
-            rf"rank {rank}: admit: nobody admitted this time: .*(a process being admitted|rank 3\b)"
-        )
-        assert re.search(warned, err), err
-        assert result == {"rank": rank, "size": 3, "x": [6.0, 6.0, 6.0]}
-    store.close()
-
-
-_JOINER_LOST_ONCE_IT_FORMED = """
 import asyncio, json, os, signal, sys
 from datetime import timedelta
 import numpy as np
 import aiodist.sync as dist
-role, port = sys.argv[1], int(sys.argv[2])
+role, port, when = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-if role == "joiner":  # dies once its part of the grown world is done
-    import aiodist._membership as membership
-    real_open_world = membership.open_world
-    async def open_world_then_die(*args, **kwargs):
-        await real_open_world(*args, **kwargs)
+if role == "joiner":
+    import aiodist._membership as membership, aiodist.backends as backends
+    async def die(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
-    membership.open_world = open_world_then_die
+    if when == "setting up":  # connected to the members, before its leases in the grown world
+        backends.setup = die
+    else:  # once its part of the grown world is done
+        real_open_world = membership.open_world
+        async def open_world_then_die(*args, **kwargs):
+            await real_open_world(*args, **kwargs)
+            await die()
+        membership.open_world = open_world_then_die
     dist.join_process_group("gloo", store=store, timeout=60)
 else:
     import logging
     logging.basicConfig(format="%(message)s")  # the warning of the admission that failed
     dist.init_process_group("gloo", store=store, rank=int(role), world_size=3, timeout=60)
-    if role == "1":  # slow to finish its part: it sees the joiner gone while still forming
+    if when == "formed" and role == "1":  # slow to finish: sees the joiner gone while forming
         import aiodist.backends as backends
         real_setup = backends.setup
         async def slow_setup(*args, **kwargs):
@@ -657,22 +615,31 @@ else:
 
 
 @pytest.mark.multiprocess
-def test_a_joiner_lost_as_one_member_finished_forming_and_another_had_not_splits_nobody() -> None:
-    """The grown world stands for all its processes or for none: member 1, still forming
-    when the joiner dies, gives it up; members 0 and 2, done forming by then, give it up
-    with it instead of going on in it alone (each deciding alone left them in different
-    worlds, where neither could go on)."""
+@pytest.mark.parametrize("when", ["setting up", "formed"])
+def test_a_joiner_lost_as_the_world_grows_is_not_admitted_and_the_members_go_on(
+    when: str,
+) -> None:
+    """The joiner dies in its set-up of the grown world, or once its part is done while
+    member 1 is still forming it (members 0 and 2 done): the grown world stands for all its
+    processes or for none, so every member gives it up and goes on in the world it had
+    (each deciding alone left members 0 and 2 in the grown world and member 1 in the old
+    one, where neither could go on)."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60))
     roles = ["0", "1", "2", "joiner"]
-    codes, outs = _run_roles(_JOINER_LOST_ONCE_IT_FORMED, roles, str(store.port))
+    codes, outs = _run_roles(_JOINER_LOST_AS_THE_WORLD_GROWS, roles, str(store.port), when)
     assert codes == [0, 0, 0, -signal.SIGKILL], outs
     for rank in range(3):
         out, err = outs[rank]
         admitted, result = map(json.loads, out.splitlines())
         assert admitted == {"admitted": []}, err
-        assert re.search(rf"rank {rank}: admit: nobody admitted this time: ", err), err
+        # Named as the joiner (rank 3 of the grown world): by its lease in the lobby, or by
+        # its lost connections as the grown world was set up, whichever came first.
+        warned = (
+            rf"rank {rank}: admit: nobody admitted this time: .*(a process being admitted|rank 3\b)"
+        )
+        assert re.search(warned, err), err
         assert result == {"rank": rank, "size": 3, "x": [6.0, 6.0, 6.0]}
-    # The members that had formed it say why it was given up.
-    for rank in (0, 2):
-        assert "admit: the new process group was given up as it formed: " in outs[rank][1]
+    if when == "formed":  # the members that had formed it say why it was given up
+        for rank in (0, 2):
+            assert "admit: the new process group was given up as it formed: " in outs[rank][1]
     store.close()

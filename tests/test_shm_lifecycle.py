@@ -86,15 +86,22 @@ async def test_a_rank_killed_during_setup_leaves_nothing_behind(tmp_path: Any) -
     assert leftovers(job) == []
 
 
+async def _kill_rank_0_once_published(rank_main: Any, path: str, key: str) -> int:
+    """Start ``rank_main`` as rank 0 alone and kill it once it published ``key`` in the store
+    at ``path`` (its names still exist); return its pid."""
+    with start_world_processes(rank_main, 1, timeout=60, init_group=False) as world:
+        await FileStore(path).wait([key], timeout=30)
+        world.procs[0].kill()
+        world.procs[0].join(10)
+        return world.procs[0].pid
+
+
 async def test_a_restart_removes_what_its_killed_predecessor_left(tmp_path: Any) -> None:
     job = new_job()
     path = str(tmp_path / "store")
     # Rank 0 of two sets up alone, and is killed while its names still exist.
     rank_main = functools.partial(_set_up_and_wait, path, job, 2)
-    with start_world_processes(rank_main, 1, timeout=60, init_group=False) as world:
-        await FileStore(path).wait(["shm/t/0"], timeout=30)
-        world.procs[0].kill()
-        world.procs[0].join(10)
+    await _kill_rank_0_once_published(rank_main, path, "shm/t/0")
     left = leftovers(job)
     assert len(left) == 2  # nobody survived to clean up
     # The job starts again under the same key: its setup removes them first.
@@ -104,44 +111,32 @@ async def test_a_restart_removes_what_its_killed_predecessor_left(tmp_path: Any)
         await t.aclose()
 
 
-async def _create_workspace(path: str, job: str, rank: int, started: int) -> str:
-    """Rank ``rank`` of a workspace of two ranks, of which only ``started`` are processes."""
-    await NodeWorkspace.create(FileStore(path), rank, 2, timeout=30, job_key=job)
+#: What a rank sets up in shared memory, and the key its record is published under.
+_SETUPS = {
+    "workspace": (NodeWorkspace.create, "shm/ws/0"),
+    "transport": (ShmTransport.create, "shm/t/0"),
+}
+
+
+async def _set_up(what: str, path: str, job: str, rank: int, started: int) -> str:
+    """Rank ``rank`` of a ``what`` of two ranks, of which only ``started`` are processes."""
+    await _SETUPS[what][0](FileStore(path), rank, 2, timeout=30, job_key=job)
     return "set up"
 
 
-async def test_a_workspace_whose_creator_died_and_was_swept_away_names_it(tmp_path: Any) -> None:
-    # Rank 0 creates the workspace's segment, publishes its record, and is killed before
-    # rank 1 maps the segment; rank 1's set-up sweeps the dead process's files away first, as
-    # leftovers. Rank 1 is told that rank 0 exited (a DistNetworkError, which recover()
-    # handles), not that a file is missing.
+@pytest.mark.parametrize("what", list(_SETUPS))
+async def test_a_peer_that_died_and_was_swept_away_is_named(what: str, tmp_path: Any) -> None:
+    # Rank 0 creates its segment, publishes its record, and is killed before rank 1 maps the
+    # segment; rank 1's set-up sweeps the dead process's files away first, as leftovers.
+    # Rank 1 is told that rank 0 exited (a DistNetworkError, which recover() handles), not
+    # that a file is missing.
     job = new_job()
     path = str(tmp_path / "store")
-    rank_main = functools.partial(_create_workspace, path, job)
-    with start_world_processes(rank_main, 1, timeout=60, init_group=False) as world:
-        await FileStore(path).wait(["shm/ws/0"], timeout=30)
-        pid = world.procs[0].pid
-        world.procs[0].kill()
-        world.procs[0].join(10)
+    create, key = _SETUPS[what]
+    pid = await _kill_rank_0_once_published(functools.partial(_set_up, what, path, job), path, key)
     assert leftovers(job) != []
     with pytest.raises(aiodist.DistNetworkError, match=rf": rank 0 \(pid {pid}\) exited$"):
-        await NodeWorkspace.create(FileStore(path), 1, 2, timeout=30, job_key=job)
-    assert leftovers(job) == []
-
-
-async def test_a_transport_whose_peer_died_and_was_swept_away_names_it(tmp_path: Any) -> None:
-    # The same for the rings: rank 0 published its segment and doorbell and was killed.
-    job = new_job()
-    path = str(tmp_path / "store")
-    rank_main = functools.partial(_set_up_and_wait, path, job, 2)
-    with start_world_processes(rank_main, 1, timeout=60, init_group=False) as world:
-        await FileStore(path).wait(["shm/t/0"], timeout=30)
-        pid = world.procs[0].pid
-        world.procs[0].kill()
-        world.procs[0].join(10)
-    assert leftovers(job) != []
-    with pytest.raises(aiodist.DistNetworkError, match=rf": rank 0 \(pid {pid}\) exited$"):
-        await ShmTransport.create(FileStore(path), 1, 2, timeout=30, job_key=job)
+        await create(FileStore(path), 1, 2, timeout=30, job_key=job)
     assert leftovers(job) == []
 
 
