@@ -122,7 +122,17 @@ class Fuzzer:
 
     def handshake(self) -> bytes:
         rng = self.rng
-        fields: list[Any] = [raw_peer.MAGIC, raw_peer.VERSION, 0, 1, 2, WORLD, bytes(32), bytes(32)]
+        fields: list[Any] = [
+            raw_peer.MAGIC,
+            raw_peer.VERSION,
+            0,
+            1,
+            2,
+            WORLD,
+            bytes(32),
+            bytes(32),
+            raw_peer.STAGING,
+        ]
         at = rng.randrange(len(fields))
         fields[at] = {
             0: rng.randbytes(4),
@@ -133,6 +143,7 @@ class Fuzzer:
             5: rng.randrange(2**32),
             6: rng.randbytes(32),
             7: rng.randbytes(32),
+            8: rng.randrange(2**64),
         }[at]
         return self.mutate(HANDSHAKE.pack(*fields) + rng.randbytes(rng.randrange(40)))
 

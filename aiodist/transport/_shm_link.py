@@ -21,7 +21,12 @@ payload into the ring at once when there is room (a small send's future is resol
 ``send`` returns); a large payload is streamed in ``CHUNK_BYTES`` pieces, ``head`` published
 after each, so the receiver copies out while the sender copies in. The receiver asks the
 mailbox where a message goes when its header arrives (``Mailbox.incoming``): the posted
-receive's own memory, or a staging buffer, and copies straight there.
+receive's own memory, or a staging buffer, and copies straight there. What the receiver
+stages is bounded by flow control (``_flow``, the same messages as TCP's): a message that
+does not fit the peer's credit is announced and its payload waits for the receive. Messages
+leave in order, except the payloads of cleared messages (``bulk``): each waits until no other
+message is queued, so that an announcement or a clearance is not held up behind it. The
+receiver always reads its ring: nothing a peer may write unasked is unbounded.
 
 Waiting for room. A sender waiting for room pairs its ``want`` flag with the receiver's
 ``tail`` as the doorbell pairs ``head`` with the sleeping flag (``_shm_signal`` has the
@@ -36,7 +41,8 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from ..errors import DistProtocolError
-from ._frames import BYE, HEADER, MAX_MESSAGE, ControlText, is_control
+from ._flow import PeerFlow
+from ._frames import BYE, HEADER, MAX_MESSAGE, ControlText, is_control, open_message
 from ._mailbox import Inbound
 from ._shm_segment import ProcessId, Segment
 from ._shm_signal import Bell, PeerWatch, fence
@@ -122,9 +128,11 @@ class ShmLink:
         in_ring: int,
         cap: int,
         bell: Bell,
+        flow: PeerFlow,
     ) -> None:
         self.owner = owner
         self.peer = peer
+        self.flow = flow
         self.proc = proc
         self.peer_seg = peer_seg
         self.cap = cap
@@ -142,7 +150,10 @@ class ShmLink:
         self.tx_head_w, self.tx_tail_w, self.tx_want_w = w + _R_HEAD, w + _R_TAIL, w + _R_WANT
         self.head = 0
         self.want = False
+        # Messages to write in order (at most one cleared payload among them, the one being
+        # written), and the other cleared payloads, which wait for the queue to empty.
         self.queue: deque[QueuedSend] = deque()
+        self.bulk: deque[QueuedSend] = deque()
         # Receiving: the peer's ring in our own segment.
         seg = owner._seg
         assert seg is not None
@@ -189,7 +200,12 @@ class ShmLink:
         tail = words[self.tx_tail_w]
         moved = 0
         blocked = False
-        while queue and budget > 0:
+        while budget > 0:
+            if not queue:
+                if not self.bulk:
+                    break
+                # A message boundary with nothing else to send: the next cleared payload.
+                queue.append(self.bulk.popleft())
             s = queue[0]
             free = cap - (head - tail)
             if s.off < 0:
@@ -269,13 +285,13 @@ class ShmLink:
         done: list[Inbound | ControlText] = []
         while tail != head and budget > 0:
             if self.inbound is None:
-                group, seq, step, nbytes, fp = _HEADER.unpack_from(buf, base + (tail & mask))
+                group, seq, step, word, fp = _HEADER.unpack_from(buf, base + (tail & mask))
                 tail += _HDR
                 moved += _HDR
                 budget -= _HDR
-                if is_control(nbytes, step):
+                if is_control(word, step):
                     self.inbound = ControlText(
-                        nbytes, group, seq, step, self.peer, mailbox, self._said
+                        word, group, seq, step, self.peer, mailbox, self.flow, self._said
                     )
                     self.doff = 0
                     self.drem = step
@@ -283,32 +299,28 @@ class ShmLink:
                         done.append(self.inbound)
                         self.inbound = None
                     continue
-                if nbytes >= MAX_MESSAGE:
-                    self._publish_tail(tail)
-                    self.owner._lose(
-                        self,
-                        DistProtocolError(
-                            f"rank {self.peer} wrote a message header announcing {nbytes} "
-                            "bytes into shared memory: a corrupted ring"
-                        ),
-                    )
-                    return moved
                 try:
-                    inbound = mailbox.incoming(self.peer, (group, seq, step), nbytes, fp)
+                    inbound = open_message(
+                        mailbox, self.flow, self.peer, group, seq, step, word, fp
+                    )
+                except DistProtocolError as exc:
+                    self._publish_tail(tail)
+                    self.owner._lose(self, exc)
+                    return moved
                 except MemoryError:
                     self._publish_tail(tail)
                     self.owner._lose(
                         self,
                         DistProtocolError(
-                            f"rank {self.peer} sent a message of {nbytes} bytes, more than "
-                            "this rank can allocate to hold it"
+                            f"rank {self.peer} sent a message of {word & (MAX_MESSAGE - 1)} "
+                            "bytes, more than this rank can allocate to hold it"
                         ),
                     )
                     return moved
-                if nbytes:
+                if inbound is not None:
                     self.inbound = inbound
                     self.doff = 0
-                    self.drem = nbytes
+                    self.drem = len(inbound.buffer)
                 continue
             take = min(head - tail, self.drem, budget)
             start = tail & mask

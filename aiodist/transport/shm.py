@@ -24,18 +24,17 @@ import hashlib
 import logging
 import mmap
 import os
-import struct
 import time
 from collections.abc import Collection
 from typing import Any
 
-from .._fingerprint import NO_FINGERPRINT
 from .._timeouts import DEFAULT_SETUP_TIMEOUT, Timeout, to_seconds
 from ..errors import DistNetworkError, DistProtocolError, DistUsageError
 from ..store import Store
 from . import _shm_setup
+from ._flow import PeerFlow, resolve_staging_bytes
 from ._frames import BYE, HEADER, REJECTION, control_frame
-from ._mailbox import Mailbox, as_bytes, fail_future
+from ._mailbox import Mailbox, as_bytes, check_tag, fail_future
 from ._shm_link import (
     ABORTED,
     CHUNK_BYTES as CHUNK_BYTES,  # the link's now; still importable from here
@@ -84,9 +83,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_VERSION = 1
+_VERSION = 2
 _MAGIC = int.from_bytes(b"AIODSHM1", "little")
-_HEADER = HEADER
 
 #: Bytes of ring per ordered pair of ranks (a power of two). With many local ranks the
 #: rings shrink so that a rank's segment stays within 64 MiB (down to 256 KiB per ring).
@@ -106,6 +104,11 @@ _RECHECK_FIRST, _RECHECK_MAX = 1e-3, 50e-3
 #: than a poll lasts, so every later poll misses too.
 _POLL_MISSES_BEFORE_BACKOFF = 3
 _POLL_SKIP = 8
+
+
+def _retrieve(fut: asyncio.Future[None]) -> None:
+    if not fut.cancelled():
+        fut.exception()
 
 
 def default_job_key() -> str:
@@ -258,8 +261,10 @@ class ShmTransport(Transport):
         seg: Segment | None,
         doorbell: Doorbell | None,
         spin: float,
+        staging: int,
     ) -> None:
         super().__init__(rank, world_size, mailbox)
+        self._staging = staging
         self.local_ranks = local_ranks
         self._loop = asyncio.get_running_loop()
         self._seg = seg
@@ -293,6 +298,7 @@ class ShmTransport(Transport):
         ring_bytes: int | None = None,
         spin: float | None = None,
         job_key: str | None = None,
+        staging_bytes: int | None = None,
     ) -> ShmTransport:
         """Set up the rings between ``rank`` and the other ranks of ``local_ranks``.
 
@@ -323,6 +329,10 @@ class ShmTransport(Transport):
             job_key: the job's identity, from which segment names derive (so that a
                 restart removes its predecessor's leftovers); ``None`` uses
                 :func:`default_job_key`.
+            staging_bytes: the bytes of messages from one peer this rank holds at most
+                for receives not posted yet; a message that does not fit waits for its
+                receive (see :mod:`aiodist.transport._flow`). ``None`` reads
+                ``$AIODIST_STAGING_BYTES``, else 4 MiB. Ranks may differ.
 
         Returns:
             The open transport.
@@ -333,7 +343,7 @@ class ShmTransport(Transport):
                 size needed), or a local rank could not create or map a segment (every
                 local rank raises it then, naming that rank); the caller may fall back to
                 TCP.
-            DistUsageError: a bad argument, or a peer that is not on this host (its host
+            DistUsageError: a bad argument (``staging_bytes`` included), or a peer that is not on this host (its host
                 key differs) or disagrees on ``local_ranks`` or ``ring_bytes``.
             DistTimeoutError: a local rank did not arrive in time (the ranks are named).
             DistNetworkError: a local rank exited during setup.
@@ -369,6 +379,7 @@ class ShmTransport(Transport):
         else:
             spin_s = float(spin)
         seconds = to_seconds(timeout, DEFAULT_SETUP_TIMEOUT)
+        staging = resolve_staging_bytes(staging_bytes)
         reason = unavailable_reason()
         if reason is not None:
             logger.info("no shared-memory transport: %s", reason)
@@ -381,13 +392,23 @@ class ShmTransport(Transport):
                 f"{rank} of {world_size}"
             )
         if not peers:
-            return cls(rank, world_size, local, mailbox, None, None, 0.0)
+            return cls(rank, world_size, local, mailbox, None, None, 0.0, staging)
         job = default_job_key() if job_key is None else job_key
         remove_leftovers(job)
         loop = asyncio.get_running_loop()
         deadline = None if seconds is None else loop.time() + seconds
         return await cls._setup(
-            store, rank, world_size, local, peers, mailbox, ring_bytes, spin_s, job, deadline
+            store,
+            rank,
+            world_size,
+            local,
+            peers,
+            mailbox,
+            ring_bytes,
+            spin_s,
+            staging,
+            job,
+            deadline,
         )
 
     @classmethod
@@ -401,6 +422,7 @@ class ShmTransport(Transport):
         mailbox: Mailbox,
         cap: int,
         spin: float,
+        staging: int,
         job: str,
         deadline: float | None,
     ) -> ShmTransport:
@@ -441,6 +463,7 @@ class ShmTransport(Transport):
                     bell=doorbell.path,
                     ring=cap,
                     ranks=list(local),
+                    staging=staging,
                 )
             records = await _shm_setup.exchange(store, "shm/t", rank, local, record, deadline, what)
             failed = [str(records[r]["failed"]) for r in sorted(records) if "failed" in records[r]]
@@ -486,12 +509,16 @@ class ShmTransport(Transport):
             if spin < 0:
                 same_process = any(p.pid == me.pid for p in procs.values())
                 spin = SPIN_SECONDS if may_spin(len(local)) and not same_process else 0.0
-            self = cls(rank, world_size, local, mailbox, seg, doorbell, spin)
+            self = cls(rank, world_size, local, mailbox, seg, doorbell, spin, staging)
             for i, r in enumerate(peers):
                 senders_of_r = [s for s in local if s != r]
                 out_ring = CTRL_BYTES + senders_of_r.index(rank) * (RING_HDR_BYTES + cap)
                 in_ring = CTRL_BYTES + i * (RING_HDR_BYTES + cap)
-                link = ShmLink(self, r, procs[r], attached[i], out_ring, in_ring, cap, bells[i])
+                flow = PeerFlow(r, staging, functools.partial(self._write, r))
+                flow.granted(int(records[r]["staging"]))  # the first credit: its bound
+                link = ShmLink(
+                    self, r, procs[r], attached[i], out_ring, in_ring, cap, bells[i], flow
+                )
                 self._links.append(link)
                 self._by_peer[r] = link
             doorbell.listen(self._loop, self._on_bell)
@@ -527,25 +554,24 @@ class ShmTransport(Transport):
 
     # -- the Transport interface -----------------------------------------------------------
 
-    def send(self, peer: int, tag: Tag, data: memoryview) -> asyncio.Future[None]:
+    def send(
+        self, peer: int, tag: Tag, data: memoryview, *, cleared: bool = False
+    ) -> asyncio.Future[None]:
         """Send ``data`` to the local rank ``peer``.
 
         The future resolves once the payload is in shared memory (the caller may then
-        reuse ``data``); for a small message on a ring with room, before this returns.
-        It fails with ``DistNetworkError`` if the peer is lost or has closed first.
+        reuse ``data``); for a small message on a ring with room, before this returns; for
+        one beyond the peer's staging bound, once the peer posted its receive and the
+        payload followed. It fails with ``DistNetworkError`` if the peer is lost or has
+        closed first.
 
         Raises:
             DistUsageError: ``peer`` is out of range or not served here, the tag is
                 malformed, or ``data`` is not contiguous.
         """
         data = as_bytes(data, writable=False)
-        try:
-            fp = self.mailbox.fingerprint_of(tag[0], tag[1])
-            header = _HEADER.pack(tag[0], tag[1], tag[2], len(data), fp)
-        except (struct.error, TypeError, IndexError):
-            raise DistUsageError(
-                f"a tag must be three integers in [0, 2**64) (group id, seq, step), got {tag!r}"
-            ) from None
+        check_tag(tag)
+        fp = self.mailbox.fingerprint_of(tag[0], tag[1])
         link = self._link_for(peer)
         fut: asyncio.Future[None] = self._loop.create_future()
         if self._closed is not None:
@@ -556,12 +582,35 @@ class ShmTransport(Transport):
         elif link.error is not None:
             fail_future(fut, link.error)
         else:
-            link.queue.append(QueuedSend(header, data, fut))
-            if len(link.queue) == 1:
-                link.tx(TURN_BYTES)
-            if link.queue:
-                self._schedule()
+            link.flow.send((tag[0], tag[1], tag[2]), data, fp, fut, cleared)
         return fut
+
+    def _write(
+        self,
+        peer: int,
+        header: bytes,
+        data: memoryview,
+        fut: asyncio.Future[None] | None,
+        bulk: bool = False,
+    ) -> None:
+        # Where every message to ``peer`` goes (the flow control's too, see _flow.Write).
+        if fut is None:
+            # Nobody waits for a control message: a peer that is gone needs none.
+            fut = self._loop.create_future()
+            fut.add_done_callback(_retrieve)
+        link = self._by_peer[peer]
+        if self._closed is not None:
+            fail_future(fut, self._closed)
+            return
+        if link.error is not None:
+            fail_future(fut, link.error)
+            return
+        queue = link.bulk if bulk and link.queue else link.queue
+        queue.append(QueuedSend(header, data, fut))
+        if len(link.queue) == 1:
+            link.tx(TURN_BYTES)
+        if link.queue:
+            self._schedule()
 
     def recv_into(self, peer: int | None, tag: Tag, out: memoryview) -> asyncio.Future[int]:
         """Receive the next ``tag`` message from ``peer`` (``None``: any rank) into ``out``.
@@ -575,12 +624,7 @@ class ShmTransport(Transport):
                 malformed, or ``out`` is read-only or not contiguous.
         """
         link = None if peer is None else self._link_for(peer)
-        try:
-            _HEADER.pack(tag[0], tag[1], tag[2], 0, NO_FINGERPRINT)
-        except (struct.error, TypeError, IndexError):
-            raise DistUsageError(
-                f"a tag must be three integers in [0, 2**64) (group id, seq, step), got {tag!r}"
-            ) from None
+        check_tag(tag)
         fut = self.mailbox.post(peer, tag, as_bytes(out, writable=True))
         if not fut.done() and self._closed is None:
             # The message may already wait in the ring.
@@ -602,15 +646,8 @@ class ShmTransport(Transport):
         if link is None:
             self.mailbox.reject(peer, group, seq, reason)
             return
-        if self._closed is not None or link.error is not None:
-            return  # a peer that is gone needs no rejection
-        fut: asyncio.Future[None] = self._loop.create_future()
-        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
-        link.queue.append(control_send(control_frame(REJECTION, group, seq, reason), fut))
-        if len(link.queue) == 1:
-            link.tx(TURN_BYTES)
-        if link.queue:
-            self._schedule()
+        frame = control_frame(REJECTION, group, seq, reason)
+        self._write(peer, frame[: HEADER.size], memoryview(frame)[HEADER.size :], None)
 
     def _link_for(self, peer: int) -> ShmLink | None:
         """The link to ``peer``; ``None`` for this rank itself."""
@@ -640,7 +677,8 @@ class ShmTransport(Transport):
         harmless.
         """
         if self._closed is None:
-            queued = [s.fut for link in self._links for s in link.queue]
+            queued = [s.fut for link in self._links for s in (*link.queue, *link.bulk)]
+            queued += [f for link in self._links for f in link.flow.waiting()]
             if queued:
                 await asyncio.wait(queued, timeout=CLOSE_DRAIN_SECONDS)
             if self._closed is None:
@@ -664,9 +702,11 @@ class ShmTransport(Transport):
         for link in self._links:
             if link.error is None:
                 link.bell.ring()  # whatever its flag says: it must learn our state
-            for s in link.queue:
+            for s in (*link.queue, *link.bulk):
                 fail_future(s.fut, exc)
             link.queue.clear()
+            link.bulk.clear()
+            link.flow.fail(exc)
         self.mailbox.abort(exc)
         self._release()
         logger.debug("rank %d shared-memory transport closed: %s", self.rank, exc)
@@ -699,7 +739,7 @@ class ShmTransport(Transport):
         for link in self._links:
             if link.error is None:
                 moved += link.rx(budget - moved)
-                if link.queue and link.error is None:
+                if (link.queue or link.bulk) and link.error is None:
                     moved += link.tx(budget - moved)
         return moved
 
@@ -708,7 +748,7 @@ class ShmTransport(Transport):
             self._awaited = [f for f in self._awaited if not f.done()]
             if self._awaited:
                 return True
-        return any(link.queue or link.inbound is not None for link in self._links)
+        return any(link.queue or link.bulk or link.inbound is not None for link in self._links)
 
     def _service(self) -> None:
         # Move bytes until nothing moves or this turn's budget is spent; then poll for a
@@ -830,9 +870,11 @@ class ShmTransport(Transport):
         link.error = exc
         if link.watch is not None:
             link.watch.close()
-        for s in link.queue:
+        for s in (*link.queue, *link.bulk):
             fail_future(s.fut, exc)
         link.queue.clear()
+        link.bulk.clear()
+        link.flow.fail(exc)
         link.inbound = None  # the mailbox fails it with the peer
         self.mailbox.fail_peer(link.peer, exc)
         level = logging.WARNING if departure_of(exc) is None else logging.DEBUG
