@@ -336,9 +336,8 @@ async def _sender_losing_its_receiver(rank: int, size: int) -> tuple[str, str, f
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("shm", ["1", "0"], ids=["shm", "tcp"])
 def test_a_sender_waiting_for_a_killed_receiver_fails_within_seconds(shm: str) -> None:
-    with start_world_processes(
-        _sender_losing_its_receiver, 2, timeout=30, env={"AIODIST_SHM": shm}
-    ) as world:
+    env = {"AIODIST_SHM": shm, "AIODIST_STAGING_BYTES": str(STAGING)}
+    with start_world_processes(_sender_losing_its_receiver, 2, timeout=30, env=env) as world:
         result = world.results(ranks=[0])[0]
     assert result is not None, "the send completed without its receiver"
     kind, text, waited = result

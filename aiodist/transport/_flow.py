@@ -9,7 +9,7 @@ otherwise) and tells the peer when they connect. A message then goes one of thre
 * **Eager**: sent at once if it fits in the sender's *credit*, the bytes the receiver may
   still have to stage for it; the credit starts at the receiver's bound. The receiver gives
   a message's bytes back once it no longer holds them (they landed in a posted receive, or
-  were copied into one, or dropped), in batches of a quarter of its bound.
+  were copied into one, or dropped), in batches (:data:`CREDIT_BATCH`).
 * **Rendezvous**: a message that does not fit is announced instead (ready to send, a header
   without payload). The receive that takes the announcement clears it (clear to send, named
   by the announcement's *ticket*), and the payload follows, straight into that receive's
@@ -53,8 +53,14 @@ __all__ = [
     "resolve_staging_bytes",
 ]
 
-#: Bytes a rank stages at most per peer for receives not posted yet, by default.
-DEFAULT_STAGING_BYTES = 4 << 20
+#: Bytes a rank stages at most per peer for receives not posted yet, by default. The credit
+#: also covers what is on its way (a loopback connection's kernel buffers hold several MiB
+#: of a stream): with 4 MiB, a stream of 256 KiB messages into posted receives had one in
+#: five announced, with 16 MiB none.
+DEFAULT_STAGING_BYTES = 16 << 20
+#: Credit is given back once this much (or a quarter of the bound) is freed: one small
+#: message per MiB received.
+CREDIT_BATCH = 1 << 20
 #: The environment variable that sets the staging bound, in bytes.
 STAGING_BYTES_ENV = "AIODIST_STAGING_BYTES"
 _EMPTY = memoryview(b"")
@@ -129,8 +135,8 @@ class PeerFlow:
         self._tickets_in = 0
         self._held = 0
         self._owed = 0
-        # A credit message per byte freed would double the small messages: batches.
-        self._batch = max(1, limit // 4)
+        # A credit message per message freed would double the small messages: batches.
+        self._batch = max(1, min(limit // 4, CREDIT_BATCH))
 
     def __repr__(self) -> str:
         return (

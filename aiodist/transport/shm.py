@@ -332,7 +332,7 @@ class ShmTransport(Transport):
             staging_bytes: the bytes of messages from one peer this rank holds at most
                 for receives not posted yet; a message that does not fit waits for its
                 receive (see :mod:`aiodist.transport._flow`). ``None`` reads
-                ``$AIODIST_STAGING_BYTES``, else 4 MiB. Ranks may differ.
+                ``$AIODIST_STAGING_BYTES``, else 16 MiB. Ranks may differ.
 
         Returns:
             The open transport.

@@ -249,7 +249,7 @@ class TCPTransport(Transport):
             staging_bytes: the bytes of messages from one peer this rank holds at most
                 for receives not posted yet; a message that does not fit waits for its
                 receive (see :mod:`aiodist.transport._flow`). ``None`` reads
-                ``$AIODIST_STAGING_BYTES``, else 4 MiB. Ranks may differ.
+                ``$AIODIST_STAGING_BYTES``, else 16 MiB. Ranks may differ.
 
         Returns:
             The listening transport. Connections are opened when first needed.
@@ -350,7 +350,9 @@ class TCPTransport(Transport):
         fp = self.mailbox.fingerprint_of(tag[0], tag[1])
         fut: asyncio.Future[None] = self._loop.create_future()
         p = self._peers[peer]
-        if peer == self.rank and self._closed is None:
+        if p.conn is not None:
+            p.flow.send(tag, data, fp, fut, cleared)
+        elif peer == self.rank and self._closed is None:
             self.mailbox.deliver(peer, (tag[0], tag[1], tag[2]), data, fp)
             fut.set_result(None)
         elif self._closed is not None:
@@ -358,12 +360,9 @@ class TCPTransport(Transport):
         elif p.error is not None:
             fail_future(fut, p.error)
         else:
-            send = functools.partial(p.flow.send, (tag[0], tag[1], tag[2]), data, fp, fut, cleared)
-            if p.conn is not None:
-                send()
-            else:
-                p.pending.append((send, fut))
-                self._connect_soon(p)
+            # Framed once connected, when the peer's credit is known.
+            p.pending.append((functools.partial(p.flow.send, tag, data, fp, fut, cleared), fut))
+            self._connect_soon(p)
         return fut
 
     def _write(
