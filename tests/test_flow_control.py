@@ -257,6 +257,28 @@ async def test_a_closed_receiver_fails_its_waiting_senders(pair: list[Transport]
         await asyncio.wait_for(send, 5)
 
 
+@pytest.mark.parametrize(
+    ("env", "value", "message"),
+    [
+        (None, -1, r"staging_bytes must be a non-negative number of bytes, got -1"),
+        (None, 1.5, r"staging_bytes must be a non-negative number of bytes, got 1.5"),
+        ("16M", None, r"\$AIODIST_STAGING_BYTES='16M' is not a number of bytes"),
+        ("-5", None, r"\$AIODIST_STAGING_BYTES must be a non-negative number of bytes, got -5"),
+    ],
+)
+async def test_a_bad_staging_bound_is_a_usage_error(
+    env: str | None, value: Any, message: str, monkeypatch: Any
+) -> None:
+    if env is not None:
+        monkeypatch.setenv("AIODIST_STAGING_BYTES", env)
+    with pytest.raises(aiodist.DistUsageError, match=message):
+        await TCPTransport.create(PeerDirectory(HashStore()), 0, 1, staging_bytes=value)
+    job = new_job()
+    with pytest.raises(aiodist.DistUsageError, match=message):
+        await shm_world(1, job, staging_bytes=value)
+    assert leftovers(job) == []
+
+
 # -- through the public API ---------------------------------------------------------------------
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
 async def test_tag_order_through_the_api(transport: Any) -> None:

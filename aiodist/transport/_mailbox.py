@@ -537,9 +537,6 @@ class Mailbox:
         if recv is not None:
             fail_future(recv.fut, exc)
             return
-        self._stage_error(peer, tag, exc)
-
-    def _stage_error(self, peer: int, tag: Tag, exc: BaseException) -> None:
         queue = self._staged.setdefault(tag, {}).setdefault(peer, deque())
         queue.append(_Staged(0, peer, self._next_order(), queue, NO_FINGERPRINT, exc))
 
@@ -802,7 +799,8 @@ class Mailbox:
 
         Receives from ``peer`` fail now and later. Any-source receives fail too, unless the
         peer left in order (:attr:`Departure.LEFT`) and other ranks may still send.
-        Messages from ``peer`` that arrived completely stay deliverable. The listener hears
+        Messages from ``peer`` that arrived completely stay deliverable; those it only
+        announced fail the receives that take them. The listener hears
         of it in every case.
         """
         if self._exc is not None or peer in self._lost:

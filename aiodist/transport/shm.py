@@ -605,11 +605,14 @@ class ShmTransport(Transport):
         if link.error is not None:
             fail_future(fut, link.error)
             return
-        queue = link.bulk if bulk and link.queue else link.queue
-        queue.append(QueuedSend(header, data, fut))
-        if len(link.queue) == 1:
-            link.tx(TURN_BYTES)
+        send = QueuedSend(header, data, fut)
         if link.queue:
+            # Behind what is queued; a cleared payload behind every other message.
+            (link.bulk if bulk else link.queue).append(send)
+        else:
+            link.queue.append(send)
+            link.tx(TURN_BYTES)
+        if link.queue or link.bulk:
             self._schedule()
 
     def recv_into(self, peer: int | None, tag: Tag, out: memoryview) -> asyncio.Future[int]:
