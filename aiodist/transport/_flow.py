@@ -155,19 +155,18 @@ class PeerFlow:
         ``cleared``: the caller knows the receive is posted (free of the credit).
         """
         n = len(data)
-        if cleared or not n:
-            kind = FREE
-        elif n <= self.credit:
-            self.credit -= n
-            kind = EAGER
-        else:
+        kind = FREE if cleared or not n else EAGER if n <= self.credit else RTS
+        header = HEADER.pack(*tag, kind | n, fp)
+        if kind == RTS:
             ticket = self._next_ticket
             self._next_ticket += 1
             self._waiting[ticket] = (data, fut)
             fut.add_done_callback(functools.partial(self._given_up, ticket))
-            self._write(HEADER.pack(*tag, RTS | n, fp), _EMPTY, None, False)
+            self._write(header, _EMPTY, None, False)
             return
-        self._write(HEADER.pack(*tag, kind | n, fp), data, fut, False)
+        if kind == EAGER:
+            self.credit -= n
+        self._write(header, data, fut, False)
 
     def cleared(self, ticket: int) -> None:
         """The peer cleared the announced message ``ticket``: send its payload."""

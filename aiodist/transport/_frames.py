@@ -71,7 +71,6 @@ EAGER = 0
 FREE = 1 << 56
 RTS = 2 << 56
 PAYLOAD = 3 << 56
-_KINDS = (EAGER, FREE, RTS, PAYLOAD)
 BYE = (1 << 64) - 1
 REJECTION = (1 << 64) - 2
 ABORTING = (1 << 64) - 3
@@ -114,26 +113,27 @@ def open_message(
             message beyond the credit this rank granted it.
         MemoryError: the message's memory cannot be allocated.
     """
+    if word < MAX_MESSAGE:  # EAGER (kind 0): the common case first
+        if not flow.lend(word):
+            raise DistProtocolError(
+                f"rank {peer} sent a message of {word} bytes, more than this rank lets it "
+                f"send before the receive is posted ({flow.limit} bytes staged at most)"
+            )
+        inbound = mailbox.incoming(peer, (group, seq, step), word, fp, flow)
+        return inbound if word else None
     kind, nbytes = word & ~_LENGTH, word & _LENGTH
-    if kind not in _KINDS:
+    if kind == FREE:
+        inbound = mailbox.incoming(peer, (group, seq, step), nbytes, fp)
+    elif kind == PAYLOAD:
+        inbound = mailbox.cleared_payload(peer, group, nbytes)
+    elif kind == RTS:
+        mailbox.announce(peer, (group, seq, step), nbytes, fp, flow)
+        return None
+    else:
         raise DistProtocolError(
             f"rank {peer} sent a frame header announcing {word} bytes: not an aiodist peer, "
             "or a corrupted stream"
         )
-    if kind == RTS:
-        mailbox.announce(peer, (group, seq, step), nbytes, fp, flow)
-        return None
-    if kind == PAYLOAD:
-        inbound = mailbox.cleared_payload(peer, group, nbytes)
-    elif kind == EAGER:
-        if not flow.lend(nbytes):
-            raise DistProtocolError(
-                f"rank {peer} sent a message of {nbytes} bytes, more than this rank lets it "
-                f"send before the receive is posted ({flow.limit} bytes staged at most)"
-            )
-        inbound = mailbox.incoming(peer, (group, seq, step), nbytes, fp, flow)
-    else:
-        inbound = mailbox.incoming(peer, (group, seq, step), nbytes, fp)
     return inbound if nbytes else None
 
 

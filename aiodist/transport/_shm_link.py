@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 from ..errors import DistProtocolError
 from ._flow import PeerFlow
 from ._frames import BYE, HEADER, MAX_MESSAGE, ControlText, is_control, open_message
-from ._mailbox import Inbound
+from ._mailbox import Inbound, fail_future
 from ._shm_segment import ProcessId, Segment
 from ._shm_signal import Bell, PeerWatch, fence
 
@@ -57,6 +57,7 @@ __all__ = [
     "CTRL_BYTES",
     "OPEN",
     "RING_HDR_BYTES",
+    "TURN_BYTES",
     "W_MAGIC",
     "W_SLEEP",
     "W_STATE",
@@ -88,6 +89,8 @@ _EMPTY = memoryview(b"")
 
 #: A large payload is published to the receiver in pieces of this size.
 CHUNK_BYTES = 256 << 10
+#: Bytes moved (both directions together) per loop turn.
+TURN_BYTES = 1 << 20
 
 
 class QueuedSend:
@@ -100,6 +103,11 @@ class QueuedSend:
         self.data = data
         self.fut = fut
         self.off = -1  # -1: the header is not written yet
+
+
+def _retrieve(fut: asyncio.Future[None]) -> None:
+    if not fut.cancelled():
+        fut.exception()
 
 
 def leave_cause(buf: memoryview, text: str) -> None:
@@ -128,11 +136,10 @@ class ShmLink:
         in_ring: int,
         cap: int,
         bell: Bell,
-        flow: PeerFlow,
     ) -> None:
         self.owner = owner
         self.peer = peer
-        self.flow = flow
+        self.flow = PeerFlow(peer, owner._staging, self.write)
         self.proc = proc
         self.peer_seg = peer_seg
         self.cap = cap
@@ -185,6 +192,36 @@ class ShmLink:
         return bytes(buf[_CAUSE_AT + 4 : _CAUSE_AT + 4 + n]).decode(errors="replace")
 
     # -- sending ---------------------------------------------------------------------------
+
+    def write(
+        self,
+        header: bytes,
+        data: memoryview,
+        fut: asyncio.Future[None] | None,
+        bulk: bool = False,
+    ) -> None:
+        """Queue a message to the peer, and write it at once if nothing is queued (see
+        :data:`aiodist.transport._flow.Write`)."""
+        owner = self.owner
+        if fut is None:
+            # Nobody waits for a control message: a peer that is gone needs none.
+            fut = owner._loop.create_future()
+            fut.add_done_callback(_retrieve)
+        if owner._closed is not None:
+            fail_future(fut, owner._closed)
+            return
+        if self.error is not None:
+            fail_future(fut, self.error)
+            return
+        send = QueuedSend(header, data, fut)
+        if self.queue:
+            # Behind what is queued; a cleared payload behind every other message.
+            (self.bulk if bulk else self.queue).append(send)
+        else:
+            self.queue.append(send)
+            self.tx(TURN_BYTES)
+        if self.queue or self.bulk:
+            owner._schedule()
 
     def tx(self, budget: int) -> int:
         """Copy queued sends into the ring; return the bytes moved (at most ``budget``)."""

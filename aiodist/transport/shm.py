@@ -32,7 +32,7 @@ from .._timeouts import DEFAULT_SETUP_TIMEOUT, Timeout, to_seconds
 from ..errors import DistNetworkError, DistProtocolError, DistUsageError
 from ..store import Store
 from . import _shm_setup
-from ._flow import PeerFlow, resolve_staging_bytes
+from ._flow import resolve_staging_bytes
 from ._frames import BYE, HEADER, REJECTION, control_frame
 from ._mailbox import Mailbox, as_bytes, check_tag, fail_future
 from ._shm_link import (
@@ -42,10 +42,10 @@ from ._shm_link import (
     CTRL_BYTES,
     OPEN,
     RING_HDR_BYTES,
+    TURN_BYTES,
     W_MAGIC,
     W_SLEEP,
     W_STATE,
-    QueuedSend,
     ShmLink,
     control_send,
     leave_cause,
@@ -90,8 +90,6 @@ _MAGIC = int.from_bytes(b"AIODSHM1", "little")
 #: rings shrink so that a rank's segment stays within 64 MiB (down to 256 KiB per ring).
 DEFAULT_RING_BYTES = 4 << 20
 _MIN_RING_BYTES = 4096
-#: Bytes moved (both directions together) per loop turn.
-TURN_BYTES = 1 << 20
 #: How long ``aclose`` lets queued sends drain before closing.
 CLOSE_DRAIN_SECONDS = 5.0
 #: A sleeping rank with work pending re-checks its rings after this long, doubling up to
@@ -104,11 +102,6 @@ _RECHECK_FIRST, _RECHECK_MAX = 1e-3, 50e-3
 #: than a poll lasts, so every later poll misses too.
 _POLL_MISSES_BEFORE_BACKOFF = 3
 _POLL_SKIP = 8
-
-
-def _retrieve(fut: asyncio.Future[None]) -> None:
-    if not fut.cancelled():
-        fut.exception()
 
 
 def default_job_key() -> str:
@@ -514,11 +507,8 @@ class ShmTransport(Transport):
                 senders_of_r = [s for s in local if s != r]
                 out_ring = CTRL_BYTES + senders_of_r.index(rank) * (RING_HDR_BYTES + cap)
                 in_ring = CTRL_BYTES + i * (RING_HDR_BYTES + cap)
-                flow = PeerFlow(r, staging, functools.partial(self._write, r))
-                flow.granted(int(records[r]["staging"]))  # the first credit: its bound
-                link = ShmLink(
-                    self, r, procs[r], attached[i], out_ring, in_ring, cap, bells[i], flow
-                )
+                link = ShmLink(self, r, procs[r], attached[i], out_ring, in_ring, cap, bells[i])
+                link.flow.granted(int(records[r]["staging"]))  # the first credit: its bound
                 self._links.append(link)
                 self._by_peer[r] = link
             doorbell.listen(self._loop, self._on_bell)
@@ -585,36 +575,6 @@ class ShmTransport(Transport):
             link.flow.send((tag[0], tag[1], tag[2]), data, fp, fut, cleared)
         return fut
 
-    def _write(
-        self,
-        peer: int,
-        header: bytes,
-        data: memoryview,
-        fut: asyncio.Future[None] | None,
-        bulk: bool = False,
-    ) -> None:
-        # Where every message to ``peer`` goes (the flow control's too, see _flow.Write).
-        if fut is None:
-            # Nobody waits for a control message: a peer that is gone needs none.
-            fut = self._loop.create_future()
-            fut.add_done_callback(_retrieve)
-        link = self._by_peer[peer]
-        if self._closed is not None:
-            fail_future(fut, self._closed)
-            return
-        if link.error is not None:
-            fail_future(fut, link.error)
-            return
-        send = QueuedSend(header, data, fut)
-        if link.queue:
-            # Behind what is queued; a cleared payload behind every other message.
-            (link.bulk if bulk else link.queue).append(send)
-        else:
-            link.queue.append(send)
-            link.tx(TURN_BYTES)
-        if link.queue or link.bulk:
-            self._schedule()
-
     def recv_into(self, peer: int | None, tag: Tag, out: memoryview) -> asyncio.Future[int]:
         """Receive the next ``tag`` message from ``peer`` (``None``: any rank) into ``out``.
 
@@ -650,7 +610,7 @@ class ShmTransport(Transport):
             self.mailbox.reject(peer, group, seq, reason)
             return
         frame = control_frame(REJECTION, group, seq, reason)
-        self._write(peer, frame[: HEADER.size], memoryview(frame)[HEADER.size :], None)
+        link.write(frame[: HEADER.size], memoryview(frame)[HEADER.size :], None)
 
     def _link_for(self, peer: int) -> ShmLink | None:
         """The link to ``peer``; ``None`` for this rank itself."""

@@ -122,13 +122,23 @@ def _retrieve(fut: asyncio.Future[None]) -> None:
 
 
 class _Peer:
-    """What this rank knows about one other rank."""
+    """What this rank knows about one other rank, and where its frames go."""
 
-    __slots__ = ("conn", "connecting", "error", "flow", "pending", "rank", "waiter")
+    __slots__ = (
+        "conn",
+        "connecting",
+        "error",
+        "flow",
+        "pending",
+        "rank",
+        "transport",
+        "waiter",
+    )
 
-    def __init__(self, rank: int, flow: PeerFlow) -> None:
+    def __init__(self, transport: TCPTransport, rank: int, staging: int) -> None:
+        self.transport = transport
         self.rank = rank
-        self.flow = flow
+        self.flow = PeerFlow(rank, staging, self.write)
         self.conn: TCPConnection | None = None
         # Our own connection attempt, while it runs.
         self.connecting: asyncio.Task[None] | None = None
@@ -138,6 +148,29 @@ class _Peer:
         # does (a message is framed then, when the peer's credit is known), and its future.
         self.pending: list[tuple[Callable[[], None], asyncio.Future[None]]] = []
         self.error: BaseException | None = None
+
+    def write(
+        self,
+        header: bytes,
+        data: memoryview,
+        fut: asyncio.Future[None] | None,
+        bulk: bool = False,
+    ) -> None:
+        """Write a frame to this peer (see :data:`aiodist.transport._flow.Write`)."""
+        if fut is None:
+            # Nobody waits for a control frame: a peer that is gone needs none.
+            fut = self.transport._loop.create_future()
+            fut.add_done_callback(_retrieve)
+        conn = self.conn
+        if conn is not None:
+            conn.send(header, data, fut, bulk)
+        elif self.transport._closed is not None:
+            fail_future(fut, self.transport._closed)
+        elif self.error is not None:
+            fail_future(fut, self.error)
+        else:
+            self.pending.append((functools.partial(self.write, header, data, fut, bulk), fut))
+            self.transport._connect_soon(self)
 
 
 class TCPTransport(Transport):
@@ -193,10 +226,7 @@ class TCPTransport(Transport):
         self._poll_misses = 0
         self._poll_skip = 0
         self._staging = staging
-        self._peers: list[_Peer] = []
-        for r in range(world_size):
-            write = functools.partial(self._write, r)
-            self._peers.append(_Peer(r, PeerFlow(r, staging, write)))
+        self._peers = [_Peer(self, r, staging) for r in range(world_size)]
         # Ranks another transport of this rank reaches: they never connect over TCP.
         self._elsewhere: frozenset[int] = frozenset()
         self._conns: list[TCPConnection] = []
@@ -365,38 +395,13 @@ class TCPTransport(Transport):
             self._connect_soon(p)
         return fut
 
-    def _write(
-        self,
-        peer: int,
-        header: bytes,
-        data: memoryview,
-        fut: asyncio.Future[None] | None,
-        bulk: bool = False,
-    ) -> None:
-        # Where every frame to ``peer`` goes (the flow control's too, see _flow.Write).
-        if fut is None:
-            # Nobody waits for a control frame: a peer that is gone needs none.
-            fut = self._loop.create_future()
-            fut.add_done_callback(_retrieve)
-        p = self._peers[peer]
-        conn = p.conn
-        if conn is not None:
-            conn.send(header, data, fut, bulk)
-        elif self._closed is not None:
-            fail_future(fut, self._closed)
-        elif p.error is not None:
-            fail_future(fut, p.error)
-        else:
-            p.pending.append((functools.partial(self._write, peer, header, data, fut, bulk), fut))
-            self._connect_soon(p)
-
     def send_reject(self, peer: int, group: int, seq: int, reason: str) -> None:
         """Tell ``peer`` that this rank rejected operation ``(group, seq)``, and why."""
         if peer == self.rank:
             self.mailbox.reject(peer, group, seq, reason)
             return
         frame = control_frame(REJECTION, group, seq, reason)
-        self._write(peer, frame, memoryview(b""), None)
+        self._peers[peer].write(frame, memoryview(b""), None)
 
     def recv_into(self, peer: int | None, tag: Tag, out: memoryview) -> asyncio.Future[int]:
         """Receive the next ``tag`` message from ``peer`` (``None``: any rank) into ``out``.
