@@ -26,7 +26,7 @@ stages is bounded by flow control (``_flow``, the same messages as TCP's): a mes
 does not fit the peer's credit is announced and its payload waits for the receive. Messages
 leave in order, except the payloads of cleared messages (``bulk``): each waits until no other
 message is queued, so that an announcement or a clearance is not held up behind it. The
-receiver always reads its ring: nothing a peer may write unasked is unbounded.
+receiver always reads its ring: what a peer may write unasked is bounded.
 
 Waiting for room. A sender waiting for room pairs its ``want`` flag with the receiver's
 ``tail`` as the doorbell pairs ``head`` with the sleeping flag (``_shm_signal`` has the
