@@ -13,11 +13,13 @@ otherwise) and tells the peer when they connect. A message then goes one of thre
 * **Rendezvous**: a message that does not fit is announced instead (ready to send, a header
   without payload). The receive that takes the announcement clears it (clear to send, named
   by the announcement's *ticket*), and the payload follows, straight into that receive's
-  memory. An announcement costs no credit and is always read, so a receive of a later
+  memory, in pieces of a MiB. An announcement costs no credit and is always read, so a receive of a later
   message is never stuck behind one whose receive is not posted yet: rank 0 sending a large
   message tagged 1 and then a small one tagged 2 to rank 1, which receives 2 before 1,
   completes. Payloads of cleared messages may be overtaken by the link's other messages
-  (they are routed by ticket, not matched), so an announcement is not queued behind them.
+  (they are routed by ticket, not matched), so an announcement or a clearance waits at most
+  one piece behind them: two ranks exchanging large messages clear each other's while
+  their own payloads stream.
 * **Free**: a message whose receive is known to be posted (a collective's, once its receiver
   signalled that it posted its receives) or an empty one is sent at once outside the credit.
 
@@ -42,7 +44,19 @@ from collections.abc import Callable
 
 from .._fingerprint import NO_FINGERPRINT
 from ..errors import DistUsageError
-from ._frames import CREDIT, CTS, EAGER, FREE, HEADER, PAYLOAD, REFUSE, RTS, WITHDRAW, control_frame
+from ._frames import (
+    CREDIT,
+    CTS,
+    EAGER,
+    FREE,
+    HEADER,
+    PAYLOAD,
+    PIECE,
+    REFUSE,
+    RTS,
+    WITHDRAW,
+    control_frame,
+)
 from ._mailbox import Tag, fail_future
 
 __all__ = [
@@ -178,7 +192,12 @@ class PeerFlow:
             self._given_up(ticket, fut)
             return
         del self._waiting[ticket]
-        self._write(HEADER.pack(ticket, 0, 0, PAYLOAD | len(data), NO_FINGERPRINT), data, fut, True)
+        n = len(data)
+        for start in range(0, n, PIECE):
+            piece = data[start : start + PIECE]
+            last = start + PIECE >= n  # its future stands for every piece: they go in order
+            header = HEADER.pack(ticket, start, 0, PAYLOAD | len(piece), NO_FINGERPRINT)
+            self._write(header, piece, fut if last else None, True)
 
     def refused(self, ticket: int, reason: str) -> None:
         """The peer took the announced message ``ticket`` without its payload, for ``reason``."""

@@ -12,8 +12,10 @@ Below :data:`CONTROL`, ``word`` is a data message: its payload's length (under
 * :data:`FREE`: sent at once outside the credit (empty, or its receive is known to be posted).
 * :data:`RTS` ("ready to send"): announces a message of that length and carries no payload;
   the announcements of one direction of a link are numbered from 0 (their *tickets*).
-* :data:`PAYLOAD`: the payload of the announced message whose ticket ``group`` holds, once
-  the receiver cleared it; ``seq``, ``step`` and the fingerprint are zero.
+* :data:`PAYLOAD`: a piece of the payload of the announced message whose ticket ``group``
+  holds, once the receiver cleared it: the bytes from offset ``seq`` (``step`` and the
+  fingerprint are zero). Pieces are written in order, :data:`PIECE` bytes each but the
+  last, so that other messages are never held up for long behind a payload.
 
 Lengths from :data:`CONTROL` up that no payload can have mark control messages, whose
 ``step`` is the length of the UTF-8 text that follows (zero for some): :data:`BYE` (the
@@ -51,6 +53,7 @@ __all__ = [
     "MAX_MESSAGE",
     "MAX_REASON",
     "PAYLOAD",
+    "PIECE",
     "REFUSE",
     "REJECTION",
     "RTS",
@@ -80,6 +83,8 @@ WITHDRAW = (1 << 64) - 6
 CREDIT = (1 << 64) - 7
 #: The smallest length word of a control message.
 CONTROL = CREDIT
+#: The bytes of a payload piece (see :data:`PAYLOAD`).
+PIECE = 1 << 20
 #: The longest text a control message carries; longer ones are cut.
 MAX_REASON = 16 << 10
 
@@ -125,7 +130,7 @@ def open_message(
     if kind == FREE:
         inbound = mailbox.incoming(peer, (group, seq, step), nbytes, fp)
     elif kind == PAYLOAD:
-        inbound = mailbox.cleared_payload(peer, group, nbytes)
+        inbound = mailbox.cleared_payload(peer, group, seq, nbytes)
     elif kind == RTS:
         mailbox.announce(peer, (group, seq, step), nbytes, fp, flow)
         return None

@@ -161,7 +161,7 @@ def _withdrawal(peer: int, tag: Tag, reason: str) -> DistUsageError:
 class _Recv:
     """A posted receive."""
 
-    __slots__ = ("fut", "order", "out", "peer", "tag")
+    __slots__ = ("fut", "left", "order", "out", "peer", "tag")
 
     def __init__(
         self, fut: asyncio.Future[int], out: memoryview, peer: int | None, tag: Tag, order: int
@@ -171,6 +171,8 @@ class _Recv:
         self.peer = peer
         self.tag = tag
         self.order = order
+        #: Once it took an announced message: the bytes of its payload still to come.
+        self.left = 0
 
 
 #: Bytes of a staged message copied into its receive per loop turn: copying 64 MiB in one
@@ -284,7 +286,7 @@ class Inbound:
         peer: the sender's global rank.
     """
 
-    __slots__ = ("_lender", "_mailbox", "_recv", "_staged", "buffer", "peer", "tag")
+    __slots__ = ("_lender", "_mailbox", "_recv", "_staged", "_ticket", "buffer", "peer", "tag")
 
     def __init__(
         self,
@@ -295,6 +297,7 @@ class Inbound:
         recv: _Recv | None = None,
         staged: _Staged | None = None,
         lender: Flow | None = None,
+        ticket: int = -1,
     ) -> None:
         self._mailbox = mailbox
         self.peer = peer
@@ -304,6 +307,8 @@ class Inbound:
         self._staged = staged
         # The sender's credit an eager message holds until its bytes leave this rank's hands.
         self._lender = lender
+        # For a piece of an announced message's payload: the announcement's ticket.
+        self._ticket = ticket
 
     def __repr__(self) -> str:
         kind = "direct" if self._recv else "staged" if self._staged else "discard"
@@ -324,8 +329,14 @@ class Inbound:
                 staged.release()
             return
         recv = self._recv
-        if recv is not None and not recv.fut.done():
-            recv.fut.set_result(self.peer)
+        if recv is not None:
+            if self._ticket >= 0:  # a piece of an announced message's payload
+                recv.left -= len(self.buffer)
+                if recv.left:
+                    return
+                self._mailbox._cleared.pop((self.peer, self._ticket), None)
+            if not recv.fut.done():
+                recv.fut.set_result(self.peer)
         if self._lender is not None:
             self._lender.give_back(len(self.buffer))
 
@@ -373,7 +384,8 @@ class Mailbox:
         # Messages no receive has taken yet, oldest first: tag -> peer -> queue.
         self._staged: dict[Tag, dict[int, deque[_Staged]]] = {}
         self._inflight: set[Inbound] = set()
-        # Receives that took an announced message, by (peer, ticket): its payload comes.
+        # Receives that took an announced message, by (peer, ticket): its payload comes, in
+        # pieces.
         self._cleared: dict[tuple[int, int], _Recv] = {}
         # Peers that are gone, with the error for receives from them; ``_broken`` holds
         # those that were lost rather than closed in order, which fails any-source receives.
@@ -581,6 +593,7 @@ class Mailbox:
                 return fut
             recv = _Recv(fut, out, peer, tag, 0)
             if staged.flow is not None:
+                recv.left = staged.nbytes
                 self._cleared[staged.peer, staged.ticket] = recv
                 staged.flow.clear(staged.ticket)
             elif staged.complete:
@@ -736,20 +749,24 @@ class Mailbox:
             fail_future(recv.fut, error)
             flow.refuse(ticket, str(error))
         else:
+            recv.left = nbytes
             self._cleared[peer, ticket] = recv
             flow.clear(ticket)
 
-    def cleared_payload(self, peer: int, ticket: int, nbytes: int) -> Inbound:
-        """Return where the ``nbytes`` bytes of the payload of ``peer``'s announced message
-        ``ticket`` go: the memory of the receive that took the announcement, or scratch
-        memory if it was dropped meanwhile (its operation rejected, the rank aborting)."""
-        recv = self._cleared.pop((peer, ticket), None)
+    def cleared_payload(self, peer: int, ticket: int, offset: int, nbytes: int) -> Inbound:
+        """Return where the ``nbytes`` bytes at ``offset`` of the payload of ``peer``'s
+        announced message ``ticket`` go: the memory of the receive that took the
+        announcement (it completes with the last piece), or scratch memory if it was dropped
+        meanwhile (its operation rejected, the rank aborting)."""
+        recv = self._cleared.get((peer, ticket))
         if recv is None or self._exc is not None:
             return Inbound(self, peer, (0, 0, 0), memoryview(bytearray(nbytes)))
-        if len(recv.out) != nbytes:  # (checked against the announcement: a broken peer)
-            fail_future(recv.fut, _mismatch(peer, recv.tag, len(recv.out), nbytes))
+        if offset + nbytes > len(recv.out) or nbytes > recv.left:  # a broken peer
+            del self._cleared[peer, ticket]
+            fail_future(recv.fut, _mismatch(peer, recv.tag, len(recv.out), offset + nbytes))
             return Inbound(self, peer, recv.tag, memoryview(bytearray(nbytes)))
-        inbound = Inbound(self, peer, recv.tag, recv.out, recv=recv)
+        out = recv.out[offset : offset + nbytes]
+        inbound = Inbound(self, peer, recv.tag, out, recv=recv, ticket=ticket)
         self._inflight.add(inbound)
         return inbound
 
