@@ -214,9 +214,12 @@ class ShmLink:
             fail_future(fut, self.error)
             return
         send = QueuedSend(header, data, fut)
-        if self.queue:
-            # Behind what is queued; a cleared payload behind every other message.
-            (self.bulk if bulk else self.queue).append(send)
+        if bulk and (self.queue or self.bulk):
+            # Behind every other payload (they leave in order: a payload's last piece
+            # stands for all of it), and behind the other messages queued now.
+            self.bulk.append(send)
+        elif self.queue:
+            self.queue.append(send)
         else:
             self.queue.append(send)
             self.tx(TURN_BYTES)

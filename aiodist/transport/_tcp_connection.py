@@ -424,13 +424,15 @@ class TCPConnection(asyncio.BufferedProtocol):
         """Write a frame: ``header``, then ``data``; ``fut`` resolves once the transport
         holds none of ``data``. ``bulk``: the payload of a cleared message, which frames
         sent later may overtake (it waits until no other frame is queued)."""
+        if bulk and (self.queue or self.bulk):
+            # Behind every other payload (they leave in order: a payload's last piece
+            # stands for all of it), and behind the other frames queued now.
+            self.bulk.append((header, data, fut))
+            return
         if self.queue or self._write_paused or self._flush_scheduled:
             # Frames leave in order: behind what is already queued. (The queue holds at
             # most one bulk frame, the one being written: the others wait in self.bulk.)
-            if bulk and self.queue:
-                self.bulk.append((header, data, fut))
-            else:
-                self._enqueue(header, data, fut)
+            self._enqueue(header, data, fut)
             return
         transport = self.transport
         assert transport is not None
