@@ -139,6 +139,21 @@ async def test_messages_of_one_tag_keep_their_order_across_both_ways(
     await asyncio.gather(*sends)
 
 
+async def test_two_ranks_exchange_large_messages_both_ways(pair: list[Transport]) -> None:
+    """Each rank's clearances travel while its own payloads stream the other way."""
+    xs = [[data(BIG + 7 * i, 10 * r + i) for i in range(3)] for r in range(2)]
+    outs = [[np.zeros(BIG + 7 * i, np.uint8) for i in range(3)] for _ in range(2)]
+    futs: list[asyncio.Future[Any]] = []
+    for r, t in enumerate(pair):
+        for i in range(3):
+            futs.append(t.send(1 - r, (5, i, 0), memoryview(xs[r][i])))
+            futs.append(t.recv_into(1 - r, (5, i, 0), memoryview(outs[r][i])))
+    await asyncio.wait_for(asyncio.gather(*futs), 20)
+    for r in range(2):
+        for i in range(3):
+            np.testing.assert_array_equal(outs[r][i], xs[1 - r][i])
+
+
 async def test_an_any_source_receive_takes_an_announced_message(pair: list[Transport]) -> None:
     t0, t1 = pair
     x = data(BIG, 4)
