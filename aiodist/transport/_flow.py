@@ -74,7 +74,7 @@ __all__ = [
 DEFAULT_STAGING_BYTES = 16 << 20
 #: Credit is given back once this much (or a quarter of the bound) is freed: one small
 #: message per MiB received.
-CREDIT_BATCH = 1 << 20
+CREDIT_BATCH = 4 << 20
 #: The environment variable that sets the staging bound, in bytes.
 STAGING_BYTES_ENV = "AIODIST_STAGING_BYTES"
 _EMPTY = memoryview(b"")
