@@ -73,7 +73,7 @@ __all__ = [
 #: one-way rows of ``bench/transport.py``) had 187 of 1024 announced, with 16 MiB 5.
 DEFAULT_STAGING_BYTES = 16 << 20
 #: Credit is given back once this much (or a quarter of the bound) is freed: one small
-#: message per MiB received.
+#: message per 4 MiB received (each costs the receiver a write and the sender a read).
 CREDIT_BATCH = 4 << 20
 #: The environment variable that sets the staging bound, in bytes.
 STAGING_BYTES_ENV = "AIODIST_STAGING_BYTES"
