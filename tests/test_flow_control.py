@@ -272,6 +272,18 @@ async def test_a_closed_receiver_fails_its_waiting_senders(pair: list[Transport]
         await asyncio.wait_for(send, 5)
 
 
+async def test_a_bad_tag_on_an_open_link_is_a_usage_error(pair: list[Transport]) -> None:
+    t0, t1 = pair
+    for tag in [(0, 1, 2**64), (1, 2), 7, (1, "2", 3), ([1], 2, 3)]:
+        with pytest.raises(aiodist.DistUsageError, match="tag must be three integers"):
+            t0.send(1, tag, memoryview(data(BIG, 12)))  # type: ignore[arg-type]
+    # Nothing of them went out: the next message is the first one rank 1 sees.
+    out = bytearray(2)
+    recv = t1.recv_into(0, T, memoryview(out))
+    await t0.send(1, T, memoryview(b"ok"))
+    assert await recv == 0 and out == b"ok" and t1.mailbox.num_staged() == 0
+
+
 @pytest.mark.parametrize(
     ("env", "value", "message"),
     [

@@ -24,6 +24,7 @@ import hashlib
 import logging
 import mmap
 import os
+import struct
 import time
 from collections.abc import Collection
 from typing import Any
@@ -560,19 +561,26 @@ class ShmTransport(Transport):
                 malformed, or ``data`` is not contiguous.
         """
         data = as_bytes(data, writable=False)
-        check_tag(tag)
-        fp = self.mailbox.fingerprint_of(tag[0], tag[1])
         link = self._link_for(peer)
         fut: asyncio.Future[None] = self._loop.create_future()
+        if link is not None and link.error is None and self._closed is None:
+            # The common case, kept short: packing the header checks the tag.
+            try:
+                link.flow.send(tag, data, self.mailbox.fingerprint_of(tag[0], tag[1]), fut, cleared)
+            except (struct.error, TypeError, IndexError):
+                check_tag(tag)  # raises the usage error for a malformed tag
+                raise
+            return fut
+        check_tag(tag)
         if self._closed is not None:
             fail_future(fut, self._closed)
-        elif link is None:
+        elif link is not None:
+            assert link.error is not None  # (an open link took the common case)
+            fail_future(fut, link.error)
+        else:  # to this rank itself
+            fp = self.mailbox.fingerprint_of(tag[0], tag[1])
             self.mailbox.deliver(peer, (tag[0], tag[1], tag[2]), data, fp)
             fut.set_result(None)
-        elif link.error is not None:
-            fail_future(fut, link.error)
-        else:
-            link.flow.send((tag[0], tag[1], tag[2]), data, fp, fut, cleared)
         return fut
 
     def recv_into(self, peer: int | None, tag: Tag, out: memoryview) -> asyncio.Future[int]:

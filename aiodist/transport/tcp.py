@@ -38,6 +38,7 @@ import functools
 import logging
 import os
 import socket
+import struct
 import time
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, TypeVar
@@ -374,15 +375,21 @@ class TCPTransport(Transport):
                 not contiguous.
         """
         data = as_bytes(data, writable=False)
-        check_tag(tag)
         if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < self.world_size:
             raise DistUsageError(f"peer must be a rank in [0, {self.world_size}), got {peer!r}")
-        fp = self.mailbox.fingerprint_of(tag[0], tag[1])
         fut: asyncio.Future[None] = self._loop.create_future()
         p = self._peers[peer]
         if p.conn is not None:
-            p.flow.send(tag, data, fp, fut, cleared)
-        elif peer == self.rank and self._closed is None:
+            # The common case, kept short: packing the header checks the tag.
+            try:
+                p.flow.send(tag, data, self.mailbox.fingerprint_of(tag[0], tag[1]), fut, cleared)
+            except (struct.error, TypeError, IndexError):
+                check_tag(tag)  # raises the usage error for a malformed tag
+                raise
+            return fut
+        check_tag(tag)
+        fp = self.mailbox.fingerprint_of(tag[0], tag[1])
+        if peer == self.rank and self._closed is None:
             self.mailbox.deliver(peer, (tag[0], tag[1], tag[2]), data, fp)
             fut.set_result(None)
         elif self._closed is not None:
