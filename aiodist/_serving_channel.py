@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from . import _api, _assembly, _subgroups, group as _group
+from . import _api, _assembly, _subgroups, backends, group as _group
 from ._arrays import as_array
 from ._serving_wire import (
     FIRST,
@@ -594,7 +594,7 @@ class Channel:
         if not isinstance(workers, ProcessGroup) or workers.size < 2:
             return
         with contextlib.suppress(DistUsageError):
-            workers.issue("serve", _refuse, (reason,))
+            workers.issue("serve", _refuse, (reason,), rejecter=backends.reject)
 
     def _realign(self, seq: int) -> None:
         """Skip to sequence number ``seq`` of the workers' group (after a failed call)."""

@@ -46,17 +46,22 @@ class OpKind(enum.Enum):
 class Plan:
     """A checked operation, ready to run: ``await algorithm(*comms, *args)``.
 
+    ``algorithm(*comms, *args)`` is called when the operation starts, which is when it is
+    issued, in issue order on every rank: a data path that keeps an order of the group's
+    operations (a workspace's turns) takes the operation's place in it in that call, and
+    returns the awaitable that moves the data.
+
     Attributes:
-        algorithm: the coroutine function that moves the data (one ``OpComm`` per sequence
-            number of the operation, then ``args``).
+        algorithm: makes the awaitable that moves the data (one ``OpComm`` per sequence
+            number of the operation, then ``args``): a coroutine function, or a function
+            that takes the operation's place on its path and returns one.
         args: its checked arguments.
         fingerprint: the call's fingerprint, which every message of it carries.
         output: the Work's result when the algorithm returns ``None`` (the output array).
         device_sync: for an operation on a device (CUDA), makes a device stream wait for the
             operation's end without blocking the host (:meth:`Work.wait_stream`).
-        sequenced: the algorithm takes a turn on one of the group's data paths (every rank takes
-            its turn in each operation it issued): a peer's rejection does not cancel it,
-            and a ``DistUsageError`` it raises is raised alike on every rank.
+        waiting_for: for an operation that waits on its path rather than for messages, the
+            group ranks it waits for now (named when it times out).
     """
 
     algorithm: Callable[..., Awaitable[Any]]
@@ -64,7 +69,7 @@ class Plan:
     fingerprint: bytes = NO_FINGERPRINT
     output: Any = None
     device_sync: Callable[[Any], None] | None = None
-    sequenced: bool = False
+    waiting_for: Callable[[], list[int]] | None = None
 
 
 class Work(Generic[T]):
@@ -241,9 +246,9 @@ class Operation:
         "record",
         "sends",
         "seq",
-        "sequenced",
         "task",
         "timeout",
+        "waiting_for",
         "work",
     )
 
@@ -273,7 +278,7 @@ class Operation:
         self.record: OpRecord | None = None
         self.task: asyncio.Task[None] | None = None
         self.device_sync: Callable[[Any], None] | None = None
-        self.sequenced = False
+        self.waiting_for: Callable[[], list[int]] | None = None
         self.work: Work[Any] = Work(self)
 
     def set_timeout(self, timeout: Timeout) -> None:

@@ -16,8 +16,11 @@ reaches once done reading it: a rank that races ahead into its next round or ope
 writes the other buffer while slower peers still read this one. A call record is read
 once, right after the operation's first barrier, for the same reason.
 
-Operations on a workspace run one at a time in call order (:class:`Turn`), which must be
-the same on every rank. After its first barrier each checks that every rank called the
+Operations on a workspace run one at a time, each in its *turn*: a ticket taken with
+:meth:`NodeWorkspace.reserve` when the operation is issued (the group's issue order, the same
+on every rank), or when it enters if it took none. A turn is entered only after every
+earlier ticket's turn has ended: this is the one order of a group's operations in shared
+memory, whatever order their tasks happen to wake up in (:class:`Turn`). After its first barrier each checks that every rank called the
 same operation (fingerprint and size); if not, every rank raises the same
 ``DistUsageError`` and the workspace stays usable. A peer that closes its workspace or
 whose process ends (it left, exited or was killed) fails only what still needs it: a
@@ -40,7 +43,6 @@ import os
 import struct
 import threading
 import time
-from collections import deque
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -65,7 +67,13 @@ from ..transport._shm_segment import (
     unavailable_reason,
 )
 from ..transport._shm_signal import SPIN_SECONDS, Bell, Doorbell, PeerWatch, fence, may_spin
-from ..transport.base import Departure, abort_text, lost_peer_error, peer_aborted_error
+from ..transport.base import (
+    Departure,
+    abort_text,
+    fails_alone,
+    lost_peer_error,
+    peer_aborted_error,
+)
 from ..transport.shm import default_job_key
 
 __all__ = [
@@ -182,8 +190,8 @@ class NodeWorkspace:
     Create it with :meth:`create` (collective), pass it to the functions of
     :mod:`aiodist.collectives.shm`, close it with :meth:`aclose` (or :meth:`abort`).
 
-    Internal to aiodist, for those functions only (not API): the turn (:meth:`enter_now`
-    or :meth:`enter`, then :meth:`leave`), :meth:`begin`, :meth:`next_round`,
+    Internal to aiodist, for those functions only (not API): the turn (:meth:`reserve` when
+    the operation is issued; :meth:`enter_now` or :meth:`enter`, then :meth:`leave`), :meth:`begin`, :meth:`next_round`,
     :meth:`sync`, the checks (:meth:`same_calls`, :meth:`check_calls`, :meth:`check`,
     :meth:`fail_consistently`), the data (:attr:`slots`, :meth:`typed_slots`,
     :meth:`peer_piece`), :meth:`publish_reason`, :meth:`maybe_yield` and :attr:`names`.
@@ -231,7 +239,11 @@ class NodeWorkspace:
         self._ops = 0
         self._in_place = 0
         self._busy = False
-        self._queue: deque[asyncio.Future[None]] = deque()
+        # Turns: tickets handed out so far, the ticket whose turn is (or comes) next, and
+        # the operations waiting for theirs, by ticket.
+        self._issued = 0
+        self._next = 0
+        self._waiting: dict[int, asyncio.Future[None]] = {}
         # The error of the running operation that every rank raises alike, if any.
         self._consistent: BaseException | None = None
         self._last_yield = 0.0
@@ -521,11 +533,11 @@ class NodeWorkspace:
         if waiter is not None and not waiter.done():
             waiter.set_exception(exc)
             waiter.exception()
-        for fut in self._queue:
+        for fut in self._waiting.values():
             if not fut.done():
                 fut.set_exception(exc)
                 fut.exception()
-        self._queue.clear()
+        self._waiting.clear()
         self._release()
 
     def _release(self) -> None:
@@ -602,43 +614,56 @@ class NodeWorkspace:
 
     # -- an operation's life: turn, call record, check -------------------------------------
 
-    def enter_now(self) -> bool:
-        """Take the operation's turn if nobody has it or waits for it (else :meth:`enter`)."""
-        if self._busy or self._queue or self._error is not None or self._gone:
+    def reserve(self) -> int:
+        """Take the next ticket: the operation that holds it enters after every operation
+        that took an earlier one (see :meth:`enter`)."""
+        ticket = self._issued
+        self._issued += 1
+        return ticket
+
+    def enter_now(self, ticket: int | None = None) -> bool:
+        """Take the turn of ``ticket`` (``None``: a new ticket) if it is next and free (else
+        :meth:`enter`)."""
+        if self._busy or self._error is not None or self._gone:
             return False
+        if ticket is None:
+            if self._issued != self._next:
+                return False
+            ticket = self.reserve()
+        elif ticket != self._next:
+            return False
+        self._start_turn()
+        return True
+
+    def _start_turn(self) -> None:
         self._busy = True
         self._ops += 1
         self._consistent = None
         self._last_yield = time.perf_counter()
-        return True
 
-    async def enter(self) -> None:
-        """Wait for the operation's turn, or raise why there will be none; every call that
-        returns must end in :meth:`leave`."""
+    async def enter(self, ticket: int | None = None) -> None:
+        """Wait for the turn of ``ticket`` (``None``: a new ticket), or raise why there will
+        be none; every call that returns must end in :meth:`leave`."""
+        if ticket is None:
+            ticket = self.reserve()
         if self._error is not None:
             raise self._error
         for exc in self._gone.values():
             raise exc  # a member is gone: no later operation can complete
-        if self._busy or self._queue:
-            fut = self._loop.create_future()
-            self._queue.append(fut)
+        if self._busy or ticket != self._next:
+            fut = self._waiting[ticket] = self._loop.create_future()
             try:
                 await fut
             except BaseException as exc:
+                self._waiting.pop(ticket, None)
                 if fut.done() and not fut.cancelled() and fut.exception() is None:
                     self.leave(exc)  # handed the turn just now: pass it on, and fail
-                else:
+                elif not self._closed:
                     # Our turn is part of every rank's sequence: skipping it desynchronises
                     # the group. Fail the workspace (nothing new if it failed already).
-                    if fut in self._queue:
-                        self._queue.remove(fut)
-                    if not self._closed:
-                        self._shutdown(self._given_up(exc), _ABORTED)
+                    self._shutdown(self._given_up(exc), _ABORTED)
                 raise
-        self._busy = True
-        self._ops += 1
-        self._consistent = None
-        self._last_yield = time.perf_counter()
+        self._start_turn()
 
     def leave(self, exc: BaseException | None) -> None:
         """End the operation's turn with its outcome and hand the turn on; an ``exc`` not
@@ -648,12 +673,11 @@ class NodeWorkspace:
             # can be trusted. Tell the peers, so that they fail instead of waiting.
             self._shutdown(self._given_up(exc), _ABORTED)
         self._busy = False
-        while self._queue:
-            fut = self._queue.popleft()
-            if not fut.done():
-                self._busy = True
-                fut.set_result(None)
-                break
+        self._next += 1
+        fut = self._waiting.pop(self._next, None)
+        if fut is not None and not fut.done():
+            self._busy = True
+            fut.set_result(None)
 
     def _given_up(self, exc: BaseException) -> BaseException:
         if isinstance(exc, asyncio.CancelledError):
@@ -664,8 +688,9 @@ class NodeWorkspace:
 
     def fail_consistently(self, exc: DistUsageError) -> None:
         """Raise ``exc``, which every rank raises alike at the same point (it was found in
-        shared memory after a barrier): the workspace stays usable."""
-        self._consistent = exc
+        shared memory after a barrier): the workspace stays usable, and the group (see
+        :func:`~aiodist.transport.base.fails_alone`)."""
+        self._consistent = fails_alone(exc)
         raise exc
 
     def next_round(self) -> int:
@@ -882,7 +907,8 @@ class NodeWorkspace:
             raise self._error
         for j, exc in self._gone.items():
             if self._words[self._count_w[j]] < target:
-                # The same on every rank that waits for it: no need to abort the workspace.
+                # The same on every rank that waits for it: no need to abort the workspace
+                # (nor the group, for a peer that left in order).
                 self._consistent = exc
                 raise exc
 
@@ -901,9 +927,10 @@ class NodeWorkspace:
         if state != _ABORTED:
             if state == _CLOSED:
                 reason, how = "it closed the shared-memory workspace", Departure.LEFT
+                self._gone[j] = fails_alone(lost_peer_error(name, reason, how))
             else:
                 reason, how = f"its process (pid {self._procs[j].pid}) exited", Departure.GONE
-            self._gone[j] = lost_peer_error(name, reason, how)
+                self._gone[j] = lost_peer_error(name, reason, how)
             if waiter is not None and not waiter.done():
                 waiter.set_result(None)
             return
@@ -939,16 +966,18 @@ def _wake(fut: asyncio.Future[None]) -> None:
 
 
 class Turn:
-    """``async with Turn(ws)``: run an operation in the workspace's order; a failure that
+    """``async with Turn(ws, ticket)``: run an operation in its turn (``ticket`` from
+    :meth:`NodeWorkspace.reserve`; ``None`` takes the next one on entering); a failure that
     is not consistent across ranks breaks the workspace (internal to aiodist)."""
 
-    __slots__ = ("ws",)
+    __slots__ = ("ticket", "ws")
 
-    def __init__(self, ws: NodeWorkspace) -> None:
+    def __init__(self, ws: NodeWorkspace, ticket: int | None = None) -> None:
         self.ws = ws
+        self.ticket = ticket
 
     async def __aenter__(self) -> None:
-        await self.ws.enter()
+        await self.ws.enter(self.ticket)
 
     async def __aexit__(self, et: object, exc: BaseException | None, tb: object) -> None:
         self.ws.leave(exc)
