@@ -22,8 +22,8 @@ What this module offers the rest of the package:
 * :func:`start_on_loop` and :func:`block`: start an operation there (or standing in for it),
   then block for its end,
   aborting the default group if Ctrl-C interrupts the wait;
-* :func:`wait`: ``future.result()`` with a short poll first (:data:`SPIN_SECONDS`, when
-  :func:`may_spin`), which spares the loop thread a wake-up of the caller.
+* :func:`wait`: ``future.result()`` with a short poll first (:mod:`aiodist._wait`'s policy,
+  when :func:`may_spin`), which spares the loop thread a wake-up of the caller.
 
 Each refuses to run on the loop thread itself (it would wait for itself forever) with a
 ``DistUsageError``, and may be used from any number of threads at the same time.
@@ -37,17 +37,16 @@ import logging
 import os
 import selectors
 import threading
-import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from ._default import peek_world
 from ._loop import loop_factory
+from ._wait import SPIN_SECONDS, local_ranks, ranks_fit, spin_until
 from .errors import DistError, DistTimeoutError, DistUsageError
 
 __all__ = [
     "SHUTDOWN_TIMEOUT",
-    "SPIN_SECONDS",
     "block",
     "loop_thread",
     "may_spin",
@@ -220,39 +219,21 @@ loop_thread = _LoopThread()
 os.register_at_fork(after_in_child=loop_thread.forget)
 
 
-#: Seconds a blocking call polls for its result before it sleeps on the future. Sleeping
-#: means the loop thread must wake this thread when the result is set: on a VM waking a
-#: sleeping thread costs tens of microseconds, as much as a small operation itself.
-SPIN_SECONDS = 40e-6
-
-_usable_cpus: int | None = None
-
-
 def may_spin() -> bool:
-    """Whether this process's ranks fit on its usable CPUs, so a polling caller costs
-    nobody a CPU; with more ranks than CPUs every poll takes one from a rank that works."""
-    global _usable_cpus
-    if _usable_cpus is None:
-        _usable_cpus = len(os.sched_getaffinity(0))
+    """Whether a blocking caller polls for its result before it sleeps on it: this host's
+    ranks fit on this process's CPUs (see :mod:`aiodist._wait`). Sleeping means the loop
+    thread must wake the caller when the result is set: on a VM waking a sleeping thread
+    costs tens of microseconds, as much as a small operation itself."""
     world = peek_world()
-    ranks = os.environ.get("LOCAL_WORLD_SIZE") or (world.size if world is not None else 1)
-    try:
-        return int(ranks) <= _usable_cpus
-    except ValueError:
-        return False
+    return ranks_fit(local_ranks(len(world.transport.local_ranks) if world is not None else 1))
 
 
 def wait(future: concurrent.futures.Future[T], timeout: float | None = None) -> T:
-    """``future.result(timeout)``, polling for up to :data:`SPIN_SECONDS` before sleeping.
-
-    Each round yields the CPU and the GIL (``os.sched_yield``), so the loop thread runs
-    the operation meanwhile and, finding nobody asleep on the future, sets its result
-    without a wake-up.
-    """
+    """``future.result(timeout)``, polling for up to :data:`~aiodist._wait.SPIN_SECONDS`
+    first (when :func:`may_spin`): the loop thread runs the operation meanwhile and, finding
+    nobody asleep on the future, sets its result without a wake-up."""
     if not future.done() and may_spin():
-        deadline = time.perf_counter() + SPIN_SECONDS
-        while not future.done() and time.perf_counter() < deadline:
-            os.sched_yield()
+        spin_until(future.done, SPIN_SECONDS)
     return future.result(timeout)
 
 

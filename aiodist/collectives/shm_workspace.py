@@ -52,6 +52,7 @@ import numpy.typing as npt
 from .. import _shared_array
 from .._fingerprint import mismatch_error
 from .._timeouts import DEFAULT_SETUP_TIMEOUT, Timeout, to_seconds
+from .._wait import OVERSUBSCRIBED_SPIN_SECONDS, SPIN_SECONDS, ranks_fit, spin_until
 from ..errors import DistNetworkError, DistProtocolError, DistUsageError
 from ..store import Store
 from ..transport import _shm_setup
@@ -66,7 +67,7 @@ from ..transport._shm_segment import (
     this_process,
     unavailable_reason,
 )
-from ..transport._shm_signal import SPIN_SECONDS, Bell, Doorbell, PeerWatch, fence, may_spin
+from ..transport._shm_signal import Bell, Doorbell, PeerWatch, fence
 from ..transport.base import (
     Departure,
     abort_text,
@@ -119,14 +120,6 @@ _SIZES = struct.Struct("<QQ")
 _FLAG_SHARED = 1
 _OPEN, _CLOSED, _ABORTED = 1, 2, 3
 _RECHECK_FIRST, _RECHECK_MAX = 1e-3, 50e-3
-# Pure polling before sched_yield is mixed in (a barrier usually completes within this).
-_HOT_SPIN_SECONDS = 5e-6
-#: Seconds a barrier polls before sleeping when the host has more ranks than CPUs. Each
-#: round past the first 5 µs gives the CPU away (sched_yield), so a peer that needs it gets
-#: it, and a wait that ends meanwhile costs no sleep and wake-up: on such a host each is a
-#: trip through the scheduler (4 ranks on 2 CPUs: all_reduce 8 B 140-210 µs without, 76 µs
-#: with, bench/latency.py). An idle rank still sleeps.
-OVERSUBSCRIBED_SPIN_SECONDS = 200e-6
 
 Array = npt.NDArray[Any]
 Bytes = npt.NDArray[np.uint8]
@@ -308,7 +301,7 @@ class NodeWorkspace:
                 ``None``: 1 MiB.
             spin: seconds a barrier polls before sleeping; ``None``: 50 µs when the
                 host's ranks fit on this process's CPUs, else 200 µs giving the CPU away
-                at each round (:data:`OVERSUBSCRIBED_SPIN_SECONDS`); 0 (never poll) when
+                at each round (:data:`~aiodist._wait.OVERSUBSCRIBED_SPIN_SECONDS`); 0 (never poll) when
                 another rank shares this process.
             local_world_size: how many ranks run on this host, of every group (for the
                 polling decision); ``None``: ``$LOCAL_WORLD_SIZE``, else ``size``.
@@ -463,7 +456,7 @@ class NodeWorkspace:
             doorbell.unlink()
             if spin is None:
                 same_process = any(p.pid == me.pid for p in procs.values())
-                spin = SPIN_SECONDS if may_spin(local) else OVERSUBSCRIBED_SPIN_SECONDS
+                spin = SPIN_SECONDS if ranks_fit(local) else OVERSUBSCRIBED_SPIN_SECONDS
                 if same_process:  # (polling would only keep the others off the loop)
                     spin = 0.0
             self = cls(rank, size, block, seg, doorbell, float(spin), names)
@@ -848,19 +841,8 @@ class NodeWorkspace:
         return True
 
     async def _wait(self, target: int) -> None:
-        if self._spin:
-            now = time.perf_counter
-            start = now()
-            hot = start + _HOT_SPIN_SECONDS
-            deadline = start + self._spin
-            while not self._reached(target):
-                t = now()
-                if t >= deadline:
-                    break
-                if t >= hot:
-                    os.sched_yield()
-            else:
-                return
+        if self._spin and spin_until(functools.partial(self._reached, target), self._spin):
+            return
         words = self._words
         my_sleep = self._sleep_w[self.rank]
         recheck = _RECHECK_FIRST
