@@ -57,6 +57,7 @@ from collections.abc import (
 from typing import Any, Protocol, TypeVar
 
 from . import _recorder
+from ._asyncio_internals import release_yielded
 from ._default import (
     current_world,
     isolate_context,
@@ -1082,7 +1083,7 @@ async def _resume(coro: Coroutine[Any, Any, None], yielded: Any) -> None:
             if yielded is None:
                 await asyncio.sleep(0)
             else:
-                yielded._asyncio_future_blocking = False
+                release_yielded(yielded)
                 await yielded
         except asyncio.CancelledError as exc:
             if yielded is None or not yielded.cancelled():
