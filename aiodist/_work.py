@@ -18,11 +18,21 @@ from ._fingerprint import NO_FINGERPRINT
 from ._recorder import OpRecord
 from ._timeouts import Timeout, to_seconds
 from .errors import DistUsageError
+from .transport.base import OpComm, fails_alone, rejection_text
 
 if TYPE_CHECKING:
     from .group import ProcessGroup
 
-__all__ = ["ANY_TAG", "MAX_TAG", "P2P_GROUP_BIT", "OpKind", "Operation", "Plan", "Work"]
+__all__ = [
+    "ANY_TAG",
+    "MAX_TAG",
+    "P2P_GROUP_BIT",
+    "OpKind",
+    "Operation",
+    "Plan",
+    "Work",
+    "rejected_on_transport",
+]
 
 T = TypeVar("T")
 
@@ -319,3 +329,23 @@ class Operation:
             fut.exception()
         if self.record is not None:
             self.record.finish(exc)
+
+
+def rejected_on_transport(
+    group: ProcessGroup, algorithm: str | None, error: BaseException, tell: bool
+) -> Plan:
+    """The rejection plan of a path that keeps no order of its own (see
+    :func:`aiodist.backends.reject`): the operation's place is its sequence numbers, which the
+    peers' messages of it carry; it tells them why when ``tell``, then fails with ``error``,
+    marked as failing this operation only."""
+    return Plan(_rejected, (fails_alone(error), tell))
+
+
+async def _rejected(*args: Any) -> None:
+    # (*comms, error, tell): one OpComm per sequence number of the operation.
+    *comms, error, tell = args
+    if tell:
+        for comm in comms:
+            assert isinstance(comm, OpComm)
+            comm.reject(rejection_text(error))
+    raise error

@@ -68,7 +68,16 @@ from ._default import (
 from ._fingerprint import NO_FINGERPRINT
 from ._recorder import FlightRecorder, payload_nbytes
 from ._timeouts import DEFAULT_PG_TIMEOUT, Timeout, to_seconds
-from ._work import ANY_TAG, MAX_TAG, P2P_GROUP_BIT, Operation, OpKind, Plan, Work
+from ._work import (
+    ANY_TAG,
+    MAX_TAG,
+    P2P_GROUP_BIT,
+    Operation,
+    OpKind,
+    Plan,
+    Work,
+    rejected_on_transport,
+)
 from ._world import FailureDomain
 from .collectives._common import ResultError
 from .errors import DistError, DistNetworkError, DistTimeoutError, DistUsageError
@@ -646,14 +655,15 @@ class ProcessGroup:
         args: tuple[Any, ...],
         nseq: int = 1,
         *,
-        rejecter: Rejecter,
+        rejecter: Rejecter = rejected_on_transport,
         timeout: Timeout = None,
     ) -> Work[Any]:
         """Issue collective ``name``: reserve its sequence numbers, plan it and start it.
 
         ``planner(self, name, args)`` checks the arguments and returns the :class:`Plan`;
         if it raises, or a peer rejected this operation before this rank issued it,
-        ``rejecter`` gives the plan that takes its place instead (see :data:`Rejecter`).
+        ``rejecter`` gives the plan that takes its place instead (see :data:`Rejecter`; by
+        default the peers are told over the transport, for plans that keep no order).
         ``timeout`` is the operation's own deadline (default: the group's timeout).
 
         Raises:

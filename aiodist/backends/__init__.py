@@ -25,9 +25,8 @@ import numpy as np
 from .._arrays import CUDA_INSTALL_HINT
 from .._operations import OPERATIONS, Call, Intake
 from .._shared_array import check as check_shape_and_dtype
-from .._work import Plan
+from .._work import Plan, rejected_on_transport
 from ..errors import DistUsageError
-from ..transport.base import OpComm, fails_alone, rejection_text
 
 if TYPE_CHECKING:
     from ..group import ProcessGroup
@@ -428,21 +427,3 @@ def reject(group: ProcessGroup, op: str, error: BaseException, tell: bool) -> Pl
         backend = load(name)
     spec = OPERATIONS.get(op)
     return backend.reject(group, None if spec is None else spec.algorithm, error, tell)
-
-
-def rejected_on_transport(
-    group: ProcessGroup, algorithm: str | None, error: BaseException, tell: bool
-) -> Plan:
-    """The rejection plan of a path that keeps no order: the operation's place is its
-    sequence numbers, which the peers' messages of it carry (:data:`Reject`)."""
-    return Plan(_rejected, (fails_alone(error), tell))
-
-
-async def _rejected(*args: Any) -> None:
-    # (*comms, error, tell): one OpComm per sequence number of the operation.
-    *comms, error, tell = args
-    if tell:
-        for comm in comms:
-            assert isinstance(comm, OpComm)
-            comm.reject(rejection_text(error))
-    raise error

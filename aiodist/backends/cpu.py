@@ -25,6 +25,7 @@ from .._arrays import as_array, byte_view
 from .._environment import turned_off
 from .._operations import Call
 from .._ops import ReduceOp
+from .._work import rejected_on_transport
 from ..collectives import objects, shm, two_level
 from ..collectives.two_level import HostPlan
 from ..group import Plan, ProcessGroup
@@ -32,7 +33,7 @@ from ..store import PrefixStore
 from ..transport._shm_segment import SharedMemoryError
 from ..transport.base import OpComm, fails_alone, rejection_text
 from ..transport.shm import default_job_key
-from . import Backend, Path, rejected_on_transport
+from . import Backend, Path
 
 __all__ = ["BACKEND", "PATHS", "on_transport"]
 
