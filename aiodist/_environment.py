@@ -213,8 +213,7 @@ VARIABLES: tuple[Variable, ...] = (
         "briefly before it sleeps. `aiodist-run` sets it.",
         "the transports, `aiodist.sync`",
         (
-            "aiodist._loop_thread",
-            "aiodist.collectives._common",
+            "aiodist._wait",
             "aiodist.collectives.shm_workspace",
             "aiodist.transport.tcp",
             "aiodist.launcher",

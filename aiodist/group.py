@@ -662,7 +662,7 @@ class ProcessGroup:
 
         ``planner(self, name, args)`` checks the arguments and returns the :class:`Plan`;
         if it raises, or a peer rejected this operation before this rank issued it,
-        ``rejecter`` gives the plan that takes its place instead (see :data:`Rejecter`; by
+        ``rejecter`` gives the plan that takes its place instead (see ``Rejecter``; by
         default the peers are told over the transport, for plans that keep no order).
         ``timeout`` is the operation's own deadline (default: the group's timeout).
 

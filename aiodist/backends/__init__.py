@@ -76,9 +76,9 @@ class Backend:
         empty: ``empty(group, shape, dtype, zeroed)``: an array that this backend's
             collectives of ``group`` read in place (:func:`aiodist.empty`); ``None``:
             ordinary arrays.
-        reject: the plan of a rejected call (:data:`Reject`); by default
-            :func:`rejected_on_transport`, for a backend whose paths keep no order of their
-            own.
+        reject: the plan of a rejected call (``Reject``: see ``aiodist.backends.reject``); by default
+            the peers are told over the transport, for a backend whose paths keep no order
+            of their own.
     """
 
     def __init__(
