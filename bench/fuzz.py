@@ -65,7 +65,6 @@ import program_fuzz  # noqa: E402  (tests/, through the path above)
 from compare import checkout_commit  # noqa: E402  (bench/compare.py, through the path above)
 from program_fuzz import (  # noqa: E402
     HANG,
-    MISSING_ERROR,
     UNEXPECTED_ERROR,
     WRONG_VALUE,
     Config,
@@ -74,8 +73,6 @@ from program_fuzz import (  # noqa: E402
 )
 
 SHM_DIR = Path("/dev/shm")
-#: What the summary calls an error that should not happen.
-ERRORS = (UNEXPECTED_ERROR, MISSING_ERROR)
 
 
 # -- workers -------------------------------------------------------------------------------
@@ -89,14 +86,16 @@ def _async_worker(conn: multiprocessing.connection.Connection, loop: str) -> Non
         while (job := conn.recv()) is not None:
             seed, ranks, transport = job
             program = program_fuzz.generate(seed, ranks)
+            reports, error, kind = [], "", ""
             try:
-                reports, error = runner.run(program_fuzz.run_world_program(program, transport)), ""
+                reports = runner.run(program_fuzz.run_world_program(program, transport))
             except Exception as exc:
-                reports, error = [], f"{type(exc).__name__}: {exc}"
+                error, kind = program_fuzz.runner_failure(exc)
             if caught:
-                error = (error + "; " if error else "") + program_fuzz.handler_fired(caught)
+                error = "; ".join(filter(None, [error, program_fuzz.handler_fired(caught)]))
+                kind = kind or UNEXPECTED_ERROR
                 caught.clear()
-            conn.send((reports, error))
+            conn.send((reports, error, kind))
 
 
 def _sync_worker(
@@ -121,12 +120,13 @@ def _sync_worker(
                 shared_memory=transport == "shm",
             )
             try:
-                report, error = program_fuzz.run_sync_rank(program, rank), ""
+                report, error, kind = program_fuzz.run_sync_rank(program, rank), "", ""
             finally:
                 dist.destroy_process_group()
-        except Exception:
-            report, error = RankReport(rank), traceback.format_exc(limit=8)
-        conn.send(([report], error))
+        except Exception as exc:
+            report, kind = RankReport(rank), program_fuzz.runner_failure(exc)[1]
+            error = f"rank {rank}: {traceback.format_exc(limit=8)}"
+        conn.send(([report], error, kind))
 
 
 def _rss_mib(pid: int) -> float:
@@ -208,7 +208,8 @@ class WorkerSet:
         self.rss.append(sum(_rss_mib(pid) for pid in self.pids))
         reports = [r for i in sorted(answers) for r in answers[i][0]]
         errors = "; ".join(answers[i][1] for i in sorted(answers) if answers[i][1])
-        return reports, errors, UNEXPECTED_ERROR if errors else ""
+        kinds = {answers[i][2] for i in answers} - {""}
+        return reports, errors, HANG if HANG in kinds else UNEXPECTED_ERROR if kinds else ""
 
     def close(self) -> None:
         """Ask the workers to end; kill those that do not."""
@@ -242,18 +243,32 @@ class Lifetime:
 
 @dataclass
 class Totals:
+    """Everything a run found."""
+
     reports: list[Report] = field(default_factory=list)
     lifetimes: list[Lifetime] = field(default_factory=list)
-    keys_left: list[int] = field(default_factory=list)  # per blocking-API program
-    shm_left: int = 0  # the most files found after a program
+    keys_left: list[int] = field(default_factory=list)  # per passing blocking-API program
+    shm_left: int = 0  # the most files found after a passing program
     shm_names: list[str] = field(default_factory=list)
+
+    def retire(self, workers: WorkerSet, kill: bool = False) -> None:
+        """Close ``workers`` (kill them: they may be stuck), keeping what they did."""
+        self.lifetimes.append(
+            Lifetime(" ".join(map(str, workers.key)), workers.programs, workers.rss)
+        )
+        if kill:
+            for proc in workers.procs:
+                proc.kill()
+        workers.close()
 
 
 def configurations(args: argparse.Namespace) -> list[tuple[int, str, str, str]]:
+    """Every (world size, transport, API, loop) the options ask for."""
     return list(itertools.product(args.ranks, args.transport, args.api, args.loop))
 
 
 def run(args: argparse.Namespace) -> Totals:
+    """Run the programs, each configuration's in one block."""
     import aiodist.sync as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -265,45 +280,32 @@ def run(args: argparse.Namespace) -> Totals:
             ranks, transport, api, loop = combos[i * len(combos) // args.programs]
             config = Config(args.seed + i, ranks, transport, api, loop)
             if workers is not None and workers.key != _key(config):
-                totals.lifetimes.append(_lifetime(workers))
-                workers.close()
+                totals.retire(workers)
                 workers = None
             if workers is None:
                 workers = WorkerSet.start(config, store.port)
             keys = store.num_keys()
             started = time.monotonic()
-            ranks_done, error, kind = workers.run(config, args.guard)
+            done, error, kind = workers.run(config, args.guard)
             program = program_fuzz.generate(config.seed, config.ranks)
-            report = Report(config, program, ranks_done, error, kind, time.monotonic() - started)
-            if kind == HANG or error.startswith("worker"):
-                totals.lifetimes.append(_lifetime(workers))
-                for proc in workers.procs:  # killed, not asked: they may be stuck
-                    proc.kill()
-                workers.close()
-                workers = None
-            if api == "sync":
-                totals.keys_left.append(store.num_keys() - keys)
-            if workers is not None:
-                left = _shm_files(workers.pids)
-                if len(left) > totals.shm_left:
-                    totals.shm_left, totals.shm_names = len(left), left[:10]
+            report = Report(config, program, done, error, kind, time.monotonic() - started)
             totals.reports.append(report)
             _print(i, report)
-            if report.problems and workers is not None:  # a fresh start for the next one
-                totals.lifetimes.append(_lifetime(workers))
-                workers.close()
+            if report.problems:
+                # The next program starts afresh: these workers may be broken, or stuck.
+                totals.retire(workers, kill=kind == HANG or not done)
                 workers = None
+                continue
+            if api == "sync":
+                totals.keys_left.append(store.num_keys() - keys)
+            left = _shm_files(workers.pids)
+            if len(left) > totals.shm_left:
+                totals.shm_left, totals.shm_names = len(left), left[:10]
     finally:
         if workers is not None:
-            totals.lifetimes.append(_lifetime(workers))
-            workers.close()
+            totals.retire(workers)
         store.close()
     return totals
-
-
-def _lifetime(workers: WorkerSet) -> Lifetime:
-    name = " ".join(map(str, workers.key))
-    return Lifetime(name, workers.programs, list(workers.rss))
 
 
 def _print(i: int, report: Report) -> None:
@@ -392,13 +394,15 @@ def report_text(totals: Totals, args: argparse.Namespace, minutes: float) -> str
         "",
         "## Leaks",
         "",
-        "Store keys left by a blocking-API program's destroyed world: "
+        "Keys left in the store by the world of a passing blocking-API program, once "
+        "destroyed: "
         + (
             f"{sum(keys)} in {len(keys)} programs (at most {max(keys)} by one)."
             if keys
             else "no such program."
         )
-        + f" Files left in `/dev/shm` by the workers after a program: at most {totals.shm_left}"
+        + " Files left in `/dev/shm` by the workers after a passing program: at most "
+        + f"{totals.shm_left}"
         + (f" ({', '.join(totals.shm_names)})." if totals.shm_names else "."),
         "",
         f"Resident memory of each worker set that ran more than {args.warmup} programs (all "
@@ -458,6 +462,7 @@ def main() -> None:
     failing = [r for r in totals.reports if r.problems]
     for r in failing[:3]:
         print(r.describe())
+    print(text.split("\n## Failing programs")[0])
     if args.out:
         out = Path(args.out)
     elif args.write:

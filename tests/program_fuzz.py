@@ -44,6 +44,7 @@ import concurrent.futures
 import contextlib
 import copy
 import functools
+import math
 import random
 import re
 import time
@@ -626,7 +627,13 @@ def _described(exc: BaseException) -> str:
 
 
 def _error_kind(exc: BaseException) -> str:
-    return HANG if isinstance(exc, DistTimeoutError | TimeoutError) else UNEXPECTED_ERROR
+    """The kind of problem an unexpected ``exc`` is: a timeout is a hang."""
+    return HANG if isinstance(exc, TimeoutError) else UNEXPECTED_ERROR
+
+
+def runner_failure(exc: BaseException) -> tuple[str, str]:
+    """A runner's own failure (a rank that crashed, a run that timed out): text and kind."""
+    return _described(exc), _error_kind(exc)
 
 
 class Expect:
@@ -876,7 +883,7 @@ class _Rank:
     """The model's view of one step from one rank: its inputs, and how its call may err.
 
     The helpers that make a usage error (:meth:`readonly`, :meth:`wrong_length`,
-    :meth:`bad_root`, :meth:`bad_op`) break the arguments on the erring rank only, and
+    :meth:`bad_root`, :meth:`op`) break the arguments on the erring rank only, and
     return on every rank the message the erring rank raises (after ``"<fn>: "``).
     """
 
@@ -952,14 +959,23 @@ class _Rank:
         return reason, op_arg(bad, 0.5) if self.faulty else good
 
     def needs_erring(self, fn: str) -> bool:
-        """Whether this rank's part of ``fn`` needs the erring rank's part (another rank)."""
+        """Whether this rank's result of ``fn`` needs data from the erring rank (another
+        rank). If not (a root that only sends, an empty array), it may complete."""
         assert self.fault is not None
         erring = self.members.index(self.fault.rank)
         if fn in ("broadcast", "broadcast_object_list", "scatter", "scatter_object_list"):
-            return erring == self.root
-        if fn in ("reduce", "gather", "gather_object"):
-            return self.is_root
-        return True
+            needs = erring == self.root
+        elif fn in ("reduce", "gather", "gather_object"):
+            needs = self.is_root
+        else:
+            needs = True
+        if fn in _OBJECTS:  # (a pickle is never empty)
+            return needs
+        shape = self.step.shape
+        if fn in ("all_to_all", "all_to_all_single"):
+            shape = (self.step.sizes[erring][self.me], *shape[1:])
+        shapes = self.step.sizes if fn.endswith("_coalesced") else (shape,)
+        return needs and any(math.prod(s) for s in shapes)
 
     def collective(
         self, fn: str, args: tuple[Any, ...], kwargs: dict[str, Any], check: Check, reason: str = ""
@@ -1853,10 +1869,7 @@ def run_program(config: Config) -> Report:
                 },
             )
     except Exception as exc:
-        report.error = _described(exc)
-        report.error_kind = (
-            HANG if isinstance(exc, DistTimeoutError | TimeoutError) else UNEXPECTED_ERROR
-        )
+        report.error, report.error_kind = runner_failure(exc)
     report.seconds = time.monotonic() - started
     return report
 
