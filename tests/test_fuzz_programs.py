@@ -17,16 +17,17 @@ import program_fuzz
 import pytest
 from program_fuzz import Config
 
-#: Every world size, transport and loop three times through the async API (seeds 1-36)
-#: and twice through the blocking API (seeds 101-124).
+#: Every world size, transport and loop four times through the async API (seeds 1-48, a
+#: few hundredths of a second each) and once through the blocking API (seeds 101-112, a
+#: second or more each: the processes start).
 _COMBOS = list(itertools.product((2, 3, 4), program_fuzz.TRANSPORTS, program_fuzz.LOOPS))
 ASYNC_CASES = [
     Config(1 + i, ranks, transport, "async", loop)
-    for i, (ranks, transport, loop) in enumerate(_COMBOS * 3)
+    for i, (ranks, transport, loop) in enumerate(_COMBOS * 4)
 ]
 SYNC_CASES = [
     Config(101 + i, ranks, transport, "sync", loop)
-    for i, (ranks, transport, loop) in enumerate(_COMBOS * 2)
+    for i, (ranks, transport, loop) in enumerate(_COMBOS)
 ]
 
 
