@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Awaitable, Callable, Coroutine, Generator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -341,11 +341,16 @@ def rejected_on_transport(
     return Plan(_rejected, (fails_alone(error), tell))
 
 
-async def _rejected(*args: Any) -> None:
-    # (*comms, error, tell): one OpComm per sequence number of the operation.
+def _rejected(*args: Any) -> Coroutine[Any, Any, None]:
+    # (*comms, error, tell): one OpComm per sequence number of the operation. Called as the
+    # operation starts: the peers are told then, even if this rank leaves at once.
     *comms, error, tell = args
     if tell:
         for comm in comms:
             assert isinstance(comm, OpComm)
             comm.reject(rejection_text(error))
+    return _raise(error)
+
+
+async def _raise(error: BaseException) -> None:
     raise error

@@ -839,7 +839,8 @@ class ProcessGroup:
         op.waiting_for = plan.waiting_for
         # Called now, in issue order: a path that keeps an order takes the operation's
         # place in it here, whenever its data will move.
-        coro = self._run(op, plan.algorithm(*comms, *plan.args), plan.output)
+        started = plan.algorithm(*comms, *plan.args)
+        coro = self._run(op, started, plan.output)
         # (A thread standing in for the loop's holds up no task of the loop: no budget.)
         standing_in = threading.get_ident() != self._world.loop_thread
         since, now = self._inline_since, time.perf_counter()
@@ -872,7 +873,7 @@ class ProcessGroup:
                     self._watchdog.cancel()
                 self._watchdog = loop.call_at(deadline, self._check_deadlines)
                 self._watchdog_at = deadline
-        task.add_done_callback(functools.partial(self._finished, op))
+        task.add_done_callback(functools.partial(self._finished, op, started))
         op.task = task
         return op.work
 
@@ -917,7 +918,11 @@ class ProcessGroup:
         else:
             op.settle(None, output if result is None else result)
 
-    def _finished(self, op: Operation, _task: object = None) -> None:
+    def _finished(self, op: Operation, started: object = None, _task: object = None) -> None:
+        if isinstance(started, Coroutine):
+            # A task cancelled before its first step never awaited it (a group destroyed
+            # at once): closed, it is not reported as never awaited.
+            started.close()
         self._inflight.pop(op, None)
         if op.kind is OpKind.COLLECTIVE:
             mailbox = self._world.transport.mailbox

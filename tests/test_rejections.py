@@ -116,3 +116,37 @@ async def test_ten_thousand_rejected_calls_leave_memory_and_store_keys_flat(
     assert keys_10k == keys_3k
     # Kept per rejected call before: about 700 bytes (5 MB for these 7,000).
     assert memory_10k - memory_3k < 256 << 10, (memory_3k, memory_10k)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+async def test_back_to_back_rejections_each_name_their_own_reason(transport: str) -> None:
+    # Rank 1 rejects two operations in a row; rank 0 issues both before it awaits either:
+    # its error of each names that call's reason (over shared memory the second reason
+    # used to overwrite the first before rank 0 read it).
+    async def fn(rank: int, size: int) -> list[str]:
+        x = np.ones(4, np.float32)
+        x.flags.writeable = rank == 0
+        src = 0 if rank == 0 else 9
+        texts = []
+        try:
+            works = [aiodist.all_reduce(x), aiodist.broadcast(np.ones(3), src=src)]
+        except aiodist.DistUsageError as exc:  # rank 1, at its first call
+            texts.append(str(exc))
+            with pytest.raises(aiodist.DistUsageError) as info:
+                aiodist.broadcast(np.ones(3), src=src)
+            texts.append(str(info.value))
+        else:
+            for work in works:
+                with pytest.raises(aiodist.DistUsageError) as info:
+                    await work
+                texts.append(str(info.value))
+        await agree_async(rank, size)
+        return texts
+
+    peer, rejecter = await run_world(fn, 2, transport=transport, timeout=20)
+    assert rejecter == [
+        "all_reduce: tensor is read-only, but the collective writes its result into it",
+        "broadcast: src 9 is not in the process group (global ranks [0, 1])",
+    ]
+    assert peer[0].endswith("was rejected by rank 1: " + rejecter[0]), peer
+    assert peer[1].endswith("was rejected by rank 1: " + rejecter[1]), peer

@@ -711,8 +711,7 @@ async def skip(ws: NodeWorkspace, reason: str, *, ticket: int | None = None) -> 
     if ws.size == 1:
         return
     async with Turn(ws, ticket):
-        ws.publish_reason(reason)
-        p, _ = ws.begin(REJECTED, 0)
+        p, _ = ws.begin(REJECTED, 0, reason=reason)
         await ws.sync()
         ws.check_calls(p)  # raises nothing here: this rank's own record is the rejection
 

@@ -100,7 +100,7 @@ DEFAULT_BLOCK_BYTES = 1 << 20
 #: A long operation yields to the event loop once this much time has passed since the last.
 YIELD_SECONDS = 0.5e-3
 
-_VERSION = 2
+_VERSION = 3
 _MAGIC = int.from_bytes(b"AIODWS01", "little")
 # Byte offsets in a rank's control area. Words that different ranks write never share a
 # cache line.
@@ -108,9 +108,11 @@ _C_COUNT, _C_SLEEP, _C_STATE, _C_CANMAP = 0, 64, 128, 192
 _C_FREED = 256  # count, then a ring of _FREED_SLOTS allocation ids
 _FREED_SLOTS = 64
 _C_MAGIC = 784  # in rank 0's area: marks the segment as a workspace
-_C_REASON = 1024  # why this rank gave up, UTF-8, zero-padded
+# Why this rank aborted, then why it rejected the operation of each parity's call record
+# (read once, with the record): UTF-8, zero-padded.
+_C_REASONS = 1024
 _REASON_BYTES = 1024
-_C_RECORDS = 2048  # two call records
+_C_RECORDS = _C_REASONS + 3 * _REASON_BYTES  # two call records
 # A call record: fingerprint, size, flags (bit 0: inputs shared; bits 8+: input pieces);
 # then per input piece (allocation id, fd, allocation size, offset); then per rank the
 # bytes sent to it and expected from it (all_to_all).
@@ -698,18 +700,22 @@ class NodeWorkspace:
         nbytes: int,
         pieces: Sequence[Array] | None = None,
         sizes: Sequence[tuple[int, int]] | None = None,
+        reason: str = "",
     ) -> tuple[int, bool]:
         """Start the operation's first round and publish its call record.
 
         ``pieces`` are the inputs peers may read in place: they do if they are shared arrays
         of this workspace (the caller passes them only when that is worth it). ``sizes`` are
-        the bytes sent to and expected from each rank (all_to_all).
+        the bytes sent to and expected from each rank (all_to_all). ``reason``: why this rank
+        rejected the operation (``fp`` :data:`REJECTED`).
 
         Returns:
             The round's buffer, and whether peers read ``pieces`` in place.
         """
         p = self._round & 1
         self._round += 1
+        if fp == REJECTED:
+            self.publish_reason(reason, p)  # (before the record: a peer that sees it reads it)
         at = self._records[p][self.rank]
         flags = 0
         if pieces is not None and self._direct_ok:
@@ -744,7 +750,7 @@ class NodeWorkspace:
         rejected = [j for j, (fp, _, _) in enumerate(descs) if fp == REJECTED]
         if rejected and len(rejected) < self.size:
             j = rejected[0]
-            reason = self._reason(j)
+            reason = self._reason(j, p)
             rejection = DistUsageError(f"rejected by rank {self.names[j]}: {reason}")
             # Who rejected and why, for the group layer to name the operation.
             rejection.rejected_by = self.names[j]  # type: ignore[attr-defined]
@@ -791,15 +797,19 @@ class NodeWorkspace:
             self._forget_freed()
         return Call(p, shared, entries, table)
 
-    def publish_reason(self, reason: str) -> None:
-        """Tell the peers why this rank rejected its operation (before :meth:`begin` with
-        :data:`REJECTED`) or aborted, in its reason area."""
+    def publish_reason(self, reason: str, p: int | None = None) -> None:
+        """Tell the peers why this rank aborted (``p`` ``None``), or why it rejected the
+        operation whose call record of parity ``p`` says :data:`REJECTED` (see
+        :meth:`begin`), in its reason areas."""
         text = reason.encode(errors="replace")[: _REASON_BYTES - 1]
-        at = self.rank * self._ctrl + _C_REASON
+        at = self._reason_at(self.rank, p)
         self._buf[at : at + _REASON_BYTES] = text.ljust(_REASON_BYTES, b"\0")
 
-    def _reason(self, j: int) -> str:
-        at = j * self._ctrl + _C_REASON
+    def _reason_at(self, j: int, p: int | None) -> int:
+        return j * self._ctrl + _C_REASONS + (0 if p is None else 1 + p) * _REASON_BYTES
+
+    def _reason(self, j: int, p: int | None = None) -> str:
+        at = self._reason_at(j, p)
         return bytes(self._buf[at : at + _REASON_BYTES]).rstrip(b"\0").decode(errors="replace")
 
     async def maybe_yield(self) -> None:
@@ -827,7 +837,7 @@ class NodeWorkspace:
 
     def waiting_for(self) -> list[int]:
         """The group ranks that have not yet arrived where this rank waits (a barrier)."""
-        if not self._busy:
+        if not self._busy or self._closed:
             return []
         words = self._words
         return [j for j in self._peers if words[self._count_w[j]] < self._count]

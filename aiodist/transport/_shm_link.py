@@ -274,14 +274,11 @@ class ShmLink:
                 moved += _HDR
                 budget -= _HDR
                 if is_control(nbytes, step):
-                    self.inbound = ControlText(
-                        nbytes, group, seq, step, self.peer, mailbox, self._said
-                    )
-                    self.doff = 0
-                    self.drem = step
-                    if not step:
-                        done.append(self.inbound)
-                        self.inbound = None
+                    control = ControlText(nbytes, group, seq, step, self.peer, mailbox, self._said)
+                    if step:
+                        self.inbound, self.doff, self.drem = control, 0, step
+                    else:
+                        self._control_done(control)
                     continue
                 if nbytes >= MAX_MESSAGE:
                     self._publish_tail(tail)
@@ -327,14 +324,24 @@ class ShmLink:
             self.drem -= take
             if not self.drem:
                 tail = (tail + _ALIGN_MASK) & ~_ALIGN_MASK
-                done.append(self.inbound)
-                self.inbound = None
+                arrived, self.inbound = self.inbound, None
+                if isinstance(arrived, ControlText):
+                    self._control_done(arrived)
+                else:
+                    done.append(arrived)
         self._publish_tail(tail)
         if done:
             self.owner._completions += len(done)
             for arrived in done:
                 arrived.done()
         return moved
+
+    def _control_done(self, text: ControlText) -> None:
+        # Handed on at once, before the next message is matched: a peer's rejection of a
+        # send takes the place of that message, and the message after it must not take the
+        # receive that was waiting for it.
+        self.owner._completions += 1
+        text.done()
 
     def _publish_tail(self, tail: int) -> None:
         self.tail = tail
