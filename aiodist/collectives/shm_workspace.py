@@ -2,8 +2,8 @@
 :mod:`aiodist.collectives.shm` run, for a group whose ranks all live on one host.
 
 A :class:`NodeWorkspace` is one segment per group that every rank maps: per rank a control
-area (an arrival counter, a sleeping flag, a state word, and two *call records*: what it
-called, where its inputs are) and a slot of two buffers of ``block_bytes``. There are no
+area (an arrival counter, a sleeping flag, a state word, why it aborted, and two *call
+records*: what it called, where its inputs are, or why it rejected the call) and a slot of two buffers of ``block_bytes``. There are no
 messages: an operation is a sequence of *rounds*; in a round each rank writes its own slot
 buffer, all ranks pass a barrier, then each reads the others'. A barrier is each rank
 storing its own counter (no atomics needed: every word has exactly one writer) and waiting
