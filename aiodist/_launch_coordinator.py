@@ -88,8 +88,7 @@ class Coordinator:
                 return await coro
         except TimeoutError:
             raise NodeLostError(
-                f"{self._cfg.store_name} did not answer {what} within "
-                f"{self._cfg.lost_after:g} s"
+                f"{self._cfg.store_name} did not answer {what} within {self._cfg.lost_after:g} s"
             ) from None
         except (DistError, OSError) as exc:
             if isinstance(exc, DistUsageError):

@@ -133,7 +133,8 @@ async def test_a_lease_is_carried_out_when_its_holder_stops_renewing(etcd: str) 
     import subprocess
     import sys
 
-    holder = subprocess.Popen(
+    holder = await asyncio.to_thread(
+        subprocess.Popen,
         [
             sys.executable,
             "-c",

@@ -9,4 +9,11 @@ from .tcp import TCPStore, TCPStoreServer
 
 __all__ = [
     "EtcdStore",
-    "FileStore", "HashStore", "PrefixStore", "Store", "TCPStore", "TCPStoreServer", "Value"]
+    "FileStore",
+    "HashStore",
+    "PrefixStore",
+    "Store",
+    "TCPStore",
+    "TCPStoreServer",
+    "Value",
+]

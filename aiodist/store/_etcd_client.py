@@ -210,7 +210,9 @@ def _decode(where: str, status: int, body: bytes) -> dict[str, Any]:
     if not isinstance(answer, dict):
         raise DistStoreError(f"etcd at {where} answered {body[:200]!r}")
     if "error" in answer or status != 200:
-        message = answer.get("message") or answer.get("error") or body[:200].decode(errors="replace")
+        message = (
+            answer.get("message") or answer.get("error") or body[:200].decode(errors="replace")
+        )
         code = answer.get("code", 2)
         raise EtcdError(f"etcd at {where}: {message}", int(code))
     result = answer.get("result", answer)
@@ -218,7 +220,9 @@ def _decode(where: str, status: int, body: bytes) -> dict[str, Any]:
         raise DistStoreError(f"etcd at {where} answered {body[:200]!r}")
     if "error" in result:  # a streamed call's failure arrives as a result
         error = result["error"]
-        raise EtcdError(f"etcd at {where}: {error.get('message', error)}", int(error.get("code", 2)))
+        raise EtcdError(
+            f"etcd at {where}: {error.get('message', error)}", int(error.get("code", 2))
+        )
     return result
 
 

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from ..errors import DistError
-from ._etcd_client import EtcdClient, Endpoint
+from ._etcd_client import Endpoint, EtcdClient
 
 __all__ = ["keep_alive"]
 

@@ -35,13 +35,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._timeouts import DEFAULT_STORE_TIMEOUT, Timeout, to_seconds
-from ..errors import DistNetworkError, DistStoreError, DistUsageError, QueueEmptyError
+from ..errors import (
+    DistError,
+    DistNetworkError,
+    DistStoreError,
+    DistUsageError,
+    QueueEmptyError,
+)
 from ._base import Store, Value, check_lengths, check_world_size, encode_key, encode_value
 from ._etcd_client import (
+    Endpoint,
     EtcdClient,
     EtcdError,
     EtcdStream,
-    Endpoint,
     b64,
     next_or_lost,
     parse_endpoints,
@@ -219,6 +225,8 @@ class EtcdStore(Store):
         self._pruned = 0
         self._keeper: asyncio.Task[None] | None = None
         self._watches: set[_Watch] = set()
+        # Values that cancelled pops put back, on their way.
+        self._background: set[asyncio.Future[None]] = set()
         self._lost: str | None = None
         self._closed = False
 
@@ -265,23 +273,25 @@ class EtcdStore(Store):
         if isinstance(endpoints, str):
             parsed = parse_endpoints(endpoints)
         else:
-            parsed = [
-                e if isinstance(e, tuple) else parse_endpoints(str(e))[0] for e in endpoints
-            ]
+            parsed = [e if isinstance(e, tuple) else parse_endpoints(str(e))[0] for e in endpoints]
         if not parsed:
             raise DistUsageError("EtcdStore needs at least one endpoint")
         if not isinstance(prefix, str) or not prefix:
             raise DistUsageError(f"EtcdStore prefix must be a non-empty str, got {prefix!r}")
         prefix = prefix if prefix.endswith("/") else prefix + "/"
-        if isinstance(max_value_size, bool) or not isinstance(max_value_size, int) or (
-            max_value_size < 1
+        if (
+            isinstance(max_value_size, bool)
+            or not isinstance(max_value_size, int)
+            or (max_value_size < 1)
         ):
             raise DistUsageError(f"max_value_size must be a positive int, got {max_value_size!r}")
         seconds = to_seconds(timeout, DEFAULT_STORE_TIMEOUT)
         peer = resolve_peer_timeout(peer_timeout)
         ttl_seconds = peer if lease_ttl is None else lease_ttl
-        if isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, int | float) or not (
-            math.isfinite(ttl_seconds) and ttl_seconds >= _MIN_LEASE_TTL
+        if (
+            isinstance(ttl_seconds, bool)
+            or not isinstance(ttl_seconds, int | float)
+            or not (math.isfinite(ttl_seconds) and ttl_seconds >= _MIN_LEASE_TTL)
         ):
             raise DistUsageError(
                 f"lease_ttl must be a number of seconds >= {_MIN_LEASE_TTL}, got {lease_ttl!r}"
@@ -350,7 +360,9 @@ class EtcdStore(Store):
         except EtcdError as exc:
             if "lease not found" in str(exc):
                 self._on_lease_lost(f"its etcd lease {self._session.lease:x} lapsed")
-                raise DistNetworkError(f"the etcd store at {self._client.where}: {self._lost}")
+                raise DistNetworkError(
+                    f"the etcd store at {self._client.where}: {self._lost}"
+                ) from None
             if "too large" in str(exc):
                 raise DistUsageError(f"{exc} (etcd's --max-request-bytes)") from None
             raise
@@ -519,13 +531,17 @@ class EtcdStore(Store):
             if not missing:
                 return [unb64(kv[0].get("value")) for kv in found]
             target = self._data(missing[0])
-            if not await self._until(
-                target,
-                prefix=False,
-                after=revision,
-                deadline=deadline,
-                match=lambda e: e.get("type", "PUT") == "PUT",
-            ) and deadline is not None and time.monotonic() >= deadline:
+            if (
+                not await self._until(
+                    target,
+                    prefix=False,
+                    after=revision,
+                    deadline=deadline,
+                    match=lambda e: e.get("type", "PUT") == "PUT",
+                )
+                and deadline is not None
+                and time.monotonic() >= deadline
+            ):
                 raise timeout_error(keys, missing, time.monotonic() - start) from None
 
     async def wait(self, keys: Sequence[str], timeout: Timeout = None) -> None:
@@ -547,13 +563,17 @@ class EtcdStore(Store):
             missing = [k for k, there in zip(raw, present, strict=True) if not there]
             if not missing:
                 return
-            if not await self._until(
-                self._data(missing[0]),
-                prefix=True,
-                after=revision,
-                deadline=deadline,
-                match=lambda e: e.get("type", "PUT") == "PUT",
-            ) and deadline is not None and time.monotonic() >= deadline:
+            if (
+                not await self._until(
+                    self._data(missing[0]),
+                    prefix=True,
+                    after=revision,
+                    deadline=deadline,
+                    match=lambda e: e.get("type", "PUT") == "PUT",
+                )
+                and deadline is not None
+                and time.monotonic() >= deadline
+            ):
                 raise timeout_error(raw, missing, time.monotonic() - start) from None
 
     async def _exist(self, keys: list[bytes]) -> tuple[int, list[bool]]:
@@ -707,7 +727,9 @@ class EtcdStore(Store):
         """
         self._check_open()
         check_lengths(keys, values)
-        items = {self._data(encode_key(k)): self._value(v) for k, v in zip(keys, values, strict=True)}
+        items = {
+            self._data(encode_key(k)): self._value(v) for k, v in zip(keys, values, strict=True)
+        }
         if items:
             await self._txn([], [self._put(k, v) for k, v in items.items()])
 
@@ -751,13 +773,17 @@ class EtcdStore(Store):
                 return value
             if not block:
                 raise QueueEmptyError(f"queue {key!r} is empty")
-            if not await self._until(
-                items,
-                prefix=True,
-                after=revision,
-                deadline=deadline,
-                match=lambda e: e.get("type", "PUT") == "PUT",
-            ) and deadline is not None and time.monotonic() >= deadline:
+            if (
+                not await self._until(
+                    items,
+                    prefix=True,
+                    after=revision,
+                    deadline=deadline,
+                    match=lambda e: e.get("type", "PUT") == "PUT",
+                )
+                and deadline is not None
+                and time.monotonic() >= deadline
+            ):
                 raise timeout_error([raw], [raw], time.monotonic() - start) from None
 
     async def _pop_once(self, items: bytes) -> tuple[bytes | None, int]:
@@ -779,7 +805,15 @@ class EtcdStore(Store):
         value = taking.result()[0]
         if value is not None and not self._closed:
             logger.debug("a cancelled queue_pop on %r puts its value back", key)
-            asyncio.ensure_future(self.queue_push(key, value))
+            pushing = asyncio.ensure_future(self._put_back(key, value))
+            self._background.add(pushing)
+            pushing.add_done_callback(self._background.discard)
+
+    async def _put_back(self, key: str, value: bytes) -> None:
+        try:
+            await self.queue_push(key, value)
+        except DistError as exc:
+            logger.warning("a cancelled queue_pop on %r could not put its value back: %s", key, exc)
 
     async def queue_len(self, key: str) -> int:
         """Return the number of values in queue ``key``.
@@ -819,11 +853,12 @@ class EtcdStore(Store):
             if event.get("type", "PUT") != "PUT":
                 return False
             try:
-                reached[0] = int(unb64(event["kv"].get("value")))
+                count = int(unb64(event["kv"].get("value")))
             except ValueError:
                 reached[0] = None
                 return False
-            return reached[0] >= world
+            reached[0] = count
+            return count >= world
 
         while reached[0] is None or reached[0] < world:
             if await self._until(target, prefix=False, after=revision, deadline=deadline,
@@ -895,45 +930,47 @@ class EtcdStore(Store):
                     while True:
                         for event in await watch.events():
                             if event.get("type") == "DELETE":
-                                await self._carry_out(unb64(event["kv"]["key"])[len(alive_prefix) :])
+                                await self._carry_out(
+                                    unb64(event["kv"]["key"])[len(alive_prefix) :]
+                                )
                 finally:
                     watch.close()
             except _Compacted:
                 continue
             except (DistNetworkError, DistStoreError) as exc:
-                if self._closed:
-                    return
                 logger.warning("etcd store: carrying out leases failed (%s): retrying", exc)
                 await asyncio.sleep(_KEEPER_RETRY)
 
     async def _carry_out(self, owner: bytes) -> None:
         """Set the keys of the leases of ``owner``, a client whose lease lapsed."""
-        answer = await self._call(
-            "/v3/kv/range", _range(self._marker(owner), prefix=True)
-        )
-        start = len(self._marker(owner))
+        answer = await self._call("/v3/kv/range", _range(self._marker(owner), prefix=True))
         for kv in _kvs(answer):
-            marker = unb64(kv["key"])
-            target = self._data(marker[start:])
-            value = unb64(kv.get("value"))
-            gone = _compare(self._alive(owner), "VERSION", 0)
-            mark = _compare(marker, "MOD", int(kv["mod_revision"]))
+            await self._carry_out_one(owner, kv)
 
-            def plan(ranges: list[dict[str, Any]], marker: bytes = marker,
-                     target: bytes = target, value: bytes = value,
-                     checks: list[dict[str, Any]] = [gone, mark]) -> _Write | None:  # fmt: skip
-                if not _kvs(ranges[1]):
-                    return None  # another client carried it out
-                kvs = _kvs(ranges[0])
-                if kvs and unb64(kvs[0].get("value")):
-                    return _Write(checks, [self._delete(marker)], b"")  # set already
-                mod = int(kvs[0]["mod_revision"]) if kvs else 0
-                ops = [self._delete(marker), self._put(target, value)]
-                return _Write([*checks, _compare(target, "MOD", mod)], ops, b"")
+    async def _carry_out_one(self, owner: bytes, kv: dict[str, Any]) -> None:
+        """Set the key of the lease marker ``kv`` of ``owner``, unless it holds a value, and
+        delete the marker: once, whichever client of the store does it first."""
+        marker = unb64(kv["key"])
+        target = self._data(marker[len(self._marker(owner)) :])
+        value = unb64(kv.get("value"))
+        # (Only while the owner's lease is gone and the marker is the one read.)
+        checks = [
+            _compare(self._alive(owner), "VERSION", 0),
+            _compare(marker, "MOD", int(kv["mod_revision"])),
+        ]
 
-            await self._transact([_range(target), _range(marker, keys_only=True)], plan,
-                                 once=False)  # fmt: skip
-            logger.debug("carried out the lease on %r of a lapsed client", target)
+        def plan(ranges: list[dict[str, Any]]) -> _Write | None:
+            if not _kvs(ranges[1]):
+                return None  # another client carried it out
+            kvs = _kvs(ranges[0])
+            if kvs and unb64(kvs[0].get("value")):
+                return _Write(checks, [self._delete(marker)], b"")  # set already
+            mod = int(kvs[0]["mod_revision"]) if kvs else 0
+            ops = [self._delete(marker), self._put(target, value)]
+            return _Write([*checks, _compare(target, "MOD", mod)], ops, b"")
+
+        await self._transact([_range(target), _range(marker, keys_only=True)], plan, once=False)
+        logger.debug("carried out the lease on %r of a lapsed client", target)
 
     def _on_lease_lost(self, reason: str) -> None:
         """This client's lease lapsed: the others take it for gone; so must it."""
@@ -975,9 +1012,7 @@ class EtcdStore(Store):
         if self._lost is None:
             try:
                 async with asyncio.timeout(self._peer_timeout):
-                    await self._client.call(
-                        "/v3/lease/revoke", {"ID": str(self._session.lease)}
-                    )
+                    await self._client.call("/v3/lease/revoke", {"ID": str(self._session.lease)})
                     if self._keeper is not None:
                         await self._carry_out(self._me)
             except (DistNetworkError, DistStoreError, TimeoutError) as exc:
