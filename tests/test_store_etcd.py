@@ -271,3 +271,52 @@ async def test_the_leader_clears_the_jobs_keys(etcd: str) -> None:
         assert sorted(result.stdout.splitlines())[0].startswith("[rank0]: sum 3 store etcd://")
     async with await aiodist.EtcdStore.create(etcd, "/aiodist-run/again/") as store:
         assert await store.list_keys() == []
+
+
+async def test_a_write_whose_answer_was_lost_happens_once(etcd: str) -> None:
+    # A proxy in front of etcd passes on the first write transaction of an add, lets etcd
+    # apply it, then drops the connection before the answer: as if the member died just
+    # after it took the request. The client sends it again to the next member (etcd itself).
+    from etcd_helpers import free_ports
+
+    host, port = etcd.rsplit(":", 1)
+    dropped = asyncio.Event()
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, up: bool) -> None:
+        try:
+            while data := await reader.read(65536):
+                if not up and dropped.is_set():
+                    return  # the answer is lost
+                if up and b"/v3/kv/txn" in data and b"request_put" in data and not dropped.is_set():
+                    dropped.set()
+                    writer.write(data)
+                    await asyncio.sleep(0.3)  # (etcd applies it meanwhile)
+                    return
+                writer.write(data)
+                await writer.drain()
+        finally:
+            writer.close()
+
+    async def relay(client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        etcd_r, etcd_w = await asyncio.open_connection(host, int(port))
+        up = asyncio.ensure_future(pipe(client_r, etcd_w, True))
+        down = asyncio.ensure_future(pipe(etcd_r, client_w, False))
+        await asyncio.wait([up, down], return_when=asyncio.FIRST_COMPLETED)
+        for task in (up, down):
+            task.cancel()
+        await asyncio.gather(up, down, return_exceptions=True)
+        client_w.close()
+        etcd_w.close()
+
+    proxy_port = free_ports(1)[0]
+    proxy = await asyncio.start_server(relay, "127.0.0.1", proxy_port)
+    store = await aiodist.EtcdStore.create([f"127.0.0.1:{proxy_port}", etcd], "/once")
+    try:
+        assert await store.add("n", 5) == 5
+        assert dropped.is_set()
+        assert await store.get("n") == b"5"
+        assert await store.add("n", 1) == 6
+    finally:
+        await store.aclose()
+        proxy.close()
+        await proxy.wait_closed()

@@ -830,7 +830,7 @@ class EtcdStore(Store):
     async def barrier(self, key: str, world_size: int, timeout: Timeout = None) -> None:
         """Count in at ``key`` and wait until ``world_size`` callers have (torch's barrier).
 
-        The count is the counter :meth:`add` uses on ``key``; the wait is a watch of it.
+        The count is the counter ``add`` uses on ``key``; the wait is a watch of it.
 
         Raises:
             DistUsageError: ``world_size`` is not a positive int, or the store is closed.
