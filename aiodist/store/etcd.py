@@ -912,7 +912,7 @@ class EtcdStore(Store):
         """Carry out the leases of clients whose etcd lease lapsed, as long as this store
         is open: those found lapsed now, then each one as its liveness key goes."""
         alive_prefix = self._root + b"a/"
-        while not self._closed:
+        while not self._closed and self._lost is None:
             try:
                 revision, (alive, markers) = await self._read(
                     [
