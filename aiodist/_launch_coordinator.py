@@ -2,10 +2,11 @@
 
 Node 0's launcher hosts the store (:func:`open_store`), which its workers use too; the other
 launchers connect to it. With ``--rdzv-backend=etcd`` the store is in etcd and every launcher
-is its client; the leader (:meth:`Coordinator.lead`) does what node 0 does. A :class:`Coordinator` holds what they agree on there: each node's
-claim and so the global ranks, heartbeats (a silent node raises :class:`NodeLostError`), when
-an attempt may start, its first failure, and the counters of the nodes done with it. The
-supervision of the local workers that uses it is in :mod:`aiodist.launcher`.
+is its client; the leader (:meth:`Coordinator.lead`) does what node 0 does. A
+:class:`Coordinator` holds what they agree on there: each node's claim and so the global
+ranks, heartbeats (a silent node raises :class:`NodeLostError`), when an attempt may start,
+its first failure, and the counters of the nodes done with it. The supervision of the local
+workers that uses it is in :mod:`aiodist.launcher`.
 """
 
 from __future__ import annotations
@@ -105,9 +106,8 @@ class Coordinator:
         """
         if not self._cfg.elastic:
             return self._cfg.node_rank == 0
-        key = f"{self._p}leader"
-        return bool(await self._op("the join", self._store.compare_set(key, b"", self._token))
-                    == self._token.encode())  # fmt: skip
+        claim = self._store.compare_set(f"{self._p}leader", b"", self._token)
+        return bool(await self._op("the join", claim) == self._token.encode())
 
     async def clear(self) -> None:
         """With the store in etcd, the leader at the end of the job: delete the job's keys,
