@@ -16,7 +16,7 @@ from aiodist.testing import check_store
 
 pytestmark = needs_etcd
 
-__all__ = ["etcd", "etcd3"]  # (fixtures)
+__all__ = ["etcd", "etcd3"]  # (the fixtures imported above, used by name)
 
 _jobs = itertools.count()
 
@@ -129,6 +129,7 @@ async def test_operations_go_on_when_an_etcd_member_dies(etcd3: list[Member]) ->
 
 
 # -- leases ---------------------------------------------------------------------------------
+@pytest.mark.multiprocess
 async def test_a_lease_is_carried_out_when_its_holder_stops_renewing(etcd: str) -> None:
     import subprocess
     import sys
@@ -249,6 +250,7 @@ def test_aiodist_run_with_the_store_in_etcd(etcd: str) -> None:
     assert outs == [f"[rank{r}]: sum 3 store {url}\n" for r in range(2)]
 
 
+@pytest.mark.multiprocess
 async def test_the_leader_clears_the_jobs_keys(etcd: str) -> None:
     # (After test_aiodist_run_with_the_store_in_etcd's job, in a fresh cluster: a job that
     # ran leaves nothing behind, so its run id can be used again.)
