@@ -164,6 +164,15 @@ VARIABLES: tuple[Variable, ...] = (
         ("aiodist.transport.shm", "aiodist.launcher"),
     ),
     Variable(
+        "AIODIST_STORE_URL",
+        "aiodist",
+        "",
+        "The store `env://` uses, e.g. `etcd://10.0.0.1:2379,10.0.0.2:2379/job7` (rank and "
+        "world size still from the environment). `aiodist-run --rdzv-backend=etcd` sets it.",
+        "`init_process_group`",
+        ("aiodist.rendezvous", "aiodist.launcher"),
+    ),
+    Variable(
         "AIODIST_RESTART_COUNT",
         "aiodist",
         "",

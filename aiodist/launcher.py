@@ -54,7 +54,7 @@ from ._preload import Starter
 from ._workers import WorkerFailure, WorkerGroup, WorkerSpec, describe_exit
 from .debug import format_status, gather_status
 from .errors import DistError, DistUsageError
-from .store import TCPStore
+from .store import Store, TCPStore
 
 logger = logging.getLogger(__name__)
 
@@ -151,24 +151,31 @@ class _Launcher:
     async def _run(self) -> int:
         cfg = self._cfg
         store = await open_store(cfg)
-        self._port = store.port
-        self._hosting = store.server is not None
-        if self._several:
-            self._local_addr = route_to(cfg.master_addr, self._port)
-        status = None if cfg.status_port is None else await self._serve_status(store)
+        coord = Coordinator(store, cfg)
+        status = None
         try:
+            if isinstance(store, TCPStore):
+                self._port = store.port
+                self._hosting = store.server is not None
+            else:
+                # The store is in etcd: the leader does what the hosting node does.
+                self._hosting = await coord.lead()
+            if self._several:
+                self._local_addr = route_to(cfg.master_addr, self._port)
+            if cfg.status_port is not None:
+                status = await self._serve_status(store)
             if cfg.preload:
                 self._starter = await Starter.open(cfg.preload, self._environment())
-            coord = Coordinator(store, cfg)
             if self._several:
                 logger.info(
-                    "%s: %s the store at %s:%d",
+                    "%s: %s %s",
                     f"node {cfg.node_rank} of {cfg.nnodes}"
                     if not cfg.elastic
                     else f"{cfg.nnodes} to {cfg.max_nnodes} nodes",
-                    "hosting" if self._hosting else "joining",
-                    cfg.master_addr,
-                    self._port,
+                    ("leading through" if cfg.etcd_endpoints else "hosting")
+                    if self._hosting
+                    else "joining",
+                    cfg.store_name if cfg.etcd_endpoints else f"{cfg.master_addr}:{self._port}",
                 )
             if not cfg.elastic:
                 self._round = await coord.join()
@@ -183,13 +190,16 @@ class _Launcher:
                 await self._starter.close()
             if status is not None:
                 status.close()
+            if cfg.etcd_endpoints and self._hosting:
+                await coord.clear()
             # Node 0 also stops its server here: every other node has seen the end by now.
             await store.aclose()
 
-    async def _serve_status(self, store: TCPStore) -> asyncio.Server:
+    async def _serve_status(self, store: Store) -> asyncio.Server:
         """Serve the live view of the job's ranks: ``GET /`` as text, ``GET /json`` raw."""
         cfg = self._cfg
-        host = cfg.master_addr if self._hosting else (self._local_addr or "127.0.0.1")
+        hosts_store = self._hosting and not cfg.etcd_endpoints
+        host = cfg.master_addr if hosts_store else (self._local_addr or "127.0.0.1")
 
         async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             try:
@@ -339,9 +349,6 @@ class _Launcher:
             ROLE_NAME=cfg.role,
             ROLE_RANK=str(rank),
             ROLE_WORLD_SIZE=str(place.world_size),
-            MASTER_ADDR=cfg.master_addr,
-            MASTER_PORT=str(self._port),
-            TORCHELASTIC_USE_AGENT_STORE="True",
             TORCHELASTIC_RESTART_COUNT=str(restarts),
             TORCHELASTIC_MAX_RESTARTS=str(cfg.max_restarts),
             TORCHELASTIC_RUN_ID=cfg.run_id,
@@ -351,6 +358,17 @@ class _Launcher:
             AIODIST_RUN_ID=cfg.run_id,
             PYTHON_EXEC=sys.executable,
         )
+        if cfg.etcd_url is not None:
+            # The workers' store is the launchers' store in etcd (torch's TCPStore clients
+            # cannot use it: no MASTER_ADDR for them).
+            env["AIODIST_STORE_URL"] = cfg.etcd_url
+        else:
+            env.pop("AIODIST_STORE_URL", None)
+            env.update(
+                MASTER_ADDR=cfg.master_addr,
+                MASTER_PORT=str(self._port),
+                TORCHELASTIC_USE_AGENT_STORE="True",
+            )
         if cfg.status_port is not None:
             env["AIODIST_STATUS"] = "1"
         if cfg.virtual_local_rank:
