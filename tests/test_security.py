@@ -8,8 +8,11 @@ import contextlib
 import json
 import os
 import pickle
+import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +20,13 @@ import numpy as np
 import pytest
 import raw_peer
 from raw_peer import HEADER, frame
+from store_attacks import (
+    VALIDATE,
+    ServerProcess,
+    closed_within,
+    idle_sockets,
+    torch_set_head,
+)
 
 import aiodist
 from aiodist import collectives
@@ -373,3 +383,70 @@ def test_sync_init_process_group_takes_auth_token(tmp_path: Path) -> None:
     for p, (out, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err
         assert out.strip() == "3.0"
+
+
+# -- the store before authentication ---------------------------------------------------------
+SERVER_LOOPS = ["uvloop", "asyncio"]
+
+
+@pytest.mark.parametrize("server_loop", SERVER_LOOPS)
+def test_unauthenticated_torch_clients_cost_the_store_nothing(server_loop: str) -> None:
+    """4 torch-wire clients send VALIDATE, then a SET announcing 64 MiB, then 60 MiB of it
+    without ever authenticating: the server's memory stays put and it drops them at once."""
+    with ServerProcess(server_loop, TOKEN.decode()) as server:
+        base = server.memory()["VmRSS"]
+        start = time.monotonic()
+        socks = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(4)]
+
+        def attack(sock: socket.socket) -> None:
+            sock.settimeout(10)
+            chunk = bytes(1 << 20)
+            with contextlib.suppress(OSError):
+                sock.sendall(VALIDATE + torch_set_head(b"k", 64 << 20))
+                for _ in range(60):
+                    sock.sendall(chunk)
+
+        threads = [threading.Thread(target=attack, args=(s,)) for s in socks]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        closed = [closed_within(s, max(0.1, 10 - (time.monotonic() - start))) for s in socks]
+        grown = server.memory()["VmHWM"] - base
+        for s in socks:
+            s.close()
+    assert grown < 32 << 20, f"the server grew by {grown >> 20} MiB"
+    assert all(closed), f"still open after 10 s: {closed}"
+
+
+@pytest.mark.parametrize("server_loop", SERVER_LOOPS)
+@pytest.mark.parametrize(
+    "sources", [["127.0.0.1"], [f"127.0.0.{i}" for i in range(2, 12)]], ids=["one", "ten"]
+)
+def test_idle_connections_leave_a_client_served(server_loop: str, sources: list[str]) -> None:
+    """130 connections that never say a word, against a server that may open 128 files (from
+    one address: its cap per address; from ten: its descriptors run out), then a client with
+    the token: it is served, and the server neither spins nor floods its log."""
+    with ServerProcess(server_loop, TOKEN.decode(), nofile=128) as server:
+        cpu = server.cpu()
+        start = time.monotonic()
+        socks = idle_sockets(server.port, 130, sources)
+
+        async def client() -> bytes:
+            async with await aiodist.TCPStore.create(
+                "127.0.0.1", server.port, auth_token=TOKEN, timeout=20
+            ) as store:
+                await store.set("k", b"v")
+                return await store.get("k")
+
+        try:
+            got = asyncio.run(client())
+        finally:
+            for s in socks:
+                s.close()
+        elapsed = time.monotonic() - start
+        cpu = server.cpu() - cpu
+    assert got == b"v"
+    assert cpu < 0.5 * elapsed + 0.5, f"{cpu:.1f} s of CPU in {elapsed:.1f} s"
+    lines = server.stderr.count(b"\n")
+    assert lines < 100, f"{lines} lines of log:\n{server.stderr[-3000:].decode()}"
