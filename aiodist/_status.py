@@ -153,9 +153,7 @@ def status_host() -> str:
     return "0.0.0.0" if host in ("", "::") else host
 
 
-def serve_status(
-    host: str | None = None, auth_token: str | bytes | None = None
-) -> tuple[str, int]:
+def serve_status(host: str | None = None, auth_token: str | bytes | None = None) -> tuple[str, int]:
     """Start this process's status endpoint, once, on ``host`` (default: loopback, or
     ``$AIODIST_STATUS_HOST``) and a free port; return its address. Later calls return the
     running endpoint's address.
@@ -247,9 +245,7 @@ async def _fetch(address: str, timeout: float, key: str | None) -> dict[str, Any
     async with asyncio.timeout(timeout):
         reader, writer = await asyncio.open_connection(host.strip("[]"), int(port))
         try:
-            writer.write(
-                f"GET /status HTTP/1.0\r\nHost: {address}\r\n{credential}\r\n".encode()
-            )
+            writer.write(f"GET /status HTTP/1.0\r\nHost: {address}\r\n{credential}\r\n".encode())
             raw = bytearray()
             while chunk := await reader.read(1 << 16):
                 raw += chunk

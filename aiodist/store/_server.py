@@ -260,7 +260,6 @@ class _Connection(AiodistWire, TorchWire):
         if not self._admitted and self._mode != MODE_CLOSED:
             self._refuse(f"no authentication within {HANDSHAKE_TIMEOUT:g} s")
 
-
     def _detect(self, buf: bytes | bytearray, pos: int) -> int:
         if buf[pos] == 0:
             self._mode = MODE_TORCH
@@ -506,8 +505,7 @@ class TCPStoreServer:
         mine[conn] = None
         if len(mine) > self._per_host:
             next(iter(mine))._refuse(
-                f"more than {self._per_host} connections from {conn._peer_host} "
-                "in their handshake"
+                f"more than {self._per_host} connections from {conn._peer_host} in their handshake"
             )
 
     def _settled(self, conn: ServerConnection) -> None:
