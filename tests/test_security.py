@@ -1066,3 +1066,65 @@ def test_a_serving_header_asks_for_numeric_arrays_of_bounded_size(
         serving_wire.new_arrays(specs)
     with pytest.raises(aiodist.DistProtocolError, match=message):
         serving_wire.unpack(np.zeros(0, np.uint8), specs)
+
+
+async def test_a_client_dropped_during_its_handshake_tries_again() -> None:
+    """The server closed this client's first connection (out of descriptors, say): it
+    connects again, within its timeout, and is served."""
+    async with await aiodist.TCPStore.create(
+        "127.0.0.1", 0, is_master=True, auth_token=TOKEN, timeout=5
+    ) as store:
+        connections = 0
+        relayed = asyncio.Event()
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            while data := await src.read(65536):
+                dst.write(data)
+            dst.close()
+
+        async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal connections
+            connections += 1
+            if connections == 1:
+                await reader.read(1)  # the first bytes of the handshake, then gone
+            else:
+                up_reader, up_writer = await asyncio.open_connection("127.0.0.1", store.port)
+                await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+                await up_writer.wait_closed()
+                relayed.set()
+            writer.close()
+            await writer.wait_closed()
+
+        relay_server = await asyncio.start_server(relay, "127.0.0.1", 0)
+        port = relay_server.sockets[0].getsockname()[1]
+        async with await aiodist.TCPStore.create(
+            "127.0.0.1", port, auth_token=TOKEN, timeout=5
+        ) as client:
+            await client.set("k", b"v")
+        await asyncio.wait_for(relayed.wait(), 5)
+        relay_server.close()
+        await relay_server.wait_closed()
+        assert connections == 2 and await store.get("k") == b"v"
+
+
+def _listen_backlog(port: int) -> int:
+    """The backlog of the socket listening on ``port`` (``ss``, of iproute2: its send queue)."""
+    out = subprocess.run(
+        ["ss", "-ltnH", f"sport = :{port}"], capture_output=True, text=True, check=True
+    ).stdout.split()
+    return int(out[2])
+
+
+def _somaxconn() -> int:
+    return int(Path("/proc/sys/net/core/somaxconn").read_text())
+
+
+@pytest.mark.parametrize(("expected", "backlog"), [(None, 1024), (3000, 6000)])
+async def test_the_listen_backlog_is_sized_to_the_clients_expected(
+    expected: int | None, backlog: int
+) -> None:
+    server = await aiodist.TCPStoreServer(expected_clients=expected).start("127.0.0.1", 0)
+    try:
+        assert _listen_backlog(server.port) == min(backlog, _somaxconn())
+    finally:
+        await server.aclose()
