@@ -249,7 +249,7 @@ class _Connection(AiodistWire, TorchWire):
         except Incomplete:
             pass
         if not self._admitted:
-            if size - pos > UNADMITTED_BYTES and self._mode != MODE_CLOSED:
+            if size - pos > UNADMITTED_BYTES:
                 raise CloseConnection(f"{size - pos} bytes sent before authenticating")
         elif size - pos > _HIGH_WATER + self._server._max_request and not self._paused:
             raise CloseConnection(f"{size - pos} bytes buffered without a complete request")
@@ -457,9 +457,7 @@ class TCPStoreServer:
             except ConnectionAbortedError:
                 continue
             except OSError as exc:
-                if exc.errno not in _OUT_OF_FILES:
-                    raise
-                self._out_of_files(exc)
+                self._cannot_accept(exc)
                 return
             sock.setblocking(False)
             task = loop.create_task(loop.connect_accepted_socket(lambda: _Connection(self), sock))
@@ -471,22 +469,24 @@ class TCPStoreServer:
         if task.cancelled() or task.exception() is not None:
             sock.close()  # (the client went away first, or the server closed)
 
-    def _out_of_files(self, exc: OSError) -> None:
-        """No descriptor for the next client: close the oldest connection still in its
-        handshake from the address that has the most, then accept again."""
+    def _cannot_accept(self, exc: OSError) -> None:
+        """``accept`` failed: stop accepting for a moment rather than retry in a loop. Out of
+        descriptors, first close the oldest connection still in its handshake of the
+        address that has the most such connections, and accept again soon after."""
         assert self._listener is not None and self._loop is not None
         self._loop.remove_reader(self._listener.fileno())
         crowd = max(self._handshaking.values(), key=len, default=None)
-        if crowd:
+        if exc.errno in _OUT_OF_FILES and crowd:
             next(iter(crowd))._refuse(f"out of file descriptors ({exc.strerror})")
             delay = _RETRY_AFTER_CLOSING
-        elif self._opening:
+        elif exc.errno in _OUT_OF_FILES and self._opening:
             delay = _RETRY_AFTER_CLOSING  # (connections accepted just now, counted soon)
         else:
             self._say(
-                f"store server: out of file descriptors ({exc.strerror}) with "
-                f"{len(self._connections)} clients connected: not accepting for "
-                f"{_RETRY_AFTER_NOTHING:g} s; raise the open-file limit (ulimit -n)"
+                f"store server: cannot accept clients ({exc.strerror or exc}) with "
+                f"{len(self._connections)} connected: trying again in "
+                f"{_RETRY_AFTER_NOTHING:g} s"
+                + (" (raise the open-file limit: ulimit -n)" if exc.errno in _OUT_OF_FILES else "")
             )
             delay = _RETRY_AFTER_NOTHING
         self._resume = self._loop.call_later(delay, self._listen_again)
@@ -509,10 +509,12 @@ class TCPStoreServer:
             )
 
     def _settled(self, conn: ServerConnection) -> None:
-        """``conn`` was admitted, or is gone: it no longer counts as in its handshake."""
+        """``conn`` was admitted, refused or is gone: it is no longer in its handshake."""
         mine = self._handshaking.get(conn._peer_host)
-        if mine is not None and mine.pop(conn, 0) is None and not mine:
-            del self._handshaking[conn._peer_host]
+        if mine is not None:
+            mine.pop(conn, None)
+            if not mine:
+                del self._handshaking[conn._peer_host]
 
     def _gone(self, conn: ServerConnection) -> None:
         self._connections.discard(conn)
@@ -533,11 +535,11 @@ class TCPStoreServer:
         logger.warning("%s", message)
 
     # -- torch clients --------------------------------------------------------------------
-    def trust_host(self, host: str) -> None:
+    def _trust_host(self, host: str) -> None:
         """Record that a client holding the token connected from ``host``."""
         self._job_hosts.add(host)
 
-    def admits_torch(self, transport: asyncio.BaseTransport | None) -> bool:
+    def _admits_torch(self, transport: asyncio.BaseTransport | None) -> bool:
         """Whether the torch-wire client at the other end of ``transport`` may use the
         store (see ``allow_unauthenticated_torch``)."""
         policy = self.allow_unauthenticated_torch
@@ -551,19 +553,16 @@ class TCPStoreServer:
         uid = local_peer_uid(transport.get_extra_info("sockname"), client)
         return uid is None or uid == os.geteuid()
 
-    @property
-    def torch_policy(self) -> str:
-        """Which torch-wire clients this server lets in, as said to those it refuses."""
-        if self._token is None or self.allow_unauthenticated_torch is True:
-            return "every torch client is let in"
-        if self.allow_unauthenticated_torch is False:
+    def _torch_refusal(self) -> str:
+        """Why a torch-wire client is not let in, as the log says."""
+        if self.allow_unauthenticated_torch == "job_hosts":
             return (
-                "this server requires an auth token (start it with "
-                "allow_unauthenticated_torch=True to admit torch clients)"
+                "this server requires an auth token and lets torch clients in only from the "
+                "job's hosts, as the job's user"
             )
         return (
-            "this server requires an auth token and lets torch clients in only from the "
-            "job's hosts, as the job's user"
+            "this server requires an auth token (start it with "
+            "allow_unauthenticated_torch=True to admit torch clients)"
         )
 
     async def wait_for_count(self, key: bytes, target: int, timeout: float | None) -> int:

@@ -289,7 +289,7 @@ class AiodistWire(ServerConnection):
             U8.pack(0) + auth_mac(token, b"store/server", self._client_nonce, self._nonce)
         )
         self._mode = MODE_FRAMES
-        self._server.trust_host(self._peer_host)
+        self._server._trust_host(self._peer_host)
         self._admit()
         return pos + AUTH_MAC_SIZE
 

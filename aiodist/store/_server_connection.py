@@ -157,6 +157,7 @@ class ServerConnection(asyncio.Protocol):
             logger.warning("store server: closing connection from %s: %s", self.peer, why)
         else:
             self._server._say(f"store server: closing connection from {self.peer}: {why}")
+            self._server._settled(self)  # (so that it is not picked to be closed again)
         if graceful:
             self._shutdown()
         else:

@@ -229,7 +229,7 @@ class TorchWire(ServerConnection):
         if self._torch_requests == 1:
             if op != TorchOp.VALIDATE or args[0] != TORCH_VALIDATE_MAGIC:
                 raise CloseConnection("torch protocol: the first request is not VALIDATE")
-            if server.admits_torch(self._transport):
+            if server._admits_torch(self._transport):
                 self._admit()
             else:
                 self._mode = MODE_PROBE
@@ -254,7 +254,8 @@ class TorchWire(ServerConnection):
         the connection (nothing of a torch request is ever buffered)."""
         got = bytes(buf[pos : pos + len(_UPGRADE_PROBE)])
         if not _UPGRADE_PROBE.startswith(got):
-            raise CloseConnection(f"refusing a torch-protocol client: {self._server.torch_policy}")
+            why = self._server._torch_refusal()
+            raise CloseConnection(f"refusing a torch-protocol client: {why}")
         if len(got) < len(_UPGRADE_PROBE):
             raise Incomplete
         self._upgrade()
