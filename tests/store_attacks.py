@@ -117,7 +117,7 @@ def closed_within(sock: socket.socket, seconds: float) -> bool:
     return False
 
 
-async def _serve(loop_kind: str, token: str) -> None:
+async def _serve(token: str) -> None:
     server = await TCPStoreServer(auth_token=token).start("127.0.0.1", 0)
     print(server.port, flush=True)
     # Until the test closes our standard input (or kills us).
@@ -131,7 +131,7 @@ def _main() -> None:
     if nofile:
         resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
     with asyncio.Runner(loop_factory=loop_factory(loop_kind)) as runner:
-        runner.run(_serve(loop_kind, token))
+        runner.run(_serve(token))
 
 
 if __name__ == "__main__":

@@ -16,8 +16,8 @@ descriptor to open as ``/proc/<pid>/fd/<fd>``) from the store, which whoever can
 controls. So a peer's path is never opened as published: :func:`peer_path` rebuilds it in
 ``/dev/shm`` from a name checked to be exactly one that rank's process could have made, and
 every peer file is opened without following a symlink (``O_NOFOLLOW``, where the path
-allows) and checked once open (:func:`open_checked`): a regular file of the expected size,
-or a FIFO for a doorbell, on ``/dev/shm``'s filesystem, owned by this user.
+allows) and checked before and once open (:func:`open_checked`): a regular file of the
+expected size, or a FIFO for a doorbell, on ``/dev/shm``'s filesystem, owned by this user.
 
 Between 1 and 3 a name exists. If setup fails, the creator unlinks on its way out; if the
 creator is killed in that window, the name carries its pid and start time, so

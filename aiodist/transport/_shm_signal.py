@@ -135,8 +135,8 @@ class Bell:
             ``/dev/shm`` (see :func:`~._shm_segment.open_checked`).
 
     Raises:
-        OSError: the FIFO does not exist, is a symlink, or nobody has it open for reading.
-        SharedMemoryError: the file is not such a FIFO.
+        OSError: the FIFO does not exist or nobody has it open for reading.
+        SharedMemoryError: the file is not such a FIFO (a symlink is not).
     """
 
     def __init__(self, path: str) -> None:
