@@ -45,12 +45,13 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(
         "AIODIST_AUTH_TOKEN",
         "aiodist",
-        "unset: no authentication",
+        "unset: no authentication (`aiodist-run` of one node makes one up)",
         "Shared secret of the job, when `auth_token=` is not passed: the store refuses "
-        "clients without it, and every connection between ranks proves it. Set the same "
-        "value on every rank.",
-        "`init_process_group`, the stores, `aiodist-run`",
-        ("aiodist._auth",),
+        "clients without it, every connection between ranks proves it, and the status "
+        "endpoints want the key derived from it. Set the same value on every rank (every "
+        "node of an `aiodist-run` job).",
+        "`init_process_group`, the stores, `aiodist-run`, `aiodist.debug`",
+        ("aiodist._auth", "aiodist.launcher"),
     ),
     Variable(
         "AIODIST_HOST",
@@ -122,11 +123,21 @@ VARIABLES: tuple[Variable, ...] = (
         "aiodist",
         "unset: no status endpoint",
         "`1`: every process that joins a world serves its ranks' operations and its threads' "
-        "stacks on a thread of its own (HTTP, on the address the rank listens on) and records "
-        "where in the store, for `python -m aiodist.debug status`. `aiodist-run "
-        "--status-port` sets it.",
+        "stacks on a thread of its own (HTTP, on `AIODIST_STATUS_HOST`) and records where in "
+        "the store, for `python -m aiodist.debug status`. `aiodist-run --status-port` sets "
+        "it.",
         "`init_process_group`, `aiodist.debug`",
         ("aiodist._status",),
+    ),
+    Variable(
+        "AIODIST_STATUS_HOST",
+        "aiodist",
+        "unset: `127.0.0.1`",
+        "The address the status endpoints listen on; empty, `0.0.0.0` or `::`: every "
+        "interface. `aiodist-run --status-port` sets it with several nodes (node 0's "
+        "launcher asks every rank).",
+        "`init_process_group`",
+        ("aiodist._status", "aiodist.launcher"),
     ),
     Variable(
         "AIODIST_FR_BUFFER_SIZE",

@@ -241,6 +241,12 @@ def get_args_parser() -> argparse.ArgumentParser:
         "on this port, 0 for any free one; the workers get AIODIST_STATUS=1",
     )
     add(
+        *_flag("--status-host"),
+        action=_EnvDefault,
+        default="127.0.0.1",
+        help="the address the live view listens on (default 127.0.0.1: this machine only)",
+    )
+    add(
         *_flag("--log-dir"),
         action=_EnvDefault,
         default=None,
@@ -317,6 +323,7 @@ class LaunchConfig:
         shutdown_timeout: the grace period between the stop signal and SIGKILL.
         status_port: where the launcher serves the live view of the ranks (``None``: it
             does not; 0: any free port).
+        status_host: the address the live view listens on.
         virtual_local_rank: every worker sees ``LOCAL_RANK=0`` and only its own GPU.
         line_prefix: the template of a worker's console prefix (``None``: ``[rank<N>]:``).
         max_nnodes: the most nodes, with ``--nnodes=MIN:MAX`` (``None``: a fixed count).
@@ -349,6 +356,7 @@ class LaunchConfig:
     signals: tuple[signal.Signals, ...]
     shutdown_timeout: float
     status_port: int | None = None
+    status_host: str = "127.0.0.1"
     virtual_local_rank: bool = False
     line_prefix: str | None = None
     max_nnodes: int | None = None
@@ -635,6 +643,7 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         signals=_parse_signals(str(ns.signals_to_handle)),
         shutdown_timeout=float(ns.shutdown_timeout),
         status_port=None if ns.status_port is None else int(ns.status_port),
+        status_host=str(ns.status_host),
         virtual_local_rank=bool(ns.virtual_local_rank),
         line_prefix=ns.log_line_prefix_template,
         max_nnodes=max_nnodes if elastic else None,

@@ -300,9 +300,12 @@ class Coordinator:
 
 
 # -- hosting and joining the store ----------------------------------------------------------
-async def open_store(cfg: LaunchConfig) -> Store:
+async def open_store(cfg: LaunchConfig, auth_token: bytes | None) -> Store:
     """Node 0 hosts the store (its server also serves the workers); others connect to it.
     With ``--rdzv-backend=etcd`` every node is a client of the etcd store.
+
+    With ``auth_token``, a TCPStore requires it; torch clients, which cannot prove it, are let
+    in from the job's hosts only (torch workers need the store).
 
     Raises:
         DistNetworkError: node 0 cannot listen on the address (e.g. the port is in use), or
@@ -315,13 +318,20 @@ async def open_store(cfg: LaunchConfig) -> Store:
         # (as torchrun's c10d rendezvous does); the others find the port taken and connect.
         with contextlib.suppress(DistNetworkError):
             return await TCPStore.create(
-                cfg.master_addr, cfg.master_port, is_master=True, timeout=cfg.join_timeout
+                cfg.master_addr,
+                cfg.master_port,
+                is_master=True,
+                timeout=cfg.join_timeout,
+                auth_token=auth_token,
+                allow_unauthenticated_torch="job_hosts",
             )
     return await TCPStore.create(
         cfg.master_addr,
         cfg.master_port,
         is_master=cfg.node_rank == 0 and not cfg.elastic,
         timeout=cfg.join_timeout,
+        auth_token=auth_token,
+        allow_unauthenticated_torch="job_hosts",
     )
 
 

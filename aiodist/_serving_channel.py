@@ -29,7 +29,7 @@ from ._serving_wire import (
     check_name,
     decode,
     encode,
-    new_array,
+    new_arrays,
     outgoing,
     overflow,
     unpack,
@@ -402,7 +402,7 @@ class Channel:
         if carried is not None:
             arrays = unpack(carried, specs)
         else:
-            arrays = [new_array(s) for s in specs]
+            arrays = new_arrays(specs)
             if arrays:
                 await asyncio.gather(
                     *(
@@ -529,7 +529,7 @@ class Channel:
             if carried is not None:
                 arrays = unpack(carried, specs)
             else:
-                arrays = [new_array(s) for s in specs]
+                arrays = new_arrays(specs)
                 if arrays:
                     await asyncio.gather(
                         *(_api.broadcast(a, src=CONTROLLER_RANK, group=pg) for a in arrays)

@@ -62,6 +62,9 @@ from ..transport._shm_segment import (
     SharedMemoryError,
     host_key,
     is_alive,
+    open_checked,
+    peer_fd_path,
+    peer_path,
     remove_leftovers,
     segment_path,
     this_process,
@@ -431,7 +434,8 @@ class NodeWorkspace:
 
             if seg is None:
                 try:
-                    seg = Segment.attach(str(records[0]["seg"]), total)
+                    # (The store says where; only a name rank 0 could have made is opened.)
+                    seg = Segment.attach(peer_path(records[0]["seg"], job, "w", 0, procs[0]), total)
                 except SharedMemoryError as exc:
                     raise gone(0, exc) from exc
                 if seg.words[_C_MAGIC // 8] != _MAGIC:
@@ -441,11 +445,11 @@ class NodeWorkspace:
             can_map = True
             for r, rec in records.items():
                 try:
-                    bells[r] = Bell(f"/proc/{rec['pid']}/fd/{rec['bell_fd']}")
+                    bells[r] = Bell(peer_fd_path(procs[r], rec["bell_fd"]))
                 except OSError:
                     can_map = False
                     try:
-                        bells[r] = Bell(str(rec["bell"]))
+                        bells[r] = Bell(peer_path(rec["bell"], job, "wb", r, procs[r]))
                     except OSError as exc:
                         raise gone(r, exc) from exc
             seg.words[(rank * ctrl + _C_CANMAP) // 8] = 1 + int(can_map)
@@ -593,9 +597,9 @@ class NodeWorkspace:
         alloc_id, fd, size, offset = call.entries[j][i]
         mem = self._maps.get((j, alloc_id))
         if mem is None:
-            path = f"/proc/{self._procs[j].pid}/fd/{fd}"
+            path = peer_fd_path(self._procs[j], fd)
             try:
-                fdn = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+                fdn = open_checked(path, os.O_RDWR, size=size)
             except OSError as exc:
                 raise DistNetworkError(
                     f"cannot map the shared array of rank {self.names[j]} ({path}): {exc}"

@@ -51,7 +51,7 @@ import os
 import threading
 from collections.abc import Callable
 
-from ._shm_segment import ProcessId, is_alive, make_fifo
+from ._shm_segment import ProcessId, is_alive, make_fifo, open_checked
 
 __all__ = ["Bell", "Doorbell", "PeerWatch", "fence"]
 
@@ -120,12 +120,19 @@ class Doorbell:
 class Bell:
     """A peer's doorbell, opened for writing.
 
+    Args:
+        path: the FIFO (a peer's: see :func:`~._shm_segment.peer_path`), or the
+            ``/proc/<pid>/fd/<fd>`` of a process that holds it open (see
+            :func:`~._shm_segment.peer_fd_path`); checked to be a FIFO of this user in
+            ``/dev/shm`` (see :func:`~._shm_segment.open_checked`).
+
     Raises:
         OSError: the FIFO does not exist or nobody has it open for reading.
+        SharedMemoryError: the file is not such a FIFO (a symlink is not).
     """
 
     def __init__(self, path: str) -> None:
-        self.fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        self.fd = open_checked(path, os.O_WRONLY | os.O_NONBLOCK, fifo=True)
 
     def ring(self) -> bool:
         """Wake the peer; return ``False`` if its doorbell is gone (the peer closed it)."""
