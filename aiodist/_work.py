@@ -254,6 +254,7 @@ class Operation:
         "own_timeout",
         "peer",
         "record",
+        "rejected",
         "sends",
         "seq",
         "task",
@@ -289,6 +290,9 @@ class Operation:
         self.task: asyncio.Task[None] | None = None
         self.device_sync: Callable[[Any], None] | None = None
         self.waiting_for: Callable[[], list[int]] | None = None
+        #: Rejected (here, or by a peer before this rank issued it): its plan only takes
+        #: its place on the path.
+        self.rejected = False
         self.work: Work[Any] = Work(self)
 
     def set_timeout(self, timeout: Timeout) -> None:

@@ -158,6 +158,9 @@ LEFT_REASON = "left the process group (destroy_process_group)"
 #: waiting. A time, not a count: an operation that waits for its peers in a short spin can
 #: take 200 µs inline, and sixteen of them stalled the loop for 3 ms.
 EAGER_SECONDS = 0.5e-3
+#: Seconds a rank that destroys its world waits for the calls it rejected to take their places
+#: on their data paths (a workspace's turn needs the peers there), so that the peers hear why.
+REJECTION_GRACE = 2.0
 #: What they are told when its event loop ended with the group open.
 LOOP_ENDED_REASON = "left the process group as its event loop ended (no destroy_process_group)"
 
@@ -432,15 +435,23 @@ class World:
         keeper = self._keeper
         if keeper is not None and keeper is not asyncio.current_task():
             keeper.cancel()
+        groups = list(self.groups.values())
+        # A call this rank rejected still takes its place on its path (a turn of a
+        # workspace): let it, so that the peers hear why instead of that this rank left.
+        owed = [t for g in groups for t in g.rejections_in_flight()]
+        if owed and not self.closed:
+            await asyncio.wait(owed, timeout=REJECTION_GRACE)
         cause = DistUsageError("the process group was destroyed while the operation ran")
-        pending: list[asyncio.Task[None]] = []
-        for group in list(self.groups.values()):
+        for group in groups:
             group._destroyed = True
-            pending.extend(group.fail_inflight(cause))
+            group.settle_inflight(cause)
+        # The paths close before what still runs on them is cancelled: the peers then see
+        # this rank leave in order, where an operation given up part-way would abort them.
+        for group in groups:
+            await group._close_paths()
+        pending = [task for g in groups for task in g.cancel_inflight()]
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
-        for group in list(self.groups.values()):
-            await group._close_paths()
         await self.transport.aclose(reason)
         await self.domain.aclose(reason)
         for store in self._owned:
@@ -682,6 +693,7 @@ class ProcessGroup:
             error = _named(name, exc) if isinstance(exc, DistUsageError) else exc
             for i in range(nseq):
                 self._world.rejected.pop((self.group_id, op.seq + i), None)
+            op.rejected = True
             self._start(op, rejecter(self, name, error, True))
             raise error  # noqa: B904 (the error is chained to exc already)
         rejected = self._world.rejected
@@ -692,6 +704,7 @@ class ProcessGroup:
                     # A peer rejected it before this rank issued it: it takes its place
                     # failing with the peer's reason (the peers know it already).
                     plan = rejecter(self, name, self._rejection(op, *found), False)
+                    op.rejected = True
         return self._start(op, plan)
 
     def issue_p2p(
@@ -1069,20 +1082,36 @@ class ProcessGroup:
     def fail_inflight(self, cause: BaseException) -> list[asyncio.Task[None]]:
         """Fail the operations in flight on this rank with ``cause`` at once; return the tasks
         to await for them to have stopped. Their peers are not told."""
-        tasks = []
+        self.settle_inflight(cause)
+        return self.cancel_inflight()
+
+    def settle_inflight(self, cause: BaseException) -> None:
+        """Fail the works of the operations in flight with ``cause`` (their tasks run on)."""
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog, self._watchdog_at = None, math.inf
-        for op, expiring in self._expiring.items():
+        for op in [*self._expiring, *self._inflight]:
             op.settle(cause)
+
+    def cancel_inflight(self) -> list[asyncio.Task[None]]:
+        """Cancel the tasks of the operations in flight; return them to await."""
+        tasks = list(self._expiring.values())
+        for expiring in tasks:
             expiring.cancel()
-            tasks.append(expiring)
         for op in list(self._inflight):
-            op.settle(cause)
             if op.task is not None and not op.task.done():
                 op.task.cancel()
                 tasks.append(op.task)
         return tasks
+
+    def rejections_in_flight(self) -> list[asyncio.Task[None]]:
+        """The tasks of the operations rejected here whose places on the path are still to
+        be taken."""
+        return [
+            op.task
+            for op in self._inflight
+            if op.rejected and op.task is not None and not op.task.done()
+        ]
 
 
 async def _resume(coro: Coroutine[Any, Any, None], yielded: Any) -> None:

@@ -11,6 +11,7 @@ all_reduce equals numpy on every rank.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import tracemalloc
 
@@ -150,3 +151,40 @@ async def test_back_to_back_rejections_each_name_their_own_reason(transport: str
     ]
     assert peer[0].endswith("was rejected by rank 1: " + rejecter[0]), peer
     assert peer[1].endswith("was rejected by rank 1: " + rejecter[1]), peer
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+async def test_a_rank_that_rejects_and_destroys_at_once_still_tells_why(transport: str) -> None:
+    # Rank 1 issues an all_reduce, rejects the next one and destroys its group before rank 0
+    # has issued either. Its rejection still takes its place (over shared memory a turn,
+    # behind the first: it needs rank 0 there), and rank 0 hears why, not that rank 1 left
+    # or aborted. The accepted call fails as destroying a group fails what is in flight;
+    # over shared memory it has run by then, its turn being before the rejection's.
+    async def fn(rank: int, size: int) -> tuple[object, str]:
+        if rank == 1:
+            aiodist.all_reduce(np.ones(2))
+            with pytest.raises(aiodist.DistUsageError) as info:
+                aiodist.all_reduce(np.ones(2), op=aiodist.ReduceOp.BAND)
+            await aiodist.destroy_process_group()
+            return None, str(info.value)
+        await asyncio.sleep(0.3)
+        x = np.ones(2)
+        first, second = aiodist.all_reduce(x), aiodist.all_reduce(np.ones(2))
+        with pytest.raises(aiodist.DistUsageError) as info:
+            await second
+        try:
+            await first
+            outcome: object = x.tolist()
+        except aiodist.DistNetworkError as exc:
+            outcome = str(exc)
+        return outcome, str(info.value)
+
+    (first, peer), (_, rejecter) = await run_world(fn, 2, transport=transport, timeout=20)
+    assert rejecter == "all_reduce: ReduceOp.BAND is not supported for dtype float64"
+    assert peer.endswith(f"was rejected by rank 1: {rejecter}"), peer
+    if transport == "shm":
+        assert first == [2.0, 2.0]
+    else:
+        assert (
+            first == "lost connection to rank 1: it left the process group (destroy_process_group)"
+        )
