@@ -86,7 +86,15 @@ from .errors import (
     QueueEmptyError,
 )
 from .group import OpKind, Plan, ProcessGroup, Work
-from .store import FileStore, HashStore, PrefixStore, Store, TCPStore, TCPStoreServer
+from .store import (
+    EtcdStore,
+    FileStore,
+    HashStore,
+    PrefixStore,
+    Store,
+    TCPStore,
+    TCPStoreServer,
+)
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
@@ -176,6 +184,7 @@ __all__ = [
     "DistStoreTimeoutError",
     "DistTimeoutError",
     "DistUsageError",
+    "EtcdStore",
     "FileStore",
     "HashStore",
     "PrefixStore",

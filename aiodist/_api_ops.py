@@ -70,7 +70,8 @@ def _collective(
     if isinstance(group, NonGroupMember):
         return _group.not_in_group(name, stacklevel=4)
     nseq = OPERATIONS[name].nseq
-    return resolve_group(group, name).issue(name, _backends.plan, args, nseq, timeout=timeout)
+    pg = resolve_group(group, name)
+    return pg.issue(name, _backends.plan, args, nseq, rejecter=_backends.reject, timeout=timeout)
 
 
 # -- collectives -----------------------------------------------------------------------------

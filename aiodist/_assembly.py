@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
+import ipaddress
 import logging
 import os
 from collections.abc import Coroutine, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from . import backends as _backends, group as _group
+from ._auth import resolve_token
 from ._status import register_status, status_enabled
 from .errors import DistNetworkError, DistUsageError
 from .group import Connect, Membership, ProcessGroup, World, start_world
@@ -124,7 +126,9 @@ async def open_world(
     try:
         await pg.world.domain.leased()
         if status_enabled():
-            await register_status(membership.lobby, pg.rank, listen_host(store.local_address()))
+            connect = membership.connect
+            token = connect.token if isinstance(connect, _Connector) else resolve_token(None)
+            await register_status(membership.lobby, pg.rank, token)
         await _backends.setup(pg)  # (the last step that needs the store on every rank)
         await announce(pg.world)
     except BaseException:
@@ -162,11 +166,54 @@ def job_store(store: Store, name: str) -> PrefixStore:
 _LEFT = "left_by"
 
 
+@dataclass(frozen=True)
+class _Connector:
+    """How this rank connects to the ranks of a world (see :func:`connector`)."""
+
+    timeout: float | None
+    token: bytes | None
+    shared_memory: bool | None
+
+    async def __call__(self, store: Store, rank: int, world_size: int) -> Transport:
+        return await _connect(
+            store,
+            rank,
+            world_size,
+            timeout=self.timeout,
+            token=self.token,
+            shared_memory=self.shared_memory,
+        )
+
+
 def connector(timeout: float | None, token: bytes | None, shared_memory: bool | None) -> Connect:
     """How this rank connects to the ranks of a world: TCP, and shared memory with the ranks
     of its host unless ``shared_memory`` is ``False`` (see ``init_process_group``). A world
     keeps it (``Membership.connect``) to connect its members again when they change."""
-    return functools.partial(_connect, timeout=timeout, token=token, shared_memory=shared_memory)
+    return _Connector(timeout, token, shared_memory)
+
+
+_warned_open = False
+
+
+def _warn_if_open(host: str, token: bytes | None) -> None:
+    """Say once per process that this rank listens beyond loopback without a secret (not
+    under ``aiodist-run``, which says so itself, for the whole job)."""
+    global _warned_open
+    if token is not None or _warned_open or os.environ.get("AIODIST_RUN_ID"):
+        return
+    try:
+        if host == "localhost" or ipaddress.ip_address(host.partition("%")[0]).is_loopback:
+            return
+    except ValueError:
+        pass  # every interface (""), or a host name
+    _warned_open = True
+    logger.warning(
+        "this rank listens on %s without a secret: anyone who can reach its port or the "
+        "store's can pose as a rank, change the job's keys, and send what the object "
+        "collectives unpickle; pass auth_token= (or set AIODIST_AUTH_TOKEN) with the same "
+        "value on every rank, or run it with aiodist-run",
+        host or "every interface",
+    )
 
 
 async def _shm_room(store: Store, rank: int, world_size: int, local: list[int]) -> str | None:
@@ -294,6 +341,7 @@ async def _connect(
     from .transport.tcp import TCPTransport
 
     host = listen_host(store.local_address())
+    _warn_if_open(host, token)
     tcp = await TCPTransport.create(
         PeerDirectory(store), rank, world_size, host=host, timeout=timeout, auth_token=token
     )

@@ -4,6 +4,8 @@ One token (``auth_token=`` or ``$AIODIST_AUTH_TOKEN``) covers every connection o
 Each side proves that it holds the token with an HMAC-SHA256 over both sides' fresh nonces,
 so a recorded exchange cannot be replayed, and over a role label, so one side's proof
 cannot be reflected back as the other's answer. The token itself never crosses the wire.
+Where a challenge cannot be had (an HTTP request to a status endpoint), a key derived from
+the token for that one purpose is sent instead: it opens that and nothing else.
 """
 
 from __future__ import annotations
@@ -14,7 +16,14 @@ import os
 
 from .errors import DistUsageError
 
-__all__ = ["AUTH_MAC_SIZE", "NONCE_SIZE", "auth_mac", "resolve_token", "verify_mac"]
+__all__ = [
+    "AUTH_MAC_SIZE",
+    "NONCE_SIZE",
+    "auth_mac",
+    "derive_key",
+    "resolve_token",
+    "verify_mac",
+]
 
 #: Bytes of a fresh random nonce and of an HMAC-SHA256 proof.
 NONCE_SIZE = 32
@@ -51,3 +60,9 @@ def auth_mac(token: bytes, role: bytes, first: bytes, second: bytes) -> bytes:
 def verify_mac(got: bytes, want: bytes) -> bool:
     """Compare two proofs in constant time."""
     return hmac.compare_digest(got, want)
+
+
+def derive_key(token: bytes, purpose: str) -> str:
+    """A key for ``purpose`` alone (``"status"``: the status endpoints), derived from the
+    token: whoever learns it can use it there, but cannot work back to the token."""
+    return hmac.new(token, b"aiodist/key/" + purpose.encode(), hashlib.sha256).hexdigest()

@@ -45,12 +45,13 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(
         "AIODIST_AUTH_TOKEN",
         "aiodist",
-        "unset: no authentication",
+        "unset: no authentication (`aiodist-run` of one node makes one up)",
         "Shared secret of the job, when `auth_token=` is not passed: the store refuses "
-        "clients without it, and every connection between ranks proves it. Set the same "
-        "value on every rank.",
-        "`init_process_group`, the stores, `aiodist-run`",
-        ("aiodist._auth",),
+        "clients without it, every connection between ranks proves it, and the status "
+        "endpoints want the key derived from it. Set the same value on every rank (every "
+        "node of an `aiodist-run` job).",
+        "`init_process_group`, the stores, `aiodist-run`, `aiodist.debug`",
+        ("aiodist._auth", "aiodist.launcher"),
     ),
     Variable(
         "AIODIST_HOST",
@@ -132,11 +133,21 @@ VARIABLES: tuple[Variable, ...] = (
         "aiodist",
         "unset: no status endpoint",
         "`1`: every process that joins a world serves its ranks' operations and its threads' "
-        "stacks on a thread of its own (HTTP, on the address the rank listens on) and records "
-        "where in the store, for `python -m aiodist.debug status`. `aiodist-run "
-        "--status-port` sets it.",
+        "stacks on a thread of its own (HTTP, on `AIODIST_STATUS_HOST`) and records where in "
+        "the store, for `python -m aiodist.debug status`. `aiodist-run --status-port` sets "
+        "it.",
         "`init_process_group`, `aiodist.debug`",
         ("aiodist._status",),
+    ),
+    Variable(
+        "AIODIST_STATUS_HOST",
+        "aiodist",
+        "unset: `127.0.0.1`",
+        "The address the status endpoints listen on; empty, `0.0.0.0` or `::`: every "
+        "interface. `aiodist-run --status-port` sets it with several nodes (node 0's "
+        "launcher asks every rank).",
+        "`init_process_group`",
+        ("aiodist._status", "aiodist.launcher"),
     ),
     Variable(
         "AIODIST_FR_BUFFER_SIZE",
@@ -172,6 +183,15 @@ VARIABLES: tuple[Variable, ...] = (
         "The job's id, which names its files in `/dev/shm`. `aiodist-run` sets it to `--rdzv-id`.",
         "`init_process_group`",
         ("aiodist.transport.shm", "aiodist.launcher"),
+    ),
+    Variable(
+        "AIODIST_STORE_URL",
+        "aiodist",
+        "",
+        "The store `env://` uses, e.g. `etcd://10.0.0.1:2379,10.0.0.2:2379/job7` (rank and "
+        "world size still from the environment). `aiodist-run --rdzv-backend=etcd` sets it.",
+        "`init_process_group`",
+        ("aiodist.rendezvous", "aiodist.launcher"),
     ),
     Variable(
         "AIODIST_RESTART_COUNT",
@@ -223,8 +243,7 @@ VARIABLES: tuple[Variable, ...] = (
         "briefly before it sleeps. `aiodist-run` sets it.",
         "the transports, `aiodist.sync`",
         (
-            "aiodist._loop_thread",
-            "aiodist.collectives._common",
+            "aiodist._wait",
             "aiodist.collectives.shm_workspace",
             "aiodist.transport.tcp",
             "aiodist.launcher",

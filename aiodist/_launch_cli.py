@@ -18,10 +18,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from ._cluster import launcher_default
 from ._workers import Std
 from .errors import DistUsageError
+from .store._etcd_client import parse_endpoints
 
 logger = logging.getLogger("aiodist.launcher")
 
@@ -134,14 +136,18 @@ def get_args_parser() -> argparse.ArgumentParser:
         *_flag("--rdzv-backend"),
         action=_EnvDefault,
         default="static",
-        choices=["static", "c10d"],
-        help="accepted for torchrun compatibility: both use node 0's store",
+        choices=["static", "c10d", "etcd", "etcd-v2"],
+        help="where the job's store is: static and c10d, node 0's launcher hosts it; etcd "
+        "and etcd-v2 (the same), an etcd cluster at --rdzv-endpoint, so that no node's loss "
+        "takes the store with it",
     )
     add(
         *_flag("--rdzv-endpoint"),
         action=_EnvDefault,
         default="",
-        help="HOST[:PORT] of node 0's store; overrides --master-addr/--master-port",
+        help="HOST[:PORT] of node 0's store; overrides --master-addr/--master-port. With "
+        "--rdzv-backend=etcd: HOST:PORT[,HOST:PORT...] of the etcd members (default "
+        "127.0.0.1:2379; port 2379 if left out)",
     )
     add(
         *_flag("--rdzv-id"),
@@ -235,6 +241,12 @@ def get_args_parser() -> argparse.ArgumentParser:
         "on this port, 0 for any free one; the workers get AIODIST_STATUS=1",
     )
     add(
+        *_flag("--status-host"),
+        action=_EnvDefault,
+        default="127.0.0.1",
+        help="the address the live view listens on (default 127.0.0.1: this machine only)",
+    )
+    add(
         *_flag("--log-dir"),
         action=_EnvDefault,
         default=None,
@@ -311,6 +323,7 @@ class LaunchConfig:
         shutdown_timeout: the grace period between the stop signal and SIGKILL.
         status_port: where the launcher serves the live view of the ranks (``None``: it
             does not; 0: any free port).
+        status_host: the address the live view listens on.
         virtual_local_rank: every worker sees ``LOCAL_RANK=0`` and only its own GPU.
         line_prefix: the template of a worker's console prefix (``None``: ``[rank<N>]:``).
         max_nnodes: the most nodes, with ``--nnodes=MIN:MAX`` (``None``: a fixed count).
@@ -318,6 +331,8 @@ class LaunchConfig:
             nodes once ``nnodes`` have come.
         preload: modules a starter process imports once, the workers being forks of it
             (empty: each worker is a new process).
+        etcd_endpoints: with ``--rdzv-backend=etcd``, the etcd members' ``host:port``
+            (empty: node 0's launcher hosts the store).
     """
 
     nnodes: int
@@ -341,16 +356,38 @@ class LaunchConfig:
     signals: tuple[signal.Signals, ...]
     shutdown_timeout: float
     status_port: int | None = None
+    status_host: str = "127.0.0.1"
     virtual_local_rank: bool = False
     line_prefix: str | None = None
     max_nnodes: int | None = None
     last_call_timeout: float = 30.0
     preload: tuple[str, ...] = ()
+    etcd_endpoints: tuple[str, ...] = ()
 
     @property
     def elastic(self) -> bool:
         """Whether the node count may change (``--nnodes=MIN:MAX`` with ``MIN < MAX``)."""
         return self.max_nnodes is not None
+
+    @property
+    def etcd_prefix(self) -> str:
+        """With the store in etcd, the prefix of the job's keys there."""
+        return f"/aiodist-run/{self.run_id}/"
+
+    @property
+    def etcd_url(self) -> str | None:
+        """The job's store in etcd as a rendezvous URL (``None``: node 0's launcher hosts
+        the store)."""
+        if not self.etcd_endpoints:
+            return None
+        return f"etcd://{','.join(self.etcd_endpoints)}{quote(self.etcd_prefix)}"
+
+    @property
+    def store_name(self) -> str:
+        """The job's store, as messages name it."""
+        if self.etcd_endpoints:
+            return f"the etcd store at {','.join(self.etcd_endpoints)}"
+        return f"the store at {self.master_addr}:{self.master_port} (node 0)"
 
 
 def _parse_std(text: str, what: str, nproc: int) -> tuple[Std, ...]:
@@ -518,10 +555,21 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         raise DistUsageError(f"--node-rank={node_rank} is not valid with --nnodes={nnodes}")
     master_addr, master_port = str(ns.master_addr), ns.master_port
     run_id = str(ns.rdzv_id)
+    etcd: tuple[str, ...] = ()
     if ns.standalone:
         if max_nnodes != 1:
             raise DistUsageError(f"--standalone runs one node, but --nnodes={ns.nnodes}")
+        if ns.rdzv_backend in ("etcd", "etcd-v2"):
+            # As torchrun: --standalone means a store of its own on this machine.
+            logger.info("--standalone: the launcher hosts the store, not etcd")
         master_addr, master_port, run_id = "127.0.0.1", 0, uuid.uuid4().hex[:12]
+    elif ns.rdzv_backend in ("etcd", "etcd-v2"):
+        # (Without an endpoint: etcd's own default client address.)
+        members = parse_endpoints(str(ns.rdzv_endpoint or "127.0.0.1:2379"), "--rdzv-endpoint")
+        etcd = tuple(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in members)
+        # (The first member stands for "where the store is": the workers listen on the
+        # address that reaches it.)
+        master_addr, master_port = members[0]
     elif ns.rdzv_endpoint:
         master_addr, master_port = _parse_endpoint(str(ns.rdzv_endpoint), 29400)
     elif master_port is None:
@@ -595,9 +643,11 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         signals=_parse_signals(str(ns.signals_to_handle)),
         shutdown_timeout=float(ns.shutdown_timeout),
         status_port=None if ns.status_port is None else int(ns.status_port),
+        status_host=str(ns.status_host),
         virtual_local_rank=bool(ns.virtual_local_rank),
         line_prefix=ns.log_line_prefix_template,
         max_nnodes=max_nnodes if elastic else None,
         last_call_timeout=conf["last_call_timeout"],
         preload=preload,
+        etcd_endpoints=etcd,
     )

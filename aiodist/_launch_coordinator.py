@@ -1,10 +1,12 @@
 """The agreement between the launchers of a multi-node ``aiodist-run`` job, through node 0's store.
 
 Node 0's launcher hosts the store (:func:`open_store`), which its workers use too; the other
-launchers connect to it. A :class:`Coordinator` holds what they agree on there: each node's
-claim and so the global ranks, heartbeats (a silent node raises :class:`NodeLostError`), when
-an attempt may start, its first failure, and the counters of the nodes done with it. The
-supervision of the local workers that uses it is in :mod:`aiodist.launcher`.
+launchers connect to it. With ``--rdzv-backend=etcd`` the store is in etcd and every launcher
+is its client; the leader (:meth:`Coordinator.lead`) does what node 0 does. A
+:class:`Coordinator` holds what they agree on there: each node's claim and so the global
+ranks, heartbeats (a silent node raises :class:`NodeLostError`), when an attempt may start,
+its first failure, and the counters of the nodes done with it. The supervision of the local
+workers that uses it is in :mod:`aiodist.launcher`.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any, NamedTuple
 from ._launch_cli import LaunchConfig
 from ._workers import WorkerFailure
 from .errors import DistError, DistNetworkError, DistTimeoutError, DistUsageError
-from .store import Store
+from .store import EtcdStore, Store
 from .store.tcp import TCPStore
 
 logger = logging.getLogger(__name__)
@@ -87,16 +89,32 @@ class Coordinator:
                 return await coro
         except TimeoutError:
             raise NodeLostError(
-                f"the store at {self._cfg.master_addr}:{self._cfg.master_port} (node 0) did "
-                f"not answer {what} within {self._cfg.lost_after:g} s"
+                f"{self._cfg.store_name} did not answer {what} within {self._cfg.lost_after:g} s"
             ) from None
         except (DistError, OSError) as exc:
             if isinstance(exc, DistUsageError):
                 raise
-            raise NodeLostError(
-                f"lost the store at {self._cfg.master_addr}:{self._cfg.master_port} (node 0) "
-                f"during {what}: {exc}"
-            ) from exc
+            raise NodeLostError(f"lost {self._cfg.store_name} during {what}: {exc}") from exc
+
+    async def lead(self) -> bool:
+        """With the store in etcd: whether this node leads the job (starts the attempts),
+        as node 0's launcher does when it hosts the store: node 0 of a fixed count, or with
+        MIN:MAX nodes the first launcher to claim it.
+
+        Raises:
+            NodeLostError: the store stopped answering.
+        """
+        if not self._cfg.elastic:
+            return self._cfg.node_rank == 0
+        claim = self._store.compare_set(f"{self._p}leader", b"", self._token)
+        return bool(await self._op("the join", claim) == self._token.encode())
+
+    async def clear(self) -> None:
+        """With the store in etcd, the leader at the end of the job: delete the job's keys,
+        so that the run id can be used again."""
+        with contextlib.suppress(NodeLostError):
+            for key in await self._op("the cleanup", self._store.list_keys()):
+                await self._op("the cleanup", self._store.delete_key(key))
 
     async def join(self) -> Round:
         """Register this node (a fixed node count); return its place in the job.
@@ -282,25 +300,38 @@ class Coordinator:
 
 
 # -- hosting and joining the store ----------------------------------------------------------
-async def open_store(cfg: LaunchConfig) -> TCPStore:
+async def open_store(cfg: LaunchConfig, auth_token: bytes | None) -> Store:
     """Node 0 hosts the store (its server also serves the workers); others connect to it.
+    With ``--rdzv-backend=etcd`` every node is a client of the etcd store.
+
+    With ``auth_token``, a TCPStore requires it; torch clients, which cannot prove it, are let
+    in from the job's hosts only (torch workers need the store).
 
     Raises:
         DistNetworkError: node 0 cannot listen on the address (e.g. the port is in use), or
-            node 0's store could not be reached within the join timeout.
+            node 0's store (or etcd) could not be reached within the join timeout.
     """
+    if cfg.etcd_endpoints:
+        return await EtcdStore.create(cfg.etcd_endpoints, cfg.etcd_prefix, cfg.join_timeout)
     if cfg.elastic and _is_local(cfg.master_addr):
         # With MIN:MAX nodes, whichever launcher can listen on the address hosts the store
         # (as torchrun's c10d rendezvous does); the others find the port taken and connect.
         with contextlib.suppress(DistNetworkError):
             return await TCPStore.create(
-                cfg.master_addr, cfg.master_port, is_master=True, timeout=cfg.join_timeout
+                cfg.master_addr,
+                cfg.master_port,
+                is_master=True,
+                timeout=cfg.join_timeout,
+                auth_token=auth_token,
+                allow_unauthenticated_torch="job_hosts",
             )
     return await TCPStore.create(
         cfg.master_addr,
         cfg.master_port,
         is_master=cfg.node_rank == 0 and not cfg.elastic,
         timeout=cfg.join_timeout,
+        auth_token=auth_token,
+        allow_unauthenticated_torch="job_hosts",
     )
 
 

@@ -22,8 +22,8 @@ What this module offers the rest of the package:
 * :func:`start_on_loop` and :func:`block`: start an operation there (or standing in for it),
   then block for its end,
   aborting the default group if Ctrl-C interrupts the wait;
-* :func:`wait`: ``future.result()`` with a short poll first (:data:`SPIN_SECONDS`, when
-  :func:`may_spin`), which spares the loop thread a wake-up of the caller.
+* :func:`wait`: ``future.result()`` with a short poll first (:mod:`aiodist._wait`'s policy,
+  when :func:`may_spin`), which spares the loop thread a wake-up of the caller.
 
 Each refuses to run on the loop thread itself (it would wait for itself forever) with a
 ``DistUsageError``, and may be used from any number of threads at the same time.
@@ -37,17 +37,17 @@ import logging
 import os
 import selectors
 import threading
-import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+from ._asyncio_internals import loop_on_this_thread, pending_work, set_loop_on_this_thread, wake
 from ._default import peek_world
 from ._loop import loop_factory
+from ._wait import SPIN_SECONDS, local_ranks, ranks_fit, spin_until
 from .errors import DistError, DistTimeoutError, DistUsageError
 
 __all__ = [
     "SHUTDOWN_TIMEOUT",
-    "SPIN_SECONDS",
     "block",
     "loop_thread",
     "may_spin",
@@ -66,7 +66,7 @@ W = TypeVar("W")
 SHUTDOWN_TIMEOUT = 5.0
 
 
-class _TurnSelector(selectors.DefaultSelector):
+class TurnSelector(selectors.DefaultSelector):
     """The hand-over loop's selector: the loop's thread gives up the turn while it waits."""
 
     def __init__(self) -> None:
@@ -76,15 +76,30 @@ class _TurnSelector(selectors.DefaultSelector):
         #: Whether the loop's thread waits in :meth:`select` (then a holder of the turn may
         #: stand in for it).
         self.waiting = False
+        #: Whether a thread stood in for the loop's during the current :meth:`select`.
+        self.stood_in = False
 
     def select(self, timeout: float | None = None) -> list[tuple[Any, int]]:
+        self.stood_in = False
         self.waiting = True
         self.turn.release()
         try:
-            return super().select(timeout)
+            events = self.wait_for_events(timeout)
         finally:
             self.turn.acquire()
             self.waiting = False
+        if self.stood_in:
+            # A thread stood in meanwhile: it may have closed a transport and opened another
+            # on the same descriptor, and an event found for the old one would then be taken
+            # for the new one (the loop removes the reader of a descriptor whose handle was
+            # cancelled: the new transport's). Look again, under the turn, at the
+            # registrations as they are now; epoll is level-triggered, so nothing is lost.
+            events = self.wait_for_events(0)
+        return events
+
+    def wait_for_events(self, timeout: float | None) -> list[tuple[Any, int]]:
+        """The selector's own ``select``."""
+        return super().select(timeout)
 
 
 class HandOverLoop(asyncio.SelectorEventLoop):
@@ -93,11 +108,12 @@ class HandOverLoop(asyncio.SelectorEventLoop):
     The loop's thread holds a lock, the turn, while it runs callbacks, and gives it up only
     while it waits for events. A thread that takes the turn then (:meth:`stand_in`) may do
     what a callback does (start operations, make futures, tasks and timers) with the same
-    safety: the two never run the loop's code at once, and the lock orders their memory.
+    safety: the two never run the loop's code at once, the lock orders their memory, and the
+    events the loop's thread was handed while a thread stood in are looked for again.
     """
 
-    def __init__(self) -> None:
-        self._turns = _TurnSelector()
+    def __init__(self, selector: TurnSelector | None = None) -> None:
+        self._turns = selector if selector is not None else TurnSelector()
         super().__init__(self._turns)
 
     def run_forever(self) -> None:
@@ -113,21 +129,22 @@ class HandOverLoop(asyncio.SelectorEventLoop):
         try:
             if not turns.waiting:  # (the loop is starting or stopping)
                 return False
-            inner: Any = self  # (the standard loop's internals, which typeshed leaves out)
-            timers = len(inner._scheduled)
-            caller_loop = asyncio.events._get_running_loop()  # (a caller's own loop)
-            asyncio.events._set_running_loop(self)
+            turns.stood_in = True
+            before = pending_work(self)
+            caller_loop = loop_on_this_thread()  # (a caller's own loop)
+            set_loop_on_this_thread(self)
             try:
                 call()
             finally:
-                asyncio.events._set_running_loop(caller_loop)
+                set_loop_on_this_thread(caller_loop)
             # The loop's thread sleeps in select with a timeout computed before: wake it if
             # the call left it callbacks to run or timers to arm.
-            wake = bool(inner._ready) or len(inner._scheduled) != timers
+            ready, timers = pending_work(self)
+            woken = ready > 0 or timers != before[1]
         finally:
             turns.turn.release()
-        if wake:
-            inner._write_to_self()
+        if woken:
+            wake(self)
         return True
 
 
@@ -220,39 +237,21 @@ loop_thread = _LoopThread()
 os.register_at_fork(after_in_child=loop_thread.forget)
 
 
-#: Seconds a blocking call polls for its result before it sleeps on the future. Sleeping
-#: means the loop thread must wake this thread when the result is set: on a VM waking a
-#: sleeping thread costs tens of microseconds, as much as a small operation itself.
-SPIN_SECONDS = 40e-6
-
-_usable_cpus: int | None = None
-
-
 def may_spin() -> bool:
-    """Whether this process's ranks fit on its usable CPUs, so a polling caller costs
-    nobody a CPU; with more ranks than CPUs every poll takes one from a rank that works."""
-    global _usable_cpus
-    if _usable_cpus is None:
-        _usable_cpus = len(os.sched_getaffinity(0))
+    """Whether a blocking caller polls for its result before it sleeps on it: this host's
+    ranks fit on this process's CPUs (see :mod:`aiodist._wait`). Sleeping means the loop
+    thread must wake the caller when the result is set: on a VM waking a sleeping thread
+    costs tens of microseconds, as much as a small operation itself."""
     world = peek_world()
-    ranks = os.environ.get("LOCAL_WORLD_SIZE") or (world.size if world is not None else 1)
-    try:
-        return int(ranks) <= _usable_cpus
-    except ValueError:
-        return False
+    return ranks_fit(local_ranks(len(world.transport.local_ranks) if world is not None else 1))
 
 
 def wait(future: concurrent.futures.Future[T], timeout: float | None = None) -> T:
-    """``future.result(timeout)``, polling for up to :data:`SPIN_SECONDS` before sleeping.
-
-    Each round yields the CPU and the GIL (``os.sched_yield``), so the loop thread runs
-    the operation meanwhile and, finding nobody asleep on the future, sets its result
-    without a wake-up.
-    """
+    """``future.result(timeout)``, polling for up to :data:`~aiodist._wait.SPIN_SECONDS`
+    first (when :func:`may_spin`): the loop thread runs the operation meanwhile and, finding
+    nobody asleep on the future, sets its result without a wake-up."""
     if not future.done() and may_spin():
-        deadline = time.perf_counter() + SPIN_SECONDS
-        while not future.done() and time.perf_counter() < deadline:
-            os.sched_yield()
+        spin_until(future.done, SPIN_SECONDS)
     return future.result(timeout)
 
 

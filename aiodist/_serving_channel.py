@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from . import _api, _assembly, _subgroups, group as _group
+from . import _api, _assembly, _subgroups, backends, group as _group
 from ._arrays import as_array
 from ._serving_wire import (
     FIRST,
@@ -29,7 +29,7 @@ from ._serving_wire import (
     check_name,
     decode,
     encode,
-    new_array,
+    new_arrays,
     outgoing,
     overflow,
     unpack,
@@ -402,7 +402,7 @@ class Channel:
         if carried is not None:
             arrays = unpack(carried, specs)
         else:
-            arrays = [new_array(s) for s in specs]
+            arrays = new_arrays(specs)
             if arrays:
                 await asyncio.gather(
                     *(
@@ -529,7 +529,7 @@ class Channel:
             if carried is not None:
                 arrays = unpack(carried, specs)
             else:
-                arrays = [new_array(s) for s in specs]
+                arrays = new_arrays(specs)
                 if arrays:
                     await asyncio.gather(
                         *(_api.broadcast(a, src=CONTROLLER_RANK, group=pg) for a in arrays)
@@ -594,7 +594,7 @@ class Channel:
         if not isinstance(workers, ProcessGroup) or workers.size < 2:
             return
         with contextlib.suppress(DistUsageError):
-            workers.issue("serve", _refuse, (reason,))
+            workers.issue("serve", _refuse, (reason,), rejecter=backends.reject)
 
     def _realign(self, seq: int) -> None:
         """Skip to sequence number ``seq`` of the workers' group (after a failed call)."""

@@ -4,13 +4,15 @@ A header is JSON in one fixed-size message (:data:`FIRST` bytes): a prefix with 
 of the JSON and of the arrays' bytes carried with it, the JSON, then the arrays when they
 fit. JSON that does not fit goes on in a second message; arrays that do not fit follow as
 messages of their own. Nothing here sends or receives: the channel
-(``_serving_channel.py``) moves these messages. A header's length and the dimensions of an
-array spec are checked against limits before anything is allocated for them.
+(``_serving_channel.py``) moves these messages. A header's length, and the number, dtypes
+(numeric ones only, as collectives take) and total size of the arrays it announces, are
+checked against limits before anything is allocated for them.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -18,18 +20,19 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ._arrays import as_array
+from ._arrays import as_array, check_dtype
 from .errors import DistProtocolError, DistUsageError
 
 __all__ = [
     "FIRST",
     "MAX_ARRAYS",
+    "MAX_ARRAY_BYTES",
     "ROOM",
     "array_spec",
     "check_name",
     "decode",
     "encode",
-    "new_array",
+    "new_arrays",
     "outgoing",
     "overflow",
     "unpack",
@@ -42,6 +45,8 @@ _PREFIX = struct.Struct("<II")
 ROOM = FIRST - _PREFIX.size
 _MAX_HEADER = 1 << 20
 MAX_ARRAYS = 256
+#: The most bytes the arrays of one header (a call, or a reply) may add up to.
+MAX_ARRAY_BYTES = 1 << 34
 _MAX_NAME = 256
 _MAX_NDIM = 32
 
@@ -102,9 +107,14 @@ def decode(
     return message, first[start : start + int(carried)]
 
 
-def unpack(carried: npt.NDArray[np.uint8], specs: Sequence[Any]) -> list[npt.NDArray[Any]]:
-    """New arrays for ``specs``, filled from the bytes a header carried."""
-    arrays = [new_array(s) for s in specs]
+def unpack(carried: npt.NDArray[np.uint8], specs: object) -> list[npt.NDArray[Any]]:
+    """New arrays for ``specs``, filled from the bytes a header carried.
+
+    Raises:
+        DistProtocolError: the specs are bad (see :func:`new_arrays`), or the bytes carried
+            are not theirs.
+    """
+    arrays = new_arrays(specs)
     if sum(a.nbytes for a in arrays) != len(carried):
         raise DistProtocolError(f"serving header carries {len(carried)} bytes for {specs!r}")
     at = 0
@@ -125,8 +135,35 @@ def array_spec(a: npt.NDArray[Any], what: str) -> list[Any]:
     return [_dtype_code(a.dtype), list(a.shape)]
 
 
-def new_array(spec: object) -> npt.NDArray[Any]:
-    """A new array for a ``[dtype, shape]`` spec read off the wire."""
+def new_arrays(specs: object) -> list[npt.NDArray[Any]]:
+    """New arrays for the ``[dtype, shape]`` specs a header announced.
+
+    Raises:
+        DistProtocolError: ``specs`` is not a list of at most :data:`MAX_ARRAYS` specs, a
+            spec is malformed or has a dtype collectives do not take (object, string,
+            structured...), or they add up to more than :data:`MAX_ARRAY_BYTES`.
+    """
+    if not isinstance(specs, list) or len(specs) > MAX_ARRAYS:
+        raise DistProtocolError(
+            f"a serving header announces {specs!r:.200}: not a list of at most {MAX_ARRAYS} "
+            "array specs"
+        )
+    parsed = [_parse_spec(s) for s in specs]
+    total = sum(math.prod(dims) * dtype.itemsize for dtype, dims in parsed)
+    if total > MAX_ARRAY_BYTES:
+        raise DistProtocolError(
+            f"a serving header announces arrays of {total} bytes in all, more than the "
+            f"limit of {MAX_ARRAY_BYTES}"
+        )
+    return [np.empty(dims, dtype) for dtype, dims in parsed]
+
+
+def _parse_spec(spec: object) -> tuple[np.dtype[Any], tuple[int, ...]]:
+    """The dtype and shape of a ``[dtype, shape]`` spec read off the wire.
+
+    Raises:
+        DistProtocolError: a malformed spec, or a dtype collectives do not take.
+    """
     try:
         if not isinstance(spec, list) or len(spec) != 2:
             raise ValueError("not [dtype, shape]")
@@ -135,14 +172,21 @@ def new_array(spec: object) -> npt.NDArray[Any]:
             import ml_dtypes
 
             dtype = np.dtype(ml_dtypes.bfloat16)
-        else:
+        elif isinstance(code, str):
             dtype = np.dtype(code)
-        dims = tuple(int(d) for d in shape)
-        if len(dims) > _MAX_NDIM or any(d < 0 for d in dims):
+        else:
+            raise ValueError("the dtype is not a string")
+        check_dtype(dtype, "the array")
+        if not isinstance(shape, list) or len(shape) > _MAX_NDIM:
+            raise ValueError(f"the shape is not a list of at most {_MAX_NDIM} sizes")
+        dims = tuple(shape)
+        if not all(type(d) is int and d >= 0 for d in dims):
             raise ValueError(f"shape {dims}")
-        return np.empty(dims, dtype)
-    except (TypeError, ValueError, ImportError) as exc:
-        raise DistProtocolError(f"bad array spec in a serving header: {spec!r}: {exc}") from exc
+        return dtype, dims
+    except (TypeError, ValueError, ImportError, DistUsageError) as exc:
+        raise DistProtocolError(
+            f"bad array spec in a serving header: {spec!r:.200}: {exc}"
+        ) from exc
 
 
 def check_name(name: object, what: str) -> str:

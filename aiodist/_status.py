@@ -1,11 +1,18 @@
 """The live view of a running job: a status endpoint in each process, and the view of them all.
 
 With ``AIODIST_STATUS=1`` (``aiodist-run --status-port`` sets it for its workers), every
-process that forms a world starts one small HTTP server on a thread of its own, on the
-address its rank listens on, and records ``host:port`` in the job's namespace of the store
-(under ``status``). ``GET /status`` answers with what the process knows now: for each of
-its ranks, the operations in flight and the last ones (from the flight recorder) and the last
-error; and the stack of every thread. The server runs on its own thread, so it answers while
+process that forms a world starts one small HTTP server on a thread of its own, on loopback
+unless ``AIODIST_STATUS_HOST`` names another address, and records ``host:port`` in the job's
+namespace of the store (under ``status``). ``GET /status`` answers with what the process
+knows now: for each of its ranks, the operations in flight and the last ones (from the
+flight recorder) and the last error; and the stack of every thread.
+
+With the job's secret (``auth_token`` / ``AIODIST_AUTH_TOKEN``), an endpoint answers only
+requests that carry the key derived from it (``Authorization: Bearer KEY`` or ``?key=KEY``:
+:func:`~aiodist._auth.derive_key`), and each rank signs the address it records with the
+secret. Whoever gathers the view asks only the endpoints whose records are signed; in a job
+without a secret, anyone who can write the store could record an address, so only the
+endpoints on this machine are asked. The server runs on its own thread, so it answers while
 the rank's event loop is blocked (a hung rank is exactly when the view is wanted); reading
 the recorders needs no lock (each read is of a whole attribute, under the GIL) and stops
 nothing.
@@ -18,6 +25,9 @@ is doing, on whom it waits, and shows the stacks of the ranks the others wait fo
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hmac
+import ipaddress
 import json
 import logging
 import os
@@ -26,15 +36,19 @@ import sys
 import threading
 import time
 import traceback
+import urllib.parse
 from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from ._auth import auth_mac, derive_key, resolve_token
 from ._recorder import live_recorders
 from .store._base import Store
 
 __all__ = [
     "STATUS_ENV",
+    "STATUS_HOST_ENV",
+    "authorized",
     "format_status",
     "gather_status",
     "process_status",
@@ -46,11 +60,17 @@ logger = logging.getLogger(__name__)
 
 #: Set to ``1`` to give every process of the job a status endpoint.
 STATUS_ENV = "AIODIST_STATUS"
-#: The key, in a job's namespace, where each rank appends ``N=host:port,``: its endpoint
-#: (appended again by the rank numbers of later worlds; the last entry of a rank wins).
+#: The address the endpoints listen on (unset: ``127.0.0.1``; empty, ``0.0.0.0`` or ``::``:
+#: every interface).
+STATUS_HOST_ENV = "AIODIST_STATUS_HOST"
+#: The key, in a job's namespace, where each rank appends ``N=host:port,`` (``#`` and a
+#: signature before the comma with the job's secret): its endpoint (appended again by the
+#: rank numbers of later worlds; the last valid entry of a rank wins).
 STATUS_KEY = "status"
 #: How many of a rank's last operations its status shows.
 RECENT_OPS = 8
+#: The most bytes read of one endpoint's answer (stacks of many threads fit).
+_MAX_ANSWER = 64 << 20
 
 _server: ThreadingHTTPServer | None = None
 _server_thread: int | None = None
@@ -90,8 +110,29 @@ def process_status() -> dict[str, Any]:
     return {"pid": os.getpid(), "time": now, "ranks": ranks, "stacks": stacks}
 
 
+def authorized(key: str | None, target: str, authorization: str | None) -> bool:
+    """Whether a request for ``target`` (path and query) with the ``Authorization`` header
+    ``authorization`` carries ``key`` (``None``: no key is needed)."""
+    if key is None:
+        return True
+    given = urllib.parse.parse_qs(urllib.parse.urlsplit(target).query).get("key", [""])[-1]
+    if authorization is not None and authorization.startswith("Bearer "):
+        given = authorization[len("Bearer ") :].strip()
+    return hmac.compare_digest(given.encode(), key.encode())
+
+
+class _StatusServer(ThreadingHTTPServer):
+    #: The key requests must carry (``None``: none).
+    key: str | None = None
+
+
 class _Handler(BaseHTTPRequestHandler):
+    server: _StatusServer
+
     def do_GET(self) -> None:
+        if not authorized(self.server.key, self.path, self.headers.get("Authorization")):
+            self.send_error(401, "the job's key is needed (Authorization: Bearer KEY)")
+            return
         if self.path.split("?")[0] != "/status":
             self.send_error(404, "the status is at /status")
             return
@@ -106,13 +147,29 @@ class _Handler(BaseHTTPRequestHandler):
         logger.debug("status endpoint: " + format, *args)
 
 
-def serve_status(host: str = "127.0.0.1") -> tuple[str, int]:
-    """Start this process's status endpoint, once, on ``host`` and a free port; return its
-    address. Later calls return the running endpoint's address."""
+def status_host() -> str:
+    """Where the status endpoints listen: ``$AIODIST_STATUS_HOST``, else loopback."""
+    host = os.environ.get(STATUS_HOST_ENV, "127.0.0.1").strip()
+    return "0.0.0.0" if host in ("", "::") else host
+
+
+def serve_status(host: str | None = None, auth_token: str | bytes | None = None) -> tuple[str, int]:
+    """Start this process's status endpoint, once, on ``host`` (default: loopback, or
+    ``$AIODIST_STATUS_HOST``) and a free port; return its address. Later calls return the
+    running endpoint's address.
+
+    With ``auth_token`` (``None``: ``$AIODIST_AUTH_TOKEN``, if set), it answers only requests
+    that carry the key derived from it (``Authorization: Bearer KEY`` or ``?key=KEY``).
+
+    Raises:
+        DistUsageError: the token is empty.
+    """
     global _server, _server_thread
+    token = resolve_token(auth_token)
     with _server_lock:
         if _server is None:
-            server = ThreadingHTTPServer((host, 0), _Handler)
+            server = _StatusServer((status_host() if host is None else host, 0), _Handler)
+            server.key = None if token is None else derive_key(token, "status")
             server.daemon_threads = True
             thread = threading.Thread(
                 target=server.serve_forever, name="aiodist-status", daemon=True
@@ -124,56 +181,119 @@ def serve_status(host: str = "127.0.0.1") -> tuple[str, int]:
         return str(address[0]), int(address[1])
 
 
-async def register_status(job: Store, rank: int, host: str) -> None:
-    """Start the status endpoint on ``host`` and record it in the job's namespace ``job`` as
-    ``rank``'s. On every interface (a wildcard ``host``), what is recorded is this machine's
-    host name, as the transport publishes it, so that other hosts reach it too."""
-    addr, port = serve_status(host if host not in ("", "0.0.0.0", "::") else "0.0.0.0")
+def _signature(token: bytes, entry: str) -> str:
+    return auth_mac(token, b"status/entry", entry.encode(), b"").hex()[:32]
+
+
+async def register_status(job: Store, rank: int, token: bytes | None) -> None:
+    """Start the status endpoint (see :func:`serve_status`) and record it in the job's
+    namespace ``job`` as ``rank``'s, signed with ``token`` when there is one. On every
+    interface, what is recorded is this machine's host name, as the transport publishes
+    it, so that other hosts reach it too."""
+    addr, port = serve_status(auth_token=token)
     if addr in ("0.0.0.0", "::"):
         addr = socket.gethostname()
-    await job.append(STATUS_KEY, f"{rank}={addr}:{port},")
+    entry = f"{rank}={addr}:{port}"
+    if token is not None:
+        entry += "#" + _signature(token, entry)
+    await job.append(STATUS_KEY, entry + ",")
 
 
-async def _fetch(address: str, timeout: float) -> dict[str, Any]:
-    host, _, port = address.rpartition(":")
-    async with asyncio.timeout(timeout):
-        reader, writer = await asyncio.open_connection(host, int(port))
+def _on_this_machine(host: str) -> bool:
+    """Whether ``host`` (an address, or this machine's name) is one of this machine's."""
+    if host in ("localhost", socket.gethostname()):
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False  # (a name is not looked up: it came from the store)
+    family = socket.AF_INET if address.version == 4 else socket.AF_INET6
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
         try:
-            writer.write(f"GET /status HTTP/1.0\r\nHost: {address}\r\n\r\n".encode())
-            raw = await reader.read()
+            probe.bind((host, 0))
+        except OSError:
+            return False
+    return True
+
+
+def _endpoints(recorded: str, size: int, token: bytes | None) -> dict[int, str | None]:
+    """The endpoint to ask for each rank below ``size`` that recorded one: the last entry
+    signed with ``token``, or without a token the last one on this machine; ``None`` for
+    a rank whose entries are all refused."""
+    out: dict[int, str | None] = {}
+    for entry in filter(None, recorded.split(",")):
+        body, _, signature = entry.partition("#")
+        number, _, address = body.partition("=")
+        with contextlib.suppress(ValueError):
+            rank = int(number)
+            if not 0 <= rank < size:
+                continue
+            if token is not None:
+                good = hmac.compare_digest(signature, _signature(token, body))
+            else:
+                good = _on_this_machine(address.rpartition(":")[0].strip("[]"))
+            if good:
+                out[rank] = address
+            else:
+                out.setdefault(rank, None)
+    return out
+
+
+async def _fetch(address: str, timeout: float, key: str | None) -> dict[str, Any]:
+    host, _, port = address.rpartition(":")
+    credential = "" if key is None else f"Authorization: Bearer {key}\r\n"
+    async with asyncio.timeout(timeout):
+        reader, writer = await asyncio.open_connection(host.strip("[]"), int(port))
+        try:
+            writer.write(f"GET /status HTTP/1.0\r\nHost: {address}\r\n{credential}\r\n".encode())
+            raw = bytearray()
+            while chunk := await reader.read(1 << 16):
+                raw += chunk
+                if len(raw) > _MAX_ANSWER:
+                    raise ValueError(f"an answer of more than {_MAX_ANSWER} bytes")
         finally:
             writer.close()
-    head, _, body = raw.partition(b"\r\n\r\n")
+    head, _, body = bytes(raw).partition(b"\r\n\r\n")
     if not head.startswith(b"HTTP/") or b" 200 " not in head.split(b"\r\n")[0]:
         raise ValueError(f"unexpected answer: {head[:80]!r}")
     status: dict[str, Any] = json.loads(body)
     return status
 
 
-async def gather_status(job: Store, *, timeout: float = 1.0) -> list[dict[str, Any]]:
+async def gather_status(
+    job: Store, *, timeout: float = 1.0, token: bytes | None = None
+) -> list[dict[str, Any]]:
     """Read the status of every rank of the job's current world, within ``timeout`` seconds.
 
-    ``job`` is the job's namespace of the store (``aiodist/<group_name>``). Each entry is
-    ``{"rank": N, "address": ..., "status": {...}}``, or ``{"rank": N, "error": why}`` for a
-    rank whose endpoint is not recorded or did not answer in time (a process that ended, or
-    one whose threads cannot run at all).
+    ``job`` is the job's namespace of the store (``aiodist/<group_name>``), ``token`` the
+    job's secret. Each entry is ``{"rank": N, "address": ..., "status": {...}}``, or
+    ``{"rank": N, "error": why}`` for a rank whose endpoint is not recorded (or not signed
+    with the secret; without one, not on this machine) or did not answer in time (a process
+    that ended, or one whose threads cannot run at all).
     """
     from ._assembly import CURRENT
 
     current = (await job.get(CURRENT)).decode()
     size = int(current.rpartition("|")[2])
     recorded = (await job.get(STATUS_KEY)).decode() if await job.check([STATUS_KEY]) else ""
-    by_rank: dict[int, str] = {}
-    for entry in filter(None, recorded.split(",")):
-        number, _, address = entry.partition("=")
-        if int(number) < size:
-            by_rank[int(number)] = address
+    endpoints = _endpoints(recorded, size, token)
+    by_rank = {r: a for r, a in endpoints.items() if a is not None}
+    key = None if token is None else derive_key(token, "status")
     results = await asyncio.gather(
-        *(_fetch(by_rank[r], timeout) for r in sorted(by_rank)), return_exceptions=True
+        *(_fetch(by_rank[r], timeout, key) for r in sorted(by_rank)), return_exceptions=True
     )
     fetched = dict(zip(sorted(by_rank), results, strict=True))
     entries: list[dict[str, Any]] = []
     for rank in range(size):
+        if rank in endpoints and rank not in by_rank:
+            why = (
+                "its recorded endpoint is not signed with the job's secret: not asked"
+                if token is not None
+                else "its recorded endpoint is not on this machine, and without the job's "
+                "secret (AIODIST_AUTH_TOKEN) nothing in the store can be trusted: not asked"
+            )
+            entries.append({"rank": rank, "error": why})
+            continue
         if rank not in by_rank:
             entries.append(
                 {"rank": rank, "error": "no status endpoint recorded (AIODIST_STATUS unset?)"}

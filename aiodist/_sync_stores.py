@@ -3,7 +3,8 @@
 :class:`Store` drives an async :class:`aiodist.Store` from any thread: each method runs the
 async method of the same name on aiodist's loop thread (:mod:`aiodist._loop_thread`) and
 blocks for its result. :class:`HashStore`, :class:`FileStore`, :class:`PrefixStore` and
-:class:`TCPStore` take torch's constructor arguments. ``aiodist.sync`` re-exports and
+:class:`TCPStore` take torch's constructor arguments; :class:`EtcdStore` those of
+:meth:`aiodist.EtcdStore.create`. ``aiodist.sync`` re-exports and
 documents them; it asks :func:`any_store_open` whether the loop thread may stop with the
 default group, and :func:`close_all_stores` closes what is left at exit.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from datetime import timedelta
 from types import TracebackType
 from typing import Any, Concatenate, Generic, ParamSpec, Self, TypeVar, overload
@@ -24,6 +25,7 @@ from ._timeouts import DEFAULT_STORE_TIMEOUT, Timeout
 from .errors import DistUsageError
 
 __all__ = [
+    "EtcdStore",
     "FileStore",
     "HashStore",
     "PrefixStore",
@@ -205,6 +207,44 @@ class PrefixStore(Store):
     def underlying_store(self) -> Store:
         """The store this one writes into."""
         return self._underlying
+
+
+class EtcdStore(Store):
+    """A blocking store kept in an etcd cluster (:class:`aiodist.EtcdStore`).
+
+    Args:
+        endpoints: the etcd members' client addresses, ``"host:port,host:port"`` or a
+            sequence of them, tried in this order.
+        prefix: the etcd key prefix of this store.
+        timeout: the wait deadline (``timedelta`` or seconds).
+        **options: further keyword arguments of :meth:`aiodist.EtcdStore.create`
+            (``lease_ttl``, ``max_value_size``, ``peer_timeout``).
+
+    Raises:
+        DistUsageError: malformed endpoints, prefix or options.
+        DistNetworkError: no etcd member answered.
+    """
+
+    def __init__(
+        self,
+        endpoints: str | Sequence[str],
+        prefix: str = _aio.etcd.DEFAULT_PREFIX,
+        timeout: Timeout = _DEFAULT_STORE_TIMEOUT,
+        **options: Any,
+    ) -> None:
+        store = run(_aio.EtcdStore.create(endpoints, prefix, timeout, **options))
+        super().__init__(store)
+        self._etcd = store
+
+    @property
+    def endpoints(self) -> list[tuple[str, int]]:
+        """The etcd members' client addresses."""
+        return self._etcd.endpoints
+
+    @property
+    def prefix(self) -> str:
+        """The etcd key prefix of this store."""
+        return self._etcd.prefix
 
 
 # Masters created with multi_tenant=True, by port: later instances on that port join them.

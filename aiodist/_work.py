@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Awaitable, Callable, Coroutine, Generator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -18,11 +18,21 @@ from ._fingerprint import NO_FINGERPRINT
 from ._recorder import OpRecord
 from ._timeouts import Timeout, to_seconds
 from .errors import DistUsageError
+from .transport.base import OpComm, fails_alone, rejection_text
 
 if TYPE_CHECKING:
     from .group import ProcessGroup
 
-__all__ = ["ANY_TAG", "MAX_TAG", "P2P_GROUP_BIT", "OpKind", "Operation", "Plan", "Work"]
+__all__ = [
+    "ANY_TAG",
+    "MAX_TAG",
+    "P2P_GROUP_BIT",
+    "OpKind",
+    "Operation",
+    "Plan",
+    "Work",
+    "rejected_on_transport",
+]
 
 T = TypeVar("T")
 
@@ -46,17 +56,22 @@ class OpKind(enum.Enum):
 class Plan:
     """A checked operation, ready to run: ``await algorithm(*comms, *args)``.
 
+    ``algorithm(*comms, *args)`` is called when the operation starts, which is when it is
+    issued, in issue order on every rank: a data path that keeps an order of the group's
+    operations (a workspace's turns) takes the operation's place in it in that call, and
+    returns the awaitable that moves the data.
+
     Attributes:
-        algorithm: the coroutine function that moves the data (one ``OpComm`` per sequence
-            number of the operation, then ``args``).
+        algorithm: makes the awaitable that moves the data (one ``OpComm`` per sequence
+            number of the operation, then ``args``): a coroutine function, or a function
+            that takes the operation's place on its path and returns one.
         args: its checked arguments.
         fingerprint: the call's fingerprint, which every message of it carries.
         output: the Work's result when the algorithm returns ``None`` (the output array).
         device_sync: for an operation on a device (CUDA), makes a device stream wait for the
             operation's end without blocking the host (:meth:`Work.wait_stream`).
-        sequenced: the algorithm takes a turn on one of the group's data paths (every rank takes
-            its turn in each operation it issued): a peer's rejection does not cancel it,
-            and a ``DistUsageError`` it raises is raised alike on every rank.
+        waiting_for: for an operation that waits on its path rather than for messages, the
+            group ranks it waits for now (named when it times out).
     """
 
     algorithm: Callable[..., Awaitable[Any]]
@@ -64,7 +79,7 @@ class Plan:
     fingerprint: bytes = NO_FINGERPRINT
     output: Any = None
     device_sync: Callable[[Any], None] | None = None
-    sequenced: bool = False
+    waiting_for: Callable[[], list[int]] | None = None
 
 
 class Work(Generic[T]):
@@ -239,11 +254,12 @@ class Operation:
         "own_timeout",
         "peer",
         "record",
+        "rejected",
         "sends",
         "seq",
-        "sequenced",
         "task",
         "timeout",
+        "waiting_for",
         "work",
     )
 
@@ -273,7 +289,10 @@ class Operation:
         self.record: OpRecord | None = None
         self.task: asyncio.Task[None] | None = None
         self.device_sync: Callable[[Any], None] | None = None
-        self.sequenced = False
+        self.waiting_for: Callable[[], list[int]] | None = None
+        #: Rejected (here, or by a peer before this rank issued it): its plan only takes
+        #: its place on the path.
+        self.rejected = False
         self.work: Work[Any] = Work(self)
 
     def set_timeout(self, timeout: Timeout) -> None:
@@ -314,3 +333,28 @@ class Operation:
             fut.exception()
         if self.record is not None:
             self.record.finish(exc)
+
+
+def rejected_on_transport(
+    group: ProcessGroup, algorithm: str | None, error: BaseException, tell: bool
+) -> Plan:
+    """The rejection plan of a path that keeps no order of its own (see
+    :func:`aiodist.backends.reject`): the operation's place is its sequence numbers, which the
+    peers' messages of it carry; it tells them why when ``tell``, then fails with ``error``,
+    marked as failing this operation only."""
+    return Plan(_rejected, (fails_alone(error), tell))
+
+
+def _rejected(*args: Any) -> Coroutine[Any, Any, None]:
+    # (*comms, error, tell): one OpComm per sequence number of the operation. Called as the
+    # operation starts: the peers are told then, even if this rank leaves at once.
+    *comms, error, tell = args
+    if tell:
+        for comm in comms:
+            assert isinstance(comm, OpComm)
+            comm.reject(rejection_text(error))
+    return _raise(error)
+
+
+async def _raise(error: BaseException) -> None:
+    raise error

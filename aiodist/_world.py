@@ -52,6 +52,8 @@ T = TypeVar("T")
 
 _ABORT_KEY = "abort"
 _DEPARTED_KEY = "departed"
+# The keys under which the ranks of timed-out operations recorded their arrival.
+_ARRIVALS_KEY = "arrivals"
 #: How a departure record (see _take_leases) starts: the rank it names.
 _GONE = re.compile(r"rank (\d+) is gone")
 
@@ -305,6 +307,8 @@ class FailureDomain:
         loop = asyncio.get_running_loop()
         try:
             await self.store.append(key, f"{me},")
+            # Listed for the last rank to leave the world, which deletes them.
+            await self.store.append(_ARRIVALS_KEY, f"{key};")
             end = loop.time() + ARRIVAL_GRACE
             while True:
                 seen = {int(r) for r in (await self.store.get(key)).decode().split(",") if r}
@@ -315,6 +319,16 @@ class FailureDomain:
         except DistError as exc:
             logger.warning("rank %d: could not count the ranks that arrived: %s", self.rank, exc)
             return None
+
+    async def _forget_arrivals(self) -> None:
+        """Delete the records of timed-out operations (:meth:`missing`) once every rank has
+        left: they matter only while the ranks wait for each other."""
+        if not await self.store.check([_ARRIVALS_KEY]):
+            return
+        listed = (await self.store.get(_ARRIVALS_KEY)).decode().split(";")
+        for key in {k for k in listed if k}:
+            await self.store.delete_key(key)
+        await self.store.delete_key(_ARRIVALS_KEY)
 
     async def meet(self, key: str, count: int, timeout: float | None, what: str) -> None:
         """Return once ``count`` ranks have called this with ``key`` (a store barrier), or
@@ -412,10 +426,11 @@ class FailureDomain:
             await self.store.lease(f"left/{self.rank}", None)
             await self.store.lease(_DEPARTED_KEY, None)
             await self.store.set(f"left/{self.rank}", reason)
-            if not self.hosting:
-                return
             keys = [f"left/{r}" for r in range(self.size)]
             if await self.store.check(keys):
+                await self._forget_arrivals()  # (the last to leave: nobody counts any more)
+                return
+            if not self.hosting:
                 return
             logger.info("rank %d: keeping the store up until every rank left", self.rank)
             await self.store.wait(keys, BROKEN_LEAVE_WAIT if self.aborted else self._timeout)

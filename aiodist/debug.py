@@ -36,6 +36,7 @@ from types import FrameType
 from typing import Any
 
 from . import _status
+from ._auth import resolve_token
 from ._recorder import (
     DUMP_DIR_ENV,
     FlightRecorder,
@@ -146,7 +147,11 @@ def install_signal_handler(directory: str | os.PathLike[str] | None = None) -> b
 
 # -- the live view ----------------------------------------------------------------------------
 async def gather_status(
-    store: Store, *, group_name: str = "", timeout: float = 1.0
+    store: Store,
+    *,
+    group_name: str = "",
+    timeout: float = 1.0,
+    auth_token: str | bytes | None = None,
 ) -> list[dict[str, Any]]:
     """Ask every rank of the job's current world what it is doing, without stopping it.
 
@@ -154,11 +159,14 @@ async def gather_status(
     is set (or after :func:`serve_status`), and records where in the store; this reads the
     addresses from ``store`` and asks every rank at once, so it returns within about
     ``timeout`` seconds even when a rank's event loop is blocked or its process is gone.
+    With the job's secret, only the addresses the ranks signed with it are asked, with the
+    key derived from it; without one, only those on this machine.
 
     Args:
         store: the job's store (a client of it will do: ``TCPStore.create(host, port)``).
         group_name: the job's ``group_name`` in ``init_process_group`` (default: none).
         timeout: seconds to wait for each rank's answer.
+        auth_token: the job's secret (``None``: ``$AIODIST_AUTH_TOKEN``, if set).
 
     Returns:
         One entry per rank, in rank order: ``{"rank", "address", "status"}``, where
@@ -170,16 +178,18 @@ async def gather_status(
     Raises:
         DistError: the store has no world of that job (none was formed yet), or cannot be
             reached.
+        DistUsageError: the token is empty.
     """
     from ._assembly import CURRENT, job_store
 
+    token = resolve_token(auth_token)
     job = job_store(store, group_name)
     if not await job.check([CURRENT]):
         raise DistError(
             f"the store holds no world of the job {group_name or 'default_pg'!r} "
             "(none has formed yet, or another group_name)"
         )
-    return await _status.gather_status(job, timeout=timeout)
+    return await _status.gather_status(job, timeout=timeout, token=token)
 
 
 # -- analysis of the dumps of all ranks --------------------------------------------------------

@@ -10,11 +10,15 @@ Every call on a group is an :class:`Operation`, whose life has four steps:
    first, before any argument is looked at, so every rank stays in step whatever happens;
 2. **plan**: a backend's validate function checks the arguments and returns a :class:`Plan`
    (the algorithm and its checked arguments, the call's fingerprint);
-3. **reject** or **start**: a check that fails *rejects* the operation: the caller gets the
-   ``DistUsageError``, the group's other members (point to point: the receiver) are told
-   ``(group, seq)`` and why before any byte of it moved, and they fail their side of it at
-   once; the group stays usable. Otherwise the algorithm runs as a task and the
-   operation's :class:`Work` resolves with its result;
+3. **start**: the plan starts at once, in issue order, and takes the operation's place on
+   the group's data path (a turn in a shared-memory workspace, say). A check that fails
+   *rejects* the operation: its place is taken all the same, by the backend's rejection
+   plan, which tells the members that would have exchanged data in it why (point to point:
+   the receiver) before any byte of it moved; the caller gets the ``DistUsageError``, the
+   members fail their side of it at once, and the group stays usable. So every collective
+   a group issues, accepted or rejected, is one item of one sequence, the same on every
+   rank, and the data path alone decides, from the operation, what its place is.
+   The operation's :class:`Work` resolves with its result;
 4. **fail**: only real failures abort the whole world (a mismatch found after bytes
    flowed, the group timeout, an operation that still needed a rank that went away); every
    rank then raises, naming the first cause, until ``destroy`` and ``init`` rebuild it.
@@ -43,6 +47,7 @@ import math
 import threading
 import time
 from collections.abc import (
+    Awaitable,
     Callable,
     Coroutine,
     Iterable,
@@ -52,6 +57,7 @@ from collections.abc import (
 from typing import Any, Protocol, TypeVar
 
 from . import _recorder
+from ._asyncio_internals import release_yielded
 from ._default import (
     current_world,
     isolate_context,
@@ -62,12 +68,29 @@ from ._default import (
 from ._fingerprint import NO_FINGERPRINT
 from ._recorder import FlightRecorder, payload_nbytes
 from ._timeouts import DEFAULT_PG_TIMEOUT, Timeout, to_seconds
-from ._work import ANY_TAG, MAX_TAG, P2P_GROUP_BIT, Operation, OpKind, Plan, Work
+from ._work import (
+    ANY_TAG,
+    MAX_TAG,
+    P2P_GROUP_BIT,
+    Operation,
+    OpKind,
+    Plan,
+    Work,
+    rejected_on_transport,
+)
 from ._world import FailureDomain
 from .collectives._common import ResultError
 from .errors import DistError, DistNetworkError, DistTimeoutError, DistUsageError
 from .store import PrefixStore, Store
-from .transport.base import Departure, OpComm, Transport, departure_of, lost_peer_error
+from .transport.base import (
+    Departure,
+    OpComm,
+    Transport,
+    departure_of,
+    lost_peer_error,
+    only_this_operation,
+    rejection_text,
+)
 
 __all__ = [
     "ANY_TAG",
@@ -135,6 +158,9 @@ LEFT_REASON = "left the process group (destroy_process_group)"
 #: waiting. A time, not a count: an operation that waits for its peers in a short spin can
 #: take 200 µs inline, and sixteen of them stalled the loop for 3 ms.
 EAGER_SECONDS = 0.5e-3
+#: Seconds a rank that destroys its world waits for the calls it rejected to take their places
+#: on their data paths (a workspace's turn needs the peers there), so that the peers hear why.
+REJECTION_GRACE = 2.0
 #: What they are told when its event loop ended with the group open.
 LOOP_ENDED_REASON = "left the process group as its event loop ended (no destroy_process_group)"
 
@@ -143,24 +169,10 @@ class DataPath(Protocol):
     """What a backend keeps for one group: the state of its data path (a shared-memory
     workspace, a communicator), in :attr:`ProcessGroup.paths` under the backend's name.
 
-    The group aborts and closes it with itself. A path may also keep an order of the
-    group's operations (the workspace does): every rank takes a turn in each operation the
-    path covers, rejected or not; a rank that rejects one runs :meth:`skip` in its place, so
-    that the peers' turns of it fail alike and the order stays the same on every rank.
+    The group aborts and closes it with itself. Which operations take a place in an order
+    the path keeps is the path's own business: the group starts every operation's plan, or
+    its rejection plan, in issue order (:func:`aiodist.backends.reject`).
     """
-
-    def covers(self, name: str) -> bool:
-        """Whether operation ``name`` takes a turn in an order this path keeps."""
-
-    def waiting_for(self) -> list[int]:
-        """The group ranks the operation in its turn now waits for (for timeout messages)."""
-
-    def skip(self, reason: str) -> Coroutine[Any, Any, None]:
-        """Take this rank's turn for an operation it rejected, giving ``reason``.
-
-        Called when a covered operation is rejected, in issue order: the turn is reserved
-        then, and taken when the returned coroutine runs.
-        """
 
     def abort(self, cause: BaseException) -> None:
         """Fail what runs on the path now, and later, with ``cause``; tell the peers."""
@@ -171,6 +183,12 @@ class DataPath(Protocol):
 
 #: A backend's entry point for one call: ``planner(group, op_name, args) -> Plan``.
 Planner = Callable[["ProcessGroup", str, tuple[Any, ...]], Plan]
+#: The backend's plan for a collective that is rejected, here or by a peer:
+#: ``rejecter(group, op_name, error, tell) -> Plan``. It takes the operation's place on the
+#: group's data path as an accepted call of that operation would have (whatever the
+#: arguments were), telling the peers why when ``tell`` (the rejection is this rank's),
+#: and then fails with ``error``, marked as failing this operation alone.
+Rejecter = Callable[["ProcessGroup", str, BaseException, bool], Plan]
 
 
 class NonGroupMember:
@@ -417,15 +435,23 @@ class World:
         keeper = self._keeper
         if keeper is not None and keeper is not asyncio.current_task():
             keeper.cancel()
+        groups = list(self.groups.values())
+        # A call this rank rejected still takes its place on its path (a turn of a
+        # workspace): let it, so that the peers hear why instead of that this rank left.
+        owed = [t for g in groups for t in g.rejections_in_flight()]
+        if owed and not self.closed:
+            await asyncio.wait(owed, timeout=REJECTION_GRACE)
         cause = DistUsageError("the process group was destroyed while the operation ran")
-        pending: list[asyncio.Task[None]] = []
-        for group in list(self.groups.values()):
+        for group in groups:
             group._destroyed = True
-            pending.extend(group.fail_inflight(cause))
+            group.settle_inflight(cause)
+        # The paths close before what still runs on them is cancelled: the peers then see
+        # this rank leave in order, where an operation given up part-way would abort them.
+        for group in groups:
+            await group._close_paths()
+        pending = [task for g in groups for task in g.cancel_inflight()]
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
-        for group in list(self.groups.values()):
-            await group._close_paths()
         await self.transport.aclose(reason)
         await self.domain.aclose(reason)
         for store in self._owned:
@@ -640,11 +666,15 @@ class ProcessGroup:
         args: tuple[Any, ...],
         nseq: int = 1,
         *,
+        rejecter: Rejecter = rejected_on_transport,
         timeout: Timeout = None,
     ) -> Work[Any]:
-        """Issue collective ``name``: reserve its sequence numbers, plan it, start or reject it.
+        """Issue collective ``name``: reserve its sequence numbers, plan it and start it.
 
-        ``planner(self, name, args)`` checks the arguments and returns the :class:`Plan`.
+        ``planner(self, name, args)`` checks the arguments and returns the :class:`Plan`;
+        if it raises, or a peer rejected this operation before this rank issued it,
+        ``rejecter`` gives the plan that takes its place instead (see ``Rejecter``; by
+        default the peers are told over the transport, for plans that keep no order).
         ``timeout`` is the operation's own deadline (default: the group's timeout).
 
         Raises:
@@ -660,17 +690,21 @@ class ProcessGroup:
                 op.set_timeout(timeout)
             plan = planner(self, name, args)
         except Exception as exc:
-            raise self._reject(op, exc)  # noqa: B904 (the error is chained to exc already)
+            error = _named(name, exc) if isinstance(exc, DistUsageError) else exc
+            for i in range(nseq):
+                self._world.rejected.pop((self.group_id, op.seq + i), None)
+            op.rejected = True
+            self._start(op, rejecter(self, name, error, True))
+            raise error  # noqa: B904 (the error is chained to exc already)
         rejected = self._world.rejected
         if rejected:
             for i in range(nseq):
                 found = rejected.pop((self.group_id, op.seq + i), None)
                 if found is not None:
-                    op.settle(self._rejection(op, *found))
-                    if plan.sequenced:  # it still takes its turn, and fails there alike
-                        return self._start(op, plan)
-                    self._record(op, plan.fingerprint)
-                    return op.work
+                    # A peer rejected it before this rank issued it: it takes its place
+                    # failing with the peer's reason (the peers know it already).
+                    plan = rejecter(self, name, self._rejection(op, *found), False)
+                    op.rejected = True
         return self._start(op, plan)
 
     def issue_p2p(
@@ -768,32 +802,12 @@ class ProcessGroup:
         return op, plan
 
     def _reject(self, op: Operation, exc: BaseException) -> BaseException:
-        """Reject ``op``: tell the peers in its failure scope why; return the caller's error."""
+        """Reject point-to-point ``op``: a send's receiver is told why; return the caller's
+        error."""
         error = _named(op.name, exc) if isinstance(exc, DistUsageError) else exc
-        reason = (
-            f"{type(error).__name__}: {error}"
-            if not isinstance(error, DistUsageError)
-            else str(error)
-        )
-        transport = self._world.transport
-        if op.kind is OpKind.COLLECTIVE:
-            mailbox = transport.mailbox
-            for i in range(op.nseq):
-                self._world.rejected.pop((self.group_id, op.seq + i), None)
-                # Messages the peers send for it before they hear of the rejection are
-                # dropped on arrival.
-                mailbox.kill(self.group_id, op.seq + i, DistUsageError(str(error)))
-                for r in self.ranks:
-                    if r != self._world.rank:
-                        transport.send_reject(r, self.group_id, op.seq + i, reason)
-            for path in self.paths.values():
-                if not path.covers(op.name):
-                    continue
-                # Take this rank's turn anyway, so the peers' turns fail alike.
-                skipping = asyncio.get_running_loop().create_task(path.skip(reason))
-                skipping.add_done_callback(_log_skip_failure)
-        elif op.sends and op.peer is not None:
-            transport.send_reject(self.ranks[op.peer], op.wire_group, op.seq, reason)
+        if op.sends and op.peer is not None:
+            transport = self._world.transport
+            transport.send_reject(self.ranks[op.peer], op.wire_group, op.seq, rejection_text(error))
         self._record(op, NO_FINGERPRINT)
         op.settle(error)
         return error
@@ -835,8 +849,11 @@ class ProcessGroup:
         if _recorder.observer is not None:  # the metrics are on
             record.nbytes = payload_nbytes(plan.args)
         op.device_sync = plan.device_sync
-        op.sequenced = plan.sequenced
-        coro = self._run(op, plan, comms)
+        op.waiting_for = plan.waiting_for
+        # Called now, in issue order: a path that keeps an order takes the operation's
+        # place in it here, whenever its data will move.
+        started = plan.algorithm(*comms, *plan.args)
+        coro = self._run(op, started, plan.output)
         # (A thread standing in for the loop's holds up no task of the loop: no budget.)
         standing_in = threading.get_ident() != self._world.loop_thread
         since, now = self._inline_since, time.perf_counter()
@@ -869,7 +886,7 @@ class ProcessGroup:
                     self._watchdog.cancel()
                 self._watchdog = loop.call_at(deadline, self._check_deadlines)
                 self._watchdog_at = deadline
-        task.add_done_callback(functools.partial(self._finished, op))
+        task.add_done_callback(functools.partial(self._finished, op, started))
         op.task = task
         return op.work
 
@@ -877,11 +894,11 @@ class ProcessGroup:
         # Other tasks had their turn since the last operation ended inline.
         self._inline_since = None
 
-    async def _run(self, op: Operation, plan: Plan, comms: list[OpComm]) -> None:
+    async def _run(self, op: Operation, started: Awaitable[Any], output: Any) -> None:
         if op.record is not None:
             op.record.start()
         try:
-            result = await plan.algorithm(*comms, *plan.args)
+            result = await started
         except asyncio.CancelledError:
             # Only close(), _fail() and _fail_rejected() cancel operations, and they set
             # the outcome first.
@@ -890,10 +907,13 @@ class ProcessGroup:
         except Exception as exc:
             if isinstance(exc, ResultError):
                 op.settle(exc)  # (only this rank's result failed: nothing is broken)
-            elif isinstance(exc, DistUsageError) and (op.kind is OpKind.P2P or op.sequenced):
-                # A receive whose sender rejected its send, or whose message had another
-                # size (point-to-point messages keep no order across the group); or a turn
-                # on a data path that every rank failed alike: only this operation fails.
+            elif only_this_operation(exc) or (
+                op.kind is OpKind.P2P and isinstance(exc, DistUsageError)
+            ):
+                # A rejection, a mismatch every rank found alike, a member that left in
+                # order, as every rank of the operation learns it; or a receive whose sender
+                # rejected its send, or whose message had another size (point-to-point
+                # messages keep no order across the group): only this operation fails.
                 peer = getattr(exc, "rejected_by", None)
                 if peer is not None:  # a data path's word for a peer's rejection
                     exc = self._rejection(op, peer, getattr(exc, "reason", ""))
@@ -909,9 +929,13 @@ class ProcessGroup:
                 # with the abort of a rank that timed out a moment earlier.)
                 self._fail(op, exc)
         else:
-            op.settle(None, plan.output if result is None else result)
+            op.settle(None, output if result is None else result)
 
-    def _finished(self, op: Operation, _task: object = None) -> None:
+    def _finished(self, op: Operation, started: object = None, _task: object = None) -> None:
+        if isinstance(started, Coroutine):
+            # A task cancelled before its first step never awaited it (a group destroyed
+            # at once): closed, it is not reported as never awaited.
+            started.close()
         self._inflight.pop(op, None)
         if op.kind is OpKind.COLLECTIVE:
             mailbox = self._world.transport.mailbox
@@ -947,23 +971,19 @@ class ProcessGroup:
         """Fail ``op`` because a rank it needs left in order, which breaks nothing else.
 
         The members it exchanges data with hear why, as for a rejection, so that none of
-        them waits for this rank's part (a turn on a data path fails alike everywhere).
+        them waits for this rank's part.
         """
-        if op.kind is OpKind.COLLECTIVE and not op.sequenced:
-            world = self._world
-            reason = f"{type(exc).__name__}: {exc}"
+        if op.kind is OpKind.COLLECTIVE:
+            transport = self._world.transport
+            reason = rejection_text(exc)
             for i in range(op.nseq):
-                world.transport.mailbox.kill(self.group_id, op.seq + i, DistUsageError(reason))
-                for r in self.ranks:
-                    if r != world.rank:
-                        world.transport.send_reject(r, self.group_id, op.seq + i, reason)
+                OpComm(transport, self.ranks, self.rank, self.group_id, op.seq + i).reject(reason)
         op.settle(exc)
 
     def _fail_rejected(self, op: Operation, exc: DistError) -> None:
         """Fail ``op`` because a peer rejected it: only this operation ends."""
         op.settle(exc)
-        if not op.sequenced:  # (a data path's turn ends on its own, alike on every rank)
-            self._cancel_task(op)
+        self._cancel_task(op)
 
     def _cancel_task(self, op: Operation) -> None:
         task = op.task
@@ -1009,9 +1029,8 @@ class ProcessGroup:
         )
         if missing is not None:
             text += f"; ranks that did not arrive: {missing or 'none'}"
-        turns = [p for p in self.paths.values() if p.covers(op.name)] if op.sequenced else []
-        if turns:
-            waiting = turns[0].waiting_for()
+        if op.waiting_for is not None:
+            waiting = op.waiting_for()
         else:
             waiting = [
                 self._group_rank_of[p]
@@ -1063,20 +1082,36 @@ class ProcessGroup:
     def fail_inflight(self, cause: BaseException) -> list[asyncio.Task[None]]:
         """Fail the operations in flight on this rank with ``cause`` at once; return the tasks
         to await for them to have stopped. Their peers are not told."""
-        tasks = []
+        self.settle_inflight(cause)
+        return self.cancel_inflight()
+
+    def settle_inflight(self, cause: BaseException) -> None:
+        """Fail the works of the operations in flight with ``cause`` (their tasks run on)."""
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog, self._watchdog_at = None, math.inf
-        for op, expiring in self._expiring.items():
+        for op in [*self._expiring, *self._inflight]:
             op.settle(cause)
+
+    def cancel_inflight(self) -> list[asyncio.Task[None]]:
+        """Cancel the tasks of the operations in flight; return them to await."""
+        tasks = list(self._expiring.values())
+        for expiring in tasks:
             expiring.cancel()
-            tasks.append(expiring)
         for op in list(self._inflight):
-            op.settle(cause)
             if op.task is not None and not op.task.done():
                 op.task.cancel()
                 tasks.append(op.task)
         return tasks
+
+    def rejections_in_flight(self) -> list[asyncio.Task[None]]:
+        """The tasks of the operations rejected here whose places on the path are still to
+        be taken."""
+        return [
+            op.task
+            for op in self._inflight
+            if op.rejected and op.task is not None and not op.task.done()
+        ]
 
 
 async def _resume(coro: Coroutine[Any, Any, None], yielded: Any) -> None:
@@ -1092,7 +1127,7 @@ async def _resume(coro: Coroutine[Any, Any, None], yielded: Any) -> None:
             if yielded is None:
                 await asyncio.sleep(0)
             else:
-                yielded._asyncio_future_blocking = False
+                release_yielded(yielded)
                 await yielded
         except asyncio.CancelledError as exc:
             if yielded is None or not yielded.cancelled():
@@ -1111,13 +1146,6 @@ def _hosts_server(store: Store) -> bool:
     while isinstance(store, PrefixStore):
         store = store.underlying_store
     return getattr(store, "server", None) is not None
-
-
-def _log_skip_failure(task: asyncio.Task[None]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        exc = task.exception()
-        if not isinstance(exc, DistUsageError):  # (the rejection itself is expected)
-            logger.warning("a rejected operation's turn failed: %s", exc)
 
 
 def _named(op: str, exc: BaseException) -> DistUsageError:

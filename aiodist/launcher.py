@@ -17,15 +17,23 @@ one ended.
 
 Several nodes (``--nnodes=N --node-rank=K --master-addr=HOST``) agree on ranks through the
 store and watch each other with heartbeats there; see ``docs/architecture.md`` ("Launcher").
+
+Every job has a secret: ``$AIODIST_AUTH_TOKEN``, or one the launcher of a single node makes
+up; the store requires it and the workers get it in their environment, so their stores and
+connections prove it. torch workers cannot: the store lets torch clients in from the job's
+hosts only, as the job's user. A job on several nodes needs the same secret on each, from
+the environment; without one it runs open, with a warning.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import email.parser
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -37,6 +45,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
+
+from ._auth import derive_key, resolve_token
 
 # The command line and the agreement between nodes have modules of their own; their public
 # names are re-exported here, where users (and the console script) have always found them.
@@ -51,10 +61,11 @@ from ._launch_coordinator import (
 )
 from ._loop import loop_factory
 from ._preload import Starter
+from ._status import authorized
 from ._workers import WorkerFailure, WorkerGroup, WorkerSpec, describe_exit
 from .debug import format_status, gather_status
 from .errors import DistError, DistUsageError
-from .store import TCPStore
+from .store import Store, TCPStore
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +107,8 @@ class _Launcher:
         self._restarts = [0] * cfg.nproc_per_node
         self._log_base: Path = cfg.log_dir or Path(tempfile.mkdtemp(prefix="aiodist-run-"))
         self._keep_logs = cfg.log_dir is not None or any(cfg.redirects + cfg.tees)
+        #: The job's secret: its store requires it, its workers get it.
+        self._token = _job_secret(cfg)
 
     def __repr__(self) -> str:
         cfg = self._cfg
@@ -150,25 +163,32 @@ class _Launcher:
 
     async def _run(self) -> int:
         cfg = self._cfg
-        store = await open_store(cfg)
-        self._port = store.port
-        self._hosting = store.server is not None
-        if self._several:
-            self._local_addr = route_to(cfg.master_addr, self._port)
-        status = None if cfg.status_port is None else await self._serve_status(store)
+        store = await open_store(cfg, self._token)
+        coord = Coordinator(store, cfg)
+        status = None
         try:
+            if isinstance(store, TCPStore):
+                self._port = store.port
+                self._hosting = store.server is not None
+            else:
+                # The store is in etcd: the leader does what the hosting node does.
+                self._hosting = await coord.lead()
+            if self._several:
+                self._local_addr = route_to(cfg.master_addr, self._port)
+            if cfg.status_port is not None:
+                status = await self._serve_status(store)
             if cfg.preload:
                 self._starter = await Starter.open(cfg.preload, self._environment())
-            coord = Coordinator(store, cfg)
             if self._several:
                 logger.info(
-                    "%s: %s the store at %s:%d",
+                    "%s: %s %s",
                     f"node {cfg.node_rank} of {cfg.nnodes}"
                     if not cfg.elastic
                     else f"{cfg.nnodes} to {cfg.max_nnodes} nodes",
-                    "hosting" if self._hosting else "joining",
-                    cfg.master_addr,
-                    self._port,
+                    ("leading through" if cfg.etcd_endpoints else "hosting")
+                    if self._hosting
+                    else "joining",
+                    cfg.store_name if cfg.etcd_endpoints else f"{cfg.master_addr}:{self._port}",
                 )
             if not cfg.elastic:
                 self._round = await coord.join()
@@ -183,24 +203,35 @@ class _Launcher:
                 await self._starter.close()
             if status is not None:
                 status.close()
+            if cfg.etcd_endpoints and self._hosting:
+                await coord.clear()
             # Node 0 also stops its server here: every other node has seen the end by now.
             await store.aclose()
 
-    async def _serve_status(self, store: TCPStore) -> asyncio.Server:
-        """Serve the live view of the job's ranks: ``GET /`` as text, ``GET /json`` raw."""
+    async def _serve_status(self, store: Store) -> asyncio.Server:
+        """Serve the live view of the job's ranks: ``GET /`` as text, ``GET /json`` raw;
+        with the job's secret, only to requests that carry the key derived from it."""
         cfg = self._cfg
-        host = cfg.master_addr if self._hosting else (self._local_addr or "127.0.0.1")
+        key = None if self._token is None else derive_key(self._token, "status")
 
         async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             try:
-                path = (await reader.readline()).split()[1:2] or [b"/"]
-                try:
-                    entries = await gather_status(store)
-                    body = json.dumps(entries) if path[0] == b"/json" else format_status(entries)
-                    code = "200 OK"
-                except DistError as exc:
-                    body, code = f"{exc}\n", "503 Service Unavailable"
-                kind = "application/json" if path[0] == b"/json" else "text/plain"
+                async with asyncio.timeout(10):
+                    request = await reader.readuntil(b"\r\n\r\n")
+                line, _, head = request.partition(b"\r\n")
+                target = line.split()[1].decode("latin-1")
+                path = target.partition("?")[0]
+                headers = email.parser.BytesHeaderParser().parsebytes(head)
+                if not authorized(key, target, headers.get("Authorization")):
+                    body, code = "the job's key is needed (?key=...)\n", "401 Unauthorized"
+                else:
+                    try:
+                        entries = await gather_status(store, auth_token=self._token)
+                        body = json.dumps(entries) if path == "/json" else format_status(entries)
+                        code = "200 OK"
+                    except DistError as exc:
+                        body, code = f"{exc}\n", "503 Service Unavailable"
+                kind = "application/json" if path == "/json" else "text/plain"
                 data = body.encode()
                 writer.write(
                     f"HTTP/1.0 {code}\r\nContent-Type: {kind}; charset=utf-8\r\n"
@@ -208,15 +239,18 @@ class _Launcher:
                     + data
                 )
                 await writer.drain()
-            except (OSError, IndexError):
-                pass  # a client that left, or sent no request line
+            except (OSError, IndexError, TimeoutError, asyncio.IncompleteReadError):
+                pass  # a client that left, or sent no request
+            except asyncio.LimitOverrunError:
+                pass  # a request head of more than 64 KiB: not one of ours
             finally:
                 writer.close()
 
         assert cfg.status_port is not None
-        server = await asyncio.start_server(answer, host, cfg.status_port)
-        port = server.sockets[0].getsockname()[1]
-        logger.warning("live view of the ranks at http://%s:%d/ (JSON at /json)", host, port)
+        server = await asyncio.start_server(answer, cfg.status_host, cfg.status_port)
+        host, port = server.sockets[0].getsockname()[:2]
+        where = f"http://{host}:{port}/" + ("" if key is None else f"?key={key}")
+        logger.warning("live view of the ranks at %s (JSON at /json)", where)
         return server
 
     async def _attempts(self, coord: Coordinator) -> int:
@@ -339,9 +373,6 @@ class _Launcher:
             ROLE_NAME=cfg.role,
             ROLE_RANK=str(rank),
             ROLE_WORLD_SIZE=str(place.world_size),
-            MASTER_ADDR=cfg.master_addr,
-            MASTER_PORT=str(self._port),
-            TORCHELASTIC_USE_AGENT_STORE="True",
             TORCHELASTIC_RESTART_COUNT=str(restarts),
             TORCHELASTIC_MAX_RESTARTS=str(cfg.max_restarts),
             TORCHELASTIC_RUN_ID=cfg.run_id,
@@ -351,8 +382,22 @@ class _Launcher:
             AIODIST_RUN_ID=cfg.run_id,
             PYTHON_EXEC=sys.executable,
         )
+        if cfg.etcd_url is not None:
+            # The workers' store is the launchers' store in etcd (torch's TCPStore clients
+            # cannot use it: no MASTER_ADDR for them).
+            env["AIODIST_STORE_URL"] = cfg.etcd_url
+        else:
+            env.pop("AIODIST_STORE_URL", None)
+            env.update(
+                MASTER_ADDR=cfg.master_addr,
+                MASTER_PORT=str(self._port),
+                TORCHELASTIC_USE_AGENT_STORE="True",
+            )
         if cfg.status_port is not None:
             env["AIODIST_STATUS"] = "1"
+            if self._several:
+                # Node 0's launcher asks every rank: their endpoints listen where it reaches.
+                env.setdefault("AIODIST_STATUS_HOST", cfg.local_addr or self._local_addr or "")
         if cfg.virtual_local_rank:
             env.update(LOCAL_RANK="0", CUDA_VISIBLE_DEVICES=_own_device(local))
         if cfg.local_addr is not None:
@@ -372,11 +417,12 @@ class _Launcher:
             prefix=self._line_prefix(rank, local),
         )
 
-    @staticmethod
-    def _environment() -> dict[str, str]:
+    def _environment(self) -> dict[str, str]:
         """What every worker's environment starts from (and the ``--preload`` starter's)."""
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
+        if self._token is not None:  # (one from the environment is there already)
+            env.setdefault("AIODIST_AUTH_TOKEN", self._token.decode())
         return env
 
     def _line_prefix(self, rank: int, local: int) -> str:
@@ -585,6 +631,26 @@ class _Launcher:
             lines += ["    " + s for s in f.stderr_tail]
         lines += ["=" * 72, ""]
         return "\n".join(lines)
+
+
+def _job_secret(cfg: LaunchConfig) -> bytes | None:
+    """The job's secret: ``$AIODIST_AUTH_TOKEN``, else a new one for a job of one node. The
+    nodes of a job that spans several must share theirs; without one, the job runs open
+    (as torchrun's do), and this says so."""
+    token = resolve_token(None)
+    if token is not None:
+        return token
+    if cfg.nnodes == 1 and not cfg.elastic:
+        return secrets.token_hex(32).encode()
+    logger.warning(
+        "this job spans several nodes and has no secret: anyone who can reach the store at "
+        "%s:%d or a worker's port can read and change the job's keys, pose as a rank, and "
+        "send what the object collectives unpickle. Set AIODIST_AUTH_TOKEN to the same "
+        "secret on every node (python -c 'import secrets; print(secrets.token_hex(32))')",
+        cfg.master_addr,
+        cfg.master_port,
+    )
+    return None
 
 
 def _own_device(local: int) -> str:

@@ -11,6 +11,13 @@ Schemes, with torch's rules:
   exported as ``MASTER_ADDR``/``MASTER_PORT`` for the rest of the process to see.
 * ``tcp://host:port?rank=R&world_size=W``.
 * ``file:///abs/path?rank=R&world_size=W``: a :class:`~aiodist.FileStore` on that path.
+* ``etcd://host:port[,host:port...]/prefix?rank=R&world_size=W``: an
+  :class:`~aiodist.EtcdStore` under ``prefix`` in the etcd cluster of those members (tried
+  in that order). No rank hosts the store.
+
+``env://`` with ``AIODIST_STORE_URL`` set (``aiodist-run --rdzv-backend=etcd`` sets it) takes
+the rank and world size from the environment and the store from that URL instead of
+``MASTER_ADDR``/``MASTER_PORT``.
 
 ``env://`` and ``tcp://`` give a :class:`~aiodist.TCPStore`: rank 0 hosts it and the others
 connect, except under an agent that hosts the store itself (``TORCHELASTIC_USE_AGENT_STORE=True``)
@@ -29,13 +36,16 @@ from typing import Protocol
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 from ._auth import resolve_token
-from ._cluster import LOCAL_RANK_VARS, read_cluster_env
+from ._cluster import LOCAL_RANK_VARS, read_cluster_env, read_rank_and_world_size
 from ._timeouts import Timeout, to_seconds
 from .errors import DistUsageError
-from .store import FileStore, Store
+from .store import EtcdStore, FileStore, Store
+from .store._etcd_client import parse_endpoints
+from .store.etcd import DEFAULT_PREFIX
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "STORE_URL_ENV",
     "RendezvousHandler",
     "get_node_local_rank",
     "register_rendezvous_handler",
@@ -46,6 +56,8 @@ logger = logging.getLogger(__name__)
 
 #: The entry-point group third-party packages use to provide rendezvous schemes.
 ENTRY_POINT_GROUP = "aiodist.rendezvous"
+#: The variable that gives ``env://`` its store's URL (rank and world size left out).
+STORE_URL_ENV = "AIODIST_STORE_URL"
 
 
 class RendezvousHandler(Protocol):
@@ -243,6 +255,9 @@ async def _env_handler(
     query = dict(parse_qsl(urlsplit(url).query, keep_blank_values=True))
     rank = _query_int("env", query, "rank", "rank")
     world_size = _query_int("env", query, "world_size", "world size")
+    store_url = os.environ.get(STORE_URL_ENV)
+    if store_url:
+        return await _env_store_url(store_url, rank, world_size, timeout, auth_token)
     try:
         job = read_cluster_env(rank=rank, world_size=world_size)
     except DistUsageError as exc:
@@ -258,6 +273,34 @@ async def _env_handler(
         "env", host, port, job.rank.value, job.world_size.value, timeout, auth_token
     )
     return store, job.rank.value, job.world_size.value
+
+
+async def _env_store_url(
+    store_url: str,
+    rank: int | None,
+    world_size: int | None,
+    timeout: float | None,
+    auth_token: bytes | None,
+) -> tuple[Store, int, int]:
+    """``env://`` with ``$AIODIST_STORE_URL``: the store that URL names, the rank and world
+    size of the environment."""
+    try:
+        r, w = read_rank_and_world_size(rank=rank, world_size=world_size)
+    except DistUsageError as exc:
+        raise _error("env", str(exc)) from None
+    parts = urlsplit(store_url)
+    if not parts.scheme or parts.scheme.lower() == "env" or parts.query:
+        raise _error(
+            "env",
+            f"{STORE_URL_ENV}={store_url!r} must name a store, like etcd://host:port/prefix, "
+            "with no query",
+        )
+    logger.debug("env:// rendezvous: the store of %s=%s", STORE_URL_ENV, store_url)
+    merged = urlunsplit(parts._replace(query=urlencode({"rank": r.value, "world_size": w.value})))
+    handler = _find_handler(parts.scheme.lower())
+    if auth_token is not None:
+        return await handler(merged, timeout=timeout, auth_token=auth_token)
+    return await handler(merged, timeout=timeout)
 
 
 async def _tcp_handler(
@@ -294,9 +337,31 @@ async def _file_handler(
     return FileStore(path, world_size, timeout=timeout), rank, world_size
 
 
+async def _etcd_handler(
+    url: str, *, timeout: float | None, auth_token: bytes | None = None
+) -> tuple[Store, int, int]:
+    parts = urlsplit(url)
+    if not parts.netloc:
+        raise _error("etcd", f"expected etcd://host:port[,host:port...]/prefix, got {url!r}")
+    try:
+        endpoints = parse_endpoints(parts.netloc, "endpoints")
+    except DistUsageError as exc:
+        raise _error("etcd", str(exc)) from None
+    prefix = unquote(parts.path)
+    query = dict(parse_qsl(parts.query, keep_blank_values=True))
+    rank, world_size = _rank_and_size("etcd", query)
+    if auth_token is not None:
+        logger.info("etcd:// rendezvous: the auth token is not used (etcd has its own auth)")
+    store = await EtcdStore.create(
+        endpoints, prefix if prefix not in ("", "/") else DEFAULT_PREFIX, timeout
+    )
+    return store, rank, world_size
+
+
 register_rendezvous_handler("env", _env_handler)
 register_rendezvous_handler("tcp", _tcp_handler)
 register_rendezvous_handler("file", _file_handler)
+register_rendezvous_handler("etcd", _etcd_handler)
 
 
 def get_node_local_rank(fallback_rank: int | None = None) -> int:

@@ -50,6 +50,7 @@ from ._operations import OPERATIONS
 from ._ops import PremulSum, ReduceOp, make_premul_sum, reduce_op
 from ._recorder import DUMP_DIR_ENV, comm_name, record_comm
 from ._sync_stores import (
+    EtcdStore,
     FileStore,
     HashStore,
     PrefixStore,
@@ -83,6 +84,7 @@ __all__ = [
     "DistStoreTimeoutError",
     "DistTimeoutError",
     "DistUsageError",
+    "EtcdStore",
     "FileStore",
     "GroupMember",
     "HashStore",
@@ -495,7 +497,7 @@ def init_process_group(
     if store is not None and not isinstance(store, Store):
         raise DistUsageError(
             "init_process_group: store must be a blocking aiodist.sync store (TCPStore, "
-            f"FileStore, HashStore, PrefixStore), got {type(store).__name__}"
+            f"FileStore, HashStore, PrefixStore, EtcdStore), got {type(store).__name__}"
         )
     with _init_lock:
         if _group.peek_world() is not None:
@@ -534,7 +536,7 @@ def join_process_group(
     if store is not None and not isinstance(store, Store):
         raise DistUsageError(
             "join_process_group: store must be a blocking aiodist.sync store (TCPStore, "
-            f"FileStore, HashStore, PrefixStore), got {type(store).__name__}"
+            f"FileStore, HashStore, PrefixStore, EtcdStore), got {type(store).__name__}"
         )
     with _init_lock:
         if _group.peek_world() is not None:

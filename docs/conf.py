@@ -65,7 +65,7 @@ nitpick_ignore_regex = [
     (r"py:.*", r"aiodist(\.\w+)*\.T"),
     # Module-level type aliases, shown by name in signatures (``timeout: Timeout``); each
     # function's "Args" section says what the argument accepts.
-    (r"py:class", r"Timeout|Group|Op|Validate|Path|HostArray|Intake|DataPath"),
+    (r"py:class", r"Timeout|Group|Op|Validate|Path|Reject|HostArray|Intake|DataPath"),
     # Internal classes in the annotations of documented attributes (ProcessGroup.world,
     # ProcessGroup.paths).
     (r"py:class", r"aiodist\.group\.(World|DataPath)"),

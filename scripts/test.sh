@@ -15,10 +15,11 @@ if ! command -v ip >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/
   (apt-get update -qq && apt-get install -y -qq iproute2) >/dev/null
 fi
 # The cluster tests run the real launchers: SLURM (with munge), Open MPI's mpirun, MPICH's
-# mpiexec (tests/test_slurm.py, tests/test_mpirun.py).
+# mpiexec (tests/test_slurm.py, tests/test_mpirun.py); the etcd store's tests a real etcd
+# (tests/test_store_etcd.py).
 missing=()
 for tool in slurmctld:slurm-wlm slurmd:slurm-wlm srun:slurm-wlm munged:munge \
-  mpirun.openmpi:openmpi-bin mpiexec.mpich:mpich; do
+  mpirun.openmpi:openmpi-bin mpiexec.mpich:mpich etcd:etcd-server; do
   command -v "${tool%%:*}" >/dev/null || missing+=("${tool#*:}")
 done
 if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then

@@ -38,6 +38,27 @@ def bad_op(rank: int, size: int, bad: bool) -> tuple[list[Step], str]:
     return steps, "all_reduce: ReduceOp.BAND is not supported for dtype float32"
 
 
+def bad_op_among_premul(rank: int, size: int, bad: bool) -> tuple[list[Step], str]:
+    # The ranks that make no mistake pass a premultiplied sum: every variant of an
+    # operation takes the same place in the group's sequence (a turn in shared memory).
+    op = aiodist.ReduceOp.BAND if bad else aiodist.make_premul_sum(0.5)
+    steps = [("all_reduce", (np.ones(4, np.float32),), {"op": op})]
+    return steps, "all_reduce: ReduceOp.BAND is not supported for dtype float32"
+
+
+def read_only_premul(rank: int, size: int, bad: bool) -> tuple[list[Step], str]:
+    x = np.ones(4, np.float32)
+    x.flags.writeable = not bad
+    steps = [("all_reduce", (x,), {"op": aiodist.make_premul_sum(0.5)})]
+    return steps, "all_reduce: tensor is read-only, but the collective writes its result"
+
+
+def short_premul_reduce_scatter(rank: int, size: int, bad: bool) -> tuple[list[Step], str]:
+    ins = [np.ones(3) for _ in range(size - 1 if bad else size)]
+    steps = [("reduce_scatter", (np.zeros(3), ins), {"op": aiodist.make_premul_sum(2.0)})]
+    return steps, f"reduce_scatter: input_list has {size - 1} entries; it needs {size} arrays"
+
+
 def bad_root(rank: int, size: int, bad: bool) -> tuple[list[Step], str]:
     # One-sided, the rank naming a root outside the group is rank 0, the real root, so
     # every rank waits for it.
@@ -114,6 +135,9 @@ def different_new_group(rank: int, size: int, bad: bool) -> tuple[list[Step], st
 
 CASES: dict[str, Case] = {
     "bad_op": bad_op,
+    "bad_op_among_premul": bad_op_among_premul,
+    "read_only_premul": read_only_premul,
+    "short_premul_reduce_scatter": short_premul_reduce_scatter,
     "bad_root": bad_root,
     "mixed_list": mixed_list,
     "short_scatter_list": short_scatter_list,

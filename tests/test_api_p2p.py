@@ -138,3 +138,32 @@ async def test_recv_size_mismatch_fails_the_receive_only() -> None:
         assert x[0] == 3.0
 
     await run_world(fn, 2, timeout=20)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+async def test_a_rejected_send_takes_the_place_of_its_message_before_the_next_one(
+    transport: str,
+) -> None:
+    # Rank 0's first send on tag 5 is rejected, its second goes: rank 1's first receive
+    # fails, its second gets the data, whatever the transport (over shared memory the
+    # rejection used to be handed on after the next message had taken the first receive).
+    async def fn(rank: int, size: int) -> object:
+        if rank == 0:
+            with pytest.raises(aiodist.DistUsageError):
+                aiodist.isend([1, 2], dst=1, tag=5)  # not an array: rejected
+            await aiodist.isend(np.full(2, 42), dst=1, tag=5)
+            return None
+        first, second = np.zeros(2, np.int64), np.zeros(2, np.int64)
+        works = [aiodist.irecv(first, src=0, tag=5), aiodist.irecv(second, src=0, tag=5)]
+        outcomes = []
+        for work in works:
+            try:
+                await work
+                outcomes.append("ok")
+            except aiodist.DistUsageError as exc:
+                outcomes.append(str(exc))
+        return outcomes, second.tolist()
+
+    outcomes, second = (await run_world(fn, 2, transport=transport, timeout=20))[1]
+    assert outcomes[0].startswith("recv from rank 0 (tag 5): rank 0 rejected its send: send:")
+    assert outcomes[1] == "ok" and second == [42, 42]

@@ -282,8 +282,6 @@ VALUES_NOT_SUPPORTED: dict[tuple[str, str], str] = {
     # taken, but it needs a GPU to count
     **({("--nproc-per-node", "gpu"): "no GPU to count"} if not _cuda_devices()[0] else {}),
     ("--nproc-per-node", "xpu"): "is not valid",  # no XPU backend
-    ("--rdzv-backend", "etcd"): "invalid choice",  # node 0's store is the rendezvous
-    ("--rdzv-backend", "etcd-v2"): "invalid choice",
 }
 #: A value for each --rdzv-conf key, as torchrun's docs give them.
 _CONF_VALUE = {"is_host": "1", "store_type": "tcp"}

@@ -19,7 +19,7 @@ def shared(x: np.ndarray[Any, Any], group: ProcessGroup) -> bool:
     workspace: Any = group.paths.get("cpu")
     if workspace is None:
         return False
-    return _shared_array.locate(x, workspace.get().result()) is not None
+    return _shared_array.locate(x, workspace.ws) is not None
 
 
 @pytest.mark.both_loops
@@ -64,7 +64,7 @@ async def test_a_subgroup_gets_its_own_shared_arrays() -> None:
 def in_place(group: ProcessGroup) -> int:
     """How many collectives of ``group``'s workspace had inputs peers read in place."""
     workspace: Any = group.paths.get("cpu")
-    stats: int = workspace.get().result().statistics().in_place
+    stats: int = workspace.ws.statistics().in_place
     return stats
 
 

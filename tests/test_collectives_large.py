@@ -18,9 +18,8 @@ import numpy as np
 import pytest
 from collective_helpers import RUNNERS, Wrapped, run_on
 
-from aiodist import collectives as coll
+from aiodist import _wait, collectives as coll
 from aiodist._ops import ReduceOp
-from aiodist.collectives import _common
 from aiodist.collectives._common import READY_STEP, YIELD_BYTES, Dataflow, _tick_until
 from aiodist.transport.base import OpComm
 from aiodist.transport.local import LocalTransport
@@ -168,32 +167,35 @@ async def test_tick_until_polls_until_done_and_then_stops() -> None:
 
 
 def test_ranks_fit_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_common, "_usable_cpus", 4)
+    monkeypatch.setattr(_wait, "_usable_cpus", 4)
+    monkeypatch.setattr(_wait, "_runnable", (time.monotonic() + 60, 1))
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    assert _common.ranks_fit_cpus(4)
-    assert not _common.ranks_fit_cpus(5)
+    assert _wait.ranks_fit(_wait.local_ranks(4))
+    assert not _wait.ranks_fit(_wait.local_ranks(5))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    assert not _common.ranks_fit_cpus(2)  # other groups' ranks share the machine
+    assert not _wait.ranks_fit(_wait.local_ranks(2))  # other groups' ranks share the machine
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
-    assert _common.ranks_fit_cpus(2)
-    assert not _common.ranks_fit_cpus(5)  # a group larger than the variable says
+    assert _wait.ranks_fit(_wait.local_ranks(2))
+    assert _wait.AWAKE_BYTES is not None
+    assert _wait.may_stay_awake(2, _wait.AWAKE_BYTES)
+    assert not _wait.may_stay_awake(5, _wait.AWAKE_BYTES)  # a group larger than it says
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "two")
-    assert not _common.ranks_fit_cpus(2)
+    assert not _wait.ranks_fit(_wait.local_ranks(2))
 
 
 @pytest.mark.parametrize("cpus", [1, 64])
 async def test_stay_awake_only_for_large_transfers_on_free_cpus(
     monkeypatch: pytest.MonkeyPatch, cpus: int
 ) -> None:
-    monkeypatch.setattr(_common, "_usable_cpus", cpus)
-    monkeypatch.setattr(_common, "_runnable", (time.monotonic() + 60, 1))
+    monkeypatch.setattr(_wait, "_usable_cpus", cpus)
+    monkeypatch.setattr(_wait, "_runnable", (time.monotonic() + 60, 1))
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    assert _common.AWAKE_BYTES is not None
+    assert _wait.AWAKE_BYTES is not None
     world = LocalTransport.create_world(2)
     comm = OpComm(world[0], [0, 1], 0, 0, 0)
     small, large = Dataflow(0), Dataflow(0)
-    small.stay_awake(comm, _common.AWAKE_BYTES - 1)
-    large.stay_awake(comm, _common.AWAKE_BYTES)
+    small.stay_awake(comm, _wait.AWAKE_BYTES - 1)
+    large.stay_awake(comm, _wait.AWAKE_BYTES)
     assert not small._awake
     assert large._awake is (cpus >= 2)
     for t in world:
@@ -201,20 +203,20 @@ async def test_stay_awake_only_for_large_transfers_on_free_cpus(
 
 
 async def test_no_polling_beside_other_busy_threads(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_common, "_usable_cpus", 64)
+    monkeypatch.setattr(_wait, "_usable_cpus", 64)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    assert _common.runnable_threads() >= 1  # this thread, at least
-    assert _common.AWAKE_BYTES is not None
+    assert _wait.runnable_threads() >= 1  # this thread, at least
+    assert _wait.AWAKE_BYTES is not None
     world = LocalTransport.create_world(2)
     comm = OpComm(world[0], [0, 1], 0, 0, 0)
     # A reading that stays fresh: 100 threads want the 64 CPUs.
-    monkeypatch.setattr(_common, "_runnable", (time.monotonic() + 60, 100))
+    monkeypatch.setattr(_wait, "_runnable", (time.monotonic() + 60, 100))
     busy = Dataflow(0)
-    busy.stay_awake(comm, _common.AWAKE_BYTES)
+    busy.stay_awake(comm, _wait.AWAKE_BYTES)
     assert not busy._awake
-    monkeypatch.setattr(_common, "_runnable", (time.monotonic() + 60, 3))
+    monkeypatch.setattr(_wait, "_runnable", (time.monotonic() + 60, 3))
     quiet = Dataflow(0)
-    quiet.stay_awake(comm, _common.AWAKE_BYTES)
+    quiet.stay_awake(comm, _wait.AWAKE_BYTES)
     assert quiet._awake
     for t in world:
         await t.aclose()
@@ -226,8 +228,8 @@ async def test_large_operations_with_the_loop_kept_awake(
 ) -> None:
     """Two ranks over loopback TCP that fit the CPUs keep their loop awake; results against
     numpy."""
-    monkeypatch.setattr(_common, "_usable_cpus", 64)
-    monkeypatch.setattr(_common, "_runnable", (time.monotonic() + 60, 1))
+    monkeypatch.setattr(_wait, "_usable_cpus", 64)
+    monkeypatch.setattr(_wait, "_runnable", (time.monotonic() + 60, 1))
     n, count = 2, (1 << 20) // 8 + 3
     xs = [_block(r, 0, 2 * count) for r in range(n)]
     outs = [[np.zeros(count) for _ in range(n)] for _ in range(n)]

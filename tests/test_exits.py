@@ -294,12 +294,12 @@ def _three_ranks(
 _WORKSPACE_STRAGGLER = """
 import asyncio, json, sys, time
 import aiodist.sync as dist
-import aiodist.backends.cpu as cpu
+import aiodist.collectives.shm as shm
 rank, port = int(sys.argv[1]), sys.argv[2]
 if rank == 1:
-    async def never(self):  # this rank stops before it takes part in the workspace
+    async def never(*args, **kwargs):  # this rank stops before it takes part in the workspace
         await asyncio.Event().wait()
-    cpu._Workspace._create = never
+    shm.NodeWorkspace.create = never
 start = time.monotonic()
 try:
     dist.init_process_group("gloo", f"tcp://127.0.0.1:{port}", rank=rank, world_size=3, timeout=3)

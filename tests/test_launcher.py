@@ -331,7 +331,7 @@ def test_compatibility_flags_are_accepted() -> None:
     assert result.returncode == 0, result.stderr
     assert json.loads(by_rank(result.stdout)[0][0])["TORCHELASTIC_RUN_ID"] == "x"
     with pytest.raises(SystemExit):
-        get_args_parser().parse_args(["--rdzv-backend=etcd", "s.py"])
+        get_args_parser().parse_args(["--rdzv-backend=zookeeper", "s.py"])
 
 
 def test_standalone_picks_free_ports_concurrently() -> None:

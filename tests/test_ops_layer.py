@@ -194,15 +194,6 @@ class _RecordingPath:
     def __init__(self) -> None:
         self.events: list[str] = []
 
-    def covers(self, name: str) -> bool:
-        return False
-
-    def waiting_for(self) -> list[int]:
-        return []
-
-    async def skip(self, reason: str) -> None:
-        raise AssertionError("covers nothing: never asked to skip")
-
     def abort(self, cause: BaseException) -> None:
         self.events.append(f"abort: {cause}")
 

@@ -8,20 +8,61 @@ import contextlib
 import json
 import os
 import pickle
+import re
+import signal
+import socket
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import raw_peer
+from netns_helpers import IPV4, Hosts
+from numpy._core.multiarray import _reconstruct
 from raw_peer import HEADER, frame
+from store_attacks import (
+    VALIDATE,
+    ServerProcess,
+    closed_within,
+    idle_sockets,
+    torch_add,
+    torch_set_head,
+)
 
 import aiodist
-from aiodist import collectives
+import aiodist._assembly
+from aiodist import _serving_wire as serving_wire, collectives
+from aiodist._auth import derive_key
+from aiodist.collectives.shm_workspace import NodeWorkspace
+from aiodist.debug import gather_status
 from aiodist.group import Plan, resolve_group
+from aiodist.store import _server as store_server
+from aiodist.store._wire import (
+    AIODIST_MAGIC,
+    CLIENT_HELLO,
+    PROTOCOL_VERSION,
+    Op,
+    blob32,
+    encode_frame,
+)
 from aiodist.testing import free_port, run_world
+from aiodist.transport._shm_segment import (
+    SHM_DIR,
+    ProcessId,
+    Segment,
+    SharedMemoryError,
+    job_prefix,
+    open_checked,
+    peer_fd_path,
+    peer_path,
+    this_process,
+)
+from aiodist.transport._shm_signal import Bell
 from aiodist.transport.base import OpComm, PeerDirectory
 from aiodist.transport.tcp import TCPTransport
 
@@ -298,39 +339,16 @@ dist.init_process_group("gloo")
 x = np.array([dist.get_rank() + 1.0])
 dist.all_reduce(x)
 refused = ""
+token = os.environ["AIODIST_AUTH_TOKEN"]
 if dist.get_rank() == 0:
     os.environ.pop("AIODIST_AUTH_TOKEN")
     try:
         dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout=5)
     except aiodist.DistStoreError as exc:
         refused = str(exc)
-print(json.dumps({"sum": float(x[0]), "refused": refused}), flush=True)
+print(json.dumps({"sum": float(x[0]), "refused": refused, "token": token}), flush=True)
 dist.destroy_process_group()
 """
-
-
-@pytest.mark.multiprocess
-def test_launcher_passes_the_token_to_workers(tmp_path: Path) -> None:
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_"))}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    env["AIODIST_AUTH_TOKEN"] = "launcher secret"
-    result = subprocess.run(
-        [sys.executable, "-m", "aiodist.run", "--nproc-per-node=2", str(script)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env,
-    )
-    assert result.returncode == 0, result.stderr
-    lines = {}
-    for line in result.stdout.splitlines():
-        prefix, _, body = line.partition(": ")
-        lines[prefix] = json.loads(body)
-    assert lines["[rank0]"]["sum"] == lines["[rank1]"]["sum"] == 3.0
-    assert "requires authentication" in lines["[rank0]"]["refused"]
 
 
 SYNC_WORKER = """
@@ -373,3 +391,740 @@ def test_sync_init_process_group_takes_auth_token(tmp_path: Path) -> None:
     for p, (out, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err
         assert out.strip() == "3.0"
+
+
+# -- the store before authentication ---------------------------------------------------------
+SERVER_LOOPS = ["uvloop", "asyncio"]
+
+
+@pytest.mark.parametrize("server_loop", SERVER_LOOPS)
+def test_unauthenticated_torch_clients_cost_the_store_nothing(server_loop: str) -> None:
+    """4 torch-wire clients send VALIDATE, then a SET announcing 64 MiB, then 60 MiB of it
+    without ever authenticating: the server's memory stays put and it drops them at once."""
+    with ServerProcess(server_loop, TOKEN.decode()) as server:
+        base = server.memory()["VmRSS"]
+        start = time.monotonic()
+        socks = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(4)]
+
+        def attack(sock: socket.socket) -> None:
+            sock.settimeout(10)
+            chunk = bytes(1 << 20)
+            with contextlib.suppress(OSError):
+                sock.sendall(VALIDATE + torch_set_head(b"k", 64 << 20))
+                for _ in range(60):
+                    sock.sendall(chunk)
+
+        threads = [threading.Thread(target=attack, args=(s,)) for s in socks]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        closed = [closed_within(s, max(0.1, 10 - (time.monotonic() - start))) for s in socks]
+        grown = server.memory()["VmHWM"] - base
+        for s in socks:
+            s.close()
+    assert grown < 32 << 20, f"the server grew by {grown >> 20} MiB"
+    assert all(closed), f"still open after 10 s: {closed}"
+
+
+@pytest.mark.parametrize("server_loop", SERVER_LOOPS)
+@pytest.mark.parametrize(
+    "sources", [["127.0.0.1"], [f"127.0.0.{i}" for i in range(2, 12)]], ids=["one", "ten"]
+)
+def test_idle_connections_leave_a_client_served(server_loop: str, sources: list[str]) -> None:
+    """130 connections that never say a word, against a server that may open 128 files (from
+    one address: its cap per address; from ten: its descriptors run out), then a client with
+    the token: it is served, and the server neither spins nor floods its log."""
+    with ServerProcess(server_loop, TOKEN.decode(), nofile=128) as server:
+        cpu = server.cpu()
+        start = time.monotonic()
+        socks = idle_sockets(server.port, 130, sources)
+
+        async def client() -> bytes:
+            async with await aiodist.TCPStore.create(
+                "127.0.0.1", server.port, auth_token=TOKEN, timeout=20
+            ) as store:
+                await store.set("k", b"v")
+                return await store.get("k")
+
+        try:
+            got = asyncio.run(client())
+        finally:
+            for s in socks:
+                s.close()
+        elapsed = time.monotonic() - start
+        cpu = server.cpu() - cpu
+    assert got == b"v"
+    assert cpu < 0.5 * elapsed + 0.5, f"{cpu:.1f} s of CPU in {elapsed:.1f} s"
+    lines = server.stderr.count(b"\n")
+    assert lines < 100, f"{lines} lines of log:\n{server.stderr[-3000:].decode()}"
+
+
+async def test_a_silent_connection_is_closed_at_the_handshake_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(store_server, "HANDSHAKE_TIMEOUT", 0.5)
+    async with await aiodist.TCPStore.create(
+        "127.0.0.1", 0, is_master=True, auth_token=TOKEN, timeout=5
+    ) as store:
+        reader, writer = await asyncio.open_connection("127.0.0.1", store.port)
+        writer.write(b"AIOS")  # the start of a hello, and then nothing
+        start = time.monotonic()
+        assert await eof_or_reset(reader) == b""
+        assert time.monotonic() - start < 3
+        writer.close()
+        assert store.server is not None and store.server.num_clients == 1  # (its own client)
+
+
+async def test_handshakes_of_one_address_are_capped_the_oldest_goes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(store_server, "MIN_HANDSHAKES_PER_HOST", 4)
+    async with await aiodist.TCPStore.create(
+        "127.0.0.1", 0, is_master=True, auth_token=TOKEN, timeout=5
+    ) as store:
+        crowd = [
+            await asyncio.open_connection("127.0.0.1", store.port, local_addr=("127.0.0.2", 0))
+            for _ in range(6)
+        ]
+        other = await asyncio.open_connection("127.0.0.1", store.port, local_addr=("127.0.0.3", 0))
+        # The two oldest of 127.0.0.2 are closed at once; the rest, and 127.0.0.3's, wait.
+        for reader, _ in crowd[:2]:
+            assert await eof_or_reset(reader) == b""
+        for reader, _ in [*crowd[2:], other]:
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(reader.read(1), 0.3)
+        async with await aiodist.TCPStore.create(
+            "127.0.0.1", store.port, auth_token=TOKEN, timeout=5
+        ) as client:
+            await client.set("k", b"v")
+        for _, writer in [*crowd, other]:
+            writer.close()
+
+
+async def test_bytes_before_the_proof_close_an_aiodist_connection() -> None:
+    """A hello, then 1 MiB where the 32-byte proof should be: closed, nothing stored."""
+    async with await aiodist.TCPStore.create(
+        "127.0.0.1", 0, is_master=True, auth_token=TOKEN, timeout=5
+    ) as store:
+        reader, writer = await asyncio.open_connection("127.0.0.1", store.port)
+        hello = CLIENT_HELLO.pack(AIODIST_MAGIC, PROTOCOL_VERSION, bytes(32))
+        writer.write(hello + encode_frame(1, Op.SET, blob32(b"/k"), blob32(bytes(1 << 20))))
+        assert await eof_or_reset(reader) != b"\x00"
+        writer.close()
+        assert not await store.check(["k"])
+
+
+def _torch_wire_client(port: int, source: str, uid: int | None = None) -> str:
+    """Add to a key through a client speaking torch's wire, from ``source`` (with a socket
+    that user ``uid`` owns, if given); whether the server let it."""
+    if uid is not None:
+        os.seteuid(uid)  # (a socket belongs to whoever made it: the server looks it up)
+    try:
+        sock = socket.socket()
+    finally:
+        if uid is not None:
+            os.seteuid(0)
+    with sock:
+        sock.settimeout(5)
+        sock.bind((source, 0))
+        sock.connect(("127.0.0.1", port))
+        try:
+            sock.sendall(VALIDATE + torch_add(b"/n", 1))
+            got = sock.recv(8)
+        except ConnectionResetError:
+            got = b""
+    return "added" if len(got) == 8 else "refused"
+
+
+async def test_torch_clients_only_from_the_job_hosts_as_the_job_user() -> None:
+    """``allow_unauthenticated_torch="job_hosts"`` (what aiodist-run's store uses): a torch
+    client is let in from an address a client holding the token came from, and, on this
+    machine, only as this user; the others are refused at their first request."""
+    server = await aiodist.TCPStoreServer(
+        auth_token=TOKEN, allow_unauthenticated_torch="job_hosts"
+    ).start("127.0.0.1", 0)
+    try:
+        port = server.port
+        # Nobody with the token has come from 127.0.0.1 yet.
+        assert await asyncio.to_thread(_torch_wire_client, port, "127.0.0.1") == "refused"
+        async with await aiodist.TCPStore.create("127.0.0.1", port, auth_token=TOKEN) as store:
+            assert await asyncio.to_thread(_torch_wire_client, port, "127.0.0.1") == "added"
+            assert await store.add("n", 0) == 1
+            # Another address of this machine: no client with the token came from there.
+            assert await asyncio.to_thread(_torch_wire_client, port, "127.0.0.2") == "refused"
+            if os.geteuid() == 0:  # another user of this machine, from the job's address
+                other = await asyncio.to_thread(_torch_wire_client, port, "127.0.0.1", 65534)
+                assert other == "refused"
+            assert await store.add("n", 0) == 1
+    finally:
+        await server.aclose()
+
+
+def test_allow_unauthenticated_torch_takes_only_its_values() -> None:
+    with pytest.raises(
+        aiodist.DistUsageError,
+        match=r"allow_unauthenticated_torch must be False, True or 'job_hosts', got 'yes'",
+    ):
+        aiodist.TCPStoreServer(auth_token=TOKEN, allow_unauthenticated_torch="yes")  # type: ignore[arg-type]
+
+
+# -- a secret by default ---------------------------------------------------------------------
+def _run_launcher(script: Path, *args: str, env: dict[str, str]) -> dict[str, Any]:
+    """Run ``aiodist-run`` on ``script``; its workers' JSON lines by prefix, and stderr."""
+    result = subprocess.run(
+        [sys.executable, "-m", "aiodist.run", *args, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr
+    lines: dict[str, Any] = {"stderr": result.stderr}
+    for line in result.stdout.splitlines():
+        prefix, _, body = line.partition(": ")
+        lines[prefix] = json.loads(body)
+    return lines
+
+
+def _launcher_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_"))}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    env.pop("AIODIST_AUTH_TOKEN", None)
+    return {**env, **extra}
+
+
+@pytest.mark.multiprocess
+def test_launcher_passes_the_token_to_workers(tmp_path: Path) -> None:
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    env = _launcher_env(AIODIST_AUTH_TOKEN="launcher secret")
+    lines = _run_launcher(script, "--nproc-per-node=2", env=env)
+    assert lines["[rank0]"]["sum"] == lines["[rank1]"]["sum"] == 3.0
+    assert lines["[rank0]"]["token"] == "launcher secret"
+    assert "requires authentication" in lines["[rank0]"]["refused"]
+
+
+@pytest.mark.multiprocess
+def test_a_job_without_a_token_gets_one(tmp_path: Path) -> None:
+    """aiodist-run of one node makes a secret up: its store refuses a client without it,
+    and the workers' transport and stores prove it; the two workers share it."""
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    lines = _run_launcher(script, "--nproc-per-node=2", env=_launcher_env())
+    assert lines["[rank0]"]["sum"] == lines["[rank1]"]["sum"] == 3.0
+    token = lines["[rank0]"]["token"]
+    assert len(token) == 64 and int(token, 16) >= 0 and lines["[rank1]"]["token"] == token
+    assert "requires authentication" in lines["[rank0]"]["refused"]
+    assert "secret" not in lines["stderr"]  # (no warning: the job has one)
+
+
+@pytest.mark.multiprocess
+def test_a_job_on_several_nodes_without_a_token_is_told(tmp_path: Path) -> None:
+    script = tmp_path / "worker.py"
+    script.write_text("print('{}')\n")
+    port = free_port()
+    common = ["--nnodes=2", f"--master-port={port}", "--nproc-per-node=1"]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "aiodist.run", *common, f"--node-rank={n}", str(script)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_launcher_env(),
+        )
+        for n in (0, 1)
+    ]
+    errs = [p.communicate(timeout=90)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errs
+    for err in errs:
+        assert (
+            f"this job spans several nodes and has no secret: anyone who can reach the store "
+            f"at 127.0.0.1:{port}" in err
+        ), err
+        assert "Set AIODIST_AUTH_TOKEN to the same secret on every node" in err
+
+
+async def test_a_rank_listening_beyond_loopback_without_a_secret_is_told(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("AIODIST_HOST", "")  # every interface
+    monkeypatch.delenv("AIODIST_RUN_ID", raising=False)
+    monkeypatch.setattr(aiodist._assembly, "_warned_open", False)
+
+    async def world(token: str | None) -> None:
+        store = aiodist.HashStore(timeout=10)
+
+        async def rank_fn(rank: int) -> None:
+            aiodist.group.isolate_context()
+            await aiodist.init_process_group(
+                "cpu", store=store, rank=rank, world_size=2, timeout=20, auth_token=token
+            )
+            await aiodist.destroy_process_group()
+
+        await asyncio.gather(rank_fn(0), rank_fn(1))
+
+    await world("s3cret")
+    assert "without a secret" not in caplog.text
+    await world(None)
+    await world(None)
+    said = [r for r in caplog.records if "without a secret" in r.getMessage()]
+    assert len(said) == 1, caplog.text  # once per process
+    assert (
+        said[0]
+        .getMessage()
+        .startswith(
+            "this rank listens on every interface without a secret: anyone who can reach its "
+            "port or the store's can pose as a rank"
+        )
+    )
+
+
+_WAITING_WORKER = """
+import time
+import aiodist.sync as dist
+
+dist.init_process_group("gloo")
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+_INTRUDER = """
+import asyncio, json, os, socket, sys
+import aiodist
+
+host, port, view = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+seen = {}
+
+async def aiodist_client():
+    try:
+        async with await aiodist.TCPStore.create(host, port, timeout=5) as store:
+            return "in: " + ",".join(await store.list_keys())
+    except aiodist.DistError as exc:
+        return str(exc)
+
+seen["aiodist"] = asyncio.run(aiodist_client())
+with socket.create_connection((host, port), timeout=5) as s:  # torch's wire
+    s.sendall(bytes.fromhex(sys.argv[4]))
+    try:
+        seen["torch-wire"] = "in" if len(s.recv(8)) == 8 else "refused"
+    except ConnectionResetError:
+        seen["torch-wire"] = "refused"
+try:
+    import torch.distributed as td
+except ImportError:
+    pass
+else:
+    from datetime import timedelta
+    try:
+        td.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=5)).add("n", 1)
+        seen["torch"] = "in"
+    except Exception as exc:
+        seen["torch"] = type(exc).__name__
+try:
+    socket.create_connection((host, view), timeout=5).close()
+    seen["view"] = "in"
+except OSError as exc:
+    seen["view"] = type(exc).__name__
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.netns
+@pytest.mark.multiprocess
+def test_a_default_job_keeps_another_host_out(hosts: Hosts, tmp_path: Path) -> None:
+    """A job started as `aiodist-run --master-addr=<host 0>` with no secret set: from host 1,
+    neither an aiodist client, nor a client speaking torch's wire (nor torch's own), gets
+    into its store, and the live view is not even reachable."""
+    script = tmp_path / "worker.py"
+    script.write_text(_WAITING_WORKER)
+    port = free_port()
+    launcher = subprocess.Popen(
+        [*hosts.prefix(0), sys.executable, "-m", "aiodist.run", f"--master-addr={IPV4[0]}",
+         f"--master-port={port}", "--nproc-per-node=2", "--status-port=0", str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_launcher_env(),
+    )  # fmt: skip
+    try:
+        assert launcher.stderr is not None and launcher.stdout is not None
+        for line in launcher.stderr:
+            found = re.search(r"live view of the ranks at http://127\.0\.0\.1:(\d+)/", line)
+            if found:
+                break
+        else:
+            raise AssertionError("the launcher never said where its view is")
+        for _ in range(2):
+            assert launcher.stdout.readline().endswith("ready\n")
+        probe = VALIDATE + torch_add(b"/n", 1)
+        intruder = subprocess.run(
+            [*hosts.prefix(1), sys.executable, "-c", _INTRUDER, IPV4[0], str(port),
+             found.group(1), probe.hex()],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=_launcher_env(),
+        )  # fmt: skip
+        assert intruder.returncode == 0, intruder.stderr
+        seen = json.loads(intruder.stdout)
+        assert "requires authentication" in seen["aiodist"], seen
+        assert seen["torch-wire"] == "refused", seen
+        assert seen.get("torch", "DistNetworkError") != "in", seen
+        assert seen["view"] == "ConnectionRefusedError", seen
+    finally:
+        launcher.send_signal(signal.SIGINT)
+        launcher.communicate(timeout=60)
+
+
+# -- paths from the store --------------------------------------------------------------------
+JOB = "security-test-job"
+
+
+def _name(kind: str, rank: int, proc: ProcessId, nonce: str = "0123abcd") -> str:
+    return f"{SHM_DIR}/{job_prefix(JOB)}{kind}{rank}-{proc.pid}-{proc.start}-{nonce}"
+
+
+def test_a_peer_path_is_rebuilt_from_a_name_its_process_could_have_made() -> None:
+    me = this_process()
+    good = _name("w", 0, me)
+    assert peer_path(good, JOB, "w", 0, me) == good
+    for bad in [
+        "/etc/passwd",
+        f"{SHM_DIR}/../etc/passwd",
+        f"{SHM_DIR}/{job_prefix(JOB)}w0-{me.pid}-{me.start}-0123abcd/../../etc/passwd",
+        good.replace(SHM_DIR, "/tmp"),
+        good + "x",
+        _name("w", 0, me, "0123ABCD"),
+        _name("w", 1, me),  # another rank's
+        _name("wb", 0, me),  # another kind
+        _name("w", 0, ProcessId(me.pid + 1, me.start)),  # another process's
+        f"{SHM_DIR}/{job_prefix('another job')}w0-{me.pid}-{me.start}-0123abcd",
+        12,
+    ]:
+        with pytest.raises(SharedMemoryError, match="not a name its process could have made"):
+            peer_path(bad, JOB, "w", 0, me)
+
+
+@pytest.fixture
+def victim(tmp_path: Path) -> Iterator[Path]:
+    """A file of this user outside /dev/shm that an attacker wants a rank to write into."""
+    path = tmp_path / "victim"
+    path.write_bytes(b"precious" * 512)
+    yield path
+    assert path.read_bytes() == b"precious" * 512
+
+
+def test_peer_files_are_checked_before_and_once_open(victim: Path, tmp_path: Path) -> None:
+    me = this_process()
+    made: list[str] = []
+
+    def shm(kind: str) -> str:
+        made.append(_name(kind, 0, me, f"{len(made):08x}"))
+        return made[-1]
+
+    try:
+        link = shm("w")
+        os.symlink(victim, link)  # a valid name, pointing elsewhere
+        with pytest.raises(SharedMemoryError, match=r"is not a regular file; refusing it"):
+            Segment.attach(link, 4096)
+        with pytest.raises(SharedMemoryError, match=r"is not a FIFO; refusing it"):
+            Bell(link)
+        fifo = shm("w")
+        os.mkfifo(fifo, 0o600)
+        with pytest.raises(SharedMemoryError, match=r"is not a regular file; refusing it"):
+            Segment.attach(fifo, 4096)
+        plain = shm("wb")
+        Path(plain).write_bytes(bytes(4096))
+        with pytest.raises(SharedMemoryError, match=r"is not a FIFO; refusing it"):
+            Bell(plain)
+        with pytest.raises(SharedMemoryError, match=r"is 4096 bytes long, expected 8192"):
+            Segment.attach(plain, 8192)
+        if os.geteuid() == 0:
+            os.chown(plain, 65534, 65534)
+            with pytest.raises(SharedMemoryError, match=r"owned by user 65534, not by this"):
+                Segment.attach(plain, 4096)
+        # Through /proc: a descriptor of a file elsewhere is refused.
+        with open(victim, "rb") as f:
+            path = peer_fd_path(me, f.fileno())
+            with pytest.raises(SharedMemoryError, match=rf"{path} is not on {SHM_DIR}'s"):
+                open_checked(path, os.O_RDWR, size=4096)
+        with pytest.raises(SharedMemoryError, match="published '3' as a descriptor"):
+            peer_fd_path(me, "3")
+    finally:
+        for path in made:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
+@pytest.mark.parametrize("where", ["elsewhere", "symlink"])
+async def test_a_forged_workspace_record_maps_nothing(where: str, tmp_path: Path) -> None:
+    """Rank 1 sets up a workspace; "rank 0" is whoever wrote its record in the store,
+    pointing the segment at a file of ours (with the workspace's magic number in it, and
+    the size rank 1 expects), directly or through a symlink with a valid name. Rank 1
+    refuses it, and the file is untouched."""
+    store = aiodist.HashStore(timeout=10)
+    rank1 = asyncio.ensure_future(
+        NodeWorkspace.create(store, 1, 2, timeout=10, job_key=JOB, block_bytes=4096)
+    )
+    mine = json.loads(await store.get("shm/ws/1"))
+    me = this_process()
+    content = bytearray(mine["size"])
+    content[784:792] = b"AIODWS01"  # the magic number a workspace segment starts with
+    victim = tmp_path / "victim"
+    await asyncio.to_thread(victim.write_bytes, content)
+    seg = str(victim)
+    if where == "symlink":
+        seg = _name("w", 0, me)
+        os.symlink(victim, seg)
+    forged = {**mine, "pid": me.pid, "start": me.start, "seg": seg}
+    try:
+        await store.set("shm/ws/0", json.dumps(forged))
+        with pytest.raises(SharedMemoryError, match="refusing it"):
+            await asyncio.wait_for(rank1, 10)
+        assert await asyncio.to_thread(victim.read_bytes) == content
+    finally:
+        if where == "symlink":
+            os.unlink(seg)
+
+
+# -- the status endpoints ----------------------------------------------------------------------
+_ENDPOINT = """
+import asyncio, json, sys, urllib.error, urllib.request
+from aiodist._status import STATUS_KEY, register_status
+from aiodist.store import HashStore
+
+async def main():
+    store = HashStore()
+    await register_status(store, 0, sys.argv[1].encode())
+    entry = (await store.get(STATUS_KEY)).decode()
+    address = entry.split("=", 1)[1].split("#")[0]
+    answers = {}
+    for name, url, headers in [
+        ("none", "/status", {}),
+        ("wrong", "/status", {"Authorization": "Bearer " + "0" * 64}),
+        ("bearer", "/status", {"Authorization": "Bearer " + sys.argv[2]}),
+        ("query", "/status?key=" + sys.argv[2], {}),
+    ]:
+        request = urllib.request.Request(f"http://{address}{url}", headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=10) as reply:
+                answers[name] = reply.status
+        except urllib.error.HTTPError as exc:
+            answers[name] = exc.code
+    print(json.dumps([entry, answers]))
+
+asyncio.run(main())
+"""
+
+
+def test_a_status_endpoint_listens_on_loopback_and_wants_the_key() -> None:
+    key = derive_key(TOKEN, "status")
+    proc = subprocess.run(
+        [sys.executable, "-c", _ENDPOINT, TOKEN.decode(), key],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={k: v for k, v in os.environ.items() if not k.startswith("AIODIST_")},
+    )
+    assert proc.returncode == 0, proc.stderr
+    entry, answers = json.loads(proc.stdout)
+    assert re.fullmatch(r"0=127\.0\.0\.1:\d+#[0-9a-f]{32},", entry), entry
+    assert answers == {"none": 401, "wrong": 401, "bearer": 200, "query": 200}
+
+
+async def _job_with_entries(entries: str, size: int) -> aiodist.Store:
+    store = aiodist.HashStore(timeout=5)
+    job = aiodist._assembly.job_store(store, "")
+    await job.set("current", f"somewhere|{size}")
+    await job.set("status", entries)
+    return store
+
+
+async def test_the_view_asks_only_endpoints_signed_with_the_secret() -> None:
+    """Whoever writes the store records "endpoints" of their own for ranks 0 and 1: the
+    view does not ask them (it would send them the key), and says why."""
+    asked: list[bytes] = []
+
+    async def trap(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        asked.append(await reader.read(1000))
+        writer.close()
+
+    server = await asyncio.start_server(trap, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        forged = f"0=127.0.0.1:{port},1=127.0.0.1:{port}#{'0' * 32},"
+        store = await _job_with_entries(forged, 2)
+        entries = await gather_status(store, auth_token=TOKEN, timeout=1)
+        assert [e["error"] for e in entries] == [
+            "its recorded endpoint is not signed with the job's secret: not asked"
+        ] * 2
+        assert asked == []
+    finally:
+        server.close()
+
+
+async def test_without_a_secret_the_view_asks_only_this_machine() -> None:
+    asked: list[bytes] = []
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        asked.append(await reader.readuntil(b"\r\n\r\n"))
+        writer.write(b"HTTP/1.0 200 OK\r\n\r\n" + json.dumps({"ranks": []}).encode())
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        store = await _job_with_entries(f"0=192.0.2.1:80,1=127.0.0.1:{port},", 2)
+        entries = await gather_status(store, timeout=1)
+        assert entries[0] == {
+            "rank": 0,
+            "error": "its recorded endpoint is not on this machine, and without the job's "
+            "secret (AIODIST_AUTH_TOKEN) nothing in the store can be trusted: not asked",
+        }
+        assert entries[1]["status"] == {"ranks": []}
+        assert len(asked) == 1 and b"Authorization" not in asked[0]
+    finally:
+        server.close()
+
+
+# -- sizes an authenticated peer can ask for ------------------------------------------------------
+class Call:
+    """Pickles as a call of ``func`` with ``args`` (and ``state`` set on the result)."""
+
+    def __init__(self, func: Any, args: tuple[Any, ...], state: Any = None) -> None:
+        self.func, self.args, self.state = func, args, state
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (self.func, self.args) if self.state is None else (self.func, self.args, self.state)
+
+
+_MIB = bytes(1 << 20)
+_OVER = "the pickle asks for more memory"
+GREEDY = {
+    "bytearray": (Call(bytearray, (1 << 40,)), f"{_OVER} (bytearray of 1099511627776)"),
+    # One MiB in the pickle, copied 64 times through its memo.
+    "copies": ([Call(bytearray, (_MIB,)) for _ in range(64)], f"{_OVER} (bytearray of 1048576)"),
+    "set": (Call(set, (range(2_000_000),)), f"{_OVER} (set of 2000000)"),
+    "array": (
+        Call(_reconstruct, (np.ndarray, (1 << 40,), b"b")),
+        f"{_OVER} (_reconstruct of 1099511627776)",
+    ),
+    "array-copies": (
+        [
+            Call(
+                _reconstruct, (np.ndarray, (0,), b"b"), (1, (1 << 20,), np.dtype("u1"), False, _MIB)
+            )
+            for _ in range(64)
+        ],
+        f"{_OVER} (an array of 1048576)",
+    ),
+    "ndarray": (Call(np.ndarray, ((1 << 40,),)), "weights_only=True does not call numpy.ndarray"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(GREEDY))
+async def test_weights_only_allocates_no_more_than_the_pickle_holds(kind: str) -> None:
+    obj, why = GREEDY[kind]
+
+    async def fn(rank: int, size: int) -> None:
+        objects: list[Any] = [obj] if rank == 0 else [None]
+        if rank == 0:
+            await aiodist.broadcast_object_list(objects, src=0, weights_only=True)
+            return
+        with pytest.raises(aiodist.DistError) as refused:
+            await aiodist.broadcast_object_list(objects, src=0, weights_only=True)
+        assert str(refused.value).startswith(
+            f"object_list[0]: received bytes did not unpickle: weights_only=True: {why}"
+            if why.startswith(_OVER)
+            else f"object_list[0]: received bytes did not unpickle: {why}"
+        ), str(refused.value)
+
+    await run_world(fn, 2, timeout=30)
+
+
+@pytest.mark.parametrize(
+    ("specs", "message"),
+    [
+        ([["|O", [4]]], r"bad array spec in a serving header: \['\|O', \[4\]\]: the array has "
+         r"unsupported dtype object"),
+        ([["<U8", [4]]], r"the array has unsupported dtype <U8"),
+        ([["|V8", [4]]], r"the array has unsupported dtype \|V8"),
+        ([["<f8", [1 << 31, 8]]], r"announces arrays of 137438953472 bytes in all, more than "
+         r"the limit of 17179869184"),
+        ([["<f4", [1 << 30]]] * 17, r"announces arrays of 73014444032 bytes in all"),
+        ([["<f4", [1]]] * 257, r"not a list of at most 256 array specs"),
+        ([["<f4", [-1]]], r"shape \(-1,\)"),
+        ([["<f4", "12"]], r"the shape is not a list"),
+    ],
+)  # fmt: skip
+def test_a_serving_header_asks_for_numeric_arrays_of_bounded_size(
+    specs: list[Any], message: str
+) -> None:
+    with pytest.raises(aiodist.DistProtocolError, match=message):
+        serving_wire.new_arrays(specs)
+    with pytest.raises(aiodist.DistProtocolError, match=message):
+        serving_wire.unpack(np.zeros(0, np.uint8), specs)
+
+
+async def test_a_client_dropped_during_its_handshake_tries_again() -> None:
+    """The server closed this client's first connection (out of descriptors, say): it
+    connects again, within its timeout, and is served."""
+    async with await aiodist.TCPStore.create(
+        "127.0.0.1", 0, is_master=True, auth_token=TOKEN, timeout=5
+    ) as store:
+        connections = 0
+        relayed = asyncio.Event()
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            while data := await src.read(65536):
+                dst.write(data)
+            dst.close()
+
+        async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal connections
+            connections += 1
+            if connections == 1:
+                await reader.read(1)  # the first bytes of the handshake, then gone
+            else:
+                up_reader, up_writer = await asyncio.open_connection("127.0.0.1", store.port)
+                await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+                await up_writer.wait_closed()
+                relayed.set()
+            writer.close()
+            await writer.wait_closed()
+
+        relay_server = await asyncio.start_server(relay, "127.0.0.1", 0)
+        port = relay_server.sockets[0].getsockname()[1]
+        async with await aiodist.TCPStore.create(
+            "127.0.0.1", port, auth_token=TOKEN, timeout=5
+        ) as client:
+            await client.set("k", b"v")
+        await asyncio.wait_for(relayed.wait(), 5)
+        relay_server.close()
+        await relay_server.wait_closed()
+        assert connections == 2 and await store.get("k") == b"v"
+
+
+def _listen_backlog(port: int) -> int:
+    """The backlog of the socket listening on ``port`` (``ss``, of iproute2: its send queue)."""
+    out = subprocess.run(
+        ["ss", "-ltnH", f"sport = :{port}"], capture_output=True, text=True, check=True
+    ).stdout.split()
+    return int(out[2])
+
+
+def _somaxconn() -> int:
+    return int(Path("/proc/sys/net/core/somaxconn").read_text())
+
+
+@pytest.mark.parametrize(("expected", "backlog"), [(None, 1024), (3000, 6000)])
+async def test_the_listen_backlog_is_sized_to_the_clients_expected(
+    expected: int | None, backlog: int
+) -> None:
+    server = await aiodist.TCPStoreServer(expected_clients=expected).start("127.0.0.1", 0)
+    try:
+        assert _listen_backlog(server.port) == min(backlog, _somaxconn())
+    finally:
+        await server.aclose()

@@ -24,6 +24,7 @@ from aiodist import _shared_array
 from aiodist._ops import ReduceOp
 from aiodist.collectives import shm
 from aiodist.collectives.shm import NodeWorkspace
+from aiodist.collectives.shm_workspace import workspace_bytes
 from aiodist.store import FileStore, HashStore
 from aiodist.testing import start_world_processes
 from aiodist.transport.shm import ShmTransport
@@ -207,7 +208,9 @@ def test_a_full_dev_shm_is_a_clear_error_not_a_sigbus() -> None:
     )
     assert "it is full" in transport and "bytes are free" in transport
     assert "fall back to TCP (AIODIST_SHM=0)" in transport
-    assert errors["workspace"].startswith("cannot reserve 4202496 bytes of shared memory")
+    assert errors["workspace"].startswith(
+        f"cannot reserve {workspace_bytes(2)} bytes of shared memory"
+    )
     assert errors["array"].startswith(
         "cannot reserve 4194304 bytes of shared memory in /dev/shm for a shared array of "
         "4194304 bytes: it is full"
@@ -247,6 +250,10 @@ _WORLD_ON_THIS_HOST = textwrap.dedent(
 )
 
 
+#: Bytes of ring buffers the shared-memory transport of 4 ranks reserves on their host.
+_RINGS_OF_4 = 50348032
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("size", "fits"), [(2, True), (4, False)])
 def test_a_dev_shm_too_small_for_the_host_falls_back_to_tcp(
@@ -274,7 +281,8 @@ def test_a_dev_shm_too_small_for_the_host_falls_back_to_tcp(
         assert kind == "TCPTransport", (rank, kind)
         assert len(said) == 1 and re.fullmatch(
             rf"rank {rank}: ranks \[0, 1, 2, 3\] talk over TCP: /dev/shm has \d+ bytes free, "
-            r"but the 4 ranks of this host would reserve 58753024 there; enlarge it \(docker: "
+            rf"but the 4 ranks of this host would reserve {_RINGS_OF_4 + workspace_bytes(4)} "
+            r"there; enlarge it \(docker: "
             r"--shm-size\) for shared memory",
             said[0],
         ), said

@@ -142,15 +142,20 @@ def test_the_launcher_serves_the_view(tmp_path: Path) -> None:
     try:
         assert launcher.stderr is not None
         for line in launcher.stderr:
-            found = re.search(r"live view of the ranks at (http://127\.0\.0\.1:\d+/)", line)
+            found = re.search(
+                r"live view of the ranks at (http://127\.0\.0\.1:\d+/)\?key=([0-9a-f]{64})", line
+            )
             if found:
                 break
         else:
             raise AssertionError("the launcher never said where its view is")
-        url = found.group(1)
+        url, key = found.group(1), found.group(2)
+        # The job has a secret (the launcher made one up): no key, no view.
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            urllib.request.urlopen(url, timeout=30)
         for _ in range(100):
             try:
-                with urllib.request.urlopen(url, timeout=30) as reply:
+                with urllib.request.urlopen(f"{url}?key={key}", timeout=30) as reply:
                     view = reply.read().decode()
             except urllib.error.HTTPError as exc:
                 # 503 until the world has formed, saying so.
@@ -161,7 +166,7 @@ def test_the_launcher_serves_the_view(tmp_path: Path) -> None:
             time.sleep(0.1)
         assert re.search(r"^rank 2 \(pid \d+, .*\): no operation in flight", view, re.M), view
         assert "in stuck_in_user_code" in view, view
-        with urllib.request.urlopen(url + "json", timeout=30) as reply:
+        with urllib.request.urlopen(f"{url}json?key={key}", timeout=30) as reply:
             entries = json.loads(reply.read())
         assert [e["rank"] for e in entries] == [0, 1, 2]
         assert [len(e["status"]["ranks"][0]["in_flight"]) for e in entries] == [1, 1, 0]
@@ -177,7 +182,7 @@ from aiodist.store import HashStore
 
 async def main():
     store = HashStore()
-    await register_status(store, 3, "")  # as with MASTER_ADDR on another host
+    await register_status(store, 3, None)  # AIODIST_STATUS_HOST="": every interface
     entry = (await store.get(STATUS_KEY)).decode()
     port = int(entry.rsplit(":", 1)[1].rstrip(","))
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=10) as reply:
@@ -191,7 +196,11 @@ asyncio.run(main())
 def test_an_endpoint_on_every_interface_is_recorded_under_the_host_name() -> None:
     # (A process of its own: the endpoint is started once per process.)
     proc = subprocess.run(
-        [sys.executable, "-c", _WILDCARD], capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", _WILDCARD],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "AIODIST_STATUS_HOST": ""},
     )
     assert proc.returncode == 0, proc.stderr
     entry, hostname, port, answered = json.loads(proc.stdout)

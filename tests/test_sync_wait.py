@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import aiodist.sync as dist
-from aiodist import _loop_thread
+from aiodist import _loop_thread, _wait
 from aiodist.errors import DistError, DistUsageError
 
 
@@ -53,7 +53,7 @@ def test_wait_raises_the_failure_and_honours_the_timeout(monkeypatch: pytest.Mon
 
 
 def test_may_spin_counts_the_ranks_of_this_machine(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_loop_thread, "_usable_cpus", 2)
+    monkeypatch.setattr(_wait, "_usable_cpus", 2)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert _loop_thread.may_spin()
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")

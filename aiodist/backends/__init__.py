@@ -25,13 +25,15 @@ import numpy as np
 from .._arrays import CUDA_INSTALL_HINT
 from .._operations import OPERATIONS, Call, Intake
 from .._shared_array import check as check_shape_and_dtype
+from .._work import Plan, rejected_on_transport
 from ..errors import DistUsageError
 
 if TYPE_CHECKING:
-    from ..group import Plan, ProcessGroup
+    from ..group import ProcessGroup
 
 __all__ = [
     "Backend",
+    "Reject",
     "available",
     "device_of",
     "is_backend_available",
@@ -39,6 +41,8 @@ __all__ = [
     "parse_backend",
     "plan",
     "register_backend",
+    "reject",
+    "rejected_on_transport",
     "setup",
 ]
 
@@ -48,6 +52,10 @@ logger = logging.getLogger(__name__)
 Validate = Callable[..., "Plan"]
 #: ``path(group, call) -> Plan``: runs one algorithm's checked calls on a backend's data path.
 Path = Callable[["ProcessGroup", Call], "Plan"]
+#: ``reject(group, algorithm, error, tell) -> Plan``: the plan of a rejected call of an
+#: operation that runs ``algorithm`` (``None``: not an operation of the table); see
+#: :func:`reject`.
+Reject = Callable[["ProcessGroup", str | None, BaseException, bool], "Plan"]
 
 # DLPack device types (dlpack.h, DLDeviceType): host memory, and CUDA device memory.
 HostArray = np.ndarray[Any, np.dtype[Any]]
@@ -68,6 +76,9 @@ class Backend:
         empty: ``empty(group, shape, dtype, zeroed)``: an array that this backend's
             collectives of ``group`` read in place (:func:`aiodist.empty`); ``None``:
             ordinary arrays.
+        reject: the plan of a rejected call (``Reject``: see ``aiodist.backends.reject``); by default
+            the peers are told over the transport, for a backend whose paths keep no order
+            of their own.
     """
 
     def __init__(
@@ -78,6 +89,7 @@ class Backend:
         setup: Callable[[ProcessGroup], Awaitable[None]] | None = None,
         empty: Callable[[ProcessGroup, tuple[int, ...], np.dtype[Any], bool], HostArray]
         | None = None,
+        reject: Reject | None = None,
     ) -> None:
         self.name = name
         self.device = device
@@ -85,6 +97,7 @@ class Backend:
         #: Awaited once per group, collectively, before its first operation.
         self.setup = setup
         self.empty = empty
+        self.reject: Reject = reject or rejected_on_transport
 
     def __repr__(self) -> str:
         return f"<Backend {self.name} device={self.device} ops={len(self.ops)}>"
@@ -99,13 +112,14 @@ class Backend:
         setup: Callable[[ProcessGroup], Awaitable[None]] | None = None,
         empty: Callable[[ProcessGroup, tuple[int, ...], np.dtype[Any], bool], HostArray]
         | None = None,
+        reject: Reject | None = None,
     ) -> Backend:
         """A backend made of an array intake and a data path per algorithm.
 
         Its table holds every operation whose algorithm has a path in ``paths``: a call is
         checked by the operation (with ``intake``), then planned by the path.
         """
-        backend = cls(name, device, setup=setup, empty=empty)
+        backend = cls(name, device, setup=setup, empty=empty, reject=reject)
         for operation in OPERATIONS.values():
             path = paths.get(operation.algorithm)
             if path is not None:
@@ -392,3 +406,24 @@ def plan(group: ProcessGroup, op: str, args: tuple[Any, ...]) -> Plan:
     if validate is None:
         raise DistUsageError(f"{op}: the {name!r} backend does not implement it")
     return validate(group, *args)
+
+
+def reject(group: ProcessGroup, op: str, error: BaseException, tell: bool) -> Plan:
+    """The plan that takes the place of a call of ``op`` that ``group`` rejects.
+
+    Its place on the group's data path is the one an accepted call of ``op`` would take,
+    whatever the call's arguments were, so the ranks' sequences stay the same; it tells the
+    peers why when ``tell`` (this rank rejected the call; otherwise a peer did, and the
+    peers know), then fails with ``error``, marked as failing this operation only. The
+    group's backend decides (a group served by several backends: its CPU one, whose paths
+    then keep no order of their own).
+    """
+    served = group.backends
+    name = next(iter(served.values())) if len(served) == 1 else served.get("cpu")
+    if name is None:
+        return rejected_on_transport(group, None, error, tell)
+    backend = _registry.get(name)
+    if not isinstance(backend, Backend):
+        backend = load(name)
+    spec = OPERATIONS.get(op)
+    return backend.reject(group, None if spec is None else spec.algorithm, error, tell)

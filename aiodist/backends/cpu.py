@@ -12,9 +12,9 @@ Object collectives, barriers and point to point run here for every backend.
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import numpy as np
@@ -23,14 +23,15 @@ import numpy.typing as npt
 from .. import _shared_array, collectives
 from .._arrays import as_array, byte_view
 from .._environment import turned_off
-from .._operations import OPERATIONS, Call
+from .._operations import Call
 from .._ops import ReduceOp
+from .._work import rejected_on_transport
 from ..collectives import objects, shm, two_level
 from ..collectives.two_level import HostPlan
 from ..group import Plan, ProcessGroup
 from ..store import PrefixStore
 from ..transport._shm_segment import SharedMemoryError
-from ..transport.base import OpComm
+from ..transport.base import OpComm, fails_alone, rejection_text
 from ..transport.shm import default_job_key
 from . import Backend, Path
 
@@ -46,14 +47,23 @@ Array = npt.NDArray[Any]
 async def _setup(group: ProcessGroup) -> None:
     # A group whose ranks all share memory, served by this backend alone, runs its
     # collectives in a shared-memory workspace: the direct algorithms of collectives.shm.
-    # (With a second backend a rank whose call was rejected could not tell whether its
-    # peers took a turn in the workspace.)
+    # (With a second backend, which one a rejected call belonged to may not be known, and
+    # so whether its place was a turn in the workspace.)
     transport = group.world.transport
     local = transport.local_ranks
     if group.size > 1 and len(group.backends) == 1 and set(group.ranks) <= set(local):
-        workspace = _Workspace(group, len(local))
-        await workspace.get()
-        group.paths[_NAME] = workspace
+        # Within the group's own timeout (init_process_group's, new_group's): a rank that
+        # never comes must not hold the others for the workspace's default 300 s.
+        ws = await shm.NodeWorkspace.create(
+            PrefixStore(f"shm/ws/{group.group_id}", group.world.store),
+            group.rank,
+            group.size,
+            ranks=group.ranks,
+            local_world_size=len(local),
+            job_key=default_job_key(),
+            timeout=group.timeout,
+        )
+        group.paths[_NAME] = _Workspace(ws)
         return
     # A group over several hosts, with several of its ranks on some, works in two levels.
     plan = HostPlan.of_group(transport.hosts, group.ranks, group.rank)
@@ -61,93 +71,24 @@ async def _setup(group: ProcessGroup) -> None:
         group.paths[_NAME] = _TwoLevel(plan)
 
 
-_Turn = tuple["asyncio.Future[None] | None", "asyncio.Future[None]"]
-
-
 class _Workspace:
-    """A group's shared-memory workspace, created when the group is set up (its
-    :class:`~aiodist.group.DataPath`, which keeps the order of the group's operations).
+    """A group's shared-memory workspace (its :class:`~aiodist.group.DataPath`).
 
-    Turns are reserved when operations are issued (in issue order, the same on every rank),
-    and each enters the workspace only after the one before it did: the order in which
-    their tasks happen to wake up does not matter.
+    Every operation whose algorithm has a direct twin (:data:`_DIRECT`) takes a turn in it,
+    whatever its arguments, rejected or not: the turns are the same on every rank.
     """
 
-    def __init__(self, group: ProcessGroup, local_world_size: int) -> None:
-        self._group = group
-        self._local_world_size = local_world_size
-        self._ready: asyncio.Future[shm.NodeWorkspace] | None = None
-        self._last: asyncio.Future[None] | None = None
-
-    def reserve(self) -> _Turn:
-        """Reserve the next turn: ``(the previous turn's entry, this turn's entry)``."""
-        previous, self._last = self._last, asyncio.get_running_loop().create_future()
-        return previous, self._last
-
-    async def enter(self, turn: _Turn) -> shm.NodeWorkspace:
-        """Wait for the previous turn to have entered; return the workspace.
-
-        The caller must enter the workspace (call an algorithm of ``collectives.shm``) right
-        after this returns, before it awaits anything else.
-        """
-        previous, mine = turn
-        try:
-            if previous is not None:
-                await previous
-            return await self.get()
-        finally:
-            # The next turn may line up now: this one is next in the workspace's order.
-            mine.set_result(None)
+    def __init__(self, ws: shm.NodeWorkspace) -> None:
+        self.ws = ws
 
     def __repr__(self) -> str:
-        return f"<shared-memory workspace of {self._group!r}>"
-
-    def covers(self, name: str) -> bool:
-        return name in _DIRECT_OPS
-
-    def waiting_for(self) -> list[int]:
-        ready = self._ready
-        if ready is None or not ready.done() or ready.exception() is not None:
-            return []
-        return ready.result().waiting_for()
-
-    def get(self) -> asyncio.Future[shm.NodeWorkspace]:
-        """The workspace; its creation (collective over the group) starts at the first call."""
-        if self._ready is None:
-            self._ready = asyncio.ensure_future(self._create())
-        return self._ready
-
-    async def _create(self) -> shm.NodeWorkspace:
-        group = self._group
-        # Within the group's own timeout (init_process_group's, new_group's): a rank that
-        # never comes must not hold the others for the workspace's default 300 s.
-        return await shm.NodeWorkspace.create(
-            PrefixStore(f"shm/ws/{group.group_id}", group.world.store),
-            group.rank,
-            group.size,
-            ranks=group.ranks,
-            local_world_size=self._local_world_size,
-            job_key=default_job_key(),
-            timeout=group.timeout,
-        )
-
-    def skip(self, reason: str) -> Coroutine[Any, Any, None]:
-        return self._skip(self.reserve(), reason)
-
-    async def _skip(self, turn: _Turn, reason: str) -> None:
-        await shm.skip(await self.enter(turn), reason)
+        return f"<shared-memory workspace {self.ws!r}>"
 
     def abort(self, cause: BaseException) -> None:
-        ready = self._ready
-        if ready is not None and ready.done() and not ready.cancelled() and not ready.exception():
-            ready.result().abort(cause)
+        self.ws.abort(cause)
 
     async def aclose(self) -> None:
-        if self._ready is not None and not self._ready.cancelled():
-            if self._ready.done() and self._ready.exception() is None:
-                await self._ready.result().aclose()
-            else:
-                self._ready.cancel()
+        await self.ws.aclose()
 
 
 class _TwoLevel:
@@ -160,15 +101,6 @@ class _TwoLevel:
 
     def __repr__(self) -> str:
         return f"<two levels: {self.plan!r}>"
-
-    def covers(self, name: str) -> bool:
-        return False
-
-    def waiting_for(self) -> list[int]:
-        return []
-
-    async def skip(self, reason: str) -> None:
-        return None
 
     def abort(self, cause: BaseException) -> None:
         return None
@@ -186,15 +118,12 @@ def _hosts(group: ProcessGroup) -> HostPlan | None:
 def _empty(group: ProcessGroup, dims: tuple[int, ...], dt: np.dtype[Any], zeroed: bool) -> Array:
     # In shared memory when the group has a workspace (its ranks all share this host);
     # a /dev/shm that cannot hold it is logged and gives an ordinary array.
-    ws = group.paths.get(_NAME)
-    ready = ws.get() if isinstance(ws, _Workspace) else None
-    if ready is not None and ready.done() and not ready.cancelled() and not ready.exception():
-        workspace = ready.result()
-        if not workspace.closed:
-            try:
-                return _shared_array.empty(dims, dt, workspace)
-            except SharedMemoryError as exc:
-                logger.warning("%s; using an ordinary array", exc)
+    path = group.paths.get(_NAME)
+    if isinstance(path, _Workspace) and not path.ws.closed:
+        try:
+            return _shared_array.empty(dims, dt, path.ws)
+        except SharedMemoryError as exc:
+            logger.warning("%s; using an ordinary array", exc)
     return np.zeros(dims, dt) if zeroed else np.empty(dims, dt)
 
 
@@ -208,82 +137,101 @@ def on_transport(algorithm: Callable[..., Coroutine[Any, Any, Any]]) -> Path:
     return path
 
 
-def _direct(group: ProcessGroup, call: Call, algorithm: str, args: tuple[Any, ...]) -> Plan:
-    """``algorithm(*args)`` over the transport: its direct twin in the group's
-    shared-memory workspace when the group has one, its two-level twin when the group
-    spreads over hosts, else the flat algorithm."""
-    transport, direct = _DIRECT[algorithm]
+def _direct(
+    group: ProcessGroup,
+    call: Call,
+    algorithm: str,
+    args: tuple[Any, ...],
+    then: Callable[[], object] | None = None,
+) -> Plan:
+    """``algorithm(*args)``, then ``then()``: in a turn of the group's shared-memory
+    workspace when it has one (the algorithm's direct twin), in two levels when the group
+    spreads over hosts (its two-level twin, where there is one), else over the transport."""
+    flat, direct = _DIRECT[algorithm]
     path = group.paths.get(_NAME)
+    waiting_for = None
+    run: Callable[..., Any] = flat
     if isinstance(path, _Workspace):
-        turn = (path, path.reserve(), direct, call.fingerprint, *args)
-        return Plan(_in_workspace, turn, call.fingerprint, call.output, sequenced=True)
-    if isinstance(path, _TwoLevel) and algorithm in _TWO_LEVEL:
-        return Plan(_TWO_LEVEL[algorithm], (path.plan, *args), call.fingerprint, call.output)
-    return Plan(transport, args, call.fingerprint, call.output)
+        run, args = _in_turn, (path.ws, direct, call.fingerprint, *args)
+        waiting_for = path.ws.waiting_for
+    elif isinstance(path, _TwoLevel) and algorithm in _TWO_LEVEL:
+        run, args = _TWO_LEVEL[algorithm], (path.plan, *args)
+    if then is not None:
+        run, args = _followed_by, (run, then, *args)
+    return Plan(run, args, call.fingerprint, call.output, waiting_for=waiting_for)
 
 
-async def _in_workspace(
-    comm: OpComm, ws: _Workspace, turn: _Turn, algorithm: Any, fp: bytes, *args: Any
-) -> None:
-    await algorithm(await ws.enter(turn), *args, fingerprint=fp)
+def _in_turn(
+    comm: OpComm, ws: shm.NodeWorkspace, algorithm: Any, fp: bytes, *args: Any
+) -> Coroutine[Any, Any, None]:
+    # Called as the operation starts, in issue order: its ticket is its place in the turns.
+    coro: Coroutine[Any, Any, None] = algorithm(ws, *args, fingerprint=fp, ticket=ws.reserve())
+    return coro
+
+
+def _followed_by(
+    comm: OpComm, run: Callable[..., Awaitable[Any]], then: Callable[[], object], *args: Any
+) -> Coroutine[Any, Any, None]:
+    return _then(run(comm, *args), then)  # (run starts now: it may take a turn)
+
+
+async def _then(started: Awaitable[Any], then: Callable[[], object]) -> None:
+    await started
+    then()
+
+
+def _reject(group: ProcessGroup, algorithm: str | None, error: BaseException, tell: bool) -> Plan:
+    """The plan of a rejected call: a turn of the workspace if an accepted call of the
+    operation would take one (the peers' turns then fail alike), else
+    :func:`~aiodist.backends.rejected_on_transport`."""
+    path = group.paths.get(_NAME)
+    if isinstance(path, _Workspace) and algorithm in _DIRECT:
+        return Plan(_skip_turn, (path.ws, fails_alone(error)), waiting_for=path.ws.waiting_for)
+    return rejected_on_transport(group, algorithm, error, tell)
+
+
+def _skip_turn(
+    comm: OpComm, ws: shm.NodeWorkspace, error: BaseException
+) -> Coroutine[Any, Any, None]:
+    return _skipped(ws, ws.reserve(), error)
+
+
+async def _skipped(ws: shm.NodeWorkspace, ticket: int, error: BaseException) -> None:
+    await shm.skip(ws, rejection_text(error), ticket=ticket)
+    raise error
+
+
+def _scaled(x: Array, factor: float) -> Array:
+    # ``PREMUL_SUM``'s input: a scaled copy, so that the caller's array is only ever
+    # written with the result (a call that fails leaves it as it was).
+    scaled: Array = np.multiply(x, x.dtype.type(factor))
+    return scaled
 
 
 def _all_reduce(group: ProcessGroup, call: Call) -> Plan:
     x, op, factor = call.args
-    if factor is not None:  # (premultiplied: over the transport, in every group)
-        args = (x, factor, _hosts(group))
-        return Plan(_premul_all_reduce, args, call.fingerprint, call.output)
-    return _direct(group, call, "all_reduce", (x, op))
-
-
-async def _premul_all_reduce(comm: OpComm, x: Array, factor: float, hosts: HostPlan | None) -> None:
-    np.multiply(x, x.dtype.type(factor), out=x)
-    await _all_reduce_on(comm, hosts, x, ReduceOp.SUM)
-
-
-async def _all_reduce_on(comm: OpComm, hosts: HostPlan | None, x: Array, op: ReduceOp) -> None:
-    # all_reduce for the paths that prepare their data first: in two levels, or flat.
-    if hosts is None:
-        await collectives.all_reduce(comm, x, op)
-    else:
-        await two_level.all_reduce(comm, hosts, x, op)
+    if factor is None:
+        return _direct(group, call, "all_reduce", (x, op))
+    scaled = _scaled(x, factor)
+    return _direct(
+        group, call, "all_reduce", (scaled, ReduceOp.SUM), functools.partial(np.copyto, x, scaled)
+    )
 
 
 def _reduce(group: ProcessGroup, call: Call) -> Plan:
     x, root, op, factor = call.args
-    if factor is not None:
-        args = (x, root, factor, _hosts(group))
-        return Plan(_premul_reduce, args, call.fingerprint, call.output)
-    return _direct(group, call, "reduce", (x, root, op))
-
-
-async def _premul_reduce(
-    comm: OpComm, x: Array, root: int, factor: float, hosts: HostPlan | None
-) -> None:
-    # Only the root's array is the caller's to change.
-    scaled = np.multiply(x, x.dtype.type(factor), out=x if comm.rank == root else None)
-    if hosts is None:
-        await collectives.reduce(comm, scaled, root, ReduceOp.SUM)
-    else:
-        await two_level.reduce(comm, hosts, scaled, root, ReduceOp.SUM)
+    if factor is None:
+        return _direct(group, call, "reduce", (x, root, op))
+    scaled = _scaled(x, factor)
+    then = functools.partial(np.copyto, x, scaled) if group.rank == root else None
+    return _direct(group, call, "reduce", (scaled, root, ReduceOp.SUM), then)
 
 
 def _reduce_scatter(group: ProcessGroup, call: Call) -> Plan:
     out, ins, op, factor = call.args
     if factor is not None:
-        args = (out, ins, factor, _hosts(group))
-        return Plan(_premul_reduce_scatter, args, call.fingerprint, call.output)
+        ins, op = [_scaled(a, factor) for a in ins], ReduceOp.SUM
     return _direct(group, call, "reduce_scatter", (out, ins, op))
-
-
-async def _premul_reduce_scatter(
-    comm: OpComm, out: Array, ins: list[Array], factor: float, hosts: HostPlan | None
-) -> None:
-    scaled = [np.multiply(a, a.dtype.type(factor)) for a in ins]
-    if hosts is None:
-        await collectives.reduce_scatter(comm, out, scaled, ReduceOp.SUM)
-    else:
-        await two_level.reduce_scatter(comm, hosts, out, scaled, ReduceOp.SUM)
 
 
 def _all_reduce_coalesced(group: ProcessGroup, call: Call) -> Plan:
@@ -298,7 +246,10 @@ async def _coalesced_all_reduce(
     if factor is not None:
         np.multiply(flat, flat.dtype.type(factor), out=flat)
         op = ReduceOp.SUM
-    await _all_reduce_on(comm, hosts, flat, op)
+    if hosts is None:
+        await collectives.all_reduce(comm, flat, op)
+    else:
+        await two_level.all_reduce(comm, hosts, flat, op)
     offset = 0
     for x in xs:
         x.reshape(-1)[:] = flat[offset : offset + x.size]
@@ -373,9 +324,7 @@ PATHS: dict[str, Path] = {
     "recv_objects": on_transport(objects.recv_objects),
 }
 
-# The operations that take a turn in a workspace (the group layer asks, through the
-# workspace's ``covers``, when one of them is rejected).
-_DIRECT_OPS = frozenset(op.name for op in OPERATIONS.values() if op.algorithm in _DIRECT)
-
 #: The CPU backend.
-BACKEND = Backend.from_paths(_NAME, "cpu", as_array, PATHS, setup=_setup, empty=_empty)
+BACKEND = Backend.from_paths(
+    _NAME, "cpu", as_array, PATHS, setup=_setup, empty=_empty, reject=_reject
+)

@@ -318,18 +318,6 @@ class GroupState:
             await self.aclose()
 
     # -- the group's data path (``group.paths["cuda"]``) -------------------------------------
-    def covers(self, name: str) -> bool:
-        """``False``: device operations keep the group's order on the issue thread, not in
-        turns that a rank rejecting a call must still take."""
-        return False
-
-    def waiting_for(self) -> list[int]:
-        """No ranks are named: what a device operation waits for is on the device."""
-        return []
-
-    async def skip(self, reason: str) -> None:
-        """Nothing to do: no operation takes a turn here (see :meth:`covers`)."""
-
     def abort(self, cause: BaseException) -> None:
         """Fail what waits for the device and abort the communicator (every rank does, as
         its world aborts)."""

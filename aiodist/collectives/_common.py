@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from .._wait import may_stay_awake
 from ..errors import DistError
 from ..transport.base import OpComm
 
@@ -25,11 +24,6 @@ CHUNK_BYTES = 512 * 1024
 WINDOW = 4
 #: Bytes of local copying or reducing between two yields to the event loop.
 YIELD_BYTES = 2 * 1024 * 1024
-
-#: From this many bytes sent or received by one rank in one operation, the rank keeps its
-#: event loop from sleeping until the operation's work is done (see
-#: :meth:`Dataflow.stay_awake`).
-AWAKE_BYTES: int | None = 1024 * 1024
 
 #: An empty message, for operations that only synchronize.
 EMPTY = memoryview(b"")
@@ -185,48 +179,6 @@ async def copy_into(dst: npt.NDArray[Any], src: npt.NDArray[Any]) -> None:
     for lo in range(0, d.size, step):
         np.copyto(d[lo : lo + step], s[lo : lo + step])
         await asyncio.sleep(0)
-
-
-_usable_cpus: int | None = None
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on."""
-    global _usable_cpus
-    if _usable_cpus is None:
-        affinity = getattr(os, "sched_getaffinity", None)
-        _usable_cpus = len(affinity(0)) if affinity is not None else os.cpu_count() or 1
-    return _usable_cpus
-
-
-def ranks_fit_cpus(group_size: int) -> bool:
-    """Whether this machine's ranks (``$LOCAL_WORLD_SIZE``, at least ``group_size``) fit
-    on the CPUs this process may use, so that a rank that polls takes no CPU from another."""
-    try:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", group_size))
-    except ValueError:
-        return False
-    return max(local, group_size) <= usable_cpus()
-
-
-#: How long a reading of the machine's runnable threads is trusted, in seconds.
-_RUNNABLE_TTL = 0.002
-_runnable: tuple[float, int] = (-1.0, 0)
-
-
-def runnable_threads() -> int:
-    """Threads running or waiting for a CPU on this machine now (``/proc/loadavg``), read
-    at most every 2 ms; 0 where the kernel does not say."""
-    global _runnable
-    now = time.monotonic()
-    if now - _runnable[0] > _RUNNABLE_TTL:
-        try:
-            with open("/proc/loadavg", "rb") as f:
-                count = int(f.read().split()[3].split(b"/")[0])
-        except (OSError, ValueError, IndexError):
-            count = 0
-        _runnable = (now, count)
-    return _runnable[1]
 
 
 def _tick_until(done: asyncio.Future[Any], on_tick: Callable[[], None] | None = None) -> None:
@@ -388,26 +340,8 @@ class Dataflow:
 
     def stay_awake(self, comm: OpComm, nbytes: int) -> None:
         """Keep the loop from sleeping while :meth:`wait` waits, if this rank sends or
-        receives ``nbytes`` >= :data:`AWAKE_BYTES` and this machine's ranks fit its CPUs.
-
-        A loop asleep in ``epoll_wait`` has to be woken by the peer's kernel for every
-        burst of data that lands (a receiver) or every window of buffer space that frees
-        (a sender): an inter-processor interrupt, paid on loopback by the CPU that moves
-        the bytes, the bottleneck of a large transfer. A loop that keeps a callback
-        scheduled polls its sockets instead (``epoll_wait`` without a timeout), at the
-        cost of the CPU this rank would have slept on, and still runs every other task.
-        Only while the machine has no more runnable threads than usable CPUs: beside other
-        busy processes a polling loop takes turns from the ranks that move the data (two
-        CPU hogs beside two ranks: a 4 MiB broadcast 1.6 -> 5.2 ms with polling regardless,
-        unchanged with this check). Measured on 2 ranks over loopback, quiet machine: a
-        4 MiB broadcast 1006 -> 663 us, 16 MiB 4.6 -> 2.9 ms, 64 MiB 15.9 -> 12.5 ms.
-        """
-        if (
-            AWAKE_BYTES is not None
-            and nbytes >= AWAKE_BYTES
-            and ranks_fit_cpus(comm.size)
-            and runnable_threads() <= usable_cpus()
-        ):
+        receives ``nbytes``, as :func:`aiodist._wait.may_stay_awake` decides."""
+        if may_stay_awake(comm.size, nbytes):
             self._awake = True
 
     async def wait(self) -> None:

@@ -5,19 +5,32 @@ the arguments :mod:`aiodist._operations` checked; it runs on the CPU, whatever d
 group's arrays live on. A peer's announced sizes are checked before anything is allocated
 (:data:`MAX_OBJECT_SIZE`), and received bytes are unpickled, which trusts the peers (as
 torch does), or with ``weights_only`` as data only: builtin values, containers and numpy
-arrays, never a class or function that could run code.
+arrays, never a class or function that could run code, and never more memory than the
+pickle's own size (and :data:`UNPICKLE_SLACK`): what a data pickle builds is made of bytes
+it carries, so ``bytearray(2**40)``, or the same bytes copied again and again through the
+pickle's memo, is not data.
 """
 
 from __future__ import annotations
 
 import asyncio
 import io
+import math
 import pickle
-from collections.abc import Sequence
-from typing import Any
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
+
+try:  # numpy 2 (numpy.core.multiarray names the same functions)
+    from numpy._core.multiarray import _reconstruct, scalar as _scalar
+except ImportError:  # numpy 1
+    from numpy.core.multiarray import (  # type: ignore[no-redef]
+        _reconstruct,
+        scalar as _scalar,
+    )
 
 from .._arrays import byte_view
 from ..errors import DistError, DistProtocolError
@@ -28,6 +41,7 @@ from .tree import broadcast
 
 __all__ = [
     "MAX_OBJECT_SIZE",
+    "UNPICKLE_SLACK",
     "all_gather_objects",
     "broadcast_objects",
     "gather_objects",
@@ -95,7 +109,60 @@ _DATA_GLOBALS = frozenset(
 )
 
 
-class _DataUnpickler(pickle.Unpickler):
+#: Bytes a ``weights_only`` unpickle may allocate beyond the size of the pickle.
+UNPICKLE_SLACK = 1 << 16
+
+
+def _nbytes(shape: object, dtype: object) -> int:
+    """The bytes of an array of ``shape`` and ``dtype`` as a pickle gave them."""
+    dims = shape if isinstance(shape, tuple) else (shape,)
+    if not all(isinstance(d, int) and d >= 0 for d in dims):
+        raise pickle.UnpicklingError(f"weights_only=True: an array of shape {shape!r}")
+    return math.prod(dims) * np.dtype(dtype).itemsize  # type: ignore[call-overload,no-any-return]
+
+
+def _cost(func: object, args: object) -> int:
+    """What calling ``func(*args)``, a global a data pickle may name, allocates (roughly:
+    bytes, or elements of a set)."""
+    if not isinstance(args, tuple):
+        raise pickle.UnpicklingError("weights_only=True: a call without an argument tuple")
+    if func is np.ndarray:
+        # numpy's pickles name it only as _reconstruct's argument, never call it.
+        raise pickle.UnpicklingError("weights_only=True does not call numpy.ndarray")
+    if not args:
+        return 0
+    first = args[0]
+    if func is bytearray:
+        return first if isinstance(first, int) else len(first)
+    if func in (set, frozenset, OrderedDict):
+        return len(first)
+    if func is _reconstruct:
+        if first is not np.ndarray or len(args) != 3:
+            raise pickle.UnpicklingError("weights_only=True: _reconstruct of a non-array")
+        return _nbytes(args[1], args[2])
+    if func is _scalar:
+        return int(np.dtype(first).itemsize)
+    return 0
+
+
+#: The Python unpickler's opcode table (typeshed types its functions loosely).
+_PY_DISPATCH = cast("dict[int, Callable[[Any], None]]", pickle._Unpickler.dispatch)
+
+
+class _DataUnpickler(pickle._Unpickler):
+    """Unpickles data only (see ``_DATA_GLOBALS``), within a memory budget.
+
+    The Python implementation of the unpickler, not the C one: it is the one whose calls
+    (REDUCE) and state settings (BUILD) can be looked at before they allocate.
+    """
+
+    stack: list[Any]
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(io.BytesIO(data))
+        self._size = len(data)
+        self._left = len(data) + UNPICKLE_SLACK
+
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) not in _DATA_GLOBALS:
             raise pickle.UnpicklingError(
@@ -103,6 +170,45 @@ class _DataUnpickler(pickle.Unpickler):
                 "containers and numpy arrays"
             )
         return super().find_class(module, name)
+
+    def _spend(self, nbytes: int, what: str) -> None:
+        self._left -= nbytes
+        if self._left < 0:
+            raise pickle.UnpicklingError(
+                f"weights_only=True: the pickle asks for more memory ({what} of {nbytes}) "
+                f"than its {self._size} bytes can be data for"
+            )
+
+    def load_reduce(self) -> None:
+        func, args = self.stack[-2], self.stack[-1]
+        self._spend(_cost(func, args), getattr(func, "__name__", "a call"))
+        _PY_DISPATCH[pickle.REDUCE[0]](self)
+
+    def load_build(self) -> None:
+        inst, state = self.stack[-2], self.stack[-1]
+        if isinstance(inst, np.ndarray):
+            # (version, shape, dtype, is_fortran, data): the array gets shape x dtype bytes.
+            if not isinstance(state, tuple) or len(state) != 5:
+                raise pickle.UnpicklingError("weights_only=True: an array's state is malformed")
+            data = state[4]
+            cost = len(data) if isinstance(data, list) else _nbytes(state[1], state[2])
+            self._spend(cost, "an array")
+        _PY_DISPATCH[pickle.BUILD[0]](self)
+
+    def load_newobj(self) -> None:
+        # A data pickle builds its values by calls (REDUCE); ``cls.__new__`` is for classes.
+        raise pickle.UnpicklingError("weights_only=True does not create objects of classes")
+
+    dispatch = cast(
+        "dict[int, Callable[[pickle.Unpickler], None]]",
+        {
+            **_PY_DISPATCH,
+            pickle.REDUCE[0]: load_reduce,
+            pickle.BUILD[0]: load_build,
+            pickle.NEWOBJ[0]: load_newobj,
+            pickle.NEWOBJ_EX[0]: load_newobj,
+        },
+    )
 
 
 def _loads(buf: Array, name: str, weights_only: bool) -> Any:
@@ -116,7 +222,7 @@ def _loads(buf: Array, name: str, weights_only: bool) -> Any:
     """
     try:
         if weights_only:
-            return _DataUnpickler(io.BytesIO(buf.tobytes())).load()
+            return _DataUnpickler(buf.tobytes()).load()
         return pickle.loads(buf.tobytes())
     except Exception as exc:
         raise ResultError(f"{name}: received bytes did not unpickle: {exc}") from exc

@@ -18,8 +18,10 @@ rank's ``all_reduce`` input is shared, rank ``k`` writes its reduced slice strai
 every rank's array: no copy out either, and two barriers for the whole operation.
 
 Every function takes the workspace first and otherwise the arguments of the matching
-function in :mod:`aiodist.collectives` (validated by the caller). Operations on a workspace
-run one at a time in call order, which must be the same on every rank. After its first
+function in :mod:`aiodist.collectives` (validated by the caller), and, keyword-only, the
+call's ``fingerprint`` and its ``ticket`` (:meth:`NodeWorkspace.reserve`, taken when the
+operation was issued; ``None``: the next one when it enters). Operations on a workspace
+run one at a time in ticket order, which must be the same on every rank. After its first
 barrier each checks that every rank called the same operation (fingerprint and size);
 if not, every rank raises the same ``DistUsageError`` and the workspace stays usable.
 A peer that closes its workspace or whose process ends fails only what still needs it;
@@ -121,7 +123,12 @@ async def _copy(ws: NodeWorkspace, dst: Array, src: Array) -> None:
 
 
 async def all_reduce(
-    ws: NodeWorkspace, x: Array, op: ReduceOp, *, fingerprint: bytes | None = None
+    ws: NodeWorkspace,
+    x: Array,
+    op: ReduceOp,
+    *,
+    fingerprint: bytes | None = None,
+    ticket: int | None = None,
 ) -> None:
     """Reduce ``x`` over every rank and leave the result in ``x`` on each.
 
@@ -141,12 +148,12 @@ async def all_reduce(
         return
     fp = _fp("all_reduce", x, fingerprint, op=op)
     if x.nbytes > SMALL_BYTES:
-        async with Turn(ws):
+        async with Turn(ws, ticket):
             await _reduce_blocks(ws, x, op, fp, None)
         return
     # The small case, kept lean: it is latency only (bench/shm.py has the breakdown).
-    if not ws.enter_now():
-        await ws.enter()
+    if not ws.enter_now(ticket):
+        await ws.enter(ticket)
     try:
         p, _ = ws.begin(fp, x.nbytes)
         if x.size:
@@ -169,7 +176,13 @@ async def all_reduce(
 
 
 async def reduce(
-    ws: NodeWorkspace, x: Array, root: int, op: ReduceOp, *, fingerprint: bytes | None = None
+    ws: NodeWorkspace,
+    x: Array,
+    root: int,
+    op: ReduceOp,
+    *,
+    fingerprint: bytes | None = None,
+    ticket: int | None = None,
 ) -> None:
     """Reduce ``x`` over every rank into ``x`` of rank ``root``; the others' ``x`` unchanged.
 
@@ -181,7 +194,7 @@ async def reduce(
         finish_into(op, x, 1)
         return
     fp = _fp("reduce", x, fingerprint, root=root, op=op)
-    async with Turn(ws):
+    async with Turn(ws, ticket):
         await _reduce_blocks(ws, x, op, fp, root)
 
 
@@ -268,7 +281,12 @@ async def _reduce_direct(
 
 
 async def broadcast(
-    ws: NodeWorkspace, x: Array, root: int, *, fingerprint: bytes | None = None
+    ws: NodeWorkspace,
+    x: Array,
+    root: int,
+    *,
+    fingerprint: bytes | None = None,
+    ticket: int | None = None,
 ) -> None:
     """Copy ``x`` of rank ``root`` into ``x`` of every other rank.
 
@@ -279,12 +297,17 @@ async def broadcast(
     if ws.size == 1:
         return
     fp = _fp("broadcast", x, fingerprint, root=root)
-    async with Turn(ws):
+    async with Turn(ws, ticket):
         await _spread(ws, fp, x, writers=(root,), outs=lambda j: x, reads=ws.rank != root)
 
 
 async def all_gather(
-    ws: NodeWorkspace, outs: Sequence[Array], x: Array, *, fingerprint: bytes | None = None
+    ws: NodeWorkspace,
+    outs: Sequence[Array],
+    x: Array,
+    *,
+    fingerprint: bytes | None = None,
+    ticket: int | None = None,
 ) -> None:
     """Gather every rank's ``x`` into ``outs`` on every rank: ``outs[i]`` gets rank i's ``x``.
 
@@ -296,12 +319,17 @@ async def all_gather(
         await _copy(ws, outs[0], x)
         return
     fp = _fp("all_gather", x, fingerprint)
-    async with Turn(ws):
+    async with Turn(ws, ticket):
         await _spread(ws, fp, x, writers=range(ws.size), outs=outs.__getitem__, reads=True)
 
 
 async def all_gather_into_tensor(
-    ws: NodeWorkspace, out: Array, x: Array, *, fingerprint: bytes | None = None
+    ws: NodeWorkspace,
+    out: Array,
+    x: Array,
+    *,
+    fingerprint: bytes | None = None,
+    ticket: int | None = None,
 ) -> None:
     """:func:`all_gather` into one array of ``size`` rows (``out.size == size * x.size``).
 
@@ -311,7 +339,9 @@ async def all_gather_into_tensor(
     """
     # The fingerprint table knows this operation by its torch 2.13 name only.
     fp = _fp("all_gather_single", x, fingerprint)
-    await all_gather(ws, list(out.reshape(ws.size, x.size)), x.reshape(-1), fingerprint=fp)
+    await all_gather(
+        ws, list(out.reshape(ws.size, x.size)), x.reshape(-1), fingerprint=fp, ticket=ticket
+    )
 
 
 async def gather(
@@ -321,6 +351,7 @@ async def gather(
     root: int,
     *,
     fingerprint: bytes | None = None,
+    ticket: int | None = None,
 ) -> None:
     """Gather every rank's ``x`` on ``root``: there ``outs[i]`` gets rank i's ``x``
     (``outs`` is ``None`` on the other ranks).
@@ -335,7 +366,7 @@ async def gather(
         return
     fp = _fp("gather", x, fingerprint, root=root)
     got = outs if outs is not None else ()
-    async with Turn(ws):
+    async with Turn(ws, ticket):
         await _spread(
             ws, fp, x, writers=range(ws.size), outs=got.__getitem__, reads=ws.rank == root
         )
@@ -510,6 +541,7 @@ async def scatter(
     root: int,
     *,
     fingerprint: bytes | None = None,
+    ticket: int | None = None,
 ) -> None:
     """Hand block ``i`` of the root's ``ins`` to rank ``i``, into its ``out`` (``ins`` is
     ``None`` on the other ranks).
@@ -532,7 +564,7 @@ async def scatter(
         piece = mine[k][lo:hi] if mine is not None else src(root, lo, hi)
         dst[lo : lo + piece.size] = piece
 
-    async with Turn(ws):
+    async with Turn(ws, ticket):
         await _pieces(ws, fp, size, mine, (root,), lambda info: lambda s, j: size, receive)
 
 
@@ -543,6 +575,7 @@ async def reduce_scatter(
     op: ReduceOp,
     *,
     fingerprint: bytes | None = None,
+    ticket: int | None = None,
 ) -> None:
     """Reduce block ``i`` of every rank's ``ins`` into ``out`` of rank ``i``.
 
@@ -569,12 +602,18 @@ async def reduce_scatter(
             srcs = [(mine[k][lo:hi] if s == k else src(s, lo, hi)).view(dt) for s in range(n)]
             _fold(op, dst[lo:hi].view(dt), srcs, n)
 
-    async with Turn(ws):
+    async with Turn(ws, ticket):
         await _pieces(ws, fp, size, mine, range(n), lambda info: lambda s, j: size, receive)
 
 
 async def reduce_scatter_tensor(
-    ws: NodeWorkspace, out: Array, x: Array, op: ReduceOp, *, fingerprint: bytes | None = None
+    ws: NodeWorkspace,
+    out: Array,
+    x: Array,
+    op: ReduceOp,
+    *,
+    fingerprint: bytes | None = None,
+    ticket: int | None = None,
 ) -> None:
     """:func:`reduce_scatter` of one array of ``size`` rows (``x.size == size * out.size``).
 
@@ -585,7 +624,7 @@ async def reduce_scatter_tensor(
     # The fingerprint table knows this operation by its torch 2.13 name only.
     fp = _fp("reduce_scatter_single", out, fingerprint, op=op)
     rows = list(x.reshape(ws.size, out.size))
-    await reduce_scatter(ws, out.reshape(-1), rows, op, fingerprint=fp)
+    await reduce_scatter(ws, out.reshape(-1), rows, op, fingerprint=fp, ticket=ticket)
 
 
 async def all_to_all(
@@ -594,6 +633,7 @@ async def all_to_all(
     ins: Sequence[Array],
     *,
     fingerprint: bytes | None = None,
+    ticket: int | None = None,
 ) -> None:
     """Send ``ins[j]`` to rank ``j``; ``outs[j]`` receives rank ``j``'s block for this rank.
 
@@ -625,7 +665,7 @@ async def all_to_all(
         return lambda s, j: int(info.sizes[s][j][0])
 
     table = [(mine[j].size, dsts[j].size) for j in range(n)]
-    async with Turn(ws):
+    async with Turn(ws, ticket):
         await _pieces(ws, fp, 0, mine, range(n), sizes, receive, table)
 
 
@@ -637,6 +677,7 @@ async def all_to_all_single(
     in_splits: Sequence[int] | None = None,
     *,
     fingerprint: bytes | None = None,
+    ticket: int | None = None,
 ) -> None:
     """:func:`all_to_all` on slices of ``x`` and ``out`` along dimension 0 (equal slices
     when the split sizes are ``None``; sizes validated by the caller).
@@ -648,7 +689,9 @@ async def all_to_all_single(
     """
     fp = fingerprint or _fingerprint("all_to_all_single", dtype=x.dtype)
     n = ws.size
-    await all_to_all(ws, _rows(out, out_splits, n), _rows(x, in_splits, n), fingerprint=fp)
+    await all_to_all(
+        ws, _rows(out, out_splits, n), _rows(x, in_splits, n), fingerprint=fp, ticket=ticket
+    )
 
 
 def _rows(a: Array, splits: Sequence[int] | None, n: int) -> list[Array]:
@@ -658,7 +701,7 @@ def _rows(a: Array, splits: Sequence[int] | None, n: int) -> list[Array]:
     return [a[int(offsets[i]) : int(offsets[i + 1])] for i in range(n)]
 
 
-async def skip(ws: NodeWorkspace, reason: str) -> None:
+async def skip(ws: NodeWorkspace, reason: str, *, ticket: int | None = None) -> None:
     """Take this rank's turn for an operation it rejected (its checks failed).
 
     The peers' rounds of that operation then raise ``DistUsageError("rejected by rank R:
@@ -667,14 +710,15 @@ async def skip(ws: NodeWorkspace, reason: str) -> None:
     """
     if ws.size == 1:
         return
-    async with Turn(ws):
-        ws.publish_reason(reason)
-        p, _ = ws.begin(REJECTED, 0)
+    async with Turn(ws, ticket):
+        p, _ = ws.begin(REJECTED, 0, reason=reason)
         await ws.sync()
         ws.check_calls(p)  # raises nothing here: this rank's own record is the rejection
 
 
-async def barrier(ws: NodeWorkspace, *, fingerprint: bytes | None = None) -> None:
+async def barrier(
+    ws: NodeWorkspace, *, fingerprint: bytes | None = None, ticket: int | None = None
+) -> None:
     """Return once every rank has entered the barrier.
 
     Raises:
@@ -684,7 +728,7 @@ async def barrier(ws: NodeWorkspace, *, fingerprint: bytes | None = None) -> Non
     if ws.size == 1:
         return
     fp = _fp("barrier", None, fingerprint)
-    async with Turn(ws):
+    async with Turn(ws, ticket):
         p, _ = ws.begin(fp, 0)
         await ws.sync()
         ws.check(p)

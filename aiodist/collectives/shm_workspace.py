@@ -2,8 +2,8 @@
 :mod:`aiodist.collectives.shm` run, for a group whose ranks all live on one host.
 
 A :class:`NodeWorkspace` is one segment per group that every rank maps: per rank a control
-area (an arrival counter, a sleeping flag, a state word, and two *call records*: what it
-called, where its inputs are) and a slot of two buffers of ``block_bytes``. There are no
+area (an arrival counter, a sleeping flag, a state word, why it aborted, and two *call
+records*: what it called, where its inputs are, or why it rejected the call) and a slot of two buffers of ``block_bytes``. There are no
 messages: an operation is a sequence of *rounds*; in a round each rank writes its own slot
 buffer, all ranks pass a barrier, then each reads the others'. A barrier is each rank
 storing its own counter (no atomics needed: every word has exactly one writer) and waiting
@@ -16,8 +16,11 @@ reaches once done reading it: a rank that races ahead into its next round or ope
 writes the other buffer while slower peers still read this one. A call record is read
 once, right after the operation's first barrier, for the same reason.
 
-Operations on a workspace run one at a time in call order (:class:`Turn`), which must be
-the same on every rank. After its first barrier each checks that every rank called the
+Operations on a workspace run one at a time, each in its *turn*: a ticket taken with
+:meth:`NodeWorkspace.reserve` when the operation is issued (the group's issue order, the same
+on every rank), or when it enters if it took none. A turn is entered only after every
+earlier ticket's turn has ended: this is the one order of a group's operations in shared
+memory, whatever order their tasks happen to wake up in (:class:`Turn`). After its first barrier each checks that every rank called the
 same operation (fingerprint and size); if not, every rank raises the same
 ``DistUsageError`` and the workspace stays usable. A peer that closes its workspace or
 whose process ends (it left, exited or was killed) fails only what still needs it: a
@@ -40,7 +43,6 @@ import os
 import struct
 import threading
 import time
-from collections import deque
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -50,6 +52,7 @@ import numpy.typing as npt
 from .. import _shared_array
 from .._fingerprint import mismatch_error
 from .._timeouts import DEFAULT_SETUP_TIMEOUT, Timeout, to_seconds
+from .._wait import OVERSUBSCRIBED_SPIN_SECONDS, SPIN_SECONDS, ranks_fit, spin_until
 from ..errors import DistNetworkError, DistProtocolError, DistUsageError
 from ..store import Store
 from ..transport import _shm_setup
@@ -59,13 +62,22 @@ from ..transport._shm_segment import (
     SharedMemoryError,
     host_key,
     is_alive,
+    open_checked,
+    peer_fd_path,
+    peer_path,
     remove_leftovers,
     segment_path,
     this_process,
     unavailable_reason,
 )
-from ..transport._shm_signal import SPIN_SECONDS, Bell, Doorbell, PeerWatch, fence, may_spin
-from ..transport.base import Departure, abort_text, lost_peer_error, peer_aborted_error
+from ..transport._shm_signal import Bell, Doorbell, PeerWatch, fence
+from ..transport.base import (
+    Departure,
+    abort_text,
+    fails_alone,
+    lost_peer_error,
+    peer_aborted_error,
+)
 from ..transport.shm import default_job_key
 
 __all__ = [
@@ -91,7 +103,7 @@ DEFAULT_BLOCK_BYTES = 1 << 20
 #: A long operation yields to the event loop once this much time has passed since the last.
 YIELD_SECONDS = 0.5e-3
 
-_VERSION = 2
+_VERSION = 3
 _MAGIC = int.from_bytes(b"AIODWS01", "little")
 # Byte offsets in a rank's control area. Words that different ranks write never share a
 # cache line.
@@ -99,9 +111,11 @@ _C_COUNT, _C_SLEEP, _C_STATE, _C_CANMAP = 0, 64, 128, 192
 _C_FREED = 256  # count, then a ring of _FREED_SLOTS allocation ids
 _FREED_SLOTS = 64
 _C_MAGIC = 784  # in rank 0's area: marks the segment as a workspace
-_C_REASON = 1024  # why this rank gave up, UTF-8, zero-padded
+# Why this rank aborted, then why it rejected the operation of each parity's call record
+# (read once, with the record): UTF-8, zero-padded.
+_C_REASONS = 1024
 _REASON_BYTES = 1024
-_C_RECORDS = 2048  # two call records
+_C_RECORDS = _C_REASONS + 3 * _REASON_BYTES  # two call records
 # A call record: fingerprint, size, flags (bit 0: inputs shared; bits 8+: input pieces);
 # then per input piece (allocation id, fd, allocation size, offset); then per rank the
 # bytes sent to it and expected from it (all_to_all).
@@ -111,14 +125,6 @@ _SIZES = struct.Struct("<QQ")
 _FLAG_SHARED = 1
 _OPEN, _CLOSED, _ABORTED = 1, 2, 3
 _RECHECK_FIRST, _RECHECK_MAX = 1e-3, 50e-3
-# Pure polling before sched_yield is mixed in (a barrier usually completes within this).
-_HOT_SPIN_SECONDS = 5e-6
-#: Seconds a barrier polls before sleeping when the host has more ranks than CPUs. Each
-#: round past the first 5 µs gives the CPU away (sched_yield), so a peer that needs it gets
-#: it, and a wait that ends meanwhile costs no sleep and wake-up: on such a host each is a
-#: trip through the scheduler (4 ranks on 2 CPUs: all_reduce 8 B 140-210 µs without, 76 µs
-#: with, bench/latency.py). An idle rank still sleeps.
-OVERSUBSCRIBED_SPIN_SECONDS = 200e-6
 
 Array = npt.NDArray[Any]
 Bytes = npt.NDArray[np.uint8]
@@ -182,8 +188,8 @@ class NodeWorkspace:
     Create it with :meth:`create` (collective), pass it to the functions of
     :mod:`aiodist.collectives.shm`, close it with :meth:`aclose` (or :meth:`abort`).
 
-    Internal to aiodist, for those functions only (not API): the turn (:meth:`enter_now`
-    or :meth:`enter`, then :meth:`leave`), :meth:`begin`, :meth:`next_round`,
+    Internal to aiodist, for those functions only (not API): the turn (:meth:`reserve` when
+    the operation is issued; :meth:`enter_now` or :meth:`enter`, then :meth:`leave`), :meth:`begin`, :meth:`next_round`,
     :meth:`sync`, the checks (:meth:`same_calls`, :meth:`check_calls`, :meth:`check`,
     :meth:`fail_consistently`), the data (:attr:`slots`, :meth:`typed_slots`,
     :meth:`peer_piece`), :meth:`publish_reason`, :meth:`maybe_yield` and :attr:`names`.
@@ -231,7 +237,11 @@ class NodeWorkspace:
         self._ops = 0
         self._in_place = 0
         self._busy = False
-        self._queue: deque[asyncio.Future[None]] = deque()
+        # Turns: tickets handed out so far, the ticket whose turn is (or comes) next, and
+        # the operations waiting for theirs, by ticket.
+        self._issued = 0
+        self._next = 0
+        self._waiting: dict[int, asyncio.Future[None]] = {}
         # The error of the running operation that every rank raises alike, if any.
         self._consistent: BaseException | None = None
         self._last_yield = 0.0
@@ -296,7 +306,7 @@ class NodeWorkspace:
                 ``None``: 1 MiB.
             spin: seconds a barrier polls before sleeping; ``None``: 50 µs when the
                 host's ranks fit on this process's CPUs, else 200 µs giving the CPU away
-                at each round (:data:`OVERSUBSCRIBED_SPIN_SECONDS`); 0 (never poll) when
+                at each round (:data:`~aiodist._wait.OVERSUBSCRIBED_SPIN_SECONDS`); 0 (never poll) when
                 another rank shares this process.
             local_world_size: how many ranks run on this host, of every group (for the
                 polling decision); ``None``: ``$LOCAL_WORLD_SIZE``, else ``size``.
@@ -424,7 +434,8 @@ class NodeWorkspace:
 
             if seg is None:
                 try:
-                    seg = Segment.attach(str(records[0]["seg"]), total)
+                    # (The store says where; only a name rank 0 could have made is opened.)
+                    seg = Segment.attach(peer_path(records[0]["seg"], job, "w", 0, procs[0]), total)
                 except SharedMemoryError as exc:
                     raise gone(0, exc) from exc
                 if seg.words[_C_MAGIC // 8] != _MAGIC:
@@ -434,11 +445,11 @@ class NodeWorkspace:
             can_map = True
             for r, rec in records.items():
                 try:
-                    bells[r] = Bell(f"/proc/{rec['pid']}/fd/{rec['bell_fd']}")
+                    bells[r] = Bell(peer_fd_path(procs[r], rec["bell_fd"]))
                 except OSError:
                     can_map = False
                     try:
-                        bells[r] = Bell(str(rec["bell"]))
+                        bells[r] = Bell(peer_path(rec["bell"], job, "wb", r, procs[r]))
                     except OSError as exc:
                         raise gone(r, exc) from exc
             seg.words[(rank * ctrl + _C_CANMAP) // 8] = 1 + int(can_map)
@@ -451,7 +462,7 @@ class NodeWorkspace:
             doorbell.unlink()
             if spin is None:
                 same_process = any(p.pid == me.pid for p in procs.values())
-                spin = SPIN_SECONDS if may_spin(local) else OVERSUBSCRIBED_SPIN_SECONDS
+                spin = SPIN_SECONDS if ranks_fit(local) else OVERSUBSCRIBED_SPIN_SECONDS
                 if same_process:  # (polling would only keep the others off the loop)
                     spin = 0.0
             self = cls(rank, size, block, seg, doorbell, float(spin), names)
@@ -521,11 +532,11 @@ class NodeWorkspace:
         if waiter is not None and not waiter.done():
             waiter.set_exception(exc)
             waiter.exception()
-        for fut in self._queue:
+        for fut in self._waiting.values():
             if not fut.done():
                 fut.set_exception(exc)
                 fut.exception()
-        self._queue.clear()
+        self._waiting.clear()
         self._release()
 
     def _release(self) -> None:
@@ -586,9 +597,9 @@ class NodeWorkspace:
         alloc_id, fd, size, offset = call.entries[j][i]
         mem = self._maps.get((j, alloc_id))
         if mem is None:
-            path = f"/proc/{self._procs[j].pid}/fd/{fd}"
+            path = peer_fd_path(self._procs[j], fd)
             try:
-                fdn = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+                fdn = open_checked(path, os.O_RDWR, size=size)
             except OSError as exc:
                 raise DistNetworkError(
                     f"cannot map the shared array of rank {self.names[j]} ({path}): {exc}"
@@ -602,43 +613,56 @@ class NodeWorkspace:
 
     # -- an operation's life: turn, call record, check -------------------------------------
 
-    def enter_now(self) -> bool:
-        """Take the operation's turn if nobody has it or waits for it (else :meth:`enter`)."""
-        if self._busy or self._queue or self._error is not None or self._gone:
+    def reserve(self) -> int:
+        """Take the next ticket: the operation that holds it enters after every operation
+        that took an earlier one (see :meth:`enter`)."""
+        ticket = self._issued
+        self._issued += 1
+        return ticket
+
+    def enter_now(self, ticket: int | None = None) -> bool:
+        """Take the turn of ``ticket`` (``None``: a new ticket) if it is next and free (else
+        :meth:`enter`)."""
+        if self._busy or self._error is not None or self._gone:
             return False
+        if ticket is None:
+            if self._issued != self._next:
+                return False
+            ticket = self.reserve()
+        elif ticket != self._next:
+            return False
+        self._start_turn()
+        return True
+
+    def _start_turn(self) -> None:
         self._busy = True
         self._ops += 1
         self._consistent = None
         self._last_yield = time.perf_counter()
-        return True
 
-    async def enter(self) -> None:
-        """Wait for the operation's turn, or raise why there will be none; every call that
-        returns must end in :meth:`leave`."""
+    async def enter(self, ticket: int | None = None) -> None:
+        """Wait for the turn of ``ticket`` (``None``: a new ticket), or raise why there will
+        be none; every call that returns must end in :meth:`leave`."""
+        if ticket is None:
+            ticket = self.reserve()
         if self._error is not None:
             raise self._error
         for exc in self._gone.values():
             raise exc  # a member is gone: no later operation can complete
-        if self._busy or self._queue:
-            fut = self._loop.create_future()
-            self._queue.append(fut)
+        if self._busy or ticket != self._next:
+            fut = self._waiting[ticket] = self._loop.create_future()
             try:
                 await fut
             except BaseException as exc:
+                self._waiting.pop(ticket, None)
                 if fut.done() and not fut.cancelled() and fut.exception() is None:
                     self.leave(exc)  # handed the turn just now: pass it on, and fail
-                else:
+                elif not self._closed:
                     # Our turn is part of every rank's sequence: skipping it desynchronises
                     # the group. Fail the workspace (nothing new if it failed already).
-                    if fut in self._queue:
-                        self._queue.remove(fut)
-                    if not self._closed:
-                        self._shutdown(self._given_up(exc), _ABORTED)
+                    self._shutdown(self._given_up(exc), _ABORTED)
                 raise
-        self._busy = True
-        self._ops += 1
-        self._consistent = None
-        self._last_yield = time.perf_counter()
+        self._start_turn()
 
     def leave(self, exc: BaseException | None) -> None:
         """End the operation's turn with its outcome and hand the turn on; an ``exc`` not
@@ -648,12 +672,11 @@ class NodeWorkspace:
             # can be trusted. Tell the peers, so that they fail instead of waiting.
             self._shutdown(self._given_up(exc), _ABORTED)
         self._busy = False
-        while self._queue:
-            fut = self._queue.popleft()
-            if not fut.done():
-                self._busy = True
-                fut.set_result(None)
-                break
+        self._next += 1
+        fut = self._waiting.pop(self._next, None)
+        if fut is not None and not fut.done():
+            self._busy = True
+            fut.set_result(None)
 
     def _given_up(self, exc: BaseException) -> BaseException:
         if isinstance(exc, asyncio.CancelledError):
@@ -664,8 +687,9 @@ class NodeWorkspace:
 
     def fail_consistently(self, exc: DistUsageError) -> None:
         """Raise ``exc``, which every rank raises alike at the same point (it was found in
-        shared memory after a barrier): the workspace stays usable."""
-        self._consistent = exc
+        shared memory after a barrier): the workspace stays usable, and the group (see
+        :func:`~aiodist.transport.base.fails_alone`)."""
+        self._consistent = fails_alone(exc)
         raise exc
 
     def next_round(self) -> int:
@@ -680,18 +704,22 @@ class NodeWorkspace:
         nbytes: int,
         pieces: Sequence[Array] | None = None,
         sizes: Sequence[tuple[int, int]] | None = None,
+        reason: str = "",
     ) -> tuple[int, bool]:
         """Start the operation's first round and publish its call record.
 
         ``pieces`` are the inputs peers may read in place: they do if they are shared arrays
         of this workspace (the caller passes them only when that is worth it). ``sizes`` are
-        the bytes sent to and expected from each rank (all_to_all).
+        the bytes sent to and expected from each rank (all_to_all). ``reason``: why this rank
+        rejected the operation (``fp`` :data:`REJECTED`).
 
         Returns:
             The round's buffer, and whether peers read ``pieces`` in place.
         """
         p = self._round & 1
         self._round += 1
+        if fp == REJECTED:
+            self.publish_reason(reason, p)  # (before the record: a peer that sees it reads it)
         at = self._records[p][self.rank]
         flags = 0
         if pieces is not None and self._direct_ok:
@@ -726,7 +754,7 @@ class NodeWorkspace:
         rejected = [j for j, (fp, _, _) in enumerate(descs) if fp == REJECTED]
         if rejected and len(rejected) < self.size:
             j = rejected[0]
-            reason = self._reason(j)
+            reason = self._reason(j, p)
             rejection = DistUsageError(f"rejected by rank {self.names[j]}: {reason}")
             # Who rejected and why, for the group layer to name the operation.
             rejection.rejected_by = self.names[j]  # type: ignore[attr-defined]
@@ -773,15 +801,19 @@ class NodeWorkspace:
             self._forget_freed()
         return Call(p, shared, entries, table)
 
-    def publish_reason(self, reason: str) -> None:
-        """Tell the peers why this rank rejected its operation (before :meth:`begin` with
-        :data:`REJECTED`) or aborted, in its reason area."""
+    def publish_reason(self, reason: str, p: int | None = None) -> None:
+        """Tell the peers why this rank aborted (``p`` ``None``), or why it rejected the
+        operation whose call record of parity ``p`` says :data:`REJECTED` (see
+        :meth:`begin`), in its reason areas."""
         text = reason.encode(errors="replace")[: _REASON_BYTES - 1]
-        at = self.rank * self._ctrl + _C_REASON
+        at = self._reason_at(self.rank, p)
         self._buf[at : at + _REASON_BYTES] = text.ljust(_REASON_BYTES, b"\0")
 
-    def _reason(self, j: int) -> str:
-        at = j * self._ctrl + _C_REASON
+    def _reason_at(self, j: int, p: int | None) -> int:
+        return j * self._ctrl + _C_REASONS + (0 if p is None else 1 + p) * _REASON_BYTES
+
+    def _reason(self, j: int, p: int | None = None) -> str:
+        at = self._reason_at(j, p)
         return bytes(self._buf[at : at + _REASON_BYTES]).rstrip(b"\0").decode(errors="replace")
 
     async def maybe_yield(self) -> None:
@@ -809,7 +841,7 @@ class NodeWorkspace:
 
     def waiting_for(self) -> list[int]:
         """The group ranks that have not yet arrived where this rank waits (a barrier)."""
-        if not self._busy:
+        if not self._busy or self._closed:
             return []
         words = self._words
         return [j for j in self._peers if words[self._count_w[j]] < self._count]
@@ -823,19 +855,8 @@ class NodeWorkspace:
         return True
 
     async def _wait(self, target: int) -> None:
-        if self._spin:
-            now = time.perf_counter
-            start = now()
-            hot = start + _HOT_SPIN_SECONDS
-            deadline = start + self._spin
-            while not self._reached(target):
-                t = now()
-                if t >= deadline:
-                    break
-                if t >= hot:
-                    os.sched_yield()
-            else:
-                return
+        if self._spin and spin_until(functools.partial(self._reached, target), self._spin):
+            return
         words = self._words
         my_sleep = self._sleep_w[self.rank]
         recheck = _RECHECK_FIRST
@@ -882,7 +903,8 @@ class NodeWorkspace:
             raise self._error
         for j, exc in self._gone.items():
             if self._words[self._count_w[j]] < target:
-                # The same on every rank that waits for it: no need to abort the workspace.
+                # The same on every rank that waits for it: no need to abort the workspace
+                # (nor the group, for a peer that left in order).
                 self._consistent = exc
                 raise exc
 
@@ -901,9 +923,10 @@ class NodeWorkspace:
         if state != _ABORTED:
             if state == _CLOSED:
                 reason, how = "it closed the shared-memory workspace", Departure.LEFT
+                self._gone[j] = fails_alone(lost_peer_error(name, reason, how))
             else:
                 reason, how = f"its process (pid {self._procs[j].pid}) exited", Departure.GONE
-            self._gone[j] = lost_peer_error(name, reason, how)
+                self._gone[j] = lost_peer_error(name, reason, how)
             if waiter is not None and not waiter.done():
                 waiter.set_result(None)
             return
@@ -939,16 +962,18 @@ def _wake(fut: asyncio.Future[None]) -> None:
 
 
 class Turn:
-    """``async with Turn(ws)``: run an operation in the workspace's order; a failure that
+    """``async with Turn(ws, ticket)``: run an operation in its turn (``ticket`` from
+    :meth:`NodeWorkspace.reserve`; ``None`` takes the next one on entering); a failure that
     is not consistent across ranks breaks the workspace (internal to aiodist)."""
 
-    __slots__ = ("ws",)
+    __slots__ = ("ticket", "ws")
 
-    def __init__(self, ws: NodeWorkspace) -> None:
+    def __init__(self, ws: NodeWorkspace, ticket: int | None = None) -> None:
         self.ws = ws
+        self.ticket = ticket
 
     async def __aenter__(self) -> None:
-        await self.ws.enter()
+        await self.ws.enter(self.ticket)
 
     async def __aexit__(self, et: object, exc: BaseException | None, tb: object) -> None:
         self.ws.leave(exc)

@@ -1,9 +1,19 @@
 """Key/value stores: the bootstrap layer every process group stands on."""
 
 from ._base import Store, Value
+from .etcd import EtcdStore
 from .file import FileStore
 from .hash import HashStore
 from .prefix import PrefixStore
 from .tcp import TCPStore, TCPStoreServer
 
-__all__ = ["FileStore", "HashStore", "PrefixStore", "Store", "TCPStore", "TCPStoreServer", "Value"]
+__all__ = [
+    "EtcdStore",
+    "FileStore",
+    "HashStore",
+    "PrefixStore",
+    "Store",
+    "TCPStore",
+    "TCPStoreServer",
+    "Value",
+]

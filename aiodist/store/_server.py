@@ -18,6 +18,16 @@ transport's high-water mark plus one read's replies: when the transport asks to 
 writing, the connection stops reading requests and holds replies to its woken waits until
 the client drains what was sent.
 
+Nobody who has not proven the token gets more than a few KiB of the server's memory or more
+than a few seconds of a connection: before a connection is admitted (authenticated; or a
+torch client the server lets in; or any client of a server without a token) it may hold
+``UNADMITTED_BYTES`` of input and must finish its handshake within ``HANDSHAKE_TIMEOUT``;
+the connections of one address still in their handshake are capped (the oldest goes), and
+when the process runs out of file descriptors the server closes the oldest such connection
+of the address with the most of them instead of spinning on ``accept``. The server accepts
+connections itself for that reason, on either event loop, with a listen backlog sized to
+the clients expected.
+
 The connection is one object whichever wire it speaks (a probing aiodist client starts on
 torch's wire and switches), but its code is split by wire: ``_server_connection.py`` holds its
 transport side (buffer, batched replies, back-pressure, closing), ``_server_aiodist.py`` and
@@ -28,11 +38,14 @@ needs both: telling the wires apart, the general parser's loop, and the asyncio 
 from __future__ import annotations
 
 import asyncio
+import errno
+import functools
 import logging
+import os
 import socket
 import time
 from types import TracebackType
-from typing import Self, cast
+from typing import Any, Literal, Self, cast
 
 from .._auth import resolve_token
 from ..errors import DistNetworkError, DistTimeoutError, DistUsageError
@@ -44,12 +57,21 @@ from ._server_connection import (
     MODE_DETECT,
     MODE_FRAMES,
     MODE_HELLO,
+    MODE_PROBE,
     MODE_TORCH,
     MODE_TORCH_READY,
+    UNADMITTED_BYTES,
     CloseConnection,
+    ServerConnection,
 )
 from ._server_torch import TorchWire
-from ._sockets import configure_socket, ensure_open_files, resolve_peer_timeout
+from ._sockets import (
+    configure_socket,
+    ensure_open_files,
+    local_peer_uid,
+    plain_host,
+    resolve_peer_timeout,
+)
 from ._state import KeyValueState
 from ._wire import (
     AIODIST_MAGIC,
@@ -69,8 +91,30 @@ _HIGH_WATER = 4 * 1024 * 1024
 #: Requests one connection may have waiting at once (each holds a future and a timer).
 MAX_WAITING_PER_CONNECTION = 16384
 
-#: The listen backlog asked for; the kernel caps it at net.core.somaxconn.
-_BACKLOG = 65535
+#: Seconds a connection has to finish its hello and authentication (torch's VALIDATE).
+HANDSHAKE_TIMEOUT = 10.0
+#: Connections of one address that may be in their handshake at once, at the least (more
+#: with more clients expected): past it, that address's oldest one is closed.
+MIN_HANDSHAKES_PER_HOST = 128
+
+#: The listen backlog: room for every client expected to connect at once, and some; the
+#: kernel caps it at net.core.somaxconn.
+_MIN_BACKLOG = 1024
+_MAX_BACKLOG = 65535
+#: Connections accepted per wake-up of the listening socket (then other callbacks run).
+_ACCEPT_BATCH = 128
+#: What ``accept`` says when this process (or the system) has no descriptor left.
+_OUT_OF_FILES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+#: Seconds before accepting again when out of descriptors: after closing a connection still
+#: in its handshake (its descriptor is released by the loop), or with none to close.
+_RETRY_AFTER_CLOSING = 0.01
+_RETRY_AFTER_NOTHING = 1.0
+#: Seconds between two log messages about refused or dropped connections (the count of
+#: those in between is given): an attacker must not be able to flood the log.
+_LOG_INTERVAL = 10.0
+
+#: Which torch-wire clients a server with a token lets in (see ``TCPStoreServer``).
+TorchPolicy = bool | Literal["job_hosts"]
 
 
 class _Connection(AiodistWire, TorchWire):
@@ -92,12 +136,17 @@ class _Connection(AiodistWire, TorchWire):
         # uvloop's transports are not asyncio.Transport subclasses, but have its methods.
         # Socket options (keepalive, user timeout, no delay) come from the listening socket.
         self._transport = cast(asyncio.Transport, transport)
-        self._server._connections.add(self)
+        self._peer_host = plain_host(transport.get_extra_info("peername"))
+        self._deadline = self._loop.call_later(HANDSHAKE_TIMEOUT, self._expired)
+        self._server._arrived(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._mode = MODE_CLOSED
-        self._server._connections.discard(self)
-        if exc is not None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+        self._server._gone(self)
+        if exc is not None and self._admitted:
             logger.info("store server: lost the connection from %s: %s", self.peer, exc)
         self._aiodist_lost()
         self._torch_lost()
@@ -155,9 +204,8 @@ class _Connection(AiodistWire, TorchWire):
         try:
             pos = self._process(buf)
         except CloseConnection as exc:
-            logger.warning("store server: closing connection from %s: %s", self.peer, exc)
             self._flush()
-            self._shutdown()
+            self._refuse(str(exc), graceful=True)
             return
         except Exception:
             logger.exception("store server: internal error serving %s; closing it", self.peer)
@@ -185,6 +233,8 @@ class _Connection(AiodistWire, TorchWire):
                     pos = self._torch(buf, pos)
                 elif mode == MODE_DETECT:
                     pos = self._detect(buf, pos)
+                elif mode == MODE_PROBE:
+                    pos = self._probe(buf, pos)
                 elif mode == MODE_HELLO:
                     pos = self._hello(buf, pos)
                 elif mode == MODE_AUTH:
@@ -198,9 +248,17 @@ class _Connection(AiodistWire, TorchWire):
                     self._flush()  # may pause writing, which stops this loop
         except Incomplete:
             pass
-        if size - pos > _HIGH_WATER + self._server._max_request and not self._paused:
+        if not self._admitted:
+            if size - pos > UNADMITTED_BYTES:
+                raise CloseConnection(f"{size - pos} bytes sent before authenticating")
+        elif size - pos > _HIGH_WATER + self._server._max_request and not self._paused:
             raise CloseConnection(f"{size - pos} bytes buffered without a complete request")
         return pos
+
+    def _expired(self) -> None:
+        self._deadline = None
+        if not self._admitted and self._mode != MODE_CLOSED:
+            self._refuse(f"no authentication within {HANDSHAKE_TIMEOUT:g} s")
 
     def _detect(self, buf: bytes | bytearray, pos: int) -> int:
         if buf[pos] == 0:
@@ -230,8 +288,12 @@ class TCPStoreServer:
     Args:
         auth_token: shared secret that aiodist clients must prove they hold (HMAC-SHA256
             challenge-response). ``None`` reads ``$AIODIST_AUTH_TOKEN``; unset means no auth.
-        allow_unauthenticated_torch: with a token set, still admit torch-protocol clients
-            (which cannot authenticate). Refused by default.
+        allow_unauthenticated_torch: with a token set, which torch-protocol clients (they
+            cannot authenticate) may still use the store: ``False`` none (the default),
+            ``True`` all, ``"job_hosts"`` those connecting from an address that a client
+            holding the token has connected from, and, when the client is on this machine,
+            only if it runs as this process's user (``aiodist-run`` hosts its store so, for
+            torch workers). The others are refused as soon as their VALIDATE is read.
         max_key_size: the largest key, in bytes, a client may send.
         max_value_size: the largest value, in bytes (also bounds a value grown by ``append``).
         state: the key/value state to serve (a fresh one by default).
@@ -239,18 +301,20 @@ class TCPStoreServer:
             is dropped and its waits released; ``None`` reads ``$AIODIST_PEER_TIMEOUT``,
             else 8 s. A stopped or busy client is not affected (its kernel still answers).
         expected_clients: how many clients will connect at once (e.g. the world size):
-            :meth:`start` raises this process's soft open-file limit to fit them.
+            :meth:`start` raises this process's soft open-file limit to fit them, and
+            sizes the listen backlog and the handshakes allowed per address for them.
 
     Raises:
-        DistUsageError: a limit is not a positive integer, the token is empty, or the peer
-            timeout is not a number of at least 1 s.
+        DistUsageError: a limit is not a positive integer, the token is empty, the peer
+            timeout is not a number of at least 1 s, or ``allow_unauthenticated_torch`` is
+            not one of its values.
     """
 
     def __init__(
         self,
         *,
         auth_token: str | bytes | None = None,
-        allow_unauthenticated_torch: bool = False,
+        allow_unauthenticated_torch: TorchPolicy = False,
         max_key_size: int = DEFAULT_MAX_KEY_SIZE,
         max_value_size: int = DEFAULT_MAX_VALUE_SIZE,
         state: KeyValueState | None = None,
@@ -271,6 +335,11 @@ class TCPStoreServer:
             raise DistUsageError(
                 f"expected_clients must be a non-negative int, got {expected_clients!r}"
             )
+        if allow_unauthenticated_torch not in (False, True, "job_hosts"):
+            raise DistUsageError(
+                "allow_unauthenticated_torch must be False, True or 'job_hosts', got "
+                f"{allow_unauthenticated_torch!r}"
+            )
         self._token = resolve_token(auth_token)
         self.allow_unauthenticated_torch = allow_unauthenticated_torch
         self.max_key_size = max_key_size
@@ -279,13 +348,25 @@ class TCPStoreServer:
         self.expected_clients = expected_clients
         self._max_request = max_request_size(max_key_size, max_value_size)
         self.state = state if state is not None else KeyValueState()
-        self._server: asyncio.Server | None = None
-        self._connections: set[_Connection] = set()
+        self._listener: socket.socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._connections: set[ServerConnection] = set()
+        #: Connections being opened, and those still in their handshake by address (oldest
+        #: first), each a subset of the connections.
+        self._opening: set[asyncio.Task[Any]] = set()
+        self._handshaking: dict[str, dict[ServerConnection, None]] = {}
+        self._per_host = max(MIN_HANDSHAKES_PER_HOST, expected_clients or 0)
+        #: The addresses that clients holding the token connected from.
+        self._job_hosts: set[str] = set()
+        self._resume: asyncio.TimerHandle | None = None
+        #: Refusals not logged yet, and when the next message may be logged.
+        self._refusals = 0
+        self._quiet_until = 0.0
         self._host = ""
         self._port = 0
 
     def __repr__(self) -> str:
-        where = f"{self._host}:{self._port}" if self._server is not None else "not started"
+        where = f"{self._host}:{self._port}" if self._listener is not None else "not started"
         return (
             f"<TCPStoreServer {where} clients={len(self._connections)} "
             f"keys={self.state.num_keys()} waiters={self.state.waiter_count} "
@@ -317,7 +398,7 @@ class TCPStoreServer:
                 limit cannot fit ``expected_clients`` (the message names the limit).
             DistNetworkError: the address cannot be resolved or the port is in use.
         """
-        if self._server is not None:
+        if self._listener is not None:
             raise DistUsageError(f"{self!r} is already started")
         if not 0 <= port <= 65535:
             raise DistUsageError(f"port must be in 0..65535, got {port}")
@@ -345,22 +426,144 @@ class TCPStoreServer:
             configure_socket(sock, self.peer_timeout)
             sock.bind(addr)
             sock.setblocking(False)
-            # The loop calls listen() itself, with a backlog of 100 unless told otherwise: a
-            # thousand ranks connecting at once then overflow it (SYN cookies, resets, 1 s
-            # retransmits). Ask for the most the kernel allows (net.core.somaxconn caps it).
-            self._server = await loop.create_server(
-                lambda: _Connection(self), sock=sock, backlog=_BACKLOG
-            )
+            # Room for every client expected to connect at once: past the backlog, a
+            # thousand ranks connecting together meet SYN cookies, resets and 1 s retransmits.
+            sock.listen(min(_MAX_BACKLOG, max(_MIN_BACKLOG, 2 * (self.expected_clients or 0))))
+            # Accepted here, not by loop.create_server: out of descriptors, the standard
+            # loop retries accept() once per backlog entry, logging each time, and uvloop
+            # drops the pending clients; this server frees a descriptor instead.
+            loop.add_reader(sock.fileno(), self._accept)
         except OSError as exc:
             sock.close()
             raise DistNetworkError(
                 f"store server cannot listen on {host}:{port}: {exc.strerror or exc}"
                 + (" (the port is in use)" if exc.errno == 98 else "")
             ) from exc
+        self._listener, self._loop = sock, loop
         bound = sock.getsockname()
         self._host, self._port = str(bound[0]), int(bound[1])
         logger.debug("store server listening on %s:%d", self._host, self._port)
         return self
+
+    # -- accepting, and the connections still in their handshake ----------------------------
+    def _accept(self) -> None:
+        listener, loop = self._listener, self._loop
+        assert listener is not None and loop is not None
+        for _ in range(_ACCEPT_BATCH):
+            try:
+                sock, _address = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except ConnectionAbortedError:
+                continue
+            except OSError as exc:
+                self._cannot_accept(exc)
+                return
+            sock.setblocking(False)
+            task = loop.create_task(loop.connect_accepted_socket(lambda: _Connection(self), sock))
+            self._opening.add(task)
+            task.add_done_callback(functools.partial(self._opened, sock))
+
+    def _opened(self, sock: socket.socket, task: asyncio.Task[Any]) -> None:
+        self._opening.discard(task)
+        if task.cancelled() or task.exception() is not None:
+            sock.close()  # (the client went away first, or the server closed)
+
+    def _cannot_accept(self, exc: OSError) -> None:
+        """``accept`` failed: stop accepting for a moment rather than retry in a loop. Out of
+        descriptors, first close the oldest connection still in its handshake of the
+        address that has the most such connections, and accept again soon after."""
+        assert self._listener is not None and self._loop is not None
+        self._loop.remove_reader(self._listener.fileno())
+        crowd = max(self._handshaking.values(), key=len, default=None)
+        if exc.errno in _OUT_OF_FILES and crowd:
+            next(iter(crowd))._refuse(f"out of file descriptors ({exc.strerror})")
+            delay = _RETRY_AFTER_CLOSING
+        elif exc.errno in _OUT_OF_FILES and self._opening:
+            delay = _RETRY_AFTER_CLOSING  # (connections accepted just now, counted soon)
+        else:
+            self._say(
+                f"store server: cannot accept clients ({exc.strerror or exc}) with "
+                f"{len(self._connections)} connected: trying again in "
+                f"{_RETRY_AFTER_NOTHING:g} s"
+                + (" (raise the open-file limit: ulimit -n)" if exc.errno in _OUT_OF_FILES else "")
+            )
+            delay = _RETRY_AFTER_NOTHING
+        self._resume = self._loop.call_later(delay, self._listen_again)
+
+    def _listen_again(self) -> None:
+        self._resume = None
+        if self._listener is not None and self._loop is not None:
+            self._loop.add_reader(self._listener.fileno(), self._accept)
+
+    def _arrived(self, conn: ServerConnection) -> None:
+        if self._listener is None:
+            conn._abort()  # opened as the server closed
+            return
+        self._connections.add(conn)
+        mine = self._handshaking.setdefault(conn._peer_host, {})
+        mine[conn] = None
+        if len(mine) > self._per_host:
+            next(iter(mine))._refuse(
+                f"more than {self._per_host} connections from {conn._peer_host} in their handshake"
+            )
+
+    def _settled(self, conn: ServerConnection) -> None:
+        """``conn`` was admitted, refused or is gone: it is no longer in its handshake."""
+        mine = self._handshaking.get(conn._peer_host)
+        if mine is not None:
+            mine.pop(conn, None)
+            if not mine:
+                del self._handshaking[conn._peer_host]
+
+    def _gone(self, conn: ServerConnection) -> None:
+        self._connections.discard(conn)
+        self._settled(conn)
+
+    def _say(self, message: str) -> None:
+        """Log a warning about refused clients, at most every ``_LOG_INTERVAL`` seconds
+        (with the number of those not said since): an attacker cannot flood the log."""
+        self._refusals += 1
+        now = time.monotonic()
+        if now < self._quiet_until:
+            return
+        more = self._refusals - 1
+        self._refusals = 0
+        self._quiet_until = now + _LOG_INTERVAL
+        if more:
+            message += f" ({more} more refusals since the last such message)"
+        logger.warning("%s", message)
+
+    # -- torch clients --------------------------------------------------------------------
+    def _trust_host(self, host: str) -> None:
+        """Record that a client holding the token connected from ``host``."""
+        self._job_hosts.add(host)
+
+    def _admits_torch(self, transport: asyncio.BaseTransport | None) -> bool:
+        """Whether the torch-wire client at the other end of ``transport`` may use the
+        store (see ``allow_unauthenticated_torch``)."""
+        policy = self.allow_unauthenticated_torch
+        if self._token is None or policy is True:
+            return True
+        if policy is False or transport is None:
+            return False
+        client = transport.get_extra_info("peername")
+        if plain_host(client) not in self._job_hosts:
+            return False
+        uid = local_peer_uid(transport.get_extra_info("sockname"), client)
+        return uid is None or uid == os.geteuid()
+
+    def _torch_refusal(self) -> str:
+        """Why a torch-wire client is not let in, as the log says."""
+        if self.allow_unauthenticated_torch == "job_hosts":
+            return (
+                "this server requires an auth token and lets torch clients in only from the "
+                "job's hosts, as the job's user"
+            )
+        return (
+            "this server requires an auth token (start it with "
+            "allow_unauthenticated_torch=True to admit torch clients)"
+        )
 
     async def wait_for_count(self, key: bytes, target: int, timeout: float | None) -> int:
         """Wait until the ASCII counter ``key`` reaches ``target``; return its value.
@@ -383,13 +586,20 @@ class TCPStoreServer:
 
     async def aclose(self) -> None:
         """Stop listening and drop every connection (their clients see the store go away)."""
-        server, self._server = self._server, None
-        if server is None:
+        listener, self._listener = self._listener, None
+        if listener is None:
             return
-        server.close()
+        assert self._loop is not None
+        self._loop.remove_reader(listener.fileno())
+        listener.close()
+        if self._resume is not None:
+            self._resume.cancel()
+            self._resume = None
+        for task in list(self._opening):
+            task.cancel()
         for conn in list(self._connections):
             conn._abort()
-        await server.wait_closed()
+        await asyncio.gather(*self._opening, return_exceptions=True)
 
     async def __aenter__(self) -> Self:
         return self

@@ -268,7 +268,11 @@ class AiodistWire(ServerConnection):
                 f"client speaks aiodist store protocol version {version}, "
                 f"this server speaks {PROTOCOL_VERSION}"
             )
-        self._mode = MODE_AUTH if flags else MODE_FRAMES
+        if flags:
+            self._mode = MODE_AUTH
+        else:
+            self._mode = MODE_FRAMES
+            self._admit()
         return pos + CLIENT_HELLO.size
 
     def _auth(self, buf: bytes | bytearray, pos: int) -> int:
@@ -285,6 +289,8 @@ class AiodistWire(ServerConnection):
             U8.pack(0) + auth_mac(token, b"store/server", self._client_nonce, self._nonce)
         )
         self._mode = MODE_FRAMES
+        self._server._trust_host(self._peer_host)
+        self._admit()
         return pos + AUTH_MAC_SIZE
 
     def _frame(self, buf: bytes | bytearray, pos: int, size: int) -> int:

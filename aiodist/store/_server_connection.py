@@ -7,11 +7,17 @@ side (the input buffer, the replies batched for one write, back-pressure, closin
 classes (``_server_aiodist.py``, ``_server_torch.py``) add their requests on top of it, and
 the server's connection class joins the two. The connection's states (:data:`MODE_DETECT` and
 the rest) live here because both wires and the server move a connection between them.
+
+Until a connection is *admitted* (its client proved the token, or needed none, or it is a
+torch client the server lets in) it may hold only :data:`UNADMITTED_BYTES` of unread input
+and must finish its handshake within the server's deadline; the server keeps count of such
+connections per address (see ``TCPStoreServer``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -19,11 +25,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FLUSH_BYTES",
+    "UNADMITTED_BYTES",
     "MODE_AUTH",
     "MODE_CLOSED",
     "MODE_DETECT",
     "MODE_FRAMES",
     "MODE_HELLO",
+    "MODE_PROBE",
     "MODE_TORCH",
     "MODE_TORCH_READY",
     "CloseConnection",
@@ -33,18 +41,27 @@ __all__ = [
 #: Replies to one read are written once this many bytes are waiting, so that a client which
 #: does not read is paused after this much, not after a whole read's worth of large values.
 FLUSH_BYTES = 256 * 1024
+#: The most unread input a connection may hold before it is admitted: every handshake
+#: message fits in a few dozen bytes, so more is an attempt to make the server buffer.
+UNADMITTED_BYTES = 4096
 
 # What a connection is reading: its first bytes (which wire?), torch's requests (before and
-# after the first one past VALIDATE), aiodist's hello, auth reply and frames; or nothing more.
+# after the first one past VALIDATE), the upgrade probe that is all a torch-wire connection
+# the server does not let in may send after VALIDATE, aiodist's hello, auth reply and frames;
+# or nothing more.
 (
     MODE_DETECT,
     MODE_TORCH,
     MODE_TORCH_READY,
+    MODE_PROBE,
     MODE_HELLO,
     MODE_AUTH,
     MODE_FRAMES,
     MODE_CLOSED,
-) = range(7)
+) = range(8)
+
+
+logger = logging.getLogger(__name__)
 
 
 class CloseConnection(Exception):
@@ -61,8 +78,10 @@ class ServerConnection(asyncio.Protocol):
     # The wires' attributes are declared here too: Python lets only one line of a class's
     # bases add slots, and the connection class has a wire class of each kind as its bases.
     __slots__ = (
+        "_admitted",
         "_buf",
         "_client_nonce",
+        "_deadline",
         "_deferred",
         "_discard",
         "_leases",
@@ -77,6 +96,7 @@ class ServerConnection(asyncio.Protocol):
         "_parked",
         "_paused",
         "_peer",
+        "_peer_host",
         "_same_process",
         "_server",
         "_state",
@@ -102,6 +122,12 @@ class ServerConnection(asyncio.Protocol):
         self._paused = False
         # Bytes still to skip of an oversized request that was refused without reading it.
         self._discard = 0
+        # Whether the client proved the token (or needed none, or is a torch client let
+        # in); until then, the handshake's timer and the peer's address for the server's
+        # count of such connections.
+        self._admitted = False
+        self._deadline: asyncio.TimerHandle | None = None
+        self._peer_host = ""
 
     @property
     def peer(self) -> str:
@@ -114,6 +140,28 @@ class ServerConnection(asyncio.Protocol):
             if isinstance(peer, tuple):
                 self._peer = f"{peer[0]}:{peer[1]}"
         return self._peer or "?"
+
+    def _admit(self) -> None:
+        """The client may now use the store: lift the limits of the handshake."""
+        if not self._admitted:
+            self._admitted = True
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+            self._server._settled(self)
+
+    def _refuse(self, why: str, *, graceful: bool = False) -> None:
+        """Close this connection and say why (refusals before admission are counted, not
+        each logged). ``graceful``: after the replies written so far."""
+        if self._admitted:
+            logger.warning("store server: closing connection from %s: %s", self.peer, why)
+        else:
+            self._server._say(f"store server: closing connection from {self.peer}: {why}")
+            self._server._settled(self)  # (so that it is not picked to be closed again)
+        if graceful:
+            self._shutdown()
+        else:
+            self._abort()
 
     def pause_writing(self) -> None:
         # The client is not reading its replies: stop reading its requests until it does.

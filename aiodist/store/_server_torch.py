@@ -5,7 +5,11 @@ requests are answered strictly in order, a failed request drops the connection (
 own server does), and a connection has at most one outstanding WAIT or BARRIER, answered by a
 STOP_WAITING byte whenever it is satisfied. The first request must be VALIDATE; an aiodist
 client probing which server this is sends a PING with a magic nonce next and is switched to
-aiodist's wire. A torch client that lives in the server's own process needs care of its own
+aiodist's wire. torch clients cannot prove the token: a server with one decides, as soon as
+VALIDATE is parsed, whether this client may use the store on torch's wire (see
+``TCPStoreServer``'s ``allow_unauthenticated_torch``); if not, the probe is all it may send
+next, checked byte by byte as it arrives, and anything else closes the connection. A torch
+client that lives in the server's own process needs care of its own
 (see :meth:`TorchWire._torch_same_process`).
 
 :class:`TorchWire` holds all of it, as methods of the server's connection class (which joins
@@ -29,6 +33,7 @@ from ..errors import DistProtocolError, DistStoreError
 from ._server_connection import (
     FLUSH_BYTES,
     MODE_DETECT,
+    MODE_PROBE,
     MODE_TORCH_READY,
     CloseConnection,
     ServerConnection,
@@ -45,6 +50,7 @@ from ._wire import (
     U64,
     UPGRADE_NONCE,
     UPGRADE_REPLY,
+    Incomplete,
     Reader,
     TorchOp,
     blob64,
@@ -68,6 +74,8 @@ _T_SET, _T_GET, _T_ADD, _T_CHECK = (
 _T_QUEUE_LEN, _T_LIST_KEYS = int(TorchOp.QUEUE_LEN), int(TorchOp.LIST_KEYS)
 _TORCH_READY_BYTE = U8.pack(TORCH_READY)
 _TORCH_NOT_READY_BYTE = U8.pack(TORCH_NOT_READY)
+#: The one request a torch-wire connection that is not let in may send after VALIDATE.
+_UPGRADE_PROBE = U8.pack(TorchOp.PING) + U32.pack(UPGRADE_NONCE)
 
 #: What a torch client in the server's own process is told, through the log, about the two
 #: calls that cannot be served to it (see ``TorchWire._torch_same_process``).
@@ -221,18 +229,15 @@ class TorchWire(ServerConnection):
         if self._torch_requests == 1:
             if op != TorchOp.VALIDATE or args[0] != TORCH_VALIDATE_MAGIC:
                 raise CloseConnection("torch protocol: the first request is not VALIDATE")
+            if server._admits_torch(self._transport):
+                self._admit()
+            else:
+                self._mode = MODE_PROBE
             return reader.pos
         if self._torch_requests == 2:
             if op == TorchOp.PING and args[0] == UPGRADE_NONCE:
-                # An aiodist client probing which server this is: switch it to our protocol.
-                self._out.append(U32.pack(UPGRADE_REPLY))
-                self._mode = MODE_DETECT
+                self._upgrade()
                 return reader.pos
-            if server._token is not None and not server.allow_unauthenticated_torch:
-                raise CloseConnection(
-                    "refusing a torch-protocol client: this server requires an auth token "
-                    "(start it with allow_unauthenticated_torch=True to admit torch clients)"
-                )
             self._mode = MODE_TORCH_READY
             if op == TorchOp.PING and args[0] == os.getpid():
                 self._torch_same_process()
@@ -242,6 +247,24 @@ class TorchWire(ServerConnection):
             # torch's server drops the connection on a failed request (it has no error reply).
             raise CloseConnection(f"torch protocol: {exc}") from None
         return reader.pos
+
+    def _probe(self, buf: bytes | bytearray, pos: int) -> int:
+        """After VALIDATE from a client the server does not let in on torch's wire: only an
+        aiodist client's probe may follow, and the first byte that differs from it ends
+        the connection (nothing of a torch request is ever buffered)."""
+        got = bytes(buf[pos : pos + len(_UPGRADE_PROBE)])
+        if not _UPGRADE_PROBE.startswith(got):
+            why = self._server._torch_refusal()
+            raise CloseConnection(f"refusing a torch-protocol client: {why}")
+        if len(got) < len(_UPGRADE_PROBE):
+            raise Incomplete
+        self._upgrade()
+        return pos + len(_UPGRADE_PROBE)
+
+    def _upgrade(self) -> None:
+        # An aiodist client probing which server this is: switch it to our protocol.
+        self._out.append(U32.pack(UPGRADE_REPLY))
+        self._mode = MODE_DETECT
 
     def _torch_same_process(self) -> None:
         """Prepare for a torch client that lives in this very process.

@@ -1,4 +1,5 @@
-"""Socket settings shared by the store's server and client: liveness, latency, open files.
+"""Socket settings shared by the store's server and client: liveness, latency, open files;
+and who is at the other end of a connection from this machine.
 
 A store connection must notice a peer whose host vanished (power loss, a cut link: no FIN, no
 RST) within a bounded time, yet never drop a peer that is merely busy or stopped (its kernel
@@ -15,6 +16,7 @@ import math
 import os
 import resource
 import socket
+import struct
 
 from .._timeouts import DEFAULT_PEER_TIMEOUT
 from ..errors import DistUsageError
@@ -24,6 +26,8 @@ __all__ = [
     "configure_socket",
     "configure_stream",
     "ensure_open_files",
+    "local_peer_uid",
+    "plain_host",
     "resolve_peer_timeout",
 ]
 
@@ -134,3 +138,56 @@ def ensure_open_files(more: int, what: str) -> None:
             f"{soft} and raising it to {target} failed: {exc}"
         ) from exc
     logger.debug("raised the open-file limit from %d to %d for %s", soft, target, what)
+
+
+def plain_host(address: object) -> str:
+    """The host of a socket address, an IPv4-mapped IPv6 one written as IPv4 (a dual-stack
+    server sees IPv4 clients that way); ``""`` for anything else (a Unix socket)."""
+    if not isinstance(address, tuple) or not address:
+        return ""
+    host = str(address[0])
+    return host[7:] if host.startswith("::ffff:") and "." in host else host
+
+
+def _proc_net_key(host: str, port: int) -> tuple[str, str] | None:
+    """How ``/proc/net/tcp`` (or ``tcp6``) writes ``host:port``: the file, and the address
+    as the kernel prints it (32-bit words of the address in host byte order, then the port)."""
+    try:
+        packed = socket.inet_pton(socket.AF_INET, host)
+        table = "tcp"
+    except OSError:
+        try:
+            packed = socket.inet_pton(socket.AF_INET6, host.partition("%")[0])
+        except OSError:
+            return None
+        table = "tcp6"
+    words = struct.unpack(f"={len(packed) // 4}I", packed)
+    return table, "".join(f"{w:08X}" for w in words) + f":{port:04X}"
+
+
+def local_peer_uid(server: object, client: object) -> int | None:
+    """The user owning the client end of a TCP connection, when that end is on this machine.
+
+    ``server`` and ``client`` are the connection's socket addresses as the server sees
+    them. The client's socket is looked up in ``/proc/net/tcp`` and ``tcp6`` (this network
+    namespace's sockets, with their owners); ``None`` when it is not there: the client is
+    on another host (or its socket just closed).
+    """
+    if not isinstance(server, tuple) or not isinstance(client, tuple):
+        return None
+    client_key = _proc_net_key(plain_host(client), int(client[1]))
+    server_key = _proc_net_key(plain_host(server), int(server[1]))
+    if client_key is None or server_key is None or client_key[0] != server_key[0]:
+        return None
+    table, local, remote = client_key[0], client_key[1], server_key[1]
+    try:
+        with open(f"/proc/net/{table}") as f:
+            next(f, None)  # the header
+            for line in f:
+                # sl local_address rem_address st queues timer retransmits uid ...
+                fields = line.split()
+                if len(fields) > 7 and fields[1] == local and fields[2] == remote:
+                    return int(fields[7])
+    except OSError:
+        pass
+    return None

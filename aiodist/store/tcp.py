@@ -17,6 +17,7 @@ choice of wire when it connects. Each wire's client is a channel of its own modu
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -28,9 +29,9 @@ from .._timeouts import DEFAULT_STORE_TIMEOUT, Timeout, to_seconds
 from ..errors import DistNetworkError, DistProtocolError, DistTimeoutError, DistUsageError
 from ._base import Store, Value, check_lengths, check_world_size, encode_key, encode_value
 from ._client_aiodist import AiodistChannel, handshake_aiodist
-from ._client_connection import Channel, TimedOut, connect, remaining_from
+from ._client_connection import Channel, ClientConnection, TimedOut, connect, remaining_from
 from ._client_torch import TorchChannel, torch_validate
-from ._server import TCPStoreServer
+from ._server import TCPStoreServer, TorchPolicy
 from ._sockets import resolve_peer_timeout
 from ._state import I64_MAX, I64_MIN, barrier_timeout_error, timeout_error
 from ._wire import DEFAULT_MAX_KEY_SIZE, DEFAULT_MAX_VALUE_SIZE, UPGRADE_NONCE, UPGRADE_REPLY
@@ -55,8 +56,42 @@ async def _open_channel(
     max_value_size: int,
     peer_timeout: float,
 ) -> Channel:
+    """Connect and run the handshake of ``wire``, within ``timeout``.
+
+    A connection dropped before the handshake ends is tried again while time is left: a
+    server short of descriptors, or with many connections of this address still in their
+    handshake, closes the oldest of them. (A torch-wire client is not: a server that does
+    not let it in drops it the same way.)
+    """
     start = time.monotonic()
-    conn = await connect(host, port, timeout, peer_timeout)
+    pause = 0.01
+    while True:
+        conn = await connect(host, port, remaining_from(start, timeout), peer_timeout)
+        try:
+            return await _handshake(
+                conn, host, port, wire, token, start, timeout, max_key_size, max_value_size
+            )
+        except DistNetworkError as exc:
+            left = remaining_from(start, timeout)
+            if wire == "torch" or (left is not None and left <= pause):
+                raise
+            logger.debug("store %s:%d dropped the handshake (%s): trying again", host, port, exc)
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, 1.0)
+
+
+async def _handshake(
+    conn: ClientConnection,
+    host: str,
+    port: int,
+    wire: str,
+    token: bytes | None,
+    start: float,
+    timeout: float | None,
+    max_key_size: int,
+    max_value_size: int,
+) -> Channel:
+    """The handshake of ``wire`` on the new connection ``conn`` (closed if it fails)."""
     left = remaining_from(start, timeout)
     try:
         if wire == "auto":
@@ -164,7 +199,7 @@ class TCPStore(Store):
         wire: Wire = "auto",
         max_key_size: int = DEFAULT_MAX_KEY_SIZE,
         max_value_size: int = DEFAULT_MAX_VALUE_SIZE,
-        allow_unauthenticated_torch: bool = False,
+        allow_unauthenticated_torch: TorchPolicy = False,
         peer_timeout: float | None = None,
     ) -> TCPStore:
         """Connect to (and, as master, first start) the store at ``host_name:port``.
@@ -184,7 +219,10 @@ class TCPStore(Store):
             wire: ``"aiodist"``, ``"torch"`` (a torch TCPStore server) or ``"auto"``.
             max_key_size: the largest key in bytes (the server's limit, for the master).
             max_value_size: the largest value in bytes (the server's limit, for the master).
-            allow_unauthenticated_torch: with a token, still let torch clients in.
+            allow_unauthenticated_torch: with a token, which torch clients (they cannot
+                prove it) the master's server still lets in: ``False`` none, ``True``
+                all, ``"job_hosts"`` those from an address a client with the token
+                connected from, as this process's user when on this machine.
             peer_timeout: seconds after which a connection whose peer's host went silent
                 (no FIN, no RST) is dropped: pending requests then fail with
                 ``DistNetworkError``, and the master's server releases that client's waits.

@@ -26,7 +26,7 @@ import enum
 import logging
 import struct
 from collections import deque
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -44,10 +44,14 @@ __all__ = [
     "check_tag",
     "departure_of",
     "fail_future",
+    "fails_alone",
     "lost_peer_error",
+    "only_this_operation",
 ]
 
 logger = logging.getLogger(__name__)
+
+E = TypeVar("E", bound=BaseException)
 
 #: ``(group id, sequence number, step)``: the identity of one message of one operation.
 Tag = tuple[int, int, int]
@@ -396,9 +400,16 @@ class Mailbox:
         # The fingerprint of each collective this rank has issued and not finished, by
         # (group, seq): what its peers' messages of that operation must carry.
         self._ops: dict[tuple[int, int], bytes] = {}
-        # Operations that were rejected (here or by a peer), by (group, seq): their
-        # messages are dropped on arrival and their receives fail with the reason.
-        self._dead: dict[tuple[int, int], DistUsageError] = {}
+        # Per group, the low watermark of its sequence: every collective numbered below it
+        # has ended on this rank, so a message of one of them can only be a leftover of an
+        # operation that failed (rejected, or failed here alone) and is dropped on arrival.
+        # The ones that ended above it wait there until the watermark passes them.
+        self._floor: dict[int, int] = {}
+        self._ended: dict[int, set[int]] = {}
+        # Operations killed before they ended (a peer rejected them, here or before this
+        # rank issued them), by (group, seq): their messages are dropped on arrival and
+        # their receives fail with the reason. Forgotten once they end.
+        self._killed: dict[tuple[int, int], DistUsageError] = {}
         #: Told (soon, from the loop) about mismatched calls and about peers' rejections.
         #: Without one, a mismatch aborts the mailbox and a rejection kills the operation.
         self.listener: MailboxListener | None = None
@@ -459,8 +470,38 @@ class Mailbox:
                             return
 
     def end(self, group: int, seq: int) -> None:
-        """Forget the fingerprint of a finished operation."""
+        """Record that collective ``(group, seq)`` ended on this rank (every collective of
+        a group ends, in any order): forget what was kept of it; a message of it that still
+        arrives is dropped."""
         self._ops.pop((group, seq), None)
+        if self._killed:
+            self._killed.pop((group, seq), None)
+        floor = self._floor.get(group, 0)
+        if seq != floor:
+            if seq > floor:
+                self._ended.setdefault(group, set()).add(seq)
+            return
+        floor += 1
+        ended = self._ended.get(group)
+        if ended:
+            while floor in ended:
+                ended.remove(floor)
+                floor += 1
+        self._floor[group] = floor
+
+    def has_ended(self, group: int, seq: int) -> bool:
+        """Whether collective ``(group, seq)`` has ended on this rank."""
+        if seq < self._floor.get(group, 0):
+            return True
+        ended = self._ended.get(group)
+        return ended is not None and seq in ended
+
+    def forget_group(self, group: int) -> None:
+        """Drop what is kept of ``group``'s collectives (the group was destroyed here)."""
+        self._floor.pop(group, None)
+        self._ended.pop(group, None)
+        for key in [k for k in self._killed if k[0] == group]:
+            del self._killed[key]
 
     def fingerprint_of(self, group: int, seq: int) -> bytes:
         """Return the fingerprint that messages of operation ``(group, seq)`` carry."""
@@ -493,20 +534,20 @@ class Mailbox:
         else:
             self.kill(group, seq, DistUsageError(f"rank {peer} rejected {group}/{seq}: {reason}"))
 
-    def is_dead(self, group: int, seq: int) -> DistUsageError | None:
-        """Return the error of operation ``(group, seq)`` if it was rejected."""
-        return self._dead.get((group, seq)) if self._dead else None
-
     def kill(self, group: int, seq: int, exc: DistUsageError) -> None:
         """Drop every message of operation ``(group, seq)``, now and when more arrive.
 
-        Receives of it that are posted, or posted later, fail with ``exc``; messages staged
-        for it are freed; one still arriving goes to scratch memory. Its announced messages
-        are refused (their senders' sends fail with ``exc``'s text), now and when more
-        arrive.
+        Receives of it that are posted, or posted later, fail with ``exc`` (marked with
+        :func:`fails_alone`); messages staged for it are freed; one still arriving goes to
+        scratch memory; its announced messages are refused (their senders' sends fail with
+        ``exc``'s text), now and when more arrive. Nothing is kept once the operation ends
+        here (its late messages are dropped by the group's watermark), nor for one that has
+        ended already.
         """
+        if self.has_ended(group, seq):
+            return
         key = (group, seq)
-        self._dead[key] = exc
+        self._killed[key] = fails_alone(exc)
         for inbound in [i for i in self._inflight if i.tag[0] == group and i.tag[1] == seq]:
             inbound.discard(exc)
         for tag in [t for t in self._staged if t[0] == group and t[1] == seq]:
@@ -566,8 +607,8 @@ class Mailbox:
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
         fut: asyncio.Future[int] = loop.create_future()
-        if self._dead:
-            dead = self._dead.get((tag[0], tag[1]))
+        if self._killed:
+            dead = self._killed.get((tag[0], tag[1]))
             if dead is not None:
                 fail_future(fut, dead)
                 return fut
@@ -683,8 +724,12 @@ class Mailbox:
         control whose credit the message holds (an eager message), given back once its
         bytes are no longer held.
         """
-        if self._exc is not None or (self._dead and (tag[0], tag[1]) in self._dead):
-            # Aborted, or a message of a rejected operation: read and dropped.
+        if (
+            self._exc is not None
+            or (self._killed and (tag[0], tag[1]) in self._killed)
+            or self.has_ended(tag[0], tag[1])
+        ):
+            # Aborted, or a message of a killed or ended operation: read and dropped.
             return Inbound(self, peer, tag, memoryview(bytearray(nbytes)), lender=lender)
         if fp != NO_FINGERPRINT:
             mine = self._ops.get((tag[0], tag[1]))
@@ -728,9 +773,12 @@ class Mailbox:
         ticket = flow.take_ticket()
         if self._exc is not None:
             return  # aborting: the peer's connection is about to go
-        dead = self.is_dead(tag[0], tag[1])
+        dead = self._killed.get((tag[0], tag[1])) if self._killed else None
         if dead is not None:
             flow.refuse(ticket, str(dead))
+            return
+        if self.has_ended(tag[0], tag[1]):
+            flow.refuse(ticket, f"operation {tag[0]}/{tag[1]} has ended on rank {self.rank}")
             return
         if fp != NO_FINGERPRINT:
             mine = self._ops.get((tag[0], tag[1]))
@@ -878,6 +926,19 @@ def lost_peer_error(peer: int, reason: str, departure: Departure | None = None) 
     error.departure = departure  # type: ignore[attr-defined]
     error.peer = peer  # type: ignore[attr-defined]
     return error
+
+
+def fails_alone(exc: E) -> E:
+    """Mark ``exc`` as the failure of one operation only, which every rank that takes part
+    in it learns alike (a rejection, a mismatch found before any result was written, a
+    member that left in order): the group and its other operations go on. Returns ``exc``."""
+    exc.alone = True  # type: ignore[attr-defined]
+    return exc
+
+
+def only_this_operation(exc: BaseException) -> bool:
+    """Whether ``exc`` fails its operation only (see :func:`fails_alone`)."""
+    return getattr(exc, "alone", False) is True
 
 
 def departure_of(exc: BaseException) -> Departure | None:

@@ -24,9 +24,10 @@ mailbox where a message goes when its header arrives (``Mailbox.incoming``): the
 receive's own memory, or a staging buffer, and copies straight there. What the receiver
 stages is bounded by flow control (``_flow``, the same messages as TCP's): a message that
 does not fit the peer's credit is announced and its payload waits for the receive. Messages
-leave in order, except the payloads of cleared messages (``bulk``): each waits until no other
-message is queued, so that an announcement or a clearance is not held up behind it. The
-receiver always reads its ring: what a peer may write unasked is bounded.
+leave in order, except the pieces of the payloads of cleared messages (``bulk``): each waits
+until no other message is queued, so that an announcement or a clearance is not held up
+behind a payload. The receiver always reads its ring: what a peer may write unasked is
+bounded.
 
 Waiting for room. A sender waiting for room pairs its ``want`` flag with the receiver's
 ``tail`` as the doorbell pairs ``head`` with the sleeping flag (``_shm_signal`` has the
@@ -157,8 +158,8 @@ class ShmLink:
         self.tx_head_w, self.tx_tail_w, self.tx_want_w = w + _R_HEAD, w + _R_TAIL, w + _R_WANT
         self.head = 0
         self.want = False
-        # Messages to write in order (at most one cleared payload among them, the one being
-        # written), and the other cleared payloads, which wait for the queue to empty.
+        # Messages to write in order (at most one payload piece among them, the one being
+        # written), and the other payload pieces, which wait for the queue to empty.
         self.queue: deque[QueuedSend] = deque()
         self.bulk: deque[QueuedSend] = deque()
         # Receiving: the peer's ring in our own segment.
@@ -244,7 +245,7 @@ class ShmLink:
             if not queue:
                 if not self.bulk:
                     break
-                # A message boundary with nothing else to send: the next cleared payload.
+                # A message boundary with nothing else to send: the next payload piece.
                 queue.append(self.bulk.popleft())
             s = queue[0]
             free = cap - (head - tail)
@@ -330,14 +331,13 @@ class ShmLink:
                 moved += _HDR
                 budget -= _HDR
                 if is_control(word, step):
-                    self.inbound = ControlText(
+                    control = ControlText(
                         word, group, seq, step, self.peer, mailbox, self.flow, self._said
                     )
-                    self.doff = 0
-                    self.drem = step
-                    if not step:
-                        done.append(self.inbound)
-                        self.inbound = None
+                    if step:
+                        self.inbound, self.doff, self.drem = control, 0, step
+                    else:
+                        self._control_done(control)
                     continue
                 try:
                     inbound = open_message(
@@ -379,14 +379,24 @@ class ShmLink:
             self.drem -= take
             if not self.drem:
                 tail = (tail + _ALIGN_MASK) & ~_ALIGN_MASK
-                done.append(self.inbound)
-                self.inbound = None
+                arrived, self.inbound = self.inbound, None
+                if isinstance(arrived, ControlText):
+                    self._control_done(arrived)
+                else:
+                    done.append(arrived)
         self._publish_tail(tail)
         if done:
             self.owner._completions += len(done)
             for arrived in done:
                 arrived.done()
         return moved
+
+    def _control_done(self, text: ControlText) -> None:
+        # Handed on at once, before the next message is matched: a peer's rejection of a
+        # send takes the place of that message, and the message after it must not take the
+        # receive that was waiting for it.
+        self.owner._completions += 1
+        text.done()
 
     def _publish_tail(self, tail: int) -> None:
         self.tail = tail

@@ -11,6 +11,14 @@ Lifecycle of a named segment (the transport's rings, a group's workspace):
    lives on until the last mapping goes, and nothing is left in ``/dev/shm`` whatever
    happens to the processes afterwards (exit, ``SIGKILL``).
 
+Peers learn these names (and, for the workspace's doorbells and shared arrays, a pid and a
+descriptor to open as ``/proc/<pid>/fd/<fd>``) from the store, which whoever can write it
+controls. So a peer's path is never opened as published: :func:`peer_path` rebuilds it in
+``/dev/shm`` from a name checked to be exactly one that rank's process could have made, and
+every peer file is opened without following a symlink (``O_NOFOLLOW``, where the path
+allows) and checked before and once open (:func:`open_checked`): a regular file of the
+expected size, or a FIFO for a doorbell, on ``/dev/shm``'s filesystem, owned by this user.
+
 Between 1 and 3 a name exists. If setup fails, the creator unlinks on its way out; if the
 creator is killed in that window, the name carries its pid and start time, so
 :func:`remove_leftovers` (run by every setup, and by survivors of a failed one) recognises
@@ -28,8 +36,10 @@ import logging
 import mmap
 import os
 import platform
+import re
 import secrets
 import socket
+import stat
 from typing import NamedTuple
 
 from .._environment import turned_off
@@ -45,6 +55,9 @@ __all__ = [
     "is_alive",
     "job_prefix",
     "make_fifo",
+    "open_checked",
+    "peer_fd_path",
+    "peer_path",
     "remove_leftovers",
     "reserve",
     "segment_path",
@@ -218,6 +231,92 @@ def segment_path(job_key: str, kind: str, rank: int) -> str:
     return os.path.join(SHM_DIR, name)
 
 
+_NONCE = re.compile(r"[0-9a-f]{8}")
+
+
+def peer_path(published: object, job_key: str, kind: str, rank: int, proc: ProcessId) -> str:
+    """The path of rank ``rank``'s file of ``kind`` (as :func:`segment_path` names it) whose
+    path the rank published as ``published``, rebuilt from its checked name.
+
+    Args:
+        published: what the peer's record in the store says.
+        job_key: the job's key (the file-name prefix of every segment of the job).
+        kind: what the file is (``"w"`` a workspace, ``"wb"`` its doorbell, ...).
+        rank: the rank that made it.
+        proc: that rank's process, as its record says.
+
+    Raises:
+        SharedMemoryError: ``published`` is not ``/dev/shm/<name>`` with a name that rank's
+            process could have made for ``kind`` in this job.
+    """
+    text = str(published)
+    name = text[len(SHM_DIR) + 1 :]
+    prefix = f"{job_prefix(job_key)}{kind}{rank}-{proc.pid}-{proc.start}-"
+    if (
+        text[: len(SHM_DIR) + 1] != SHM_DIR + "/"
+        or not name.startswith(prefix)
+        or not _NONCE.fullmatch(name[len(prefix) :])
+    ):
+        raise SharedMemoryError(
+            f"rank {rank} published {text[:200]!r} as its shared-memory file: not a name "
+            f"its process could have made ({SHM_DIR}/{prefix}<8 hex digits>); refusing it"
+        )
+    return os.path.join(SHM_DIR, name)
+
+
+def open_checked(path: str, flags: int, *, fifo: bool = False, size: int | None = None) -> int:
+    """Open a peer's shared-memory file ``path`` and check what it is; return the descriptor.
+
+    A path in ``/dev/shm`` is opened with ``O_NOFOLLOW`` (a symlink there is refused); a
+    ``/proc/<pid>/fd/<fd>`` path cannot be (it is a link by nature), so for both what counts
+    is the check of the file, before and once open: a FIFO if ``fifo``, else a regular file
+    of ``size`` bytes; on ``/dev/shm``'s filesystem; owned by this process's user.
+
+    Raises:
+        OSError: the file cannot be opened (it is missing, or ``/proc`` forbids it).
+        SharedMemoryError: it is something else than what was asked for (a symlink too).
+    """
+    link = path.startswith("/proc/")
+    if not link:
+        flags |= os.O_NOFOLLOW
+    # Looked at before it is opened too: opening a device has effects of its own.
+    _check(path, os.stat(path, follow_symlinks=link), fifo, size)
+    fd = os.open(path, flags | os.O_CLOEXEC | os.O_NOCTTY)
+    try:
+        _check(path, os.fstat(fd), fifo, size)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _check(path: str, st: os.stat_result, fifo: bool, size: int | None) -> None:
+    """Raise ``SharedMemoryError`` unless ``st`` describes a peer's shared-memory file."""
+    if not (stat.S_ISFIFO(st.st_mode) if fifo else stat.S_ISREG(st.st_mode)):
+        wrong = f"not a {'FIFO' if fifo else 'regular file'}"
+    elif st.st_dev != os.stat(SHM_DIR).st_dev:
+        wrong = f"not on {SHM_DIR}'s filesystem"
+    elif st.st_uid != os.geteuid():
+        wrong = f"owned by user {st.st_uid}, not by this process's ({os.geteuid()})"
+    elif size is not None and st.st_size != size:
+        wrong = f"{st.st_size} bytes long, expected {size}"
+    else:
+        return
+    raise SharedMemoryError(f"the shared-memory file {path} is {wrong}; refusing it")
+
+
+def peer_fd_path(proc: ProcessId, fd: object) -> str:
+    """``/proc/<pid>/fd/<fd>``: the file process ``proc`` holds open as descriptor ``fd``
+    (a doorbell, a shared array), to open with :func:`open_checked`.
+
+    Raises:
+        SharedMemoryError: ``fd``, from the peer's record, is not a descriptor number.
+    """
+    if isinstance(fd, bool) or not isinstance(fd, int) or fd < 0:
+        raise SharedMemoryError(f"process {proc.pid} published {fd!r} as a descriptor")
+    return f"/proc/{proc.pid}/fd/{fd}"
+
+
 def _creator(name: str, prefix: str) -> ProcessId | None:
     # <prefix><kind><rank>-<pid>-<start>-<nonce>
     parts = name[len(prefix) :].split("-")
@@ -331,21 +430,17 @@ class Segment:
 
     @classmethod
     def attach(cls, path: str, size: int) -> Segment:
-        """Map the existing segment ``path``, which must be ``size`` bytes long.
+        """Map the existing segment ``path`` (a peer's: see :func:`peer_path`), which must
+        be a regular file of ``size`` bytes (see :func:`open_checked`).
 
         Raises:
-            SharedMemoryError: the file is missing or has another size.
+            SharedMemoryError: the file is missing, a symlink, or not such a file.
         """
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            fd = open_checked(path, os.O_RDWR, size=size)
         except OSError as exc:
             raise SharedMemoryError(f"cannot open the shared-memory segment {path}: {exc}") from exc
         try:
-            actual = os.fstat(fd).st_size
-            if actual != size:
-                raise SharedMemoryError(
-                    f"the shared-memory segment {path} has {actual} bytes, expected {size}"
-                )
             mm = mmap.mmap(fd, size)
         finally:
             os.close(fd)

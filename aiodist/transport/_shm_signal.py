@@ -6,9 +6,8 @@ waiting for (wrote a message, freed ring space, arrived at a barrier) writes one
 it, but only when the rank has said, through a *sleeping flag* in shared memory, that it
 is not polling. A FIFO works between any processes that share ``/dev/shm``, including
 processes started independently and in different network namespaces (an abstract unix
-socket for passing an eventfd would not). Polling instead of sleeping is a short budget
-(``SPIN_SECONDS``), and only when the host's ranks fit on the CPUs this process may use:
-with more ranks than CPUs, a spinning rank only takes the CPU from the peer it waits for.
+socket for passing an eventfd would not). When to poll instead of sleeping is
+:mod:`aiodist._wait`'s policy, the same for every layer.
 
 Memory ordering. Shared words are written by exactly one process each; x86-64 is TSO:
 
@@ -52,14 +51,12 @@ import os
 import threading
 from collections.abc import Callable
 
-from ._shm_segment import ProcessId, is_alive, make_fifo
+from ._shm_segment import ProcessId, is_alive, make_fifo, open_checked
 
-__all__ = ["SPIN_SECONDS", "Bell", "Doorbell", "PeerWatch", "fence", "may_spin"]
+__all__ = ["Bell", "Doorbell", "PeerWatch", "fence"]
 
 logger = logging.getLogger(__name__)
 
-#: Seconds a waiting rank polls shared memory before it sleeps on its doorbell.
-SPIN_SECONDS = 50e-6
 
 _FENCE_LOCK = threading.Lock()
 _acquire = _FENCE_LOCK.acquire
@@ -70,11 +67,6 @@ def fence() -> None:
     """A full memory barrier: no load after it is performed before a store ahead of it."""
     _acquire()
     _release()
-
-
-def may_spin(local_ranks: int) -> bool:
-    """Whether polling pays off: the host's ``local_ranks`` fit on this process's CPUs."""
-    return local_ranks <= len(os.sched_getaffinity(0))
 
 
 class Doorbell:
@@ -128,12 +120,19 @@ class Doorbell:
 class Bell:
     """A peer's doorbell, opened for writing.
 
+    Args:
+        path: the FIFO (a peer's: see :func:`~._shm_segment.peer_path`), or the
+            ``/proc/<pid>/fd/<fd>`` of a process that holds it open (see
+            :func:`~._shm_segment.peer_fd_path`); checked to be a FIFO of this user in
+            ``/dev/shm`` (see :func:`~._shm_segment.open_checked`).
+
     Raises:
         OSError: the FIFO does not exist or nobody has it open for reading.
+        SharedMemoryError: the file is not such a FIFO (a symlink is not).
     """
 
     def __init__(self, path: str) -> None:
-        self.fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        self.fd = open_checked(path, os.O_WRONLY | os.O_NONBLOCK, fifo=True)
 
     def ring(self) -> bool:
         """Wake the peer; return ``False`` if its doorbell is gone (the peer closed it)."""

@@ -18,9 +18,9 @@ Sending. Frames are handed to the asyncio transport as memoryviews of the caller
 at most 1 MiB per connection per loop turn. The write-buffer limits are zero, so the
 transport calls ``pause_writing`` as soon as it keeps any byte and ``resume_writing`` once it
 holds none; a send's future resolves only then, when no buffer of the loop refers to the
-caller's memory any more. Frames leave in order, except the payloads of cleared messages
-(``bulk``): each waits until no other frame is queued, so that an announcement or a
-clearance is not held up behind megabytes of data.
+caller's memory any more. Frames leave in order, except the pieces of the payloads of
+cleared messages (``bulk``): each waits until no other frame is queued, so that an
+announcement or a clearance is not held up behind megabytes of data.
 """
 
 from __future__ import annotations
@@ -151,9 +151,9 @@ class TCPConnection(asyncio.BufferedProtocol):
         # transport's, once the connection is established).
         self.peer_staging = 0
         self.flow: PeerFlow | None = None
-        # Sending: frames not yet handed to the transport, payloads of cleared messages
-        # waiting for the queue to empty (whole frames), and futures of frames handed over
-        # but possibly still referenced by the transport's buffer.
+        # Sending: frames not yet handed to the transport, pieces of the payloads of
+        # cleared messages waiting for the queue to empty (whole frames), and futures of
+        # frames handed over but possibly still referenced by the transport's buffer.
         self.queue: deque[tuple[memoryview, asyncio.Future[None] | None]] = deque()
         self.bulk: deque[tuple[bytes, memoryview, asyncio.Future[None]]] = deque()
         self.handed: list[asyncio.Future[None]] = []
@@ -422,8 +422,8 @@ class TCPConnection(asyncio.BufferedProtocol):
         self, header: bytes, data: memoryview, fut: asyncio.Future[None], bulk: bool = False
     ) -> None:
         """Write a frame: ``header``, then ``data``; ``fut`` resolves once the transport
-        holds none of ``data``. ``bulk``: the payload of a cleared message, which frames
-        sent later may overtake (it waits until no other frame is queued)."""
+        holds none of ``data``. ``bulk``: a piece of the payload of a cleared message, which
+        frames sent later may overtake (it waits until no other frame is queued)."""
         if bulk and (self.queue or self.bulk):
             # Behind every other payload (they leave in order: a payload's last piece
             # stands for all of it), and behind the other frames queued now.
@@ -479,7 +479,7 @@ class TCPConnection(asyncio.BufferedProtocol):
             if not queue:
                 if not self.bulk:
                     break
-                # A frame boundary with nothing else to send: the next cleared payload.
+                # A frame boundary with nothing else to send: the next payload piece.
                 self._enqueue(*self.bulk.popleft())
             view, fut = queue[0]
             if len(view) > budget:

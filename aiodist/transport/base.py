@@ -19,6 +19,7 @@ import abc
 import asyncio
 from collections.abc import Sequence
 
+from ..errors import DistUsageError
 from ..store import Store
 from ._mailbox import (
     Departure,
@@ -26,7 +27,9 @@ from ._mailbox import (
     Tag,
     abort_text,
     departure_of,
+    fails_alone,
     lost_peer_error,
+    only_this_operation,
     peer_aborted_error,
 )
 
@@ -40,14 +43,24 @@ __all__ = [
     "Transport",
     "abort_text",
     "departure_of",
+    "fails_alone",
     "lost_peer_error",
+    "only_this_operation",
     "peer_aborted_error",
+    "rejection_text",
 ]
 
 #: What the peers of a transport closed without a reason are told: "rank N closed its
 #: transport".
 CLOSED_REASON = "closed its transport"
 _LEFT = "left: "
+
+
+def rejection_text(exc: BaseException) -> str:
+    """What a rank tells the peers of an operation it rejects or fails alone because of
+    ``exc``: a usage error's message, else the exception's name and message (the peers'
+    error keeps the class of a lost rank: see ``ProcessGroup._rejection``)."""
+    return str(exc) if isinstance(exc, DistUsageError) else f"{type(exc).__name__}: {exc}"
 
 
 class PeerDirectory:
@@ -255,6 +268,14 @@ class OpComm:
         """Send ``data`` to group rank ``peer`` as step ``step`` of this operation."""
         tag = (self._group_id, self._seq, self._base + step)
         return self._transport.send(self._ranks[peer], tag, data, cleared=peer in self._cleared)
+
+    def reject(self, reason: str) -> None:
+        """Tell the other ranks of the operation that this rank will send and receive
+        nothing of it, and why: their parts of it fail with ``reason`` at once."""
+        transport, me = self._transport, self._ranks[self.rank]
+        for r in self._ranks:
+            if r != me:
+                transport.send_reject(r, self._group_id, self._seq, reason)
 
     def recv_into(self, peer: int | None, step: int, out: memoryview) -> asyncio.Future[int]:
         """Receive step ``step`` of this operation from group rank ``peer`` into ``out``.

@@ -8,9 +8,9 @@ module sets the links up and runs them: at most ``TURN_BYTES`` are moved per loo
 64 MiB message never stalls the loop.
 
 Waiting. See ``_shm_signal`` for the doorbell, the sleeping flag and why they cannot lose a
-wake-up. A rank whose receive is not satisfied polls its rings for up to ``SPIN_SECONDS``
-after the posting task has yielded (only when the host's ranks fit on the usable CPUs and
-no peer shares this process), then sleeps on its doorbell; while it polls, or while a
+wake-up. A rank whose receive is not satisfied polls its rings after the posting task has
+yielded, as :mod:`aiodist._wait`'s policy says (when no peer shares this process), then
+sleeps on its doorbell; while it polls, or while a
 pass over its rings is already scheduled, its flag tells peers not to ring. Peer processes
 are watched through pidfds, so a peer that dies fails everything that depends on it at
 once; messages it wrote completely before are still delivered.
@@ -30,6 +30,7 @@ from collections.abc import Collection
 from typing import Any
 
 from .._timeouts import DEFAULT_SETUP_TIMEOUT, Timeout, to_seconds
+from .._wait import HOT_SPIN_SECONDS, SPIN_SECONDS, Backoff, ranks_fit
 from ..errors import DistNetworkError, DistProtocolError, DistUsageError
 from ..store import Store
 from . import _shm_setup
@@ -61,7 +62,7 @@ from ._shm_segment import (
     this_process,
     unavailable_reason,
 )
-from ._shm_signal import SPIN_SECONDS, Bell, Doorbell, PeerWatch, fence, may_spin
+from ._shm_signal import Bell, Doorbell, PeerWatch, fence
 from .base import (
     CLOSED_REASON,
     Departure,
@@ -96,13 +97,6 @@ CLOSE_DRAIN_SECONDS = 5.0
 #: A sleeping rank with work pending re-checks its rings after this long, doubling up to
 #: ``_RECHECK_MAX`` (the safety net under the doorbell protocol).
 _RECHECK_FIRST, _RECHECK_MAX = 1e-3, 50e-3
-#: After this many polls in a row that ran out of time, the next ``_POLL_SKIP`` receives
-#: sleep at once (the peer is slow, or CPUs are busy and polling takes one from it); then
-#: polling gets another chance. A skip that grew with each miss (as TCP's) never recovers
-#: once both ranks of an exchange skip: each then waits for the other's doorbell, longer
-#: than a poll lasts, so every later poll misses too.
-_POLL_MISSES_BEFORE_BACKOFF = 3
-_POLL_SKIP = 8
 
 
 def default_job_key() -> str:
@@ -274,8 +268,8 @@ class ShmTransport(Transport):
         self._awaited: list[asyncio.Future[int]] = []
         # Messages received and sends finished so far: a poll stops when this moves.
         self._completions = 0
-        self._poll_misses = 0
-        self._poll_skip = 0
+        # When receives skip polling for a while (polls ran out of time in a row).
+        self._backoff = Backoff()
 
     # -- setup -----------------------------------------------------------------------------
 
@@ -502,7 +496,7 @@ class ShmTransport(Transport):
             doorbell.unlink()
             if spin < 0:
                 same_process = any(p.pid == me.pid for p in procs.values())
-                spin = SPIN_SECONDS if may_spin(len(local)) and not same_process else 0.0
+                spin = SPIN_SECONDS if ranks_fit(len(local)) and not same_process else 0.0
             self = cls(rank, world_size, local, mailbox, seg, doorbell, spin, staging)
             for i, r in enumerate(peers):
                 senders_of_r = [s for s in local if s != r]
@@ -736,11 +730,9 @@ class ShmTransport(Transport):
             self._recheck = _RECHECK_FIRST
         if budget <= 0:
             self._schedule()
-        elif self._spin and not self._poll_skip and self._has_work():
+        elif self._spin and self._has_work() and not self._backoff.skips():
             self._poll()
         else:
-            if self._poll_skip and self._has_work():
-                self._poll_skip -= 1
             self._sleep()
 
     def _poll(self) -> None:
@@ -749,28 +741,30 @@ class ShmTransport(Transport):
         completions = self._completions
         moved_total = 0
         now = time.perf_counter
-        deadline = now() + self._spin
+        start = now()
+        hot, deadline = start + HOT_SPIN_SECONDS, start + self._spin
         try:
+            # The policy of aiodist._wait.spin_until, save that a poll that moves data goes
+            # on for another full spin: data flows, and polling keeps up with it.
             while self._closed is None:
                 moved = self._pump(TURN_BYTES)
                 if self._completions != completions:
-                    self._poll_misses = 0
+                    self._backoff.polled(True)
                     break
                 if moved:
                     moved_total += moved
                     if moved_total >= TURN_BYTES:
                         self._schedule()  # more next turn; the flag stays clear till then
                         return
-                    deadline = now() + self._spin  # data flows: keep up with it
-                elif now() >= deadline:
+                    deadline = now() + self._spin
+                    continue
+                t = now()
+                if t >= deadline:
                     # Nothing came in time: the peer is slow, or busy CPUs make polling
-                    # cost the peer its CPU. Back off for a few receives.
-                    self._poll_misses += 1
-                    if self._poll_misses >= _POLL_MISSES_BEFORE_BACKOFF:
-                        self._poll_misses = 0
-                        self._poll_skip = _POLL_SKIP
+                    # cost the peer its CPU.
+                    self._backoff.polled(False)
                     break
-                else:
+                if t >= hot:
                     os.sched_yield()
         except BaseException:
             if self._closed is None:

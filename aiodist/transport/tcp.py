@@ -36,15 +36,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
 import socket
 import struct
-import time
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, TypeVar
 
 from .._auth import resolve_token
 from .._timeouts import DEFAULT_SETUP_TIMEOUT, Timeout, to_seconds
+from .._wait import SPIN_SECONDS, Backoff, local_ranks, ranks_fit, spin_until
 from ..errors import (
     DistError,
     DistNetworkError,
@@ -83,12 +82,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: Seconds a rank polls its sockets without sleeping when a receive is not yet satisfied.
-SPIN_SECONDS = 50e-6
-#: After this many polls in a row that ran out of time, receives skip polling for a while
-#: (2, 4, 8, ... receives, at most ``POLL_MAX_SKIP``).
-POLL_MISSES_BEFORE_BACKOFF = 3
-POLL_MAX_SKIP = 64
 #: How long ``aclose`` lets queued sends drain before closing the connections.
 CLOSE_DRAIN_SECONDS = 5.0
 #: How long leaving waits for the store to record it, and a failed connect for the store to
@@ -223,9 +216,8 @@ class TCPTransport(Transport):
         self._spin = spin
         self._spin_auto = auto_spin
         self._spinning = False
-        # Polls that ran out of time in a row, and receives left to skip polling for.
-        self._poll_misses = 0
-        self._poll_skip = 0
+        # When receives skip polling for a while (polls ran out of time in a row).
+        self._backoff = Backoff()
         self._staging = staging
         self._peers = [_Peer(self, r, staging) for r in range(world_size)]
         # Ranks another transport of this rank reaches: they never connect over TCP.
@@ -299,10 +291,8 @@ class TCPTransport(Transport):
         staging = resolve_staging_bytes(staging_bytes)
         auto_spin = spin is None
         if spin is None:
-            local = local_world_size
-            if local is None:
-                local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-            spin = SPIN_SECONDS if local <= len(os.sched_getaffinity(0)) else 0.0
+            local = local_ranks(world_size) if local_world_size is None else local_world_size
+            spin = SPIN_SECONDS if ranks_fit(local) else 0.0
         elif not isinstance(spin, int | float) or spin < 0:
             raise DistUsageError(f"spin must be a non-negative number of seconds, got {spin!r}")
         loop = asyncio.get_running_loop()
@@ -433,12 +423,9 @@ class TCPTransport(Transport):
                 if p.conn is None and p.error is None and self._closed is None:
                     # Connect now, so that a peer that is already gone is noticed.
                     self._connect_soon(p)
-            if self._spin and not self._spinning and self._conns:
-                if self._poll_skip:
-                    self._poll_skip -= 1
-                else:
-                    self._spinning = True
-                    self._loop.call_soon(self._poll, fut)
+            if self._spin and not self._spinning and self._conns and not self._backoff.skips():
+                self._spinning = True
+                self._loop.call_soon(self._poll, fut)
         return fut
 
     def abort(self, exc: BaseException) -> None:
@@ -526,22 +513,16 @@ class TCPTransport(Transport):
             or (self._spin_auto and TCPTransport._open_count > 1)
         ):
             return
-        deadline = time.perf_counter() + self._spin
         conns = tuple(self._conns)  # a lost connection leaves the list while we iterate
-        while True:
+
+        def answered() -> bool:
             for conn in conns:
                 conn.poll()
-            if fut.done() or self._closed is not None:
-                self._poll_misses = 0
-                return
-            if time.perf_counter() >= deadline:
-                break
-            os.sched_yield()
-        # The answer did not come in time: the peer is slow, or the CPUs are busy with
-        # other work and polling only takes one from the peer. Back off exponentially.
-        self._poll_misses += 1
-        if self._poll_misses >= POLL_MISSES_BEFORE_BACKOFF:
-            self._poll_skip = min(1 << self._poll_misses, POLL_MAX_SKIP)
+            return fut.done() or self._closed is not None
+
+        # An answer that does not come in time: the peer is slow, or the CPUs are busy
+        # with other work and polling only takes one from the peer.
+        self._backoff.polled(spin_until(answered, self._spin))
 
     # -- connections -----------------------------------------------------------------------
 

@@ -1,0 +1,47 @@
+"""Random programs of every operation checked against a numpy model (``program_fuzz``).
+
+Each case runs one seed's program: 20-40 collectives, point-to-point calls and subgroup
+calls on 2-4 ranks, with one-rank usage errors, cancelled awaits and an expiring
+``work.wait(timeout)`` drawn in, over shared memory or TCP, through the async API (ranks as
+tasks of one loop) or the blocking API (ranks as processes), on the standard loop or
+uvloop. Every result must equal the model's, every rejection must reach the ranks it
+concerns, and the group must stay usable after it. A failure prints the configuration, the
+problems, the program and the command that replays it (``bench/fuzz.py``).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import program_fuzz
+import pytest
+from program_fuzz import Config
+
+#: Every world size, transport and loop four times through the async API (seeds 1-48, a
+#: few hundredths of a second each) and once through the blocking API (seeds 101-112, a
+#: second or more each: the processes start).
+_COMBOS = list(itertools.product((2, 3, 4), program_fuzz.TRANSPORTS, program_fuzz.LOOPS))
+ASYNC_CASES = [
+    Config(1 + i, ranks, transport, "async", loop)
+    for i, (ranks, transport, loop) in enumerate(_COMBOS * 4)
+]
+SYNC_CASES = [
+    Config(101 + i, ranks, transport, "sync", loop)
+    for i, (ranks, transport, loop) in enumerate(_COMBOS)
+]
+
+
+def _check(config: Config) -> None:
+    report = program_fuzz.run_program(config)
+    assert not report.problems, report.describe()
+
+
+@pytest.mark.parametrize("config", ASYNC_CASES, ids=lambda c: f"seed{c.name}")
+def test_async_program(config: Config) -> None:
+    _check(config)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("config", SYNC_CASES, ids=lambda c: f"seed{c.name}")
+def test_blocking_program_in_processes(config: Config) -> None:
+    _check(config)
