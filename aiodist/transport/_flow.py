@@ -8,8 +8,9 @@ otherwise) and tells the peer when they connect. A message then goes one of thre
 
 * **Eager**: sent at once if it fits in the sender's *credit*, the bytes the receiver may
   still have to stage for it; the credit starts at the receiver's bound. The receiver gives
-  a message's bytes back once it no longer holds them (they landed in a posted receive, or
-  were copied into one, or dropped), in batches (:data:`CREDIT_BATCH`).
+  the bytes of its messages back unless it stages them (they go to a posted receive), and
+  those of a staged message once it was copied into its receive or dropped, in batches
+  (:data:`CREDIT_BATCH`).
 * **Rendezvous**: a message that does not fit is announced instead (ready to send, a header
   without payload). The receive that takes the announcement clears it (clear to send, named
   by the announcement's *ticket*), and the payload follows, straight into that receive's
@@ -125,9 +126,10 @@ class PeerFlow:
 
     __slots__ = (
         "_batch",
-        "_held",
         "_next_ticket",
-        "_owed",
+        "_received",
+        "_returned",
+        "_staged",
         "_tickets_in",
         "_waiting",
         "_write",
@@ -144,18 +146,21 @@ class PeerFlow:
         # Sending: the next announcement's ticket, and the announced sends not cleared yet.
         self._next_ticket = 0
         self._waiting: dict[int, tuple[memoryview, asyncio.Future[None]]] = {}
-        # Receiving: announcements read so far (the next one's ticket), eager bytes the
-        # peer sent and did not get back yet, and of those the bytes no longer held here.
+        # Receiving: announcements read so far (the next one's ticket); the bytes of eager
+        # messages received, given back, and staged now (they are not given back while
+        # staged: received - returned >= staged, and what the peer may send is bounded by
+        # limit - (received - returned)).
         self._tickets_in = 0
-        self._held = 0
-        self._owed = 0
+        self._received = 0
+        self._returned = 0
+        self._staged = 0
         # A credit message per message freed would double the small messages: batches.
         self._batch = max(1, min(limit // 4, CREDIT_BATCH))
 
     def __repr__(self) -> str:
         return (
             f"<PeerFlow rank {self.peer} credit={self.credit} announced={len(self._waiting)} "
-            f"staged={self._held - self._owed}/{self.limit}>"
+            f"staged={self._staged}/{self.limit}>"
         )
 
     # -- sending ---------------------------------------------------------------------------
@@ -168,19 +173,36 @@ class PeerFlow:
 
         ``cleared``: the caller knows the receive is posted (free of the credit).
         """
-        n = len(data)
-        kind = FREE if cleared or not n else EAGER if n <= self.credit else RTS
-        header = HEADER.pack(*tag, kind | n, fp)
-        if kind == RTS:
-            ticket = self._next_ticket
-            self._next_ticket += 1
-            self._waiting[ticket] = (data, fut)
-            fut.add_done_callback(functools.partial(self._given_up, ticket))
-            self._write(header, _EMPTY, None, False)
-            return
-        if kind == EAGER:
-            self.credit -= n
-        self._write(header, data, fut, False)
+        header = self.header(tag, len(data), fp, cleared)
+        if header is None:
+            self.announce(tag, data, fp, fut)
+        else:
+            self._write(header, data, fut, False)
+
+    def header(self, tag: Tag, nbytes: int, fp: bytes, cleared: bool) -> bytes | None:
+        """Return the header of a message of ``nbytes`` that goes at once (eager, its credit
+        taken, or free); ``None`` if it must be announced (:meth:`announce`).
+
+        The common case of :meth:`send`, for a transport's own fast path: packing the header
+        checks the tag (``struct.error``, ``TypeError`` or ``IndexError`` for a malformed
+        one, before anything is taken).
+        """
+        if cleared or not nbytes:
+            return HEADER.pack(tag[0], tag[1], tag[2], FREE | nbytes, fp)
+        if nbytes > self.credit:
+            return None
+        header = HEADER.pack(tag[0], tag[1], tag[2], EAGER | nbytes, fp)
+        self.credit -= nbytes
+        return header
+
+    def announce(self, tag: Tag, data: memoryview, fp: bytes, fut: asyncio.Future[None]) -> None:
+        """Announce ``data`` tagged ``tag``: its payload goes once the peer clears it."""
+        header = HEADER.pack(tag[0], tag[1], tag[2], RTS | len(data), fp)
+        ticket = self._next_ticket
+        self._next_ticket += 1
+        self._waiting[ticket] = (data, fut)
+        fut.add_done_callback(functools.partial(self._given_up, ticket))
+        self._write(header, _EMPTY, None, False)
 
     def cleared(self, ticket: int) -> None:
         """The peer cleared the announced message ``ticket``: send its payload."""
@@ -232,21 +254,36 @@ class PeerFlow:
 
     # -- receiving -------------------------------------------------------------------------
 
-    def lend(self, nbytes: int) -> bool:
-        """Count an eager message of ``nbytes`` in; ``False`` if the peer had no such credit."""
-        # What the peer sent eagerly and did not get back cannot exceed what it was granted.
-        if self._held + nbytes > self.limit:
+    def arrive(self, nbytes: int) -> bool:
+        """Count an eager message of ``nbytes`` in (the mailbox says if it stages it, see
+        :meth:`hold`); ``False`` if the peer had no credit for it.
+
+        Once every earlier message that was not staged adds up to a batch, its credit goes
+        back (once per batch, not per message: this runs for every small message).
+        """
+        received = self._received
+        if received + nbytes - self._returned > self.limit:
             return False
-        self._held += nbytes
+        self._received = received + nbytes
+        free = received - self._staged - self._returned
+        if free >= self._batch:
+            self._give_back(free)
         return True
 
-    def give_back(self, nbytes: int) -> None:
-        """``nbytes`` of eager messages are no longer held here: return the credit."""
-        self._owed += nbytes
-        if self._owed >= self._batch:
-            owed, self._owed = self._owed, 0
-            self._held -= owed
-            self._control(CREDIT, owed)
+    def hold(self, nbytes: int) -> None:
+        """The message just counted in is staged: its credit stays until :meth:`release`."""
+        self._staged += nbytes
+
+    def release(self, nbytes: int) -> None:
+        """A staged message of ``nbytes`` was delivered or dropped."""
+        self._staged -= nbytes
+        free = self._received - self._staged - self._returned
+        if free >= self._batch:
+            self._give_back(free)
+
+    def _give_back(self, nbytes: int) -> None:
+        self._returned += nbytes
+        self._control(CREDIT, nbytes)
 
     def take_ticket(self) -> int:
         """Return the ticket of the announcement just read (they are numbered in order)."""

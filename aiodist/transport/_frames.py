@@ -119,7 +119,7 @@ def open_message(
         MemoryError: the message's memory cannot be allocated.
     """
     if word < MAX_MESSAGE:  # EAGER (kind 0): the common case first
-        if not flow.lend(word):
+        if not flow.arrive(word):
             raise DistProtocolError(
                 f"rank {peer} sent a message of {word} bytes, more than this rank lets it "
                 f"send before the receive is posted ({flow.limit} bytes staged at most)"

@@ -11,9 +11,9 @@ Transports that stream bytes (TCP, shared memory) ask :meth:`Mailbox.incoming` w
 receive's memory when there is one (no copy at all), otherwise into a staging buffer.
 In-process transports call :meth:`Mailbox.deliver`, which does the same with one memcpy.
 
-Streaming transports bound what is staged per peer (see :mod:`aiodist.transport._flow`): an
-eager message holds its sender's credit (a :class:`Flow`) until its bytes leave this rank's
-hands, and a message too large for the credit is only announced
+Streaming transports bound what is staged per peer (see :mod:`aiodist.transport._flow`): a
+staged message holds its sender's credit (a :class:`Flow`) until it is delivered or dropped,
+and a message too large for the credit is only announced
 (:meth:`Mailbox.announce`). An announcement is matched like a message; the receive that
 takes it asks the sender to send the payload, which then lands in that receive's memory
 (:meth:`Mailbox.cleared_payload`).
@@ -74,8 +74,11 @@ class Flow(Protocol):
     """What the mailbox asks of the flow control of the link a message came by
     (:class:`aiodist.transport._flow.PeerFlow`)."""
 
-    def give_back(self, nbytes: int) -> None:
-        """``nbytes`` of eager messages are no longer held here: return the sender's credit."""
+    def hold(self, nbytes: int) -> None:
+        """A message of ``nbytes`` sent eagerly is staged: its credit is not given back."""
+
+    def release(self, nbytes: int) -> None:
+        """A staged message of ``nbytes`` was delivered or dropped: its credit may go back."""
 
     def take_ticket(self) -> int:
         """Return the ticket of the announcement just read."""
@@ -268,14 +271,15 @@ class _Staged:
         #: For an announced message: its ticket, and the flow control that clears it.
         self.ticket = ticket
         self.flow = flow
-        #: The sender's credit this complete eager message holds (see :meth:`release`).
+        #: The flow control whose credit this message holds while it is staged (an eager
+        #: message's; see :meth:`release`).
         self.lender: Flow | None = None
 
     def release(self) -> None:
-        """This message's bytes are no longer held: give the sender its credit back."""
+        """This message is no longer staged: the sender's credit may go back."""
         lender, self.lender = self.lender, None
         if lender is not None:
-            lender.give_back(self.nbytes)
+            lender.release(self.nbytes)
 
 
 class Inbound:
@@ -290,7 +294,7 @@ class Inbound:
         peer: the sender's global rank.
     """
 
-    __slots__ = ("_lender", "_mailbox", "_recv", "_staged", "_ticket", "buffer", "peer", "tag")
+    __slots__ = ("_mailbox", "_recv", "_staged", "_ticket", "buffer", "peer", "tag")
 
     def __init__(
         self,
@@ -300,7 +304,6 @@ class Inbound:
         buffer: memoryview,
         recv: _Recv | None = None,
         staged: _Staged | None = None,
-        lender: Flow | None = None,
         ticket: int = -1,
     ) -> None:
         self._mailbox = mailbox
@@ -309,8 +312,6 @@ class Inbound:
         self.buffer = buffer
         self._recv = recv
         self._staged = staged
-        # The sender's credit an eager message holds until its bytes leave this rank's hands.
-        self._lender = lender
         # For a piece of an announced message's payload: the announcement's ticket.
         self._ticket = ticket
 
@@ -324,7 +325,6 @@ class Inbound:
         staged = self._staged
         if staged is not None:
             staged.complete = True
-            staged.lender = self._lender  # the staged message holds the credit from now on
             claim = staged.claim
             if claim is not None:
                 # Size was checked when the receive claimed the message.
@@ -341,8 +341,6 @@ class Inbound:
                 self._mailbox._cleared.pop((self.peer, self._ticket), None)
             if not recv.fut.done():
                 recv.fut.set_result(self.peer)
-        if self._lender is not None:
-            self._lender.give_back(len(self.buffer))
 
     def fail(self, exc: BaseException) -> None:
         """Give up on this message: fail the receive waiting for it, drop staged bytes."""
@@ -356,6 +354,7 @@ class Inbound:
                 staged.queue = None
             if staged.claim is not None:
                 fail_future(staged.claim.fut, exc)
+            staged.release()  # the rest of its bytes goes nowhere: it is staged no more
 
     def discard(self, exc: BaseException) -> None:
         """Send the rest of this message's bytes nowhere, and fail whoever waited for it.
@@ -630,7 +629,8 @@ class Mailbox:
                 fail_future(fut, error)
                 if staged.flow is not None:
                     staged.flow.refuse(staged.ticket, str(error))
-                staged.release()
+                if staged.complete:  # (else once its last byte is in)
+                    staged.release()
                 return fut
             recv = _Recv(fut, out, peer, tag, 0)
             if staged.flow is not None:
@@ -721,8 +721,7 @@ class Mailbox:
         A message whose fingerprint ``fp`` differs from that of the operation this rank
         issued under the same ``(group, seq)`` is discarded (its bytes never reach a
         receive's memory) and reported to the :attr:`listener`. ``lender``: the flow
-        control whose credit the message holds (an eager message), given back once its
-        bytes are no longer held.
+        control whose credit the message holds while it is staged (an eager message).
         """
         if (
             self._exc is not None
@@ -730,12 +729,12 @@ class Mailbox:
             or self.has_ended(tag[0], tag[1])
         ):
             # Aborted, or a message of a killed or ended operation: read and dropped.
-            return Inbound(self, peer, tag, memoryview(bytearray(nbytes)), lender=lender)
+            return Inbound(self, peer, tag, memoryview(bytearray(nbytes)))
         if fp != NO_FINGERPRINT:
             mine = self._ops.get((tag[0], tag[1]))
             if mine is not None and mine != fp:
                 self._report(tag[0], tag[1], mine, peer, fp)
-                inbound = Inbound(self, peer, tag, memoryview(bytearray(nbytes)), lender=lender)
+                inbound = Inbound(self, peer, tag, memoryview(bytearray(nbytes)))
                 if nbytes == 0:
                     inbound.done()
                 else:
@@ -749,13 +748,16 @@ class Mailbox:
                 queue = by_peer[peer] = deque()
             staged = _Staged(nbytes, peer, self._next_order(), queue, fp)
             queue.append(staged)
+            if lender is not None:
+                staged.lender = lender
+                lender.hold(nbytes)
             assert staged.buf is not None
-            inbound = Inbound(self, peer, tag, staged.buf.data, staged=staged, lender=lender)
+            inbound = Inbound(self, peer, tag, staged.buf.data, staged=staged)
         elif len(recv.out) != nbytes:
             fail_future(recv.fut, _mismatch(peer, tag, len(recv.out), nbytes))
-            inbound = Inbound(self, peer, tag, memoryview(bytearray(nbytes)), lender=lender)
+            inbound = Inbound(self, peer, tag, memoryview(bytearray(nbytes)))
         else:
-            inbound = Inbound(self, peer, tag, recv.out, recv=recv, lender=lender)
+            inbound = Inbound(self, peer, tag, recv.out, recv=recv)
         if nbytes == 0:
             inbound.done()
         else:

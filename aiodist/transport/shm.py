@@ -560,10 +560,15 @@ class ShmTransport(Transport):
         if link is not None and link.error is None and self._closed is None:
             # The common case, kept short: packing the header checks the tag.
             try:
-                link.flow.send(tag, data, self.mailbox.fingerprint_of(tag[0], tag[1]), fut, cleared)
+                fp = self.mailbox.fingerprint_of(tag[0], tag[1])
+                header = link.flow.header(tag, len(data), fp, cleared)
             except (struct.error, TypeError, IndexError):
                 check_tag(tag)  # raises the usage error for a malformed tag
                 raise
+            if header is None:
+                link.flow.announce(tag, data, fp, fut)
+            else:
+                link.write(header, data, fut)
             return fut
         check_tag(tag)
         if self._closed is not None:

@@ -369,13 +369,19 @@ class TCPTransport(Transport):
             raise DistUsageError(f"peer must be a rank in [0, {self.world_size}), got {peer!r}")
         fut: asyncio.Future[None] = self._loop.create_future()
         p = self._peers[peer]
-        if p.conn is not None:
+        conn = p.conn
+        if conn is not None:
             # The common case, kept short: packing the header checks the tag.
             try:
-                p.flow.send(tag, data, self.mailbox.fingerprint_of(tag[0], tag[1]), fut, cleared)
+                fp = self.mailbox.fingerprint_of(tag[0], tag[1])
+                header = p.flow.header(tag, len(data), fp, cleared)
             except (struct.error, TypeError, IndexError):
                 check_tag(tag)  # raises the usage error for a malformed tag
                 raise
+            if header is None:
+                p.flow.announce(tag, data, fp, fut)
+            else:
+                conn.send(header, data, fut)
             return fut
         check_tag(tag)
         fp = self.mailbox.fingerprint_of(tag[0], tag[1])
