@@ -196,7 +196,11 @@ class PeerFlow:
         return header
 
     def announce(self, tag: Tag, data: memoryview, fp: bytes, fut: asyncio.Future[None]) -> None:
-        """Announce ``data`` tagged ``tag``: its payload goes once the peer clears it."""
+        """Announce ``data`` tagged ``tag``: its payload goes once the peer clears it.
+
+        Packing the header checks the tag, before anything else happens (see
+        :meth:`header`).
+        """
         header = HEADER.pack(tag[0], tag[1], tag[2], RTS | len(data), fp)
         ticket = self._next_ticket
         self._next_ticket += 1

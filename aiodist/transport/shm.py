@@ -562,12 +562,12 @@ class ShmTransport(Transport):
             try:
                 fp = self.mailbox.fingerprint_of(tag[0], tag[1])
                 header = link.flow.header(tag, len(data), fp, cleared)
+                if header is None:
+                    link.flow.announce(tag, data, fp, fut)
             except (struct.error, TypeError, IndexError):
                 check_tag(tag)  # raises the usage error for a malformed tag
                 raise
-            if header is None:
-                link.flow.announce(tag, data, fp, fut)
-            else:
+            if header is not None:
                 link.write(header, data, fut)
             return fut
         check_tag(tag)

@@ -375,12 +375,12 @@ class TCPTransport(Transport):
             try:
                 fp = self.mailbox.fingerprint_of(tag[0], tag[1])
                 header = p.flow.header(tag, len(data), fp, cleared)
+                if header is None:
+                    p.flow.announce(tag, data, fp, fut)
             except (struct.error, TypeError, IndexError):
                 check_tag(tag)  # raises the usage error for a malformed tag
                 raise
-            if header is None:
-                p.flow.announce(tag, data, fp, fut)
-            else:
+            if header is not None:
                 conn.send(header, data, fut)
             return fut
         check_tag(tag)
