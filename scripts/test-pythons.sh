@@ -9,9 +9,10 @@
 # A version's interpreter is python3.X on PATH, else pyenv's newest 3.X; a version the
 # machine lacks is skipped with a line that says so. Each gets its own virtualenv (.venv312,
 # .venv313) with aiodist and its test and documentation tools, installed again only when
-# pyproject.toml changed. Torch's wheel is for Python 3.11 only, so the torch interoperability
-# tests skip there. Pytest runs in a private network namespace with only loopback where the
-# machine allows it, as in scripts/test.sh. The exit status is non-zero if any run failed.
+# the interpreter or pyproject.toml changed. Torch's wheel is for Python 3.11 only, so the
+# torch interoperability tests skip there. Pytest runs in a private network namespace with
+# only loopback where the machine allows it, as in scripts/test.sh. The exit status is
+# non-zero if any run failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -120,12 +121,14 @@ run_tests() {
     return 0
   fi
   venv=".venv${version/./}"
-  # (Called where a failure does not stop the script: each step says whether it failed.
-  # --no-compile: imports compile what they use, a third of the time of the set-up.)
-  if ! cmp -s pyproject.toml "$venv/aiodist-pyproject.toml"; then
+  # Set up again when the interpreter or pyproject.toml changed. (Called where a failure
+  # does not stop the script: each step says whether it failed. --no-compile: imports
+  # compile what they use; compiling everything was a third of the set-up's time.)
+  local stamp="$venv/aiodist-setup"
+  if ! cmp -s "$stamp" <(echo "$python" && cat pyproject.toml); then
     "$python" -m venv "$venv" &&
       "$venv/bin/python" -m pip install -q --no-compile -e '.[test,docs]' &&
-      cp pyproject.toml "$venv/aiodist-pyproject.toml" || return 1
+      { echo "$python" && cat pyproject.toml; } >"$stamp" || return 1
   fi
   echo "== Python $("$venv/bin/python" -c 'import platform; print(platform.python_version())')"
   # The outer limit turns a hang that no per-test timeout could interrupt into a failure.
@@ -142,7 +145,7 @@ if [[ ${1:-} =~ ^3\.[0-9]+$ ]]; then
   versions=("$1")
   shift
 else
-  # (The version python3 is, scripts/test.sh tests already.)
+  # Not python3's own version: scripts/test.sh runs the whole suite on it.
   default=$(python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')
   for version in "${VERSIONS[@]}"; do
     [ "$version" = "$default" ] || versions+=("$version")
