@@ -57,7 +57,7 @@ FAST=(
   tests/test_sync_store.py::test_fork_child_gets_its_own_loop_thread
   tests/test_sync_store.py::test_one_loop_thread_that_callers_may_stand_in_for_and_no_policy_change
   tests/test_sync_store.py::test_loop_kind_from_the_environment
-  tests/test_sync_wait.py
+  tests/test_sync_wait.py tests/test_asyncio_internals.py
   tests/test_eager.py::test_an_operation_that_can_end_at_once_is_born_done_and_the_loop_still_runs
   tests/test_eager.py::test_a_blocking_call_stands_in_for_an_idle_loop_thread_and_hands_over_to_a_busy_one
   # stores and rendezvous
