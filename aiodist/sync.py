@@ -274,6 +274,23 @@ class Work(Generic[T]):
         """
         return self._work.result()
 
+    def source_rank(self) -> int:
+        """The rank a finished receive (``irecv``) got its message from, as torch's
+        ``Work.source_rank()`` (also spelled ``_source_rank()``): the work's result.
+
+        Raises:
+            DistUsageError: the work is not a receive's, or it has not finished.
+            DistError: the receive failed.
+        """
+        if self._work.op != "recv":
+            raise DistUsageError(
+                f"source_rank() is the sender of a receive; this is the work of {self._work.op}"
+            )
+        sender: Any = self._work.result()
+        return int(sender)
+
+    _source_rank = source_rank
+
     def get_future(self) -> concurrent.futures.Future[T]:
         """Return a :class:`concurrent.futures.Future` resolved with the operation's result."""
         return self._future
