@@ -65,18 +65,23 @@ async def monitored_barrier(
     if comm.rank != 0:
         await comm.send(0, 0, byte_view(token))
         release = comm.recv_into(0, 1, byte_view(token))
-        done, _ = await asyncio.wait([release], timeout=seconds)
+        # Rank 0 decides within ``seconds`` of its own arrival: wait for its answer twice as
+        # long (it may have come later than this rank), so that only a rank 0 that is gone
+        # or stuck leaves this rank to time out on its own.
+        within = None if seconds is None else 2 * seconds
+        done, _ = await asyncio.wait([release], timeout=within)
+        errors = (
+            f"monitored_barrier: Rank {me} successfully reached monitoredBarrier, but received "
+            f"errors while waiting for send/recv from rank {root}"  # torch's words
+        )
         if not done:
-            raise DistTimeoutError(
-                f"monitored_barrier: rank {me} was not released by rank {root} within {seconds:g} s"
-            )
+            raise DistTimeoutError(f"{errors}: rank {root} did not answer within {within:g} s")
         release.result()
         if token[0]:
             raise fails_alone(
                 DistTimeoutError(
-                    f"monitored_barrier: Rank {me} successfully reached monitoredBarrier, but "
-                    f"received errors while waiting for send/recv from rank {root}: a rank did "
-                    f"not reach it within {seconds:g} s (rank {root}'s error names it)"
+                    f"{errors}: a rank did not reach it within {seconds:g} s (rank {root}'s "
+                    "error names it)"
                 )
             )
         return

@@ -52,7 +52,8 @@ def timeout_error(
 ) -> DistStoreTimeoutError:
     """Build the error for a wait on ``keys`` that gave up after ``waited`` seconds."""
     return DistStoreTimeoutError(
-        f"store wait timed out after {waited * 1000:.0f} ms waiting for keys "
+        # "timeout": torch's word, which scripts (and torch's tests) match.
+        f"store wait timeout: timed out after {waited * 1000:.0f} ms waiting for keys "
         f"[{format_keys(keys)}]; still missing: [{format_keys(missing)}]"
     )
 
