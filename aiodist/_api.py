@@ -419,6 +419,7 @@ def _options(
     if _group.peek_world() is not None:
         raise DistUsageError(_group.TWICE)
     name, devices = _backends.available(backend)
+    name = _given_name(backend, name)
     if not isinstance(group_name, str):
         raise DistUsageError(f"group_name must be a string, got {type(group_name).__name__}")
     if shared_memory is not None and not isinstance(shared_memory, bool):
@@ -549,6 +550,13 @@ def get_world_size(group: Group = None) -> int:
     if isinstance(group, NonGroupMember):
         return -1
     return resolve_group(group, "get_world_size").size
+
+
+def _given_name(backend: str | None, chosen: str) -> str:
+    """A group's backend name: the one given, in lower case (``"gloo"``), as torch's
+    ``get_backend`` answers (scripts compare it with what they passed); for ``None``, the
+    backends chosen (``"cpu"``)."""
+    return chosen if backend is None else backend.strip().lower()
 
 
 def get_backend(group: Group = None) -> str:
@@ -736,6 +744,7 @@ async def new_group(
         name, devices = world.backend, dict(world.backends)
     else:
         name, devices = _backends.parse_backend(backend)
+        name = _given_name(backend, name)
     seconds = world.timeout if timeout is None else to_seconds(timeout, None)
     group = await _subgroups.new_group(
         world, ranks, backend=name, backends=devices, timeout=seconds

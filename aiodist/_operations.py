@@ -294,8 +294,9 @@ def _all_reduce_coalesced(intake: Intake, pg: ProcessGroup, tensors: object, op:
     if not isinstance(tensors, list | tuple) or not tensors:
         raise DistUsageError("tensors must be a non-empty list of arrays")
     xs = [intake(t, writable=True, name=f"tensors[{i}]") for i, t in enumerate(tensors)]
-    for x in xs:
-        rop = _all_reduce_op(op, x.dtype)
+    rop = _all_reduce_op(op, xs[0].dtype)
+    for x in xs[1:]:
+        _all_reduce_op(op, x.dtype)  # a complex array among them refuses MAX, MIN...
     # As torch: complex arrays may come with arrays of their real dtype (complex64 with
     # float32), and are then reduced as pairs of reals, which only the sums allow.
     reals = [x.reshape(-1).view(x.real.dtype) if x.dtype.kind == "c" else x for x in xs]

@@ -260,13 +260,14 @@ class _PythonStore(_aio.Store):
         if self._method("append") is not None:
             await self._call("append", key, data)
             return
-        # torch's fallback: compare_set until no other writer came in between.
-        current = await self.compare_set(key, b"", data)
-        while current != data:
-            updated = current + data
-            if await self.compare_set(key, current, updated) == updated:
-                return
-            current = await self.compare_set(key, b"", data)
+        # torch's fallback (a get could wait for a missing key forever): compare_set until
+        # no other writer came in between. As torch's, it cannot tell a key it created from
+        # one that already held exactly ``data``.
+        expected = data
+        current = await self.compare_set(key, b"", expected)
+        while current != expected:
+            expected = current + data
+            current = await self.compare_set(key, current, expected)
 
     async def queue_push(self, key: str, value: _aio.Value) -> None:
         await self._call("queue_push", key, _bytes(value))

@@ -198,13 +198,11 @@ def is_backend_available(name: str) -> bool:
 
 
 def parse_backend(spec: str | None) -> tuple[str, dict[str, str]]:
-    """Return the name of ``spec`` and the backend serving each device kind.
+    """Return the canonical name of ``spec`` and the backend serving each device kind.
 
     ``None`` means every built-in backend available here (the CUDA one only with cupy
     installed); ``"cpu"``/``"gloo"``, ``"cuda"``/``"nccl"``, a registered name, or torch's
-    per-device form ``"cpu:gloo,cuda:nccl"``. The name is the one given, in lower case (as
-    torch's ``get_backend`` answers: scripts compare it with what they passed), or for
-    ``None`` the backends chosen (``"cpu"``, ``"cpu:cpu,cuda:cuda"``).
+    per-device form ``"cpu:gloo,cuda:nccl"``.
 
     Raises:
         DistUsageError: an unknown backend, or a backend named for the wrong device.
@@ -231,7 +229,7 @@ def parse_backend(spec: str | None) -> tuple[str, dict[str, str]]:
         if device and device != kind:
             raise DistUsageError(f"backend {spec!r}: {impl!r} cannot serve {device!r} arrays")
         devices[kind] = name
-    return text, devices
+    return _name(devices), devices
 
 
 def available(spec: str | None) -> tuple[str, dict[str, str]]:
@@ -257,7 +255,7 @@ def available(spec: str | None) -> tuple[str, dict[str, str]]:
         logger.info(
             "backend %r: %s cannot run here and is left out", spec, set(devices) - set(usable)
         )
-    return name, usable
+    return _name(usable), usable
 
 
 def _device_of_backend(name: str) -> str:

@@ -298,7 +298,7 @@ class FileStore(Store):
     destructor): a short write under the file lock, on the thread that collects it.
 
     The constructor does no I/O; the file is opened, created if missing, and this instance
-    counted in by :meth:`open` or the first operation.
+    counted in by ``open()`` or the first operation.
 
     Args:
         file_name: path of the file (created if missing).
