@@ -419,6 +419,7 @@ def _options(
     if _group.peek_world() is not None:
         raise DistUsageError(_group.TWICE)
     name, devices = _backends.available(backend)
+    name = _given_name(backend, name)
     if not isinstance(group_name, str):
         raise DistUsageError(f"group_name must be a string, got {type(group_name).__name__}")
     if shared_memory is not None and not isinstance(shared_memory, bool):
@@ -551,12 +552,27 @@ def get_world_size(group: Group = None) -> int:
     return resolve_group(group, "get_world_size").size
 
 
+def _given_name(backend: str | None, chosen: str) -> str:
+    """A group's backend name: the one given, in lower case (``"gloo"``), as torch's
+    ``get_backend`` answers (scripts compare it with what they passed); for ``None``, the
+    backends chosen (``"cpu"``)."""
+    return chosen if backend is None else backend.strip().lower()
+
+
 def get_backend(group: Group = None) -> str:
-    """Return the backend name of ``group`` (``"cpu"``).
+    """Return the backend name of ``group``: the one given to ``init_process_group`` (or
+    ``new_group``), in lower case (``"gloo"``, ``"cpu:gloo,cuda:nccl"``), as torch answers;
+    for ``backend=None``, the backends chosen (``"cpu"``).
 
     Raises:
-        DistUsageError: not initialized, or a non-member sentinel.
+        DistUsageError: not initialized, or a non-member sentinel (in torch's words:
+            ``Invalid process group specified``).
     """
+    if isinstance(group, NonGroupMember):
+        raise DistUsageError(
+            "get_backend: Invalid process group specified: this rank is not a member of the "
+            "group (new_group returned NON_GROUP_MEMBER here)"
+        )
     return resolve_group(group, "get_backend").backend
 
 
@@ -728,6 +744,7 @@ async def new_group(
         name, devices = world.backend, dict(world.backends)
     else:
         name, devices = _backends.parse_backend(backend)
+        name = _given_name(backend, name)
     seconds = world.timeout if timeout is None else to_seconds(timeout, None)
     group = await _subgroups.new_group(
         world, ranks, backend=name, backends=devices, timeout=seconds
@@ -803,7 +820,10 @@ async def new_subgroups(
 ) -> tuple[ProcessGroup, list[ProcessGroup | NonGroupMember]]:
     """Split the ranks of ``group`` into consecutive subgroups of ``group_size`` ranks.
 
-    Every rank of the default group must call it with the same arguments.
+    Every rank of the default group must call it. With ``group``, each rank may pass a
+    group of its own, as torch allows (ranks 0 and 2 splitting ``[0, 2]`` while ranks 1
+    and 3 split ``[1, 3]``): the ranks first share the subgroups each wants, and every rank
+    makes all of them, in one order.
 
     Args:
         group_size: ranks per subgroup; ``None`` makes one subgroup of every rank of
@@ -813,23 +833,43 @@ async def new_subgroups(
         backend: backend of the subgroups; ``None`` inherits.
 
     Returns:
-        ``(this rank's subgroup, every subgroup)``; entries of subgroups this rank is not in
-        are :data:`NON_GROUP_MEMBER`.
+        ``(this rank's subgroup, the subgroups of this rank's group)``; entries of subgroups
+        this rank is not in are :data:`NON_GROUP_MEMBER`.
 
     Raises:
-        DistUsageError: ``group_size`` is not positive, or does not divide the group size.
+        DistUsageError: ``group_size`` is not positive, or does not divide the group size
+            (with ``group``: on every rank, naming the rank), or the groups that ranks passed
+            overlap without being the same.
     """
     parent = resolve_group(group, "new_subgroups")
     size = parent.size if group_size is None else group_size
+    problem = None
     if isinstance(size, bool) or not isinstance(size, int) or size <= 0 or parent.size % size:
-        raise DistUsageError(
+        problem = (
             f"new_subgroups: group_size {group_size!r} must be a positive int dividing the "
             f"group size {parent.size}"
         )
-    lists = [list(parent.ranks[i : i + size]) for i in range(0, parent.size, size)]
-    mine, groups = await new_subgroups_by_enumeration(lists, timeout, backend)
-    assert mine is not None  # this rank is in the parent group, so in one subgroup
-    return mine, groups
+        lists = []
+    else:
+        lists = [list(parent.ranks[i : i + size]) for i in range(0, parent.size, size)]
+    world = parent.world
+    if group is None or parent is world.default_group:
+        if problem is not None:
+            raise DistUsageError(problem)
+        mine, groups = await new_subgroups_by_enumeration(lists, timeout, backend)
+        assert mine is not None  # this rank is in the parent group, so in one subgroup
+        return mine, groups
+    wanted: list[Any] = [None] * world.size
+    await all_gather_object(wanted, (problem, lists), group=world.default_group)
+    for rank, (theirs, _) in enumerate(wanted):
+        if theirs is not None:
+            raise DistUsageError(theirs if rank == world.rank else f"rank {rank}: {theirs}")
+    union: list[list[int]] = []
+    for _, theirs in wanted:
+        union += [ranks for ranks in theirs if ranks not in union]
+    mine, groups = await new_subgroups_by_enumeration(union, timeout, backend)
+    assert mine is not None
+    return mine, [groups[union.index(ranks)] for ranks in lists]
 
 
 async def new_subgroups_by_enumeration(

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol
 import numpy as np
 
 from ._fingerprint import NO_FINGERPRINT, fingerprint
-from ._ops import PremulSum, check_reduce_op
+from ._ops import PremulSum, ReduceOp, check_reduce_op
 from ._timeouts import Timeout, to_seconds
 from .errors import DistUsageError
 
@@ -262,20 +262,57 @@ def _split_rows(a: Any, splits: list[int]) -> list[Any]:
 
 
 # -- reductions ------------------------------------------------------------------------------
+def _all_reduce_op(op: object, dtype: Any) -> ReduceOp:
+    """``check_reduce_op`` with torch's words for a reduction that complex arrays refuse
+    (``"all_reduce does not support ... on complex tensors"``, which scripts match)."""
+    try:
+        return check_reduce_op(op, dtype)
+    except DistUsageError:
+        if np.dtype(dtype).kind != "c" or not isinstance(op, int):
+            raise
+        name = ReduceOp(op).name
+        raise DistUsageError(
+            f"all_reduce does not support ReduceOp.{name} on complex tensors (dtype {dtype}): "
+            "complex arrays take SUM, AVG, PRODUCT and PREMUL_SUM"
+        ) from None
+
+
 @_operation("all_reduce")
 def _all_reduce(intake: Intake, pg: ProcessGroup, tensor: object, op: object) -> Call:
     x = intake(tensor, writable=True, name="tensor")
-    rop = check_reduce_op(op, x.dtype)
+    rop = _all_reduce_op(op, x.dtype)
     fp = fingerprint("all_reduce", dtype=x.dtype, shape=x.shape, reduce_op=rop)
     return Call((x, rop, _factor(op)), fp, tensor)
+
+
+#: The reductions that reduce a complex array as the pairs of reals it is made of.
+_ELEMENTWISE_ON_REALS = frozenset({ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PREMUL_SUM})
 
 
 @_operation("all_reduce_coalesced")
 def _all_reduce_coalesced(intake: Intake, pg: ProcessGroup, tensors: object, op: object) -> Call:
     if not isinstance(tensors, list | tuple) or not tensors:
         raise DistUsageError("tensors must be a non-empty list of arrays")
-    xs = _array_list(intake, tensors, len(tensors), "tensors", True)
-    rop = check_reduce_op(op, xs[0].dtype)
+    xs = [intake(t, writable=True, name=f"tensors[{i}]") for i, t in enumerate(tensors)]
+    rop = _all_reduce_op(op, xs[0].dtype)
+    for x in xs[1:]:
+        _all_reduce_op(op, x.dtype)  # a complex array among them refuses MAX, MIN...
+    # As torch: complex arrays may come with arrays of their real dtype (complex64 with
+    # float32), and are then reduced as pairs of reals, which only the sums allow.
+    reals = [x.reshape(-1).view(x.real.dtype) if x.dtype.kind == "c" else x for x in xs]
+    for i, x in enumerate(reals[1:], 1):
+        if x.dtype != reals[0].dtype:
+            raise DistUsageError(
+                f"tensors mixes dtypes: tensors[0] is {xs[0].dtype} but tensors[{i}] is "
+                f"{xs[i].dtype}; every entry must have the same dtype (or be complex of it)"
+            )
+    if any(x.dtype != xs[0].dtype for x in xs):
+        if rop not in _ELEMENTWISE_ON_REALS:
+            raise DistUsageError(
+                f"ReduceOp.{rop.name} cannot reduce complex and real arrays together "
+                "(complex arrays go as pairs of reals: only SUM, AVG and PREMUL_SUM)"
+            )
+        xs = reals
     total = sum(x.size for x in xs)
     # One flat all_reduce to the peers: it matches whatever lists add up alike.
     fp = fingerprint("all_reduce", dtype=xs[0].dtype, shape=(total,), reduce_op=rop)
@@ -516,12 +553,33 @@ def _recv(
 
 
 # -- object collectives: pickled, sizes first, on the CPU -----------------------------------
-def _dumps(obj: object, name: str) -> Any:
+def _dumps(obj: object, name: str, op: str) -> Any:
     try:
         data = pickle.dumps(obj)
     except Exception as exc:
-        raise DistUsageError(f"{name} cannot be pickled: {type(exc).__name__}: {exc}") from exc
+        error = _usage_error_like(type(exc))
+        text = f"{op}: {name} cannot be pickled: {type(exc).__name__}: {exc}"
+        raise error(text) from exc
     return np.frombuffer(data, np.uint8)
+
+
+def _usage_error_like(cls: type[Exception]) -> type[DistUsageError]:
+    """A ``DistUsageError`` that is also ``cls``, the class of what pickle raised.
+
+    torch lets pickle's own exception through (``AttributeError`` for a local class, say),
+    and callers catch that; the usage error rejects the operation on every rank as ours do.
+    """
+    error = _PICKLING_ERRORS.get(cls)
+    if error is None:
+        try:
+            error = type(cls.__name__, (DistUsageError, cls), {"__module__": __name__})
+        except TypeError:  # a class that cannot be a base beside ours (its instance layout)
+            error = DistUsageError
+        _PICKLING_ERRORS[cls] = error
+    return error
+
+
+_PICKLING_ERRORS: dict[type[Exception], type[DistUsageError]] = {}
 
 
 def _object_list(value: object, name: str, size: int | None = None) -> list[Any]:
@@ -554,8 +612,9 @@ def _broadcast_object_list(
     objs = _object_list(object_list, "object_list")
     data_only = _weights_only(weights_only)
     mine = pg.rank == root
-    payloads = [_dumps(o, f"object_list[{i}]") for i, o in enumerate(objs)] if mine else []
-    fp = fingerprint("broadcast_object_list", root=root)
+    op = "broadcast_object_list"
+    payloads = [_dumps(o, f"object_list[{i}]", op) for i, o in enumerate(objs)] if mine else []
+    fp = fingerprint(op, root=root)
     return Call((objs, payloads, root, data_only), fp)
 
 
@@ -564,7 +623,8 @@ def _all_gather_object(
     intake: Intake, pg: ProcessGroup, object_list: object, obj: object, weights_only: object
 ) -> Call:
     objs = _object_list(object_list, "object_list", pg.size)
-    return Call((objs, _dumps(obj, "obj"), _weights_only(weights_only)), _ALL_GATHER_OBJECT_FP)
+    payload = _dumps(obj, "obj", "all_gather_object")
+    return Call((objs, payload, _weights_only(weights_only)), _ALL_GATHER_OBJECT_FP)
 
 
 _ALL_GATHER_OBJECT_FP = fingerprint("all_gather_object")
@@ -588,7 +648,7 @@ def _gather_object(
     else:
         _absent_on_non_root(object_gather_list, "object_gather_list", root)
     fp = fingerprint("gather_object", root=root)
-    return Call((objs, _dumps(obj, "obj"), root, data_only), fp)
+    return Call((objs, _dumps(obj, "obj", "gather_object"), root, data_only), fp)
 
 
 @_operation("scatter_object_list", "none", algorithm="scatter_objects", nseq=2)
@@ -603,11 +663,19 @@ def _scatter_object_list(
 ) -> Call:
     root = _root(pg, src, group_src, _SRC)
     data_only = _weights_only(weights_only)
+    if isinstance(output_list, list) and not output_list:
+        raise DistUsageError(  # torch's words
+            "Expected argument scatter_object_output_list to be a list of size at least 1 "
+            "(it receives this rank's object), got an empty list"
+        )
     outs = _object_list(output_list, "scatter_object_output_list")
     payloads = []
     if pg.rank == root:
         ins = _object_list(input_list, "scatter_object_input_list", pg.size)
-        payloads = [_dumps(o, f"scatter_object_input_list[{i}]") for i, o in enumerate(ins)]
+        payloads = [
+            _dumps(o, f"scatter_object_input_list[{i}]", "scatter_object_list")
+            for i, o in enumerate(ins)
+        ]
     # (On the other ranks the input list is ignored, whatever it holds, as torch documents.)
     fp = fingerprint("scatter_object_list", root=root)
     return Call((outs, payloads, root, data_only), fp)
@@ -616,7 +684,7 @@ def _scatter_object_list(
 @_operation("send_object_list", "none", algorithm="send_objects")
 def _send_object_list(intake: Intake, pg: ProcessGroup, peer: int, object_list: object) -> Call:
     objs = _object_list(object_list, "object_list")
-    payloads = [_dumps(o, f"object_list[{i}]") for i, o in enumerate(objs)]
+    payloads = [_dumps(o, f"object_list[{i}]", "send_object_list") for i, o in enumerate(objs)]
     sizes = np.array([p.size for p in payloads], np.int64)
     return Call((peer, sizes, np.concatenate(payloads)))
 

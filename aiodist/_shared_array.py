@@ -41,6 +41,8 @@ Lifetime rules:
 from __future__ import annotations
 
 import bisect
+import collections
+import contextlib
 import itertools
 import logging
 import math
@@ -48,6 +50,7 @@ import mmap
 import os
 import threading
 import weakref
+from collections.abc import Iterator
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -99,9 +102,34 @@ class _Allocation:
 
 # Live allocations of this process, by start address (sorted), for locate().
 _lock = threading.Lock()
+_holder: int | None = None  # the thread that holds _lock
 _starts: list[int] = []
 _by_start: dict[int, _Allocation] = {}
 _ids = itertools.count(1)
+# Allocations freed while their thread held _lock (see _free), left out of the index by
+# the next holder before it looks anything up.
+_freed: collections.deque[_Allocation] = collections.deque()
+
+
+@contextlib.contextmanager
+def _index() -> Iterator[None]:
+    """Hold the index of live allocations, brought up to date."""
+    global _holder
+    with _lock:
+        _holder = threading.get_ident()
+        try:
+            while _freed:
+                _unindex(_freed.popleft())
+            yield
+        finally:
+            _holder = None
+
+
+def _unindex(alloc: _Allocation) -> None:
+    _by_start.pop(alloc.addr, None)
+    i = bisect.bisect_left(_starts, alloc.addr)
+    if i < len(_starts) and _starts[i] == alloc.addr:
+        del _starts[i]
 
 
 def check(shape: object, dtype: npt.DTypeLike) -> tuple[tuple[int, ...], np.dtype[Any]]:
@@ -162,7 +190,7 @@ def empty(shape: int | tuple[int, ...], dtype: npt.DTypeLike, ws: Owner) -> npt.
         raise
     base = np.frombuffer(mm, dtype=np.uint8)
     alloc = _Allocation(next(_ids), fd, size, base.ctypes.data)
-    with _lock:
+    with _index():
         bisect.insort(_starts, alloc.addr)
         _by_start[alloc.addr] = alloc
     weakref.finalize(base, _free, alloc)
@@ -180,13 +208,17 @@ def zeros(shape: int | tuple[int, ...], dtype: npt.DTypeLike, ws: Owner) -> npt.
 
 
 def _free(alloc: _Allocation) -> None:
-    # Runs when the last view of the array is gone (any thread, possibly at exit).
-    with _lock:
-        _by_start.pop(alloc.addr, None)
-        i = bisect.bisect_left(_starts, alloc.addr)
-        if i < len(_starts) and _starts[i] == alloc.addr:
-            del _starts[i]
-        published = list(alloc.published)
+    # Runs when the last view of the array is gone: on any thread, at exit, or inside the
+    # garbage collector while this very thread holds the index (an allocation under it
+    # can collect an array). Then it must not wait for the index (it would wait for
+    # itself): it hands its part on to the next holder (a deque's append runs no Python
+    # code), and what it interrupted does not look up a freed range.
+    if _holder == threading.get_ident():
+        _freed.append(alloc)
+    else:
+        with _index():
+            _unindex(alloc)
+    published = list(alloc.published)
     os.close(alloc.fd)
     for ws in published:
         ws.note_freed(alloc.id)
@@ -196,7 +228,7 @@ def locate(a: npt.NDArray[Any], ws: Owner) -> Location | None:
     """Return where ``a`` lives if it is (a view into) a shared array, else ``None``;
     ``ws``, whose peers are about to read it, is told when it is freed."""
     addr: int = a.__array_interface__["data"][0]
-    with _lock:
+    with _index():
         i = bisect.bisect_right(_starts, addr) - 1
         if i < 0:
             return None

@@ -11,6 +11,7 @@ default group, and :func:`close_all_stores` closes what is left at exit.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import weakref
@@ -22,7 +23,7 @@ from typing import Any, Concatenate, Generic, ParamSpec, Self, TypeVar, overload
 from . import store as _aio
 from ._loop_thread import SHUTDOWN_TIMEOUT, run
 from ._timeouts import DEFAULT_STORE_TIMEOUT, Timeout
-from .errors import DistUsageError
+from .errors import DistStoreError, DistUsageError
 
 __all__ = [
     "EtcdStore",
@@ -83,15 +84,25 @@ class Store:
     ``DistStoreError``, ``QueueEmptyError``, ...). Usable from several threads at once.
     Stores still open at interpreter exit are closed then.
 
+    As torch's ``dist.Store``, it is also the base of a store written in Python: a subclass
+    that calls ``super().__init__()`` and defines ``set``, ``get``, ``add``,
+    ``compare_set``... (blocking, with ``str`` keys and ``bytes`` values) is a store
+    wherever one is taken (``PrefixStore``, ``init_process_group(store=...)``): aiodist calls
+    its methods from a worker thread. A method it does not define raises ``DistStoreError``
+    ("Not implemented.", as torch); ``append``, ``multi_get`` and ``multi_set`` fall back on
+    ``compare_set``, ``get`` and ``set``.
+
     Args:
-        store: the async store to drive.
+        store: the async store to drive; ``None`` for a store written in Python.
 
     Raises:
         DistUsageError: ``store`` is not an async aiodist store.
     """
 
-    def __init__(self, store: _aio.Store) -> None:
-        if not isinstance(store, _aio.Store):
+    def __init__(self, store: _aio.Store | None = None) -> None:
+        if store is None:
+            store = _PythonStore(self)
+        elif not isinstance(store, _aio.Store):
             raise DistUsageError(f"expected an aiodist Store, got {type(store).__name__}")
         self._store = store
         self._closed = False
@@ -136,6 +147,12 @@ class Store:
     queue_len = _Blocking(_aio.Store.queue_len)
     barrier = _Blocking(_aio.Store.barrier)
 
+    def has_extended_api(self) -> bool:
+        """torch's question: whether ``append``, ``multi_get`` and ``multi_set`` are the
+        store's own. ``True`` for aiodist's stores; a store written in Python says ``False``
+        unless it overrides this method (the three then fall back on the basic methods)."""
+        return not isinstance(self._store, _PythonStore)
+
     def clone(self) -> Store:
         """Return a new, independent handle to the same store (a new connection, if any)."""
         return Store(run(self._store.clone()))
@@ -160,6 +177,116 @@ class Store:
         self.close()
 
 
+def _bytes(value: _aio.Value) -> bytes:
+    # torch hands a Python store's methods bytes values.
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+class _PythonStore(_aio.Store):
+    """The async store behind a blocking store written in Python: each method runs the
+    Python method of the same name in a worker thread (it may block)."""
+
+    def __init__(self, owner: Store) -> None:
+        super().__init__()
+        # Weakly: the owner holds this store, and a store written in Python is dropped as
+        # torch's are, with its last reference.
+        self._owner = weakref.ref(owner)
+
+    def __repr__(self) -> str:
+        return f"<store written in Python: {type(self._owner()).__name__}>"
+
+    def _method(self, name: str) -> Callable[..., Any] | None:
+        owner = self._owner()
+        if owner is None:
+            raise DistUsageError("the store written in Python was garbage collected")
+        method = getattr(type(owner), name, None)
+        if method is None or method is getattr(Store, name, None):
+            return None  # not defined by the subclass
+        bound: Callable[..., Any] = getattr(owner, name)
+        return bound
+
+    async def _call(self, name: str, *args: Any) -> Any:
+        method = self._method(name)
+        if method is None:
+            owner = type(self._owner()).__name__
+            raise DistStoreError(f"Not implemented.: {owner}.{name}() is not defined")
+        return await asyncio.to_thread(method, *args)
+
+    async def set(self, key: str, value: _aio.Value) -> None:
+        await self._call("set", key, _bytes(value))
+
+    async def get(self, key: str) -> bytes:
+        value: bytes = await self._call("get", key)
+        return value
+
+    async def add(self, key: str, amount: int) -> int:
+        total: int = await self._call("add", key, amount)
+        return total
+
+    async def compare_set(self, key: str, expected: _aio.Value, desired: _aio.Value) -> bytes:
+        expected, desired = _bytes(expected), _bytes(desired)
+        value: bytes = await self._call("compare_set", key, expected, desired)
+        return value
+
+    async def wait(self, keys: Sequence[str], timeout: Timeout = None) -> None:
+        await self._call("wait", list(keys), *([] if timeout is None else [timeout]))
+
+    async def check(self, keys: Sequence[str]) -> bool:
+        return bool(await self._call("check", list(keys)))
+
+    async def delete_key(self, key: str) -> bool:
+        return bool(await self._call("delete_key", key))
+
+    async def num_keys(self) -> int:
+        return int(await self._call("num_keys"))
+
+    async def list_keys(self) -> list[str]:
+        return list(await self._call("list_keys"))
+
+    async def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        if self._method("multi_get") is None:  # torch's fallback
+            return [await self.get(k) for k in keys]
+        return list(await self._call("multi_get", list(keys)))
+
+    async def multi_set(self, keys: Sequence[str], values: Sequence[_aio.Value]) -> None:
+        if self._method("multi_set") is None:  # torch's fallback
+            for key, value in zip(keys, values, strict=True):
+                await self.set(key, value)
+            return
+        await self._call("multi_set", list(keys), [_bytes(v) for v in values])
+
+    async def append(self, key: str, value: _aio.Value) -> None:
+        data = _bytes(value)
+        if self._method("append") is not None:
+            await self._call("append", key, data)
+            return
+        # torch's fallback (a get could wait for a missing key forever): compare_set until
+        # no other writer came in between. As torch's, it cannot tell a key it created from
+        # one that already held exactly ``data``.
+        expected = data
+        current = await self.compare_set(key, b"", expected)
+        while current != expected:
+            expected = current + data
+            current = await self.compare_set(key, current, expected)
+
+    async def queue_push(self, key: str, value: _aio.Value) -> None:
+        await self._call("queue_push", key, _bytes(value))
+
+    async def queue_pop(self, key: str, block: bool = True) -> bytes:
+        value: bytes = await self._call("queue_pop", key, block)
+        return value
+
+    async def queue_len(self, key: str) -> int:
+        return int(await self._call("queue_len", key))
+
+    async def clone(self) -> _aio.Store:
+        clone: Store = await self._call("clone")
+        return clone.async_store
+
+    async def aclose(self) -> None:
+        """Nothing to release: the Python store owns its resources."""
+
+
 class HashStore(Store):
     """A blocking in-process store (``torch.distributed.HashStore``)."""
 
@@ -180,7 +307,19 @@ class FileStore(Store):
     """
 
     def __init__(self, file_name: str | os.PathLike[str], world_size: int = -1) -> None:
-        super().__init__(_aio.FileStore(file_name, world_size))
+        store = _aio.FileStore(file_name, world_size)
+        super().__init__(store)
+        self._file = store
+        run(store.open())  # counted in now, as torch's constructor does
+
+    def num_keys(self) -> int:
+        """The number of keys, counted as torch's FileStore does: with its reference counter
+        (so ``num_keys()`` is one more than the keys set; ``list_keys()`` lists those).
+
+        Raises:
+            DistStoreError: the file cannot be read, or the store is closed.
+        """
+        return run(self._file.count_all_keys())
 
 
 class PrefixStore(Store):
@@ -207,6 +346,19 @@ class PrefixStore(Store):
     def underlying_store(self) -> Store:
         """The store this one writes into."""
         return self._underlying
+
+    def num_keys(self) -> int:
+        """The number of keys of the underlying store, all prefixes, as torch counts them
+        (``list_keys()`` lists this prefix's own).
+
+        Raises:
+            DistStoreError: the underlying store failed.
+        """
+        return self._underlying.num_keys()
+
+    def has_extended_api(self) -> bool:
+        """The underlying store's answer, as torch's PrefixStore gives."""
+        return self._underlying.has_extended_api()
 
 
 class EtcdStore(Store):
@@ -266,15 +418,20 @@ class TCPStore(Store):
         wait_for_workers: the master waits until ``world_size`` instances have joined.
         multi_tenant: a master on a port this process already serves joins that server
             instead of starting another.
-        master_listen_fd: not supported (must be ``None``).
-        use_libuv: accepted for torch compatibility; the server is always asyncio's.
+        master_listen_fd: for the master, a TCP socket bound to ``port`` (unless 0) that the
+            server listens on and takes over, as in torch.
+        use_libuv: accepted for torch compatibility (:attr:`libuvBackend` returns it).
         **options: further keyword arguments of :meth:`aiodist.TCPStore.create`
             (``auth_token``, ``wire``, ``max_key_size``, ...).
 
     Raises:
-        DistUsageError: bad arguments, or ``master_listen_fd`` given.
-        DistNetworkError: the port is in use, or the server cannot be reached in time.
-        DistTimeoutError: the master's workers did not all join in time.
+        DistUsageError: bad arguments (``world_size=0``: in torch's words, "TCPStore world
+            size cannot be 0"), or a ``master_listen_fd`` that is not a TCP socket.
+        DistStoreError: ``master_listen_fd`` is bound to another port.
+        DistNetworkError: the port is in use ("The server socket has failed to listen on any
+            local network address", as torch says), or the server cannot be reached in time.
+        DistStoreTimeoutError: the master's workers did not all join in time (a
+            ``DistStoreError``, as in torch).
     """
 
     def __init__(
@@ -290,10 +447,10 @@ class TCPStore(Store):
         use_libuv: bool = True,
         **options: Any,
     ) -> None:
-        if master_listen_fd is not None:
-            raise DistUsageError("TCPStore(master_listen_fd=...) is not supported by aiodist")
         if is_master and multi_tenant and port != 0 and port in _tenants:
             is_master = False
+        if master_listen_fd is not None and is_master:
+            options["master_listen_fd"] = master_listen_fd
         store = run(
             _aio.TCPStore.create(
                 host_name, port, world_size, is_master, timeout, wait_for_workers, **options
@@ -301,8 +458,15 @@ class TCPStore(Store):
         )
         super().__init__(store)
         self._tcp = store
+        self._use_libuv = use_libuv
         if is_master and multi_tenant:
             _tenants[store.port] = self
+
+    @property
+    def libuvBackend(self) -> bool:
+        """torch's ``TCPStore.libuvBackend``: the ``use_libuv`` asked for. aiodist has one
+        server and client, which run on uvloop (libuv) where it is installed."""
+        return self._use_libuv
 
     @property
     def host(self) -> str:

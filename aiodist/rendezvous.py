@@ -50,6 +50,7 @@ __all__ = [
     "get_node_local_rank",
     "register_rendezvous_handler",
     "rendezvous",
+    "resolve",
 ]
 
 logger = logging.getLogger(__name__)
@@ -111,8 +112,8 @@ def _find_handler(scheme: str) -> RendezvousHandler:
             register_rendezvous_handler(scheme, loaded)
             return loaded
     known = sorted({*_handlers, *(ep.name.lower() for ep in entry_points(group=ENTRY_POINT_GROUP))})
-    raise DistUsageError(
-        f"no rendezvous handler for {scheme}:// (known schemes: "
+    raise DistUsageError(  # torch's words first
+        f"No rendezvous handler for {scheme}:// (known schemes: "
         f"{', '.join(s + '://' for s in known)})"
     )
 
@@ -152,11 +153,27 @@ async def rendezvous(
         DistNetworkError: the store could not be reached.
         DistTimeoutError: the other ranks did not arrive in time.
     """
+    handler, merged = resolve(url, rank, world_size)
+    seconds = to_seconds(timeout)
+    if auth_token is not None:
+        return await handler(merged, timeout=seconds, auth_token=resolve_token(auth_token))
+    return await handler(merged, timeout=seconds)
+
+
+def resolve(url: str, rank: int = -1, world_size: int = -1) -> tuple[RendezvousHandler, str]:
+    """Check ``url`` and the arguments of :func:`rendezvous` at once, before any I/O.
+
+    Returns:
+        The scheme's handler and the URL with ``rank`` and ``world_size`` in its query.
+
+    Raises:
+        DistUsageError: as :func:`rendezvous`: a malformed URL, an unknown scheme ("No
+            rendezvous handler for ...", as torch says), or a conflict with the arguments.
+    """
     if not isinstance(url, str):
         raise DistUsageError(f"rendezvous url must be a str, got {type(url).__name__}")
     rank = _check_int("rank", rank)
     world_size = _check_int("world_size", world_size)
-    seconds = to_seconds(timeout)
     try:
         parts = urlsplit(url)
     except ValueError as exc:  # e.g. an unbalanced "[" in the host
@@ -173,11 +190,11 @@ async def rendezvous(
                 f"and {name}={value} as an argument"
             )
         query[name] = str(value)
-    merged = urlunsplit(parts._replace(query=urlencode(query)))
-    handler = _find_handler(parts.scheme.lower())
-    if auth_token is not None:
-        return await handler(merged, timeout=seconds, auth_token=resolve_token(auth_token))
-    return await handler(merged, timeout=seconds)
+    # The query replaced in the text: urlunsplit would turn file:////tmp/x (the form torch's
+    # own tests build) into file://tmp/x, a path read as a host.
+    base = url.split("#", 1)[0].split("?", 1)[0]
+    merged = f"{base}?{urlencode(query)}" if query else base
+    return _find_handler(parts.scheme.lower()), merged
 
 
 # -- the built-in schemes ------------------------------------------------------------------

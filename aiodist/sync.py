@@ -37,6 +37,7 @@ import threading
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from datetime import timedelta
 from typing import Any, Generic, Self, TypeVar
+from urllib.parse import parse_qsl
 
 from . import (
     _api as _aio_api,
@@ -273,6 +274,23 @@ class Work(Generic[T]):
             DistError: the operation failed.
         """
         return self._work.result()
+
+    def source_rank(self) -> int:
+        """The rank a finished receive (``irecv``) got its message from, as torch's
+        ``Work.source_rank()`` (also spelled ``_source_rank()``): the work's result.
+
+        Raises:
+            DistUsageError: the work is not a receive's, or it has not finished.
+            DistError: the receive failed.
+        """
+        if self._work.op != "recv":
+            raise DistUsageError(
+                f"source_rank() is the sender of a receive; this is the work of {self._work.op}"
+            )
+        sender: Any = self._work.result()
+        return int(sender)
+
+    _source_rank = source_rank
 
     def get_future(self) -> concurrent.futures.Future[T]:
         """Return a :class:`concurrent.futures.Future` resolved with the operation's result."""
@@ -620,10 +638,30 @@ def rendezvous(
 ) -> Iterator[tuple[Store, int, int]]:
     """Rendezvous through ``url``; yield ``(blocking store, rank, world_size)`` once, as torch.
 
+    As torch's, the URL is checked at the call, before the first ``next()``: an unknown
+    scheme, and a URL that carries ``rank`` or ``world_size`` when they are passed too.
+
     Raises:
-        DistUsageError: a malformed URL or missing parameters (named).
-        DistTimeoutError: the other ranks did not arrive in time.
+        DistUsageError: at the call: a malformed URL, an unknown scheme ("No rendezvous
+            handler for ..."), a URL with node-specific arguments given twice ("The url: ...
+            has node-specific arguments(rank, world_size) already."; torch raises an
+            ``AssertionError``); at ``next()``: missing parameters (named).
+        DistTimeoutError: at ``next()``: the other ranks did not arrive in time.
     """
+    _rendezvous.resolve(url, rank, world_size)
+    if rank != -1 or world_size != -1:
+        query = url.split("#", 1)[0].partition("?")[2]
+        if {"rank", "world_size"} & {k for k, _ in parse_qsl(query)}:
+            raise DistUsageError(
+                f"The url: {url} has node-specific arguments(rank, world_size) already. "
+                "Pass them in the url or as arguments, not both"
+            )
+    return _rendezvous_steps(url, rank, world_size, kwargs)
+
+
+def _rendezvous_steps(
+    url: str, rank: int, world_size: int, kwargs: dict[str, Any]
+) -> Iterator[tuple[Store, int, int]]:
     store, r, n = run(_rendezvous.rendezvous(url, rank, world_size, **kwargs))
     yield Store(store), r, n
 

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Set up a virtualenv, install aiodist with its test and documentation tools (and torch's CPU
 # build, for the interoperability tests), run the linters, the type checker and the
-# documentation build, then the whole test suite.
-# Extra arguments go to pytest. The suite runs in a private network namespace with only
-# loopback where the machine allows it, so nothing (torch's reverse DNS lookups included)
-# leaves the machine.
+# documentation build, then the whole test suite on python3 (3.11), and a fast subset of it
+# on Python 3.12 and 3.13 where the machine has them (scripts/test-pythons.sh).
+# Extra arguments go to the pytest of the whole suite. The tests run in a private network
+# namespace with only loopback where the machine allows it, so nothing (torch's reverse DNS
+# lookups included) leaves the machine. The exit status is non-zero if any run failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -38,7 +39,7 @@ dist=$(mktemp -d)
   exit 1
 }
 .venv/bin/twine check --strict "$dist"/*.whl "$dist"/*.tar.gz
-if tar tzf "$dist"/*.tar.gz | grep -E '/(\.venv|__pycache__|\.[a-z_]*cache|\.hypothesis|_build)/'; then
+if tar tzf "$dist"/*.tar.gz | grep -E '/(\.venv[0-9]*|__pycache__|\.[a-z_]*cache|\.hypothesis|_build)/'; then
   echo "the sdist holds the files above, which it must not" >&2
   exit 1
 fi
@@ -49,7 +50,13 @@ rm -rf "$dist"
 # The whole suite takes a few minutes; the outer limit turns a hang that no per-test timeout
 # could interrupt into a failure instead of a stalled run.
 limit=(timeout --kill-after=30 1800)
+status=0
 if unshare -n true 2>/dev/null; then
-  exec "${limit[@]}" unshare -n bash -c 'ip link set lo up && exec .venv/bin/pytest "$@"' pytest "$@"
+  "${limit[@]}" unshare -n bash -c 'ip link set lo up && exec .venv/bin/pytest "$@"' pytest "$@" ||
+    status=$?
+else
+  "${limit[@]}" .venv/bin/pytest "$@" || status=$?
 fi
-exec "${limit[@]}" .venv/bin/pytest "$@"
+# The other supported versions: their own virtualenvs, the fast subset on each.
+bash scripts/test-pythons.sh || status=$?
+exit "$status"

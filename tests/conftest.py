@@ -27,6 +27,23 @@ def pytest_asyncio_loop_factories(
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "both_loops: run on uvloop and on the standard loop")
+    config.addinivalue_line(
+        "markers",
+        "torch_suite: the long torch-compatibility job (torch's own DistributedTest, 50-round "
+        "store runs); collected only when -m names it, as `.ci/run` does after the suite",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Leave the ``torch_suite`` job out of runs whose ``-m`` does not name it."""
+    if "torch_suite" in (config.getoption("markexpr") or ""):
+        return
+    kept = [item for item in items if item.get_closest_marker("torch_suite") is None]
+    if len(kept) < len(items):
+        config.hook.pytest_deselected(
+            items=[item for item in items if item.get_closest_marker("torch_suite")]
+        )
+        items[:] = kept
 
 
 @pytest.fixture(autouse=True)

@@ -201,7 +201,7 @@ async def test_run_world_timeout_names_ranks() -> None:
 
 @pytest.mark.parametrize(
     ("wait_all", "match"),
-    [(False, "rank 2 failed to pass"), (True, "ranks 2, 3 failed to pass")],
+    [(False, "Rank 2 failed to pass"), (True, "Ranks 2, 3 failed to pass")],
 )
 async def test_monitored_barrier_names_missing_ranks(wait_all: bool, match: str) -> None:
     async def fn(rank: int, size: int) -> None:
@@ -212,7 +212,8 @@ async def test_monitored_barrier_names_missing_ranks(wait_all: bool, match: str)
             with pytest.raises(aiodist.DistTimeoutError, match=rf"rank 0: {match} .* within 0.3 s"):
                 await aiodist.monitored_barrier(timeout=0.3, wait_all_ranks=wait_all)
         else:
-            with pytest.raises(aiodist.DistNetworkError):
+            # Told by rank 0: only this operation failed, in torch's words.
+            with pytest.raises(aiodist.DistTimeoutError, match="Rank 1 successfully reached"):
                 await aiodist.monitored_barrier(timeout=20)
 
     await run_world(fn, 4, timeout=30)

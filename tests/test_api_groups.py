@@ -68,7 +68,7 @@ async def test_init_twice_and_destroy() -> None:
     finally:
         await aiodist.destroy_process_group()
     assert not aiodist.is_initialized()
-    assert repr(pg) == "<ProcessGroup rank=0/1 backend=cpu destroyed>"
+    assert repr(pg) == "<ProcessGroup rank=0/1 backend=gloo destroyed>"  # the name given
     with pytest.raises(
         aiodist.DistUsageError, match="all_reduce: the process group has been destroyed"
     ):
@@ -233,8 +233,8 @@ async def test_init_method_tcp_url_with_ranks_as_tasks() -> None:
 
     results = await asyncio.gather(*(asyncio.create_task(rank_main(r)) for r in range(2)))
     assert results == [
-        (3.0, "<ProcessGroup rank=0/2 backend=cpu destroyed>"),
-        (3.0, "<ProcessGroup rank=1/2 backend=cpu destroyed>"),
+        (3.0, "<ProcessGroup rank=0/2 backend=gloo destroyed>"),
+        (3.0, "<ProcessGroup rank=1/2 backend=gloo destroyed>"),
     ]
 
 

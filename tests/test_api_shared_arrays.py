@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 import aiodist
 import aiodist.sync
 from aiodist import _shared_array
+from aiodist.collectives.shm import NodeWorkspace
 from aiodist.group import ProcessGroup
 from aiodist.testing import run_world
 
@@ -129,3 +131,24 @@ async def test_bad_shapes_and_dtypes_are_named(shape: Any, dtype: Any, message: 
 def test_before_init_the_error_says_what_to_do() -> None:
     with pytest.raises(aiodist.DistUsageError, match=r"^zeros needs the default process group"):
         aiodist.sync.zeros(3, np.float32)
+
+
+async def test_an_array_collected_while_its_thread_holds_the_index_is_forgotten() -> None:
+    # The garbage collector may run a shared array's finalizer on a thread that holds the
+    # index of live arrays (an allocation under it collects): it must not wait for the
+    # index, which this thread holds (it did: a hang in locate(), seen on Python 3.12).
+    ws = await NodeWorkspace.create(aiodist.HashStore(), 0, 1)
+    try:
+        x = _shared_array.empty((1024,), np.float32, ws)
+        freed = _shared_array._by_start[x.__array_interface__["data"][0]]
+        cycle: list[object] = [x]
+        cycle.append(cycle)  # only the cycle holds it: the collector frees it
+        del x, cycle
+        with _shared_array._index():
+            gc.collect()
+        y = _shared_array.empty((8,), np.float64, ws)
+        assert freed not in _shared_array._by_start.values()
+        assert _shared_array.locate(y, ws) is not None
+        assert _shared_array.locate(np.ones(3), ws) is None
+    finally:
+        await ws.aclose()

@@ -193,7 +193,7 @@ def test_signal_handler_is_opt_in(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("wait_all", "arriving", "named"),
-    [(True, [], "ranks 1, 2"), (False, [], "rank 1"), (False, [1], "rank 2")],
+    [(True, [], "Ranks 1, 2"), (False, [], "Rank 1"), (False, [1], "Rank 2")],
 )
 async def test_monitored_barrier_names_missing_ranks(
     wait_all: bool, arriving: list[int], named: str
@@ -212,5 +212,5 @@ async def test_monitored_barrier_names_missing_ranks(
 
     got = await run_world(fn, 3, timeout=20)
     assert got[0] == (
-        f"monitored_barrier: rank 0: {named} failed to pass the monitored barrier within 0.5 s"
+        f"monitored_barrier: rank 0: {named} failed to pass monitoredBarrier within 0.5 s"
     )

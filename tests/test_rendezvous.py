@@ -58,7 +58,7 @@ async def test_function_arguments_are_merged_into_the_query(
 async def test_scheme_registry_errors(recorder: list[tuple[str, float | None]]) -> None:
     with pytest.raises(
         aiodist.DistUsageError,
-        match=r"no rendezvous handler for nope:// \(known schemes: env://, etcd://, file://, rec://, tcp://\)",
+        match=r"No rendezvous handler for nope:// \(known schemes: env://, etcd://, file://, rec://, tcp://\)",
     ):
         await rendezvous("nope://x")
     with pytest.raises(aiodist.DistUsageError, match=r"handler for rec:// is already registered"):

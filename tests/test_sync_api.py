@@ -52,9 +52,9 @@ def test_init_rules_single_rank(clean_world: None, tmp_path: Path) -> None:
     both = "cpu:cpu,cuda:cuda" if dist.is_nccl_available() else "cpu"
     for backend, name in [
         ("cpu", "cpu"),
-        ("gloo", "cpu"),
-        ("cpu:gloo,cuda:nccl", both),
-        (dist.Backend("GLOO"), "cpu"),
+        ("gloo", "gloo"),  # the name given, as torch answers
+        ("cpu:gloo,cuda:nccl", "cpu:gloo,cuda:nccl"),
+        (dist.Backend("GLOO"), "gloo"),
         (None, both),
     ]:
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=30)

@@ -280,6 +280,26 @@ async def test_simultaneous_connects_keep_one_connection_per_pair() -> None:
         await world.aclose()
 
 
+@pytest.mark.timeout(30)
+async def test_closing_as_soon_as_the_exchange_ends() -> None:
+    # Each rank closes in the turn its messages arrive, when the task that connected it
+    # has just ended and its done-callbacks have not run yet (on Python 3.12 and later
+    # such a close once spun forever without yielding to the loop).
+    world = await make_world(2)
+
+    async def rank(me: int) -> bytes:
+        t, peer = world.t[me], 1 - me
+        out = bytearray(1)
+        received = t.recv_into(peer, T, memoryview(out))
+        await t.send(peer, T, memoryview(bytes([me])))
+        await received
+        await t.aclose()
+        assert not t._tasks
+        return bytes(out)
+
+    assert await asyncio.gather(rank(0), rank(1)) == [b"\x01", b"\x00"]
+
+
 async def test_closed_peer_fails_pending_operations_quickly() -> None:
     world = await make_world(3)
     t0, t1, t2 = world.t

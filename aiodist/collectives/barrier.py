@@ -9,7 +9,7 @@ import numpy as np
 
 from .._arrays import byte_view
 from ..errors import DistTimeoutError
-from ..transport.base import OpComm
+from ..transport.base import OpComm, fails_alone
 from ._common import EMPTY, Flight
 
 __all__ = ["barrier", "monitored_barrier"]
@@ -51,21 +51,39 @@ async def monitored_barrier(
 ) -> None:
     """A barrier through rank 0 that names the ranks that did not arrive within ``seconds``.
 
-    Every other rank signals rank 0 and waits to be released; rank 0 waits for each (for
-    all of them with ``wait_all_ranks``, else up to the first missing) and raises
-    ``DistTimeoutError`` naming the missing ranks (``ranks`` gives their global ranks).
+    Every other rank signals rank 0 and waits for its answer; rank 0 waits for each (for
+    all of them with ``wait_all_ranks``, else up to the first missing) and answers every
+    rank: go on, or the barrier failed. On failure rank 0 raises ``DistTimeoutError``
+    naming the missing ranks (``ranks`` gives their global ranks), in torch's words
+    (``Rank 1 failed to pass monitoredBarrier``), and so does every rank that arrived, or
+    that arrives later (``Rank 2 successfully reached monitoredBarrier, but received errors
+    while waiting for send/recv from rank 0``). Every rank learns the same outcome, so only
+    this operation fails: the group goes on, as torch's does.
     """
     token = np.zeros(1, np.uint8)
+    me, root = ranks[comm.rank], ranks[0]
     if comm.rank != 0:
         await comm.send(0, 0, byte_view(token))
         release = comm.recv_into(0, 1, byte_view(token))
-        done, _ = await asyncio.wait([release], timeout=seconds)
+        # Rank 0 decides within ``seconds`` of its own arrival: wait for its answer twice as
+        # long (it may have come later than this rank), so that only a rank 0 that is gone
+        # or stuck leaves this rank to time out on its own.
+        within = None if seconds is None else 2 * seconds
+        done, _ = await asyncio.wait([release], timeout=within)
+        errors = (
+            f"monitored_barrier: Rank {me} successfully reached monitoredBarrier, but received "
+            f"errors while waiting for send/recv from rank {root}"  # torch's words
+        )
         if not done:
-            raise DistTimeoutError(
-                f"monitored_barrier: rank {ranks[comm.rank]} was not released by rank "
-                f"{ranks[0]} within {seconds:g} s"
-            )
+            raise DistTimeoutError(f"{errors}: rank {root} did not answer within {within:g} s")
         release.result()
+        if token[0]:
+            raise fails_alone(
+                DistTimeoutError(
+                    f"{errors}: a rank did not reach it within {seconds:g} s (rank {root}'s "
+                    "error names it)"
+                )
+            )
         return
     bufs = {r: np.zeros(1, np.uint8) for r in range(1, comm.size)}
     arrivals = {comm.recv_into(r, 0, byte_view(b)): r for r, b in bufs.items()}
@@ -81,10 +99,17 @@ async def monitored_barrier(
             missing.append(ranks[r])
             if not wait_all_ranks:
                 break
-    if missing:
-        raise DistTimeoutError(
-            f"monitored_barrier: rank {ranks[0]}: "
-            f"{'rank' if len(missing) == 1 else 'ranks'} {', '.join(map(str, missing))} "
-            f"failed to pass the monitored barrier within {seconds:g} s"
-        )
+    # The answer, 1 if the barrier failed, goes to the missing ranks too: if one calls it
+    # later, it fails at once instead of waiting for a rank 0 that has gone on.
+    token[0] = 1 if missing else 0
     await asyncio.gather(*(comm.send(r, 1, byte_view(token)) for r in bufs))
+    if missing:
+        named = (
+            f"Rank {missing[0]}" if len(missing) == 1 else f"Ranks {', '.join(map(str, missing))}"
+        )
+        raise fails_alone(
+            DistTimeoutError(
+                f"monitored_barrier: rank {root}: {named} failed to pass monitoredBarrier "
+                f"within {seconds:g} s"
+            )
+        )

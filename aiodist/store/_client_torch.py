@@ -273,11 +273,18 @@ class TorchChannel(Channel, ReplySink):
         except ValueError:
             return None
 
-    async def _wait_on_spare(self, request: bytes, timeout: float | None, start: float) -> bool:
+    async def _wait_on_spare(
+        self,
+        request: bytes,
+        timeout: float | None,
+        start: float,
+        then: Callable[[ClientConnection], Awaitable[None]] | None = None,
+    ) -> bool:
         """Send a waiting request on a spare connection; return whether it was answered.
 
-        On timeout the wait is cancelled (CANCEL_WAIT) and False returned; the connection
-        goes back to the spares when it is left in a known state.
+        ``then`` runs on that connection once the wait is answered (a queue pop). On timeout
+        the wait is cancelled (CANCEL_WAIT) and False returned; the connection goes back to
+        the spares when it is left in a known state.
         """
         conn = await self._spare_conn(timeout)
         self._waiting.add(conn)
@@ -292,6 +299,8 @@ class TorchChannel(Channel, ReplySink):
                 return False
             if reply[0] != TORCH_STOP_WAITING:
                 raise DistProtocolError(f"torch store answered a wait with {reply!r}")
+            if then is not None:
+                await then(conn)
             reusable = True
             return True
         finally:
@@ -354,16 +363,36 @@ class TorchChannel(Channel, ReplySink):
         return self._post(torch_request(TorchOp.QUEUE_PUSH, key, value))
 
     async def queue_pop(self, key: bytes, block: bool, timeout: float | None) -> bytes:
-        start = time.monotonic()
-        while True:
-            if block:
-                await self.wait([key], remaining_from(start, timeout))
-            value = await self._call(torch_request(TorchOp.QUEUE_POP, key), _p_queue_pop)
-            if value is not None:
-                assert isinstance(value, bytes)
-                return value
-            if not block:
+        request = torch_request(TorchOp.QUEUE_POP, key)
+        if not block:
+            value = await self._call(request, _p_queue_pop)
+            if value is None:
                 raise QueueEmptyError(f"queue {format_keys([key[1:]])} is empty")
+            assert isinstance(value, bytes)
+            return value
+        # As torch's client: a wait for the key, then the pop, on one connection, which a
+        # server may have promised the item to (aiodist's does, see store/_state.py).
+        popped: list[bytes | None] = []
+
+        async def pop(conn: ClientConnection) -> None:
+            conn.write(request)
+            (count,) = I64.unpack(await conn.read_exactly(8))
+            if count <= 0:
+                popped.append(None)
+                return
+            (size,) = U64.unpack(await conn.read_exactly(8))
+            if size > MAX_REPLY_VALUE:
+                raise DistProtocolError(f"torch store sent a {size}-byte queue item")
+            popped.append(await conn.read_exactly(size))
+
+        start = time.monotonic()
+        wait = torch_request(TorchOp.WAIT, [key])
+        while True:  # an item taken by a client that does not wait first: wait again
+            if not await self._wait_on_spare(wait, timeout, start, pop):
+                raise TimedOut([key], time.monotonic() - start)
+            value = popped.pop()
+            if value is not None:
+                return value
 
     def queue_len(self, key: bytes) -> Awaitable[int]:
         return self._request(torch_request(TorchOp.QUEUE_LEN, key), _p_i64)

@@ -48,7 +48,7 @@ from types import TracebackType
 from typing import Any, Literal, Self, cast
 
 from .._auth import resolve_token
-from ..errors import DistNetworkError, DistTimeoutError, DistUsageError
+from ..errors import DistNetworkError, DistStoreError, DistStoreTimeoutError, DistUsageError
 from ._server_aiodist import AiodistWire
 from ._server_connection import (
     FLUSH_BYTES,
@@ -388,14 +388,20 @@ class TCPStoreServer:
         """The number of connected clients."""
         return len(self._connections)
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> Self:
+    async def start(
+        self, host: str = "127.0.0.1", port: int = 0, listen_fd: int | None = None
+    ) -> Self:
         """Listen on exactly ``host`` (not every interface) and ``port`` (0 picks a free one).
 
-        Pass ``"0.0.0.0"`` or ``"::"`` to listen on every interface.
+        Pass ``"0.0.0.0"`` or ``"::"`` to listen on every interface. With ``listen_fd`` (torch's
+        ``master_listen_fd``), listen on that socket instead, bound already by the caller (to
+        ``port``, unless ``port`` is 0); the server takes it over and closes it.
 
         Raises:
-            DistUsageError: already started, the port is out of range, or the open-file
-                limit cannot fit ``expected_clients`` (the message names the limit).
+            DistUsageError: already started, the port is out of range, ``listen_fd`` is not a
+                TCP socket, or the open-file limit cannot fit ``expected_clients`` (the
+                message names the limit).
+            DistStoreError: ``listen_fd`` is bound to another port than ``port``.
             DistNetworkError: the address cannot be resolved or the port is in use.
         """
         if self._listener is not None:
@@ -410,6 +416,32 @@ class TCPStoreServer:
                 f"a store server for {self.expected_clients} clients",
             )
         loop = asyncio.get_running_loop()
+        if listen_fd is None:
+            sock = await self._bound_socket(loop, host, port)
+        else:
+            sock = _adopted_socket(listen_fd, port)
+        try:
+            configure_socket(sock, self.peer_timeout)
+            sock.setblocking(False)
+            # Room for every client expected to connect at once: past the backlog, a
+            # thousand ranks connecting together meet SYN cookies, resets and 1 s retransmits.
+            sock.listen(min(_MAX_BACKLOG, max(_MIN_BACKLOG, 2 * (self.expected_clients or 0))))
+            # Accepted here, not by loop.create_server: out of descriptors, the standard
+            # loop retries accept() once per backlog entry, logging each time, and uvloop
+            # drops the pending clients; this server frees a descriptor instead.
+            loop.add_reader(sock.fileno(), self._accept)
+        except OSError as exc:
+            sock.close()
+            raise _listen_error(host, port, exc) from exc
+        self._listener, self._loop = sock, loop
+        bound = sock.getsockname()
+        self._host, self._port = str(bound[0]), int(bound[1])
+        logger.debug("store server listening on %s:%d", self._host, self._port)
+        return self
+
+    async def _bound_socket(
+        self, loop: asyncio.AbstractEventLoop, host: str, port: int
+    ) -> socket.socket:
         try:
             infos = await loop.getaddrinfo(
                 host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
@@ -423,27 +455,11 @@ class TCPStoreServer:
         sock = socket.socket(family, socket.SOCK_STREAM, proto)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            configure_socket(sock, self.peer_timeout)
             sock.bind(addr)
-            sock.setblocking(False)
-            # Room for every client expected to connect at once: past the backlog, a
-            # thousand ranks connecting together meet SYN cookies, resets and 1 s retransmits.
-            sock.listen(min(_MAX_BACKLOG, max(_MIN_BACKLOG, 2 * (self.expected_clients or 0))))
-            # Accepted here, not by loop.create_server: out of descriptors, the standard
-            # loop retries accept() once per backlog entry, logging each time, and uvloop
-            # drops the pending clients; this server frees a descriptor instead.
-            loop.add_reader(sock.fileno(), self._accept)
         except OSError as exc:
             sock.close()
-            raise DistNetworkError(
-                f"store server cannot listen on {host}:{port}: {exc.strerror or exc}"
-                + (" (the port is in use)" if exc.errno == 98 else "")
-            ) from exc
-        self._listener, self._loop = sock, loop
-        bound = sock.getsockname()
-        self._host, self._port = str(bound[0]), int(bound[1])
-        logger.debug("store server listening on %s:%d", self._host, self._port)
-        return self
+            raise _listen_error(host, port, exc) from exc
+        return sock
 
     # -- accepting, and the connections still in their handshake ----------------------------
     def _accept(self) -> None:
@@ -569,7 +585,8 @@ class TCPStoreServer:
         """Wait until the ASCII counter ``key`` reaches ``target``; return its value.
 
         Raises:
-            DistTimeoutError: the counter stayed below ``target`` for ``timeout`` seconds.
+            DistStoreTimeoutError: the counter stayed below ``target`` for ``timeout`` seconds
+                (a ``DistStoreError``, in torch's words, which scripts match).
         """
         state = self.state
         start = time.monotonic()
@@ -578,9 +595,11 @@ class TCPStoreServer:
                 await state.watch_count(key, target)
         except TimeoutError:
             count = state.count_or_none(key)
-            raise DistTimeoutError(
-                f"timed out after {time.monotonic() - start:.1f} s waiting for clients to "
-                f"join the store at {self._host}:{self._port}: {count}/{target} clients joined"
+            waited = time.monotonic() - start
+            raise DistStoreTimeoutError(
+                f"Timed out after {waited:.0f} seconds waiting for clients. {count}/{target} "
+                f"clients joined. (the store at {self._host}:{self._port} waited {waited:.1f} s "
+                "for every instance of the job to join)"
             ) from None
         return state.counter(key)
 
@@ -611,3 +630,30 @@ class TCPStoreServer:
         tb: TracebackType | None,
     ) -> None:
         await self.aclose()
+
+
+def _listen_error(host: str, port: int, exc: OSError) -> DistNetworkError:
+    return DistNetworkError(
+        # torch's words first: scripts match them.
+        "The server socket has failed to listen on any local network address: "
+        f"store server cannot listen on {host}:{port}: {exc.strerror or exc}"
+        + (" (the port is in use)" if exc.errno == errno.EADDRINUSE else "")
+    )
+
+
+def _adopted_socket(fd: int, port: int) -> socket.socket:
+    """The listening socket a caller bound (torch's ``master_listen_fd``), checked."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError as exc:
+        raise DistUsageError(f"master_listen_fd {fd} is not a socket: {exc}") from None
+    bound = sock.getsockname()
+    if sock.type != socket.SOCK_STREAM or not isinstance(bound, tuple):
+        sock.detach()  # (not ours to close)
+        raise DistUsageError(f"master_listen_fd {fd} is not a TCP socket")
+    if port and bound[1] != port:
+        sock.close()
+        raise DistStoreError(  # torch's words
+            f"listen fd {fd} is bound to port {bound[1]}, expected to be bound to port {port}"
+        )
+    return sock

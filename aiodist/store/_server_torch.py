@@ -72,6 +72,7 @@ _T_SET, _T_GET, _T_ADD, _T_CHECK = (
     int(TorchOp.CHECK),
 )
 _T_QUEUE_LEN, _T_LIST_KEYS = int(TorchOp.QUEUE_LEN), int(TorchOp.LIST_KEYS)
+_T_QUEUE_POP = int(TorchOp.QUEUE_POP)
 _TORCH_READY_BYTE = U8.pack(TORCH_READY)
 _TORCH_NOT_READY_BYTE = U8.pack(TORCH_NOT_READY)
 #: The one request a torch-wire connection that is not let in may send after VALIDATE.
@@ -137,10 +138,12 @@ class TorchWire(ServerConnection):
         self._same_process = False
 
     def _torch_lost(self) -> None:
-        """Abandon the wait of a connection that ended."""
+        """Abandon the wait of a connection that ended, and the queue item it was promised."""
         if self._torch_wait is not None:
             self._torch_wait.cancel()
             self._torch_wait = None
+        if self in self._state.promise_owners:
+            self._state.release(self)
 
     # -- torch protocol ------------------------------------------------------------------
     def _fast_torch(self, data: bytes) -> int:
@@ -152,6 +155,8 @@ class TorchWire(ServerConnection):
         on the transport.
         """
         n = len(data)
+        if self in self._state.promise_owners:
+            return 0  # its next request ends the promise: the general parser sees to it
         if n >= 17 and data[0] == _T_ADD:
             # The most common read of all, one add: no loop, no list.
             (klen,) = U64.unpack_from(data, 1)
@@ -312,6 +317,10 @@ class TorchWire(ServerConnection):
                 f"torch protocol: refusing {TorchOp(op).name} from a torch client in this "
                 f"process: {_SAME_PROCESS_HAZARD}; the client timed out waiting for the reply"
             )
+        if op != _T_QUEUE_POP and self in self._state.promise_owners:
+            # A wait answered for a queue item, followed by anything but the pop: the item
+            # goes to the next waiter.
+            self._state.release(self)
         handler = _TORCH_HANDLERS.get(op)
         if handler is None:  # VALIDATE again
             raise CloseConnection(f"torch protocol: unexpected opcode {TorchOp(op).name}")
@@ -334,7 +343,9 @@ class TorchWire(ServerConnection):
         self._out.append(_TORCH_READY_BYTE if ready else _TORCH_NOT_READY_BYTE)
 
     def _t_wait(self, keys: list[bytes]) -> None:
-        self._torch_watch(self._state.watch(keys, self._loop))
+        # Its owner is this connection: the pop that follows a wait for a queue gets the item
+        # the wait was answered for.
+        self._torch_watch(self._state.watch(keys, self._loop, self))
 
     def _t_num_keys(self) -> None:
         self._out.append(I64.pack(self._state.num_keys()))
@@ -359,10 +370,17 @@ class TorchWire(ServerConnection):
         self._state.queue_push(key, value)
 
     def _t_queue_pop(self, key: bytes) -> None:
-        length = self._state.queue_len(key)
-        self._out.append(I64.pack(length))
-        if length:
-            self._out.append(blob64(self._state.queue_pop(key) or b""))
+        # torch's reply: the queue's length (0: empty, the client raises), then the value.
+        state = self._state
+        length = state.queue_len(key)
+        value = state.queue_pop(key, self)
+        if self in state.promise_owners:
+            state.release(self)  # promised items of other queues: a wait on several keys
+        if value is None:
+            self._out.append(I64.pack(0))
+        else:
+            self._out.append(I64.pack(length))
+            self._out.append(blob64(value))
 
     def _t_queue_len(self, key: bytes) -> None:
         self._out.append(I64.pack(self._state.queue_len(key)))

@@ -7,6 +7,16 @@ Waiting costs O(1) per waiter to register and to drop, and a write wakes the wai
 key in O(woken): the waiters of a key sit in an insertion-ordered dict (not a list, whose
 ``remove`` made N abandoned waits cost O(N**2)), and a counter's threshold waits (barriers)
 are grouped by threshold, so an ``add`` that does not reach one wakes nobody.
+
+**Queue items promised to a waiter.** torch's client pops in two requests: a WAIT on the
+queue's key, then a POP. A wait answered because of a queue's items (at once, or woken by a
+push) therefore *promises* one item to its owner (the server's connection), and until that
+owner pops, the item is invisible to everyone else: another wait does not count it, another
+pop does not take it, a push wakes a new waiter only for an item nobody was promised. So a
+woken client always finds its item, however the requests of several clients interleave
+(torch's own server answers such a second wait at once, and one of the two poppers then gets
+``QueueEmptyError``). A promise ends with its owner's pop, or with any other request of the
+owner, or its connection (``release``): the item is then offered to the next waiter.
 """
 
 from __future__ import annotations
@@ -14,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 
 from ..errors import DistStoreError, DistStoreTimeoutError
 
@@ -42,7 +52,8 @@ def timeout_error(
 ) -> DistStoreTimeoutError:
     """Build the error for a wait on ``keys`` that gave up after ``waited`` seconds."""
     return DistStoreTimeoutError(
-        f"store wait timed out after {waited * 1000:.0f} ms waiting for keys "
+        # "timeout": torch's word, which scripts (and torch's tests) match.
+        f"store wait timeout: timed out after {waited * 1000:.0f} ms waiting for keys "
         f"[{format_keys(keys)}]; still missing: [{format_keys(missing)}]"
     )
 
@@ -75,14 +86,21 @@ def parse_counter(key: bytes, value: bytes, op: str = "add") -> int:
 class _Waiter:
     """A wait for keys; called when its future is done, it unregisters itself."""
 
-    __slots__ = ("future", "missing", "state")
+    __slots__ = ("future", "keys", "missing", "owner", "state")
 
     def __init__(
-        self, state: KeyValueState, future: asyncio.Future[None], missing: set[bytes]
+        self,
+        state: KeyValueState,
+        future: asyncio.Future[None],
+        missing: set[bytes],
+        keys: Sequence[bytes],
+        owner: Hashable | None,
     ) -> None:
         self.state = state
         self.future = future
         self.missing = missing
+        self.keys = keys
+        self.owner = owner
 
     def __call__(self, _future: asyncio.Future[None]) -> None:
         self.state._forget(self)
@@ -102,6 +120,10 @@ class KeyValueState:
         self._waiters: dict[bytes, dict[_Waiter, None]] = {}
         # counter key -> threshold -> the futures waiting for the counter to reach it.
         self._thresholds: dict[bytes, dict[int, dict[asyncio.Future[None], None]]] = {}
+        # queue key -> the owners promised one of its items each, oldest first.
+        self._promised: dict[bytes, list[Hashable]] = {}
+        #: owner -> the queue keys it holds a promise on (see the module's docstring).
+        self.promise_owners: dict[Hashable, list[bytes]] = {}
 
     def __repr__(self) -> str:
         return f"<KeyValueState keys={len(self._data)} queues={len(self._queues)}>"
@@ -112,8 +134,11 @@ class KeyValueState:
         return self._data.get(key)
 
     def exists(self, key: bytes) -> bool:
-        """Whether ``key`` holds a value or a non-empty queue."""
-        return key in self._data or bool(self._queues.get(key))
+        """Whether ``key`` holds a value or a queue with an item nobody was promised."""
+        if key in self._data:
+            return True
+        queue = self._queues.get(key)
+        return queue is not None and len(queue) > len(self._promised.get(key, ()))
 
     def check(self, keys: Iterable[bytes]) -> bool:
         """Whether every key exists."""
@@ -203,43 +228,89 @@ class KeyValueState:
         blocking poppers to take one value, and torch's clients, which wait and then pop,
         would get ``QueueEmptyError`` where one value is pushed at a time)."""
         self._queues.setdefault(key, deque()).append(value)
-        waiters = self._waiters.get(key)
-        if waiters:
-            for waiter in waiters:
-                if waiter.missing == {key} and not waiter.future.done():
-                    del waiters[waiter]
-                    if not waiters:
-                        del self._waiters[key]
-                    waiter.missing.clear()
-                    waiter.future.set_result(None)
-                    return
+        if key in self._waiters:
+            self._wake_one(key)
 
-    def queue_pop(self, key: bytes) -> bytes | None:
-        """Pop the oldest value of queue ``key``, or ``None`` if it is empty."""
+    def queue_pop(self, key: bytes, owner: Hashable | None = None) -> bytes | None:
+        """Pop the oldest value of queue ``key``: the one promised to ``owner`` if it holds
+        a promise on ``key``, else one nobody was promised; ``None`` if there is none."""
         queue = self._queues.get(key)
         if not queue:
             return None
+        promised = self._promised.get(key)
+        if promised:
+            if owner is not None and owner in promised:
+                self._unpromise(owner, key)
+            elif len(queue) <= len(promised):
+                return None
         value = queue.popleft()
         if not queue:
             del self._queues[key]
         return value
 
+    def release(self, owner: Hashable) -> None:
+        """Drop ``owner``'s promises (it sent another request, or went away) and offer each
+        item to the next waiter of its queue."""
+        for key in list(self.promise_owners.get(owner, ())):
+            self._unpromise(owner, key)
+            if key in self._waiters:
+                self._wake_one(key)
+
+    def _promise(self, owner: Hashable, keys: Iterable[bytes]) -> None:
+        """Promise ``owner`` an item of each queue among ``keys`` that its wait was answered for."""
+        for key in keys:
+            if key not in self._data and self.exists(key):
+                self._promised.setdefault(key, []).append(owner)
+                self.promise_owners.setdefault(owner, []).append(key)
+
+    def _unpromise(self, owner: Hashable, key: bytes) -> None:
+        promised = self._promised[key]
+        promised.remove(owner)
+        if not promised:
+            del self._promised[key]
+        keys = self.promise_owners[owner]
+        keys.remove(key)
+        if not keys:
+            del self.promise_owners[owner]
+
+    def _wake_one(self, key: bytes) -> None:
+        """Complete the first wait that an item of queue ``key`` completes, if there is one."""
+        waiters = self._waiters[key]
+        for waiter in waiters:
+            if waiter.missing == {key} and not waiter.future.done():
+                del waiters[waiter]
+                if not waiters:
+                    del self._waiters[key]
+                waiter.missing.clear()
+                if waiter.owner is not None:
+                    self._promise(waiter.owner, waiter.keys)
+                waiter.future.set_result(None)
+                return
+
     # -- waiting -------------------------------------------------------------------------
     def watch(
-        self, keys: Sequence[bytes], loop: asyncio.AbstractEventLoop | None = None
+        self,
+        keys: Sequence[bytes],
+        loop: asyncio.AbstractEventLoop | None = None,
+        owner: Hashable | None = None,
     ) -> asyncio.Future[None]:
         """Return a future (of ``loop``, default: the running one) resolved once every key
         exists.
 
-        Cancelling the future unregisters it, so abandoned waits leave nothing behind.
+        With an ``owner`` (a torch client's connection, which pops after its wait), the wait
+        answered promises the owner an item of each queue among ``keys`` (see the module's
+        docstring). Cancelling the future unregisters it, so abandoned waits leave nothing
+        behind.
         """
         # A server passes its loop: looking it up costs a getpid() system call on 3.11.
         future: asyncio.Future[None] = (loop or asyncio.get_running_loop()).create_future()
         missing = {k for k in keys if not self.exists(k)}
         if not missing:
+            if owner is not None:
+                self._promise(owner, keys)
             future.set_result(None)
             return future
-        waiter = _Waiter(self, future, missing)
+        waiter = _Waiter(self, future, missing, keys, owner)
         for key in missing:
             self._waiters.setdefault(key, {})[waiter] = None
         future.add_done_callback(waiter)
@@ -336,6 +407,8 @@ class KeyValueState:
         for waiter in waiters:
             waiter.missing.discard(key)
             if not waiter.missing and not waiter.future.done():
+                if waiter.owner is not None:
+                    self._promise(waiter.owner, waiter.keys)
                 waiter.future.set_result(None)
 
     def _forget(self, waiter: _Waiter) -> None:

@@ -225,6 +225,11 @@ class _Log:
         with self.locked(exclusive=False):
             return fn(self.state)
 
+    def count_all_keys(self) -> int:
+        """The user keys and the internal ones (the reference and cleanup counters)."""
+        with self.locked(exclusive=False):
+            return self.state.num_keys() + len(self.internal)
+
     def set_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
         with self.locked(exclusive=True):
             for key, value in items:
@@ -288,10 +293,12 @@ class FileStore(Store):
 
     When ``world_size`` is known, the file is removed once that many instances have been
     closed and none is open any more, as torch does: close every FileStore (or use
-    ``async with``) for the file to go away.
+    ``async with``) for the file to go away. An instance dropped without ``aclose()`` is
+    closed when it is garbage collected (torch's FileStore counts itself out in its
+    destructor): a short write under the file lock, on the thread that collects it.
 
     The constructor does no I/O; the file is opened, created if missing, and this instance
-    counted in by the first operation.
+    counted in by ``open()`` or the first operation.
 
     Args:
         file_name: path of the file (created if missing).
@@ -320,6 +327,9 @@ class FileStore(Store):
         self._world_size = world_size
         self._log = _Log(path)
         self._closed = False
+        self._collected = weakref.finalize(self, self._log.close, world_size)
+        # Not at exit: the blocking facade closes open stores then, with the loop running.
+        self._collected.atexit = False
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"keys={self._log.state.num_keys()}"
@@ -441,9 +451,24 @@ class FileStore(Store):
         """Return another instance on the same file (counted like any other instance)."""
         return FileStore(self._path, self._world_size, timeout=self.timeout)
 
+    async def open(self) -> None:
+        """Open the file (creating it if missing) and count this instance in, as torch's
+        constructor does; otherwise the first operation does it.
+
+        Raises:
+            DistStoreError: the file cannot be opened, or the store is closed.
+        """
+        await self._io(self._log.read, KeyValueState.num_keys)
+
+    async def count_all_keys(self) -> int:
+        """Return the number of keys as torch's ``FileStore.num_keys()`` counts them: with the
+        instances' reference counter (and, once one has closed, the cleanup counter)."""
+        return await self._io(self._log.count_all_keys)
+
     async def aclose(self) -> None:
         """Count this instance out, removing the file if it was the last of its world."""
         if self._closed:
             return
         self._closed = True
+        self._collected.detach()
         await self._io(self._log.close, self._world_size)

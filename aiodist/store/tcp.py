@@ -201,6 +201,7 @@ class TCPStore(Store):
         max_value_size: int = DEFAULT_MAX_VALUE_SIZE,
         allow_unauthenticated_torch: TorchPolicy = False,
         peer_timeout: float | None = None,
+        master_listen_fd: int | None = None,
     ) -> TCPStore:
         """Connect to (and, as master, first start) the store at ``host_name:port``.
 
@@ -228,13 +229,16 @@ class TCPStore(Store):
                 ``DistNetworkError``, and the master's server releases that client's waits.
                 ``None`` reads ``$AIODIST_PEER_TIMEOUT``, else 8 s. A busy or stopped
                 process is not affected (its kernel keeps answering).
+            master_listen_fd: for the master, a TCP socket the caller bound (to ``port``,
+                unless 0), which the server listens on and takes over, as in torch.
 
         Raises:
             DistUsageError: bad arguments (world_size 0, unknown wire, bad limits), or the
                 master's open-file limit is too low for ``world_size`` clients.
             DistNetworkError: the port is in use (master), or the server cannot be reached
                 within the timeout (the message names host:port and the time).
-            DistTimeoutError: the master's workers did not all join in time ("k/n joined").
+            DistStoreTimeoutError: the master's workers did not all join in time (as torch:
+                "Timed out after N seconds waiting for clients. k/n clients joined.").
             DistStoreError: authentication was refused.
             DistProtocolError: the server speaks another protocol version.
         """
@@ -243,7 +247,10 @@ class TCPStore(Store):
         if world_size is not None and (
             isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1
         ):
-            raise DistUsageError(f"TCPStore world_size must be a positive int, got {world_size!r}")
+            zero = "TCPStore world size cannot be 0: " if world_size == 0 else ""  # torch's
+            raise DistUsageError(
+                f"{zero}TCPStore world_size must be a positive int, got {world_size!r}"
+            )
         seconds = to_seconds(timeout, DEFAULT_STORE_TIMEOUT)
         token = resolve_token(auth_token)
         peer = resolve_peer_timeout(peer_timeout)
@@ -258,7 +265,7 @@ class TCPStore(Store):
                 peer_timeout=peer,
                 expected_clients=world_size,
             )
-            await server.start(host_name, port)
+            await server.start(host_name, port, master_listen_fd)
             port = server.port
             if server.host in ("0.0.0.0", "::"):
                 connect_host = "127.0.0.1" if server.host == "0.0.0.0" else "::1"

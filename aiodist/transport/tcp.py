@@ -484,8 +484,13 @@ class TCPTransport(Transport):
                 for conn in self._conns:
                     conn.close_after(bye)
                 self.abort(DistNetworkError(f"the transport of rank {self.rank} was closed"))
+        # Done tasks are dropped here rather than left to their done-callbacks: since
+        # Python 3.12, gathering tasks that are all done does not yield to the loop, so
+        # those callbacks would never get a turn.
         while self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            tasks = tuple(self._tasks)
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self._tasks.difference_update(tasks)
         if self._live:  # their sockets are closed once connection_lost has run
             _, late = await asyncio.wait([c.lost for c in self._live], timeout=CLOSE_DRAIN_SECONDS)
             if late:
