@@ -954,7 +954,15 @@ class _Rank:
             return "", good
         refused = INVALID_OPS[np.dtype(self.step.dtype).kind]
         bad = refused[self.at % len(refused)]
-        reason = f"ReduceOp.{bad} is not supported for dtype {np.dtype(self.step.dtype)}"
+        dtype = np.dtype(self.step.dtype)
+        if dtype.kind == "c" and self.step.op in ("all_reduce", "all_reduce_coalesced"):
+            # torch's words, which scripts match.
+            reason = (
+                f"all_reduce does not support ReduceOp.{bad} on complex tensors (dtype "
+                f"{dtype}): complex arrays take SUM, AVG, PRODUCT and PREMUL_SUM"
+            )
+        else:
+            reason = f"ReduceOp.{bad} is not supported for dtype {dtype}"
         return reason, op_arg(bad, 0.5) if self.faulty else good
 
     def needs_erring(self, fn: str) -> bool:
