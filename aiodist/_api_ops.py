@@ -458,14 +458,18 @@ def isend(
 ) -> Work[None]:
     """Send ``tensor`` to rank ``dst`` with ``tag``.
 
-    The work completes once the transport no longer needs ``tensor`` (not when the peer
-    has received it). Messages with the same tag between two ranks arrive in order. A send
-    whose checks fail is rejected: the receive that would have taken its message fails
-    with the reason instead.
+    The work completes once the transport no longer needs ``tensor``: at once (not when
+    the peer has received it) while the message fits in what the receiver stages for this
+    rank (``$AIODIST_STAGING_BYTES``, 16 MiB by default, less what it holds already);
+    a larger message waits until the receiver posts the matching receive, as gloo's and
+    MPI's large sends do. Messages with the same tag between two ranks arrive in order. A
+    send whose checks fail is rejected: the receive that would have taken its message
+    fails with the reason instead.
 
     Raises:
         DistUsageError: no or invalid destination (sending to oneself included), bad tag,
-            bad array.
+            bad array; the work fails with it if the receive that took a message that
+            waited for it has another size.
     """
     if isinstance(group, NonGroupMember):
         return _group.not_in_group("isend")

@@ -90,6 +90,16 @@ VARIABLES: tuple[Variable, ...] = (
         ("aiodist.transport._shm_segment",),
     ),
     Variable(
+        "AIODIST_STAGING_BYTES",
+        "aiodist",
+        "`16777216` (16 MiB)",
+        "Bytes of messages from one peer that a rank holds at most for receives it has not "
+        "posted yet. A message that does not fit waits until its receive is posted, then "
+        "goes straight into it; `0` stages nothing. Ranks may differ.",
+        "`init_process_group` (the TCP and shared-memory transports)",
+        ("aiodist.transport._flow",),
+    ),
+    Variable(
         "AIODIST_TWO_LEVEL",
         "aiodist",
         "on",

@@ -120,8 +120,10 @@ class Wrapped(Transport):
         super().__init__(inner.rank, inner.world_size, inner.mailbox)
         self.inner = inner
 
-    def send(self, peer: int, tag: Any, data: memoryview) -> asyncio.Future[None]:
-        return self.inner.send(peer, tag, data)
+    def send(
+        self, peer: int, tag: Any, data: memoryview, *, cleared: bool = False
+    ) -> asyncio.Future[None]:
+        return self.inner.send(peer, tag, data, cleared=cleared)
 
     def recv_into(self, peer: int | None, tag: Any, out: memoryview) -> asyncio.Future[int]:
         return self.inner.recv_into(peer, tag, out)

@@ -14,19 +14,22 @@ from typing import Any
 from aiodist._auth import auth_mac
 
 MAGIC = b"AIOD"
-VERSION = 5
+VERSION = 6
 HELLO, ACCEPT, REJECT, REFUSED = 0, 1, 2, 3
 FLAG_AUTH = 1
-HANDSHAKE = struct.Struct("<4sHHHII32s32s")
+# ..., nonce, proof, then the bytes the sender stages at most for the other side
+HANDSHAKE = struct.Struct("<4sHHHII32s32sQ")
+#: The staging bound a raw peer announces: what it lets the rank send it unannounced.
+STAGING = 1 << 20
 # group, seq, step, payload length, then a 32-byte fingerprint (zeros: not checked)
 HEADER = struct.Struct("<QQQQ32x")
 IDS = struct.Struct("<III")
 
 
 def hello(rank: int, world_size: int, *, auth: bool, nonce: bytes = b"") -> bytes:
-    """The connecting side's first 82 bytes."""
+    """The connecting side's first 90 bytes."""
     flags = FLAG_AUTH if auth else 0
-    return HANDSHAKE.pack(MAGIC, VERSION, HELLO, flags, rank, world_size, nonce, b"")
+    return HANDSHAKE.pack(MAGIC, VERSION, HELLO, flags, rank, world_size, nonce, b"", STAGING)
 
 
 def frame(tag: tuple[int, int, int], payload: bytes) -> bytes:

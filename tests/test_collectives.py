@@ -483,9 +483,11 @@ class _LateSignals(Wrapped):
     """A LocalTransport whose ready signals arrive 20 ms late: a rank may then receive
     everything it needs before its neighbour's signal, and must still send its own part."""
 
-    def send(self, peer: int, tag: Any, data: memoryview) -> asyncio.Future[None]:
+    def send(
+        self, peer: int, tag: Any, data: memoryview, *, cleared: bool = False
+    ) -> asyncio.Future[None]:
         if tag[2] != READY_STEP:
-            return self.inner.send(peer, tag, data)
+            return self.inner.send(peer, tag, data, cleared=cleared)
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         fut.set_result(None)
         asyncio.get_running_loop().call_later(0.02, self.inner.send, peer, tag, data)

@@ -99,10 +99,12 @@ class _WatchSignals(Wrapped):
         self.own_out = own_out
         self.seen = seen
 
-    def send(self, peer: int, tag: Any, data: memoryview) -> asyncio.Future[None]:
+    def send(
+        self, peer: int, tag: Any, data: memoryview, *, cleared: bool = False
+    ) -> asyncio.Future[None]:
         if tag[2] == READY_STEP:
             self.seen.append(bool(self.own_out.any()))
-        return self.inner.send(peer, tag, data)
+        return self.inner.send(peer, tag, data, cleared=cleared)
 
 
 @pytest.mark.parametrize("name", ["all_to_all", "scatter", "gather", "all_gather"])

@@ -122,7 +122,17 @@ class Fuzzer:
 
     def handshake(self) -> bytes:
         rng = self.rng
-        fields: list[Any] = [raw_peer.MAGIC, raw_peer.VERSION, 0, 1, 2, WORLD, bytes(32), bytes(32)]
+        fields: list[Any] = [
+            raw_peer.MAGIC,
+            raw_peer.VERSION,
+            0,
+            1,
+            2,
+            WORLD,
+            bytes(32),
+            bytes(32),
+            raw_peer.STAGING,
+        ]
         at = rng.randrange(len(fields))
         fields[at] = {
             0: rng.randbytes(4),
@@ -133,6 +143,7 @@ class Fuzzer:
             5: rng.randrange(2**32),
             6: rng.randbytes(32),
             7: rng.randbytes(32),
+            8: rng.randrange(2**64),
         }[at]
         return self.mutate(HANDSHAKE.pack(*fields) + rng.randbytes(rng.randrange(40)))
 
@@ -155,7 +166,9 @@ class Fuzzer:
         _, writer, reply, verified = await raw_peer.connect(address, phantom, target, WORLD, TOKEN)
         assert verified and reply[2] == raw_peer.ACCEPT
         stream = b"".join(self.peer_frame(gid) for _ in range(n - 1))
-        stream += HEADER.pack(gid, 0, 0, 2**64 - 1)  # at least one unallocatable frame
+        # At least one malformed frame: a length no payload has, and no control message's
+        # text length (a step of 0 would make it a goodbye).
+        stream += HEADER.pack(gid, 0, 2**64 - 1, 2**64 - 1)
         at = 0
         # The rank drops the connection at the first malformed header: writes may then fail.
         with contextlib.suppress(ConnectionError):

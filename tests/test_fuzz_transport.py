@@ -73,6 +73,7 @@ handshakes = st.builds(
     st.one_of(st.just(3), st.integers(0, 2**32 - 1)),
     st.binary(min_size=32, max_size=32),
     st.binary(min_size=32, max_size=32),
+    st.one_of(st.just(raw_peer.STAGING), st.integers(0, 2**64 - 1)),
 )
 tails = st.one_of(
     st.binary(max_size=48),
@@ -84,7 +85,7 @@ tails = st.one_of(
 @given(
     data=st.one_of(
         st.builds(
-            lambda h, cut, tail: h[: len(h) - cut] + tail, handshakes, st.integers(0, 82), tails
+            lambda h, cut, tail: h[: len(h) - cut] + tail, handshakes, st.integers(0, 90), tails
         ),
         st.binary(max_size=120),
     )

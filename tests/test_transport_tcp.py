@@ -213,9 +213,13 @@ async def test_64_mib_message_and_loop_stall(
     stop = True
     await tick
     np.testing.assert_array_equal(out, data)
-    # A second message goes through staging (no receive posted yet).
-    await t0.send(1, T, memoryview(data[::-1].copy()))
+    # A second message, sent before its receive is posted, is beyond the staging bound:
+    # it waits for the receive, then lands straight in its memory.
+    send = t0.send(1, T, memoryview(data[::-1].copy()))
+    await asyncio.sleep(0.05)
+    assert not send.done() and t1.mailbox.num_staged() == 1
     await t1.recv_into(0, T, memoryview(out))
+    await send
     np.testing.assert_array_equal(out, data[::-1])
     worst = max(stalls) * 1e3
     record_property("max_loop_stall_ms", round(worst, 3))

@@ -270,6 +270,9 @@ class Dataflow:
         self.remaining += 1
 
         def ready() -> None:
+            # The peer's receives are posted: what goes to it now skips the transport's
+            # own handshake (it would add a round trip to this one).
+            comm.cleared_by(peer)
             handler(*args)
             self.finish_one()
 

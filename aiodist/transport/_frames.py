@@ -3,54 +3,143 @@ control messages.
 
 Every message is a 64-byte header followed by its payload::
 
-    header := group:u64 seq:u64 step:u64 nbytes:u64 fingerprint:32s   (little endian)
+    header := group:u64 seq:u64 step:u64 word:u64 fingerprint:32s   (little endian)
 
-Three lengths that no payload can have mark control messages, whose ``step`` is the length
-of the UTF-8 text that follows: :data:`BYE` (the sender closes in order; the text says why it
-leaves), :data:`REJECTION` (the sender rejected operation ``(group, seq)``; the text is why)
-and :data:`ABORTING` (the sender is aborting; the text is the cause).
+Below :data:`CONTROL`, ``word`` is a data message: its payload's length (under
+:data:`MAX_MESSAGE`) plus its kind in the top byte (see :mod:`aiodist.transport._flow`):
+
+* :data:`EAGER` (0): sent at once, within the credit the receiver granted.
+* :data:`FREE`: sent at once outside the credit (empty, or its receive is known to be posted).
+* :data:`RTS` ("ready to send"): announces a message of that length and carries no payload;
+  the announcements of one direction of a link are numbered from 0 (their *tickets*).
+* :data:`PAYLOAD`: a piece of the payload of the announced message whose ticket ``group``
+  holds, once the receiver cleared it: the bytes from offset ``seq`` (``step`` and the
+  fingerprint are zero). Pieces are written in order, :data:`PIECE` bytes each but the
+  last, so that other messages are never held up for long behind a payload.
+
+Lengths from :data:`CONTROL` up that no payload can have mark control messages, whose
+``step`` is the length of the UTF-8 text that follows (zero for some): :data:`BYE` (the
+sender closes in order; the text says why it leaves), :data:`REJECTION` (the sender
+rejected operation ``(group, seq)``; the text is why), :data:`ABORTING` (the sender is
+aborting; the text is the cause), :data:`CTS` ("clear to send" the announced message with
+ticket ``group``), :data:`REFUSE` (the receiver took the announced message with ticket
+``group`` without its payload; the text is why), :data:`WITHDRAW` (the sender gave up the
+announced message with ticket ``group``; the text is why) and :data:`CREDIT` (``group``
+more bytes may be sent eagerly).
 """
 
 from __future__ import annotations
 
 import struct
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from .._fingerprint import FINGERPRINT_SIZE, NO_FINGERPRINT
-from ._mailbox import Mailbox
+from ..errors import DistProtocolError
+from ._mailbox import Inbound, Mailbox
+
+if TYPE_CHECKING:
+    from ._flow import PeerFlow
 
 __all__ = [
     "ABORTING",
     "BYE",
+    "CONTROL",
+    "CREDIT",
+    "CTS",
+    "EAGER",
+    "FREE",
     "HEADER",
     "MAX_MESSAGE",
     "MAX_REASON",
+    "PAYLOAD",
+    "PIECE",
+    "REFUSE",
     "REJECTION",
+    "RTS",
+    "WITHDRAW",
     "ControlText",
     "control_frame",
     "is_control",
+    "open_message",
 ]
 
-#: group id, sequence number, step, payload length, the operation's fingerprint
+#: group id, sequence number, step, payload length and kind, the operation's fingerprint
 HEADER = struct.Struct(f"<QQQQ{FINGERPRINT_SIZE}s")
 #: A payload this large is garbage, not a message: nothing is allocated for it.
 MAX_MESSAGE = 1 << 48
+_LENGTH = MAX_MESSAGE - 1
+# Kinds of data message, in the top byte of the length word.
+EAGER = 0
+FREE = 1 << 56
+RTS = 2 << 56
+PAYLOAD = 3 << 56
 BYE = (1 << 64) - 1
 REJECTION = (1 << 64) - 2
 ABORTING = (1 << 64) - 3
+CTS = (1 << 64) - 4
+REFUSE = (1 << 64) - 5
+WITHDRAW = (1 << 64) - 6
+CREDIT = (1 << 64) - 7
+#: The smallest length word of a control message.
+CONTROL = CREDIT
+#: The bytes of a payload piece (see :data:`PAYLOAD`).
+PIECE = 1 << 20
 #: The longest text a control message carries; longer ones are cut.
 MAX_REASON = 16 << 10
 
 
-def control_frame(kind: int, group: int, seq: int, text: str = "") -> bytes:
+def control_frame(kind: int, group: int, seq: int = 0, text: str = "") -> bytes:
     """Return a whole control message: header and text."""
     data = text.encode(errors="replace")[:MAX_REASON]
     return HEADER.pack(group, seq, len(data), kind, NO_FINGERPRINT) + data
 
 
-def is_control(nbytes: int, step: int) -> bool:
-    """Whether a header with this length and step announces a control message with text."""
-    return nbytes in (BYE, REJECTION, ABORTING) and step <= MAX_REASON
+def is_control(word: int, step: int) -> bool:
+    """Whether a header with this length word and step announces a control message."""
+    return word >= CONTROL and step <= MAX_REASON
+
+
+def open_message(
+    mailbox: Mailbox,
+    flow: PeerFlow,
+    peer: int,
+    group: int,
+    seq: int,
+    step: int,
+    word: int,
+    fp: bytes,
+) -> Inbound | None:
+    """Hand the header of a data message from ``peer`` to the mailbox; return where its
+    payload goes, or ``None`` if it has none (empty, or an announcement).
+
+    Raises:
+        DistProtocolError: the length word is no data message's, or the peer sent an eager
+            message beyond the credit this rank granted it.
+        MemoryError: the message's memory cannot be allocated.
+    """
+    if word < MAX_MESSAGE:  # EAGER (kind 0): the common case first
+        if not flow.arrive(word):
+            raise DistProtocolError(
+                f"rank {peer} sent a message of {word} bytes, more than this rank lets it "
+                f"send before the receive is posted ({flow.limit} bytes staged at most)"
+            )
+        inbound = mailbox.incoming(peer, (group, seq, step), word, fp, flow)
+        return inbound if word else None
+    kind, nbytes = word & ~_LENGTH, word & _LENGTH
+    if kind == FREE:
+        inbound = mailbox.incoming(peer, (group, seq, step), nbytes, fp)
+    elif kind == PAYLOAD:
+        inbound = mailbox.cleared_payload(peer, group, seq, nbytes)
+    elif kind == RTS:
+        mailbox.announce(peer, (group, seq, step), nbytes, fp, flow)
+        return None
+    else:
+        raise DistProtocolError(
+            f"rank {peer} sent a frame header announcing {word} bytes: not an aiodist peer, "
+            "or a corrupted stream"
+        )
+    return inbound if nbytes else None
 
 
 class ControlText:
@@ -58,17 +147,19 @@ class ControlText:
     mailbox's: the transport fills :attr:`buffer`, then calls :meth:`done`).
 
     Args:
-        kind: :data:`BYE`, :data:`REJECTION` or :data:`ABORTING`.
-        group: the header's group.
+        kind: the control message's length word (:data:`BYE`, :data:`CTS`, ...).
+        group: the header's group (a ticket or a credit for the flow's messages).
         seq: the header's sequence number.
         nbytes: the length of the text.
         peer: the sender.
-        mailbox: the receiving rank's mailbox (rejections go there).
+        mailbox: the receiving rank's mailbox (rejections and withdrawals go there).
+        flow: the flow control of the link it came by (clearances, refusals and credit go
+            there).
         said: called with the kind and the text of a :data:`BYE` or :data:`ABORTING`
             message: the transport notes the goodbye, or loses the peer naming the cause.
     """
 
-    __slots__ = ("_said", "buffer", "group", "kind", "mailbox", "peer", "seq")
+    __slots__ = ("_said", "buffer", "flow", "group", "kind", "mailbox", "peer", "seq")
 
     def __init__(
         self,
@@ -78,6 +169,7 @@ class ControlText:
         nbytes: int,
         peer: int,
         mailbox: Mailbox,
+        flow: PeerFlow,
         said: Callable[[int, str], None],
     ) -> None:
         self.kind = kind
@@ -85,13 +177,23 @@ class ControlText:
         self.seq = seq
         self.peer = peer
         self.mailbox = mailbox
+        self.flow = flow
         self._said = said
         self.buffer = memoryview(bytearray(nbytes))
 
     def done(self) -> None:
         """The whole text arrived: hand it on."""
         text = bytes(self.buffer).decode(errors="replace")
-        if self.kind == REJECTION:
+        kind = self.kind
+        if kind == CTS:
+            self.flow.cleared(self.group)
+        elif kind == CREDIT:
+            self.flow.granted(self.group)
+        elif kind == REFUSE:
+            self.flow.refused(self.group, text)
+        elif kind == WITHDRAW:
+            self.mailbox.withdrawn(self.peer, self.group, text)
+        elif kind == REJECTION:
             self.mailbox.reject(self.peer, self.group, self.seq, text)
-        else:
-            self._said(self.kind, text)
+        elif kind in (BYE, ABORTING):
+            self._said(kind, text)

@@ -6,10 +6,17 @@ A :class:`Mailbox` pairs incoming messages with posted receives. Receives for on
 arrives before its receive is posted is staged (copied once into a buffer of its own) and
 copied out when the receive is posted.
 
-Transports that stream bytes (TCP) ask :meth:`Mailbox.incoming` where the ``n`` bytes of a
-message whose header they just read should go: straight into the posted receive's memory
-when there is one (no copy at all), otherwise into a staging buffer. In-process transports
-call :meth:`Mailbox.deliver`, which does the same with one memcpy.
+Transports that stream bytes (TCP, shared memory) ask :meth:`Mailbox.incoming` where the
+``n`` bytes of a message whose header they just read should go: straight into the posted
+receive's memory when there is one (no copy at all), otherwise into a staging buffer.
+In-process transports call :meth:`Mailbox.deliver`, which does the same with one memcpy.
+
+Streaming transports bound what is staged per peer (see :mod:`aiodist.transport._flow`): a
+staged message holds its sender's credit (a :class:`Flow`) until it is delivered or dropped,
+and a message too large for the credit is only announced
+(:meth:`Mailbox.announce`). An announcement is matched like a message; the receive that
+takes it asks the sender to send the payload, which then lands in that receive's memory
+(:meth:`Mailbox.cleared_payload`).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from ..errors import DistNetworkError, DistUsageError
 
 __all__ = [
     "Departure",
+    "Flow",
     "Inbound",
     "Mailbox",
     "MailboxListener",
@@ -60,6 +68,26 @@ class MailboxListener(Protocol):
 
     def on_lost(self, peer: int, exc: BaseException) -> None:
         """``peer`` is gone: it left, went away, or failed (:func:`departure_of` says which)."""
+
+
+class Flow(Protocol):
+    """What the mailbox asks of the flow control of the link a message came by
+    (:class:`aiodist.transport._flow.PeerFlow`)."""
+
+    def hold(self, nbytes: int) -> None:
+        """A message of ``nbytes`` sent eagerly is staged: its credit is not given back."""
+
+    def release(self, nbytes: int) -> None:
+        """A staged message of ``nbytes`` was delivered or dropped: its credit may go back."""
+
+    def take_ticket(self) -> int:
+        """Return the ticket of the announcement just read."""
+
+    def clear(self, ticket: int) -> None:
+        """Ask the sender for the payload of announced message ``ticket``."""
+
+    def refuse(self, ticket: int, reason: str) -> None:
+        """Tell the sender announced message ``ticket`` was taken without its payload."""
 
 
 class Departure(enum.Enum):
@@ -133,10 +161,14 @@ def _mismatch(peer: int, tag: Tag, expected: int, received: int) -> DistUsageErr
     )
 
 
+def _withdrawal(peer: int, tag: Tag, reason: str) -> DistUsageError:
+    return DistUsageError(f"rank {peer} withdrew its message tagged {tag}: {reason}")
+
+
 class _Recv:
     """A posted receive."""
 
-    __slots__ = ("fut", "order", "out", "peer", "tag")
+    __slots__ = ("fut", "left", "order", "out", "peer", "tag")
 
     def __init__(
         self, fut: asyncio.Future[int], out: memoryview, peer: int | None, tag: Tag, order: int
@@ -146,6 +178,8 @@ class _Recv:
         self.peer = peer
         self.tag = tag
         self.order = order
+        #: Once it took an announced message: the bytes of its payload still to come.
+        self.left = 0
 
 
 #: Bytes of a staged message copied into its receive per loop turn: copying 64 MiB in one
@@ -153,24 +187,29 @@ class _Recv:
 DELIVER_STEP = 1 << 20
 
 
-def _deliver(out: memoryview, staged: Any, fut: asyncio.Future[int], peer: int) -> None:
-    """Copy a staged message into its receive's memory, then resolve the receive.
+def _deliver(out: memoryview, staged: _Staged, fut: asyncio.Future[int], peer: int) -> None:
+    """Copy a staged message into its receive's memory, resolve the receive, and release
+    the message (its sender's credit).
 
     Large messages are copied a :data:`DELIVER_STEP` at a time, one piece per loop turn;
     a receive failed meanwhile (an abort, a destroy) stops the copy.
     """
+    assert staged.buf is not None
+    n = staged.nbytes
     if fut.done():
+        staged.release()
         return
-    n = len(staged)
     if n <= DELIVER_STEP:
-        out[:] = staged
+        out[:] = staged.buf.data
         fut.set_result(peer)
+        staged.release()
         return
-    src = memoryview(staged)
+    src = staged.buf.data
     loop = fut.get_loop()
 
     def copy_from(start: int) -> None:
         if fut.done():
+            staged.release()
             return
         end = min(start + DELIVER_STEP, n)
         out[start:end] = src[start:end]
@@ -178,14 +217,28 @@ def _deliver(out: memoryview, staged: Any, fut: asyncio.Future[int], peer: int) 
             loop.call_soon(copy_from, end)
         else:
             fut.set_result(peer)
+            staged.release()
 
     copy_from(0)
 
 
 class _Staged:
-    """A message that arrived before its receive: complete, or still arriving."""
+    """A message that arrived before its receive: complete, still arriving, or announced."""
 
-    __slots__ = ("buf", "claim", "complete", "error", "fp", "order", "peer", "queue")
+    __slots__ = (
+        "buf",
+        "claim",
+        "complete",
+        "error",
+        "flow",
+        "fp",
+        "lender",
+        "nbytes",
+        "order",
+        "peer",
+        "queue",
+        "ticket",
+    )
 
     def __init__(
         self,
@@ -194,21 +247,39 @@ class _Staged:
         order: int,
         queue: deque[_Staged],
         fp: bytes,
-        error: DistUsageError | None = None,
+        error: BaseException | None = None,
+        *,
+        ticket: int = -1,
+        flow: Flow | None = None,
     ) -> None:
-        # Uninitialised: the transport writes every byte, and zeroing 64 MiB up front (as
-        # bytearray(n) does) held the loop for tens of milliseconds.
-        self.buf = np.empty(nbytes, np.uint8)
+        self.nbytes = nbytes
+        #: The bytes, for a message sent eagerly. Uninitialised: the transport writes every
+        #: byte, and zeroing 64 MiB up front (as bytearray(n) does) held the loop for tens
+        #: of milliseconds.
+        self.buf = np.empty(nbytes, np.uint8) if ticket < 0 and error is None else None
         self.fp = fp
         self.peer = peer
         self.order = order
-        #: Set for the place of a message its sender rejected: the receive fails with it.
+        #: Set for the place of a message its sender rejected or gave up, or of an announced
+        #: one whose sender is lost: the receive fails with it.
         self.error = error
         self.complete = error is not None
         # The receive that took this message while its bytes were still arriving.
         self.claim: _Recv | None = None
         # The staging queue this message sits in, until a receive takes it.
         self.queue: deque[_Staged] | None = queue
+        #: For an announced message: its ticket, and the flow control that clears it.
+        self.ticket = ticket
+        self.flow = flow
+        #: The flow control whose credit this message holds while it is staged (an eager
+        #: message's; see :meth:`release`).
+        self.lender: Flow | None = None
+
+    def release(self) -> None:
+        """This message is no longer staged: the sender's credit may go back."""
+        lender, self.lender = self.lender, None
+        if lender is not None:
+            lender.release(self.nbytes)
 
 
 class Inbound:
@@ -223,7 +294,7 @@ class Inbound:
         peer: the sender's global rank.
     """
 
-    __slots__ = ("_mailbox", "_recv", "_staged", "buffer", "peer", "tag")
+    __slots__ = ("_mailbox", "_recv", "_staged", "_ticket", "buffer", "peer", "tag")
 
     def __init__(
         self,
@@ -233,6 +304,7 @@ class Inbound:
         buffer: memoryview,
         recv: _Recv | None = None,
         staged: _Staged | None = None,
+        ticket: int = -1,
     ) -> None:
         self._mailbox = mailbox
         self.peer = peer
@@ -240,6 +312,8 @@ class Inbound:
         self.buffer = buffer
         self._recv = recv
         self._staged = staged
+        # For a piece of an announced message's payload: the announcement's ticket.
+        self._ticket = ticket
 
     def __repr__(self) -> str:
         kind = "direct" if self._recv else "staged" if self._staged else "discard"
@@ -248,18 +322,25 @@ class Inbound:
     def done(self) -> None:
         """Record that every byte of :attr:`buffer` was written."""
         self._mailbox._inflight.discard(self)
-        recv = self._recv
-        if recv is not None:
-            if not recv.fut.done():
-                recv.fut.set_result(self.peer)
-            return
         staged = self._staged
         if staged is not None:
             staged.complete = True
             claim = staged.claim
             if claim is not None:
                 # Size was checked when the receive claimed the message.
-                _deliver(claim.out, staged.buf, claim.fut, self.peer)
+                _deliver(claim.out, staged, claim.fut, self.peer)
+            elif staged.queue is None:  # taken by a receive that failed: dropped
+                staged.release()
+            return
+        recv = self._recv
+        if recv is not None:
+            if self._ticket >= 0:  # a piece of an announced message's payload
+                recv.left -= len(self.buffer)
+                if recv.left:
+                    return
+                self._mailbox._cleared.pop((self.peer, self._ticket), None)
+            if not recv.fut.done():
+                recv.fut.set_result(self.peer)
 
     def fail(self, exc: BaseException) -> None:
         """Give up on this message: fail the receive waiting for it, drop staged bytes."""
@@ -273,6 +354,7 @@ class Inbound:
                 staged.queue = None
             if staged.claim is not None:
                 fail_future(staged.claim.fut, exc)
+            staged.release()  # the rest of its bytes goes nowhere: it is staged no more
 
     def discard(self, exc: BaseException) -> None:
         """Send the rest of this message's bytes nowhere, and fail whoever waited for it.
@@ -305,6 +387,9 @@ class Mailbox:
         # Messages no receive has taken yet, oldest first: tag -> peer -> queue.
         self._staged: dict[Tag, dict[int, deque[_Staged]]] = {}
         self._inflight: set[Inbound] = set()
+        # Receives that took an announced message, by (peer, ticket): its payload comes, in
+        # pieces.
+        self._cleared: dict[tuple[int, int], _Recv] = {}
         # Peers that are gone, with the error for receives from them; ``_broken`` holds
         # those that were lost rather than closed in order, which fails any-source receives.
         self._lost: dict[int, BaseException] = {}
@@ -350,13 +435,17 @@ class Mailbox:
 
     def waiting_for(self, group: int, seq: int) -> list[int]:
         """Return the peers with a posted receive for a step of operation ``(group, seq)``."""
-        return sorted(
-            {
-                peer
-                for (peer, tag), queue in self._posted.items()
-                if tag[0] == group and tag[1] == seq and any(not r.fut.done() for r in queue)
-            }
+        posted = {
+            peer
+            for (peer, tag), queue in self._posted.items()
+            if tag[0] == group and tag[1] == seq and any(not r.fut.done() for r in queue)
+        }
+        posted.update(
+            peer
+            for (peer, _), recv in self._cleared.items()
+            if recv.tag[0] == group and recv.tag[1] == seq and not recv.fut.done()
         )
+        return sorted(posted)
 
     def lost(self, peer: int) -> BaseException | None:
         """Return the error that ended ``peer``'s connection, if it was lost."""
@@ -417,7 +506,9 @@ class Mailbox:
         """Return the fingerprint that messages of operation ``(group, seq)`` carry."""
         return self._ops.get((group, seq), NO_FINGERPRINT)
 
-    def _report(self, group: int, seq: int, mine: bytes, peer: int, theirs: bytes) -> None:
+    def _report(
+        self, group: int, seq: int, mine: bytes, peer: int, theirs: bytes
+    ) -> DistUsageError:
         exc = mismatch_error(self.rank, mine, peer, theirs, group, seq)
         # Soon rather than now: the caller is parsing a stream or issuing an operation,
         # and the listener aborts everything.
@@ -426,6 +517,7 @@ class Mailbox:
             loop.call_soon(self.abort, exc)
         else:
             loop.call_soon(self.listener.on_mismatch, group, seq, exc)
+        return exc
 
     # -- rejected operations -------------------------------------------------------------
 
@@ -446,8 +538,10 @@ class Mailbox:
 
         Receives of it that are posted, or posted later, fail with ``exc`` (marked with
         :func:`fails_alone`); messages staged for it are freed; one still arriving goes to
-        scratch memory. Nothing is kept once the operation ends here (its late messages
-        are dropped by the group's watermark), nor for one that has ended already.
+        scratch memory; its announced messages are refused (their senders' sends fail with
+        ``exc``'s text), now and when more arrive. Nothing is kept once the operation ends
+        here (its late messages are dropped by the group's watermark), nor for one that has
+        ended already.
         """
         if self.has_ended(group, seq):
             return
@@ -456,7 +550,17 @@ class Mailbox:
         for inbound in [i for i in self._inflight if i.tag[0] == group and i.tag[1] == seq]:
             inbound.discard(exc)
         for tag in [t for t in self._staged if t[0] == group and t[1] == seq]:
-            del self._staged[tag]
+            for queue in self._staged.pop(tag).values():
+                for staged in queue:
+                    staged.queue = None
+                    if staged.flow is not None and staged.error is None:
+                        staged.flow.refuse(staged.ticket, str(exc))
+                    staged.release()
+        for ticket in [
+            t for t, r in self._cleared.items() if r.tag[0] == group and r.tag[1] == seq
+        ]:
+            # Its payload, if it still comes, goes to scratch memory.
+            fail_future(self._cleared.pop(ticket).fut, exc)
         for k in [k for k in self._posted if k[1][0] == group and k[1][1] == seq]:
             for recv in self._posted.pop(k):
                 fail_future(recv.fut, exc)
@@ -512,21 +616,31 @@ class Mailbox:
             if staged.error is not None:
                 fail_future(fut, staged.error)
                 return fut
+            error: DistUsageError | None = None
             if staged.fp != NO_FINGERPRINT:
                 mine = self._ops.get((tag[0], tag[1]))
                 if mine is not None and mine != staged.fp:
-                    fail_future(
-                        fut, mismatch_error(self.rank, mine, staged.peer, staged.fp, *tag[:2])
-                    )
-                    return fut
-            if len(staged.buf) != len(out):
-                fail_future(fut, _mismatch(staged.peer, tag, len(out), len(staged.buf)))
-                # The message is consumed; if it is still arriving, its bytes go nowhere.
+                    error = mismatch_error(self.rank, mine, staged.peer, staged.fp, *tag[:2])
+            if error is None and staged.nbytes != len(out):
+                error = _mismatch(staged.peer, tag, len(out), staged.nbytes)
+            if error is not None:
+                # The message is consumed: an announced one is refused; if one is still
+                # arriving, its bytes go nowhere.
+                fail_future(fut, error)
+                if staged.flow is not None:
+                    staged.flow.refuse(staged.ticket, str(error))
+                if staged.complete:  # (else once its last byte is in)
+                    staged.release()
                 return fut
-            if staged.complete:
-                _deliver(out, staged.buf, fut, staged.peer)
+            recv = _Recv(fut, out, peer, tag, 0)
+            if staged.flow is not None:
+                recv.left = staged.nbytes
+                self._cleared[staged.peer, staged.ticket] = recv
+                staged.flow.clear(staged.ticket)
+            elif staged.complete:
+                _deliver(out, staged, fut, staged.peer)
             else:
-                staged.claim = _Recv(fut, out, peer, tag, 0)
+                staged.claim = recv
             return fut
         exc = self._exc
         if exc is None:
@@ -592,14 +706,22 @@ class Mailbox:
                 del self._posted[key]
         return best
 
-    def incoming(self, peer: int, tag: Tag, nbytes: int, fp: bytes = NO_FINGERPRINT) -> Inbound:
+    def incoming(
+        self,
+        peer: int,
+        tag: Tag,
+        nbytes: int,
+        fp: bytes = NO_FINGERPRINT,
+        lender: Flow | None = None,
+    ) -> Inbound:
         """Return where the ``nbytes`` bytes of a message from ``peer`` tagged ``tag`` go.
 
         The caller fills ``Inbound.buffer`` and calls ``Inbound.done()``. The message is
         matched now, so messages from one peer must be announced in the order it sent them.
         A message whose fingerprint ``fp`` differs from that of the operation this rank
         issued under the same ``(group, seq)`` is discarded (its bytes never reach a
-        receive's memory) and reported to the :attr:`listener`.
+        receive's memory) and reported to the :attr:`listener`. ``lender``: the flow
+        control whose credit the message holds while it is staged (an eager message).
         """
         if (
             self._exc is not None
@@ -626,6 +748,10 @@ class Mailbox:
                 queue = by_peer[peer] = deque()
             staged = _Staged(nbytes, peer, self._next_order(), queue, fp)
             queue.append(staged)
+            if lender is not None:
+                staged.lender = lender
+                lender.hold(nbytes)
+            assert staged.buf is not None
             inbound = Inbound(self, peer, tag, staged.buf.data, staged=staged)
         elif len(recv.out) != nbytes:
             fail_future(recv.fut, _mismatch(peer, tag, len(recv.out), nbytes))
@@ -637,6 +763,77 @@ class Mailbox:
         else:
             self._inflight.add(inbound)
         return inbound
+
+    def announce(self, peer: int, tag: Tag, nbytes: int, fp: bytes, flow: Flow) -> None:
+        """Match the announcement of a message from ``peer`` tagged ``tag`` whose ``nbytes``
+        bytes wait for their receive, as :meth:`incoming` matches a message.
+
+        ``flow`` numbers the announcement and carries the answer: once a receive takes it
+        (now, or when posted), the payload is asked for; a receive that fails on it (its
+        length or the fingerprint ``fp`` differ), or a rejected operation, refuses it.
+        """
+        ticket = flow.take_ticket()
+        if self._exc is not None:
+            return  # aborting: the peer's connection is about to go
+        dead = self._killed.get((tag[0], tag[1])) if self._killed else None
+        if dead is not None:
+            flow.refuse(ticket, str(dead))
+            return
+        if self.has_ended(tag[0], tag[1]):
+            flow.refuse(ticket, f"operation {tag[0]}/{tag[1]} has ended on rank {self.rank}")
+            return
+        if fp != NO_FINGERPRINT:
+            mine = self._ops.get((tag[0], tag[1]))
+            if mine is not None and mine != fp:
+                flow.refuse(ticket, str(self._report(tag[0], tag[1], mine, peer, fp)))
+                return
+        recv = self._take_posted(peer, tag)
+        if recv is None:
+            by_peer = self._staged.setdefault(tag, {})
+            queue = by_peer.setdefault(peer, deque())
+            queue.append(
+                _Staged(nbytes, peer, self._next_order(), queue, fp, ticket=ticket, flow=flow)
+            )
+        elif len(recv.out) != nbytes:
+            error = _mismatch(peer, tag, len(recv.out), nbytes)
+            fail_future(recv.fut, error)
+            flow.refuse(ticket, str(error))
+        else:
+            recv.left = nbytes
+            self._cleared[peer, ticket] = recv
+            flow.clear(ticket)
+
+    def cleared_payload(self, peer: int, ticket: int, offset: int, nbytes: int) -> Inbound:
+        """Return where the ``nbytes`` bytes at ``offset`` of the payload of ``peer``'s
+        announced message ``ticket`` go: the memory of the receive that took the
+        announcement (it completes with the last piece), or scratch memory if it was dropped
+        meanwhile (its operation rejected, the rank aborting)."""
+        recv = self._cleared.get((peer, ticket))
+        if recv is None or self._exc is not None:
+            return Inbound(self, peer, (0, 0, 0), memoryview(bytearray(nbytes)))
+        if offset + nbytes > len(recv.out) or nbytes > recv.left:  # a broken peer
+            del self._cleared[peer, ticket]
+            fail_future(recv.fut, _mismatch(peer, recv.tag, len(recv.out), offset + nbytes))
+            return Inbound(self, peer, recv.tag, memoryview(bytearray(nbytes)))
+        out = recv.out[offset : offset + nbytes]
+        inbound = Inbound(self, peer, recv.tag, out, recv=recv, ticket=ticket)
+        self._inflight.add(inbound)
+        return inbound
+
+    def withdrawn(self, peer: int, ticket: int, reason: str) -> None:
+        """``peer`` gave up its announced message ``ticket`` for ``reason``: the receive that
+        took it, or takes it, fails with ``DistUsageError``."""
+        recv = self._cleared.pop((peer, ticket), None)
+        if recv is not None:
+            fail_future(recv.fut, _withdrawal(peer, recv.tag, reason))
+            return
+        for tag, by_peer in self._staged.items():
+            for staged in by_peer.get(peer, ()):
+                if staged.ticket == ticket and staged.flow is not None:
+                    # Its place in the order stays: the receive that takes it fails.
+                    staged.error = _withdrawal(peer, tag, reason)
+                    staged.complete, staged.flow = True, None
+                    return
 
     def deliver(self, peer: int, tag: Tag, data: memoryview, fp: bytes = NO_FINGERPRINT) -> None:
         """Match a whole message that is already in memory, copying it once."""
@@ -669,7 +866,8 @@ class Mailbox:
 
         Receives from ``peer`` fail now and later. Any-source receives fail too, unless the
         peer left in order (:attr:`Departure.LEFT`) and other ranks may still send.
-        Messages from ``peer`` that arrived completely stay deliverable. The listener hears
+        Messages from ``peer`` that arrived completely stay deliverable; those it only
+        announced fail the receives that take them. The listener hears
         of it in every case.
         """
         if self._exc is not None or peer in self._lost:
@@ -686,6 +884,13 @@ class Mailbox:
         for key in [k for k in self._posted if k[0] == peer]:
             for recv in self._posted.pop(key):
                 fail_future(recv.fut, exc)
+        for ticket in [t for t in self._cleared if t[0] == peer]:
+            fail_future(self._cleared.pop(ticket).fut, exc)
+        for by_peer in self._staged.values():
+            for staged in by_peer.get(peer, ()):
+                if staged.flow is not None and staged.error is None:
+                    # Announced, so its payload never comes: the receive that takes it fails.
+                    staged.error, staged.complete, staged.flow = exc, True, None
         any_exc = self._any_source_error()
         if any_exc is not None:
             for queue in self._posted_any.values():
@@ -704,8 +909,11 @@ class Mailbox:
             for queue in queues:
                 for recv in queue:
                     fail_future(recv.fut, exc)
+        for recv in self._cleared.values():
+            fail_future(recv.fut, exc)
         self._posted.clear()
         self._posted_any.clear()
+        self._cleared.clear()
         self._staged.clear()
 
 

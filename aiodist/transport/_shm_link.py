@@ -21,7 +21,13 @@ payload into the ring at once when there is room (a small send's future is resol
 ``send`` returns); a large payload is streamed in ``CHUNK_BYTES`` pieces, ``head`` published
 after each, so the receiver copies out while the sender copies in. The receiver asks the
 mailbox where a message goes when its header arrives (``Mailbox.incoming``): the posted
-receive's own memory, or a staging buffer, and copies straight there.
+receive's own memory, or a staging buffer, and copies straight there. What the receiver
+stages is bounded by flow control (``_flow``, the same messages as TCP's): a message that
+does not fit the peer's credit is announced and its payload waits for the receive. Messages
+leave in order, except the pieces of the payloads of cleared messages (``bulk``): each waits
+until no other message is queued, so that an announcement or a clearance is not held up
+behind a payload. The receiver always reads its ring: what a peer may write unasked is
+bounded.
 
 Waiting for room. A sender waiting for room pairs its ``want`` flag with the receiver's
 ``tail`` as the doorbell pairs ``head`` with the sleeping flag (``_shm_signal`` has the
@@ -36,8 +42,9 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from ..errors import DistProtocolError
-from ._frames import BYE, HEADER, MAX_MESSAGE, ControlText, is_control
-from ._mailbox import Inbound
+from ._flow import PeerFlow
+from ._frames import BYE, HEADER, MAX_MESSAGE, ControlText, is_control, open_message
+from ._mailbox import Inbound, fail_future
 from ._shm_segment import ProcessId, Segment
 from ._shm_signal import Bell, PeerWatch, fence
 
@@ -51,6 +58,7 @@ __all__ = [
     "CTRL_BYTES",
     "OPEN",
     "RING_HDR_BYTES",
+    "TURN_BYTES",
     "W_MAGIC",
     "W_SLEEP",
     "W_STATE",
@@ -82,6 +90,8 @@ _EMPTY = memoryview(b"")
 
 #: A large payload is published to the receiver in pieces of this size.
 CHUNK_BYTES = 256 << 10
+#: Bytes moved (both directions together) per loop turn.
+TURN_BYTES = 1 << 20
 
 
 class QueuedSend:
@@ -94,6 +104,11 @@ class QueuedSend:
         self.data = data
         self.fut = fut
         self.off = -1  # -1: the header is not written yet
+
+
+def _retrieve(fut: asyncio.Future[None]) -> None:
+    if not fut.cancelled():
+        fut.exception()
 
 
 def leave_cause(buf: memoryview, text: str) -> None:
@@ -125,6 +140,7 @@ class ShmLink:
     ) -> None:
         self.owner = owner
         self.peer = peer
+        self.flow = PeerFlow(peer, owner._staging, self.write)
         self.proc = proc
         self.peer_seg = peer_seg
         self.cap = cap
@@ -142,7 +158,10 @@ class ShmLink:
         self.tx_head_w, self.tx_tail_w, self.tx_want_w = w + _R_HEAD, w + _R_TAIL, w + _R_WANT
         self.head = 0
         self.want = False
+        # Messages to write in order (at most one payload piece among them, the one being
+        # written), and the other payload pieces, which wait for the queue to empty.
         self.queue: deque[QueuedSend] = deque()
+        self.bulk: deque[QueuedSend] = deque()
         # Receiving: the peer's ring in our own segment.
         seg = owner._seg
         assert seg is not None
@@ -175,6 +194,39 @@ class ShmLink:
 
     # -- sending ---------------------------------------------------------------------------
 
+    def write(
+        self,
+        header: bytes,
+        data: memoryview,
+        fut: asyncio.Future[None] | None,
+        bulk: bool = False,
+    ) -> None:
+        """Queue a message to the peer, and write it at once if nothing is queued (see
+        :data:`aiodist.transport._flow.Write`)."""
+        owner = self.owner
+        if fut is None:
+            # Nobody waits for a control message: a peer that is gone needs none.
+            fut = owner._loop.create_future()
+            fut.add_done_callback(_retrieve)
+        if owner._closed is not None:
+            fail_future(fut, owner._closed)
+            return
+        if self.error is not None:
+            fail_future(fut, self.error)
+            return
+        send = QueuedSend(header, data, fut)
+        if bulk and (self.queue or self.bulk):
+            # Behind every other payload (they leave in order: a payload's last piece
+            # stands for all of it), and behind the other messages queued now.
+            self.bulk.append(send)
+        elif self.queue:
+            self.queue.append(send)
+        else:
+            self.queue.append(send)
+            self.tx(TURN_BYTES)
+        if self.queue or self.bulk:
+            owner._schedule()
+
     def tx(self, budget: int) -> int:
         """Copy queued sends into the ring; return the bytes moved (at most ``budget``)."""
         if budget <= 0:
@@ -189,7 +241,12 @@ class ShmLink:
         tail = words[self.tx_tail_w]
         moved = 0
         blocked = False
-        while queue and budget > 0:
+        while budget > 0:
+            if not queue:
+                if not self.bulk:
+                    break
+                # A message boundary with nothing else to send: the next payload piece.
+                queue.append(self.bulk.popleft())
             s = queue[0]
             free = cap - (head - tail)
             if s.off < 0:
@@ -269,43 +326,41 @@ class ShmLink:
         done: list[Inbound | ControlText] = []
         while tail != head and budget > 0:
             if self.inbound is None:
-                group, seq, step, nbytes, fp = _HEADER.unpack_from(buf, base + (tail & mask))
+                group, seq, step, word, fp = _HEADER.unpack_from(buf, base + (tail & mask))
                 tail += _HDR
                 moved += _HDR
                 budget -= _HDR
-                if is_control(nbytes, step):
-                    control = ControlText(nbytes, group, seq, step, self.peer, mailbox, self._said)
+                if is_control(word, step):
+                    control = ControlText(
+                        word, group, seq, step, self.peer, mailbox, self.flow, self._said
+                    )
                     if step:
                         self.inbound, self.doff, self.drem = control, 0, step
                     else:
                         self._control_done(control)
                     continue
-                if nbytes >= MAX_MESSAGE:
-                    self._publish_tail(tail)
-                    self.owner._lose(
-                        self,
-                        DistProtocolError(
-                            f"rank {self.peer} wrote a message header announcing {nbytes} "
-                            "bytes into shared memory: a corrupted ring"
-                        ),
-                    )
-                    return moved
                 try:
-                    inbound = mailbox.incoming(self.peer, (group, seq, step), nbytes, fp)
+                    inbound = open_message(
+                        mailbox, self.flow, self.peer, group, seq, step, word, fp
+                    )
+                except DistProtocolError as exc:
+                    self._publish_tail(tail)
+                    self.owner._lose(self, exc)
+                    return moved
                 except MemoryError:
                     self._publish_tail(tail)
                     self.owner._lose(
                         self,
                         DistProtocolError(
-                            f"rank {self.peer} sent a message of {nbytes} bytes, more than "
-                            "this rank can allocate to hold it"
+                            f"rank {self.peer} sent a message of {word & (MAX_MESSAGE - 1)} "
+                            "bytes, more than this rank can allocate to hold it"
                         ),
                     )
                     return moved
-                if nbytes:
+                if inbound is not None:
                     self.inbound = inbound
                     self.doff = 0
-                    self.drem = nbytes
+                    self.drem = len(inbound.buffer)
                 continue
             take = min(head - tail, self.drem, budget)
             start = tail & mask

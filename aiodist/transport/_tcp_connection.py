@@ -10,14 +10,17 @@ transport's mailbox.
 Receiving. ``get_buffer`` hands the loop a slice of the posted receive's own memory while a
 payload of 16 KiB or more is arriving (no copy at all), otherwise a 64 KiB read buffer that
 picks up several small frames per read. A payload whose receive is not posted yet goes to a
-staging buffer (see ``_mailbox``). At most 2 MiB are read per connection per loop turn:
-then reading pauses until the next turn.
+staging buffer (see ``_mailbox``), within the credit this rank granted the peer (see
+``_flow``). At most 2 MiB are read per connection per loop turn: then reading pauses until
+the next turn. Reading never stops for longer: what a peer may send unasked is bounded.
 
 Sending. Frames are handed to the asyncio transport as memoryviews of the caller's memory,
 at most 1 MiB per connection per loop turn. The write-buffer limits are zero, so the
 transport calls ``pause_writing`` as soon as it keeps any byte and ``resume_writing`` once it
 holds none; a send's future resolves only then, when no buffer of the loop refers to the
-caller's memory any more.
+caller's memory any more. Frames leave in order, except the pieces of the payloads of
+cleared messages (``bulk``): each waits until no other frame is queued, so that an
+announcement or a clearance is not held up behind megabytes of data.
 """
 
 from __future__ import annotations
@@ -33,11 +36,12 @@ from typing import TYPE_CHECKING, cast
 
 from .._auth import AUTH_MAC_SIZE, NONCE_SIZE, auth_mac, verify_mac
 from ..errors import DistNetworkError, DistProtocolError
-from ._frames import BYE, HEADER, MAX_MESSAGE, ControlText, is_control
+from ._frames import BYE, HEADER, MAX_MESSAGE, ControlText, is_control, open_message
 from ._mailbox import Inbound, fail_future
 from .base import Departure, lost_peer_error
 
 if TYPE_CHECKING:
+    from ._flow import PeerFlow
     from .tcp import TCPTransport
 
 __all__ = [
@@ -53,12 +57,14 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _MAGIC = b"AIOD"
-_VERSION = 5
+_VERSION = 6
 # REFUSED: the two sides disagree on authentication (one has a token, the other not).
 _HELLO, _ACCEPT, _REJECT, _REFUSED = 0, 1, 2, 3
 _FLAG_AUTH = 0x01
-# magic, version, kind, flags, rank, world size, nonce, proof (zeros without a token)
-_HANDSHAKE = struct.Struct(f"<4sHHHII{NONCE_SIZE}s{AUTH_MAC_SIZE}s")
+# magic, version, kind, flags, rank, world size, nonce, proof (zeros without a token), and
+# the bytes the sender stages at most for the other side (its first credit)
+_HANDSHAKE = struct.Struct(f"<4sHHHII{NONCE_SIZE}s{AUTH_MAC_SIZE}sQ")
+_VERSION_END = 6  # the magic and the version: the handshake of every version starts so
 _NO_PROOF = bytes(AUTH_MAC_SIZE)
 # Roles of the two proofs, so neither can be reflected back as the other.
 _ROLE_ACCEPT, _ROLE_CONNECT = b"peer/accept", b"peer/connect"
@@ -141,9 +147,15 @@ class TCPConnection(asyncio.BufferedProtocol):
         self._peer_nonce = b""
         self._want_proof: bytes | None = None
         self._timer: asyncio.TimerHandle | None = None
-        # Sending: frames not yet handed to the transport, and futures of frames handed
-        # over but possibly still referenced by the transport's buffer.
+        # The peer's staging bound, from its handshake, and the flow control with it (the
+        # transport's, once the connection is established).
+        self.peer_staging = 0
+        self.flow: PeerFlow | None = None
+        # Sending: frames not yet handed to the transport, pieces of the payloads of
+        # cleared messages waiting for the queue to empty (whole frames), and futures of
+        # frames handed over but possibly still referenced by the transport's buffer.
         self.queue: deque[tuple[memoryview, asyncio.Future[None] | None]] = deque()
+        self.bulk: deque[tuple[bytes, memoryview, asyncio.Future[None]]] = deque()
         self.handed: list[asyncio.Future[None]] = []
         self._write_paused = False
         self._flush_scheduled = False
@@ -195,7 +207,15 @@ class TCPConnection(asyncio.BufferedProtocol):
         owner = self.owner
         flags = _FLAG_AUTH if owner._token is not None else 0
         return _HANDSHAKE.pack(
-            _MAGIC, _VERSION, kind, flags, owner.rank, owner.world_size, self._nonce, proof
+            _MAGIC,
+            _VERSION,
+            kind,
+            flags,
+            owner.rank,
+            owner.world_size,
+            self._nonce,
+            proof,
+            owner._staging,
         )
 
     def _proof(self, role: bytes, first: bytes, second: bytes, connector: int) -> bytes:
@@ -235,7 +255,9 @@ class TCPConnection(asyncio.BufferedProtocol):
         if self._want_proof is not None:
             return self._on_proof()
         owner = self.owner
-        magic, version, kind, flags, rank, world_size, nonce, proof = _HANDSHAKE.unpack(self._hs)
+        magic, version, kind, flags, rank, world_size, nonce, proof, staging = _HANDSHAKE.unpack(
+            self._hs
+        )
         who = f"rank {self.peer}" if self.peer is not None else "a connecting peer"
         if magic != _MAGIC or kind not in (_HELLO, _ACCEPT, _REJECT, _REFUSED):
             return self._handshake_failed(
@@ -244,11 +266,7 @@ class TCPConnection(asyncio.BufferedProtocol):
                 )
             )
         if version != _VERSION:
-            return self._handshake_failed(
-                DistProtocolError(
-                    f"{who} speaks transport protocol version {version}, this rank {_VERSION}"
-                )
-            )
+            return self._handshake_failed(self._version_error(version))
         if world_size != owner.world_size or not 0 <= rank < world_size or rank == owner.rank:
             return self._handshake_failed(
                 DistProtocolError(
@@ -257,6 +275,7 @@ class TCPConnection(asyncio.BufferedProtocol):
                 )
             )
         self._peer_nonce = nonce
+        self.peer_staging = staging
         peer_auth = bool(flags & _FLAG_AUTH)
         assert self.transport is not None
         if self.peer is None:  # we accepted this connection: decide whether to keep it
@@ -288,6 +307,12 @@ class TCPConnection(asyncio.BufferedProtocol):
         if owner._token is not None:
             self.transport.write(self._proof(_ROLE_CONNECT, nonce, self._nonce, owner.rank))
         return self._open()
+
+    def _version_error(self, version: int) -> DistProtocolError:
+        who = f"rank {self.peer}" if self.peer is not None else "a connecting peer"
+        return DistProtocolError(
+            f"{who} speaks transport protocol version {version}, this rank {_VERSION}"
+        )
 
     def _on_hello(self, kind: int, rank: int, peer_auth: bool) -> None:
         owner = self.owner
@@ -393,19 +418,27 @@ class TCPConnection(asyncio.BufferedProtocol):
 
     # -- sending ---------------------------------------------------------------------------
 
-    def send(self, header: bytes, data: memoryview, fut: asyncio.Future[None]) -> None:
+    def send(
+        self, header: bytes, data: memoryview, fut: asyncio.Future[None], bulk: bool = False
+    ) -> None:
+        """Write a frame: ``header``, then ``data``; ``fut`` resolves once the transport
+        holds none of ``data``. ``bulk``: a piece of the payload of a cleared message, which
+        frames sent later may overtake (it waits until no other frame is queued)."""
+        if bulk and (self.queue or self.bulk):
+            # Behind every other payload (they leave in order: a payload's last piece
+            # stands for all of it), and behind the other frames queued now.
+            self.bulk.append((header, data, fut))
+            return
         if self.queue or self._write_paused or self._flush_scheduled:
-            # Frames leave in order: behind what is already queued.
-            self.queue.append((memoryview(header), None if data else fut))
-            if data:
-                self.queue.append((data, fut))
+            # Frames leave in order: behind what is already queued. (The queue holds at
+            # most one bulk frame, the one being written: the others wait in self.bulk.)
+            self._enqueue(header, data, fut)
             return
         transport = self.transport
         assert transport is not None
         size = len(data)
         if size > WRITE_BUDGET:
-            self.queue.append((memoryview(header), None))
-            self.queue.append((data, fut))
+            self._enqueue(header, data, fut)
             self._flush()
             return
         if not size:
@@ -420,6 +453,11 @@ class TCPConnection(asyncio.BufferedProtocol):
             transport.write(header)
             transport.write(data)
         self._after_write(fut)
+
+    def _enqueue(self, header: bytes, data: memoryview, fut: asyncio.Future[None]) -> None:
+        self.queue.append((memoryview(header), None if data else fut))
+        if data:
+            self.queue.append((data, fut))
 
     def _after_write(self, fut: asyncio.Future[None]) -> None:
         # pause_writing ran inside write() if the transport kept any of the bytes.
@@ -437,7 +475,12 @@ class TCPConnection(asyncio.BufferedProtocol):
         queue = self.queue
         budget = WRITE_BUDGET
         views: list[memoryview] = []
-        while queue and budget > 0 and not self._write_paused:
+        while budget > 0 and not self._write_paused:
+            if not queue:
+                if not self.bulk:
+                    break
+                # A frame boundary with nothing else to send: the next payload piece.
+                self._enqueue(*self.bulk.popleft())
             view, fut = queue[0]
             if len(view) > budget:
                 views.append(view[:budget])
@@ -459,7 +502,7 @@ class TCPConnection(asyncio.BufferedProtocol):
                     transport.write(view)
         if not self._write_paused:
             self._resolve_handed()
-            if queue and not self._flush_scheduled:
+            if (queue or self.bulk) and not self._flush_scheduled:
                 # More to write: next loop turn, so other callbacks get theirs.
                 self._flush_scheduled = True
                 self.loop.call_soon(self._flush)
@@ -476,7 +519,7 @@ class TCPConnection(asyncio.BufferedProtocol):
     def resume_writing(self) -> None:
         self._write_paused = False
         self._resolve_handed()
-        if self.queue and not self._flush_scheduled:
+        if (self.queue or self.bulk) and not self._flush_scheduled:
             self._flush()
 
     def fail_sends(self, exc: BaseException) -> None:
@@ -487,6 +530,9 @@ class TCPConnection(asyncio.BufferedProtocol):
             if queued is not None:
                 fail_future(queued, exc)
         self.queue.clear()
+        for _, _, fut in self.bulk:
+            fail_future(fut, exc)
+        self.bulk.clear()
 
     def close_after(self, frame: bytes | None) -> None:
         """Write ``frame`` after the frames already queued, then close without losing it.
@@ -547,18 +593,22 @@ class TCPConnection(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         if self.state == HANDSHAKING:
             self._hs_got += nbytes
-            if self._hs_got == len(self._hs):
+            got = self._hs_got
+            if got == len(self._hs):
                 self._on_handshake()
-            elif (
-                self._want_proof is None
-                and self._hs[: min(self._hs_got, 4)] != _MAGIC[: min(self._hs_got, 4)]
-            ):
+            elif self._want_proof is None and self._hs[: min(got, 4)] != _MAGIC[: min(got, 4)]:
                 # Garbage (a port scanner, an HTTP client): drop it now, not at the timeout.
                 self._handshake_failed(
                     DistProtocolError(
-                        f"a peer sent {bytes(self._hs[: self._hs_got])!r}, not an aiodist handshake"
+                        f"a peer sent {bytes(self._hs[:got])!r}, not an aiodist handshake"
                     )
                 )
+            elif self._want_proof is None and got >= _VERSION_END:
+                # Another version's handshake may have another length: say so now rather
+                # than wait for bytes that never come.
+                version = int.from_bytes(self._hs[4:_VERSION_END], "little")
+                if version != _VERSION:
+                    self._handshake_failed(self._version_error(version))
             return
         if self.state != OPEN:
             return
@@ -614,51 +664,45 @@ class TCPConnection(asyncio.BufferedProtocol):
 
     def _parse(self) -> None:
         rx = self._rx
-        assert self.peer is not None
+        peer, flow = self.peer, self.flow
+        assert peer is not None and flow is not None
         while self.state == OPEN:
             avail = self._rend - self._rstart
             if self._inbound is None:
                 if avail < _HEADER_SIZE:
                     return
-                group, seq, step, nbytes, fp = _HEADER.unpack_from(rx, self._rstart)
+                group, seq, step, word, fp = _HEADER.unpack_from(rx, self._rstart)
                 self._rstart += _HEADER_SIZE
-                if is_control(nbytes, step):
+                if is_control(word, step):
                     self._inbound = ControlText(
-                        nbytes, group, seq, step, self.peer, self.mailbox, self._said
+                        word, group, seq, step, peer, self.mailbox, flow, self._said
                     )
                     self._doff = 0
                     self._drem = step
                     if not step:
                         self._finish_inbound()
                     continue
-                if nbytes >= MAX_MESSAGE:
-                    self.owner._lose(
-                        self.peer,
-                        "",
-                        DistProtocolError(
-                            f"rank {self.peer} sent a frame header announcing {nbytes} bytes: "
-                            "not an aiodist peer, or a corrupted stream"
-                        ),
-                    )
-                    return
                 try:
-                    inbound = self.mailbox.incoming(self.peer, (group, seq, step), nbytes, fp)
+                    inbound = open_message(self.mailbox, flow, peer, group, seq, step, word, fp)
+                except DistProtocolError as exc:
+                    self.owner._lose(peer, "", exc)
+                    return
                 except MemoryError:
                     # A message nobody posted a receive for yet is staged in memory of its
                     # own: a length no allocation can hold must fail this peer, not the loop.
                     self.owner._lose(
-                        self.peer,
+                        peer,
                         "",
                         DistProtocolError(
-                            f"rank {self.peer} sent a message of {nbytes} bytes, more than "
-                            "this rank can allocate to hold it"
+                            f"rank {peer} sent a message of {word & (MAX_MESSAGE - 1)} bytes, "
+                            "more than this rank can allocate to hold it"
                         ),
                     )
                     return
-                if nbytes:
+                if inbound is not None:
                     self._inbound = inbound
                     self._doff = 0
-                    self._drem = nbytes
+                    self._drem = len(inbound.buffer)
             else:
                 if not avail:
                     return

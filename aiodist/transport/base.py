@@ -126,12 +126,19 @@ class Transport(abc.ABC):
         self.hosts: tuple[tuple[int, ...], ...] | None = None
 
     @abc.abstractmethod
-    def send(self, peer: int, tag: Tag, data: memoryview) -> asyncio.Future[None]:
+    def send(
+        self, peer: int, tag: Tag, data: memoryview, *, cleared: bool = False
+    ) -> asyncio.Future[None]:
         """Send the bytes of ``data`` to global rank ``peer``, tagged ``tag``.
 
         ``data`` is not copied: the returned future resolves once the transport no longer
         refers to it, so the caller may then reuse the memory. The future fails with
         ``DistNetworkError`` if the peer is lost or has closed. ``peer`` may be this rank.
+
+        A streaming transport bounds what a peer stages for receives not posted yet: a
+        message beyond the bound waits for its receive (see
+        :mod:`aiodist.transport._flow`). ``cleared``: the caller knows the receive is
+        posted (the peer said so), so the message goes at once, outside the bound.
 
         Raises:
             DistUsageError: at once, if ``peer`` is not a rank of the world, the tag is not
@@ -212,7 +219,7 @@ class OpComm:
     are bound in, and group ranks are translated to the transport's global ranks.
     """
 
-    __slots__ = ("_base", "_group_id", "_ranks", "_seq", "_transport", "rank", "size")
+    __slots__ = ("_base", "_cleared", "_group_id", "_ranks", "_seq", "_transport", "rank", "size")
 
     def __init__(
         self,
@@ -229,6 +236,8 @@ class OpComm:
         self._group_id = group_id
         self._seq = seq
         self._base = base
+        # The group ranks that said they posted their receives for this view's messages.
+        self._cleared: set[int] = set()
         self.rank = rank
         self.size = len(ranks)
 
@@ -250,10 +259,15 @@ class OpComm:
             self._transport, ranks, members.index(self.rank), self._group_id, self._seq, base=base
         )
 
+    def cleared_by(self, peer: int) -> None:
+        """Group rank ``peer`` said that its receives for this view's messages to it are
+        posted: they go at once from now on, without the transport's own handshake."""
+        self._cleared.add(peer)
+
     def send(self, peer: int, step: int, data: memoryview) -> asyncio.Future[None]:
         """Send ``data`` to group rank ``peer`` as step ``step`` of this operation."""
         tag = (self._group_id, self._seq, self._base + step)
-        return self._transport.send(self._ranks[peer], tag, data)
+        return self._transport.send(self._ranks[peer], tag, data, cleared=peer in self._cleared)
 
     def reject(self, reason: str) -> None:
         """Tell the other ranks of the operation that this rank will send and receive

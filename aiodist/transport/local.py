@@ -62,8 +62,13 @@ class LocalTransport(Transport):
         if not isinstance(peer, int) or not 0 <= peer < self.world_size:
             raise DistUsageError(f"peer must be a rank in [0, {self.world_size}), got {peer!r}")
 
-    def send(self, peer: int, tag: Tag, data: memoryview) -> asyncio.Future[None]:
+    def send(
+        self, peer: int, tag: Tag, data: memoryview, *, cleared: bool = False
+    ) -> asyncio.Future[None]:
         """Copy ``data`` to rank ``peer``; the returned future is already resolved.
+
+        Nothing bounds what the receiver stages (its ranks share one process), so
+        ``cleared`` changes nothing.
 
         Raises:
             DistUsageError: ``peer`` is out of range, the tag is malformed, or ``data`` is

@@ -51,9 +51,11 @@ class RoutedTransport(Transport):
         # transport also polls its rings for them.
         return self.shm if peer is None or peer in self._local else self.tcp
 
-    def send(self, peer: int, tag: Tag, data: memoryview) -> asyncio.Future[None]:
+    def send(
+        self, peer: int, tag: Tag, data: memoryview, *, cleared: bool = False
+    ) -> asyncio.Future[None]:
         """Send through the transport that reaches ``peer`` (see :meth:`Transport.send`)."""
-        return self._for(peer).send(peer, tag, data)
+        return self._for(peer).send(peer, tag, data, cleared=cleared)
 
     def recv_into(self, peer: int | None, tag: Tag, out: memoryview) -> asyncio.Future[int]:
         """Receive through the transport that reaches ``peer`` (see :meth:`Transport.recv_into`)."""

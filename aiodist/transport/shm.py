@@ -29,14 +29,14 @@ import time
 from collections.abc import Collection
 from typing import Any
 
-from .._fingerprint import NO_FINGERPRINT
 from .._timeouts import DEFAULT_SETUP_TIMEOUT, Timeout, to_seconds
 from .._wait import HOT_SPIN_SECONDS, SPIN_SECONDS, Backoff, ranks_fit
 from ..errors import DistNetworkError, DistProtocolError, DistUsageError
 from ..store import Store
 from . import _shm_setup
+from ._flow import resolve_staging_bytes
 from ._frames import BYE, HEADER, REJECTION, control_frame
-from ._mailbox import Mailbox, as_bytes, fail_future
+from ._mailbox import Mailbox, as_bytes, check_tag, fail_future
 from ._shm_link import (
     ABORTED,
     CHUNK_BYTES as CHUNK_BYTES,  # the link's now; still importable from here
@@ -44,10 +44,10 @@ from ._shm_link import (
     CTRL_BYTES,
     OPEN,
     RING_HDR_BYTES,
+    TURN_BYTES,
     W_MAGIC,
     W_SLEEP,
     W_STATE,
-    QueuedSend,
     ShmLink,
     control_send,
     leave_cause,
@@ -85,16 +85,13 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_VERSION = 1
+_VERSION = 2
 _MAGIC = int.from_bytes(b"AIODSHM1", "little")
-_HEADER = HEADER
 
 #: Bytes of ring per ordered pair of ranks (a power of two). With many local ranks the
 #: rings shrink so that a rank's segment stays within 64 MiB (down to 256 KiB per ring).
 DEFAULT_RING_BYTES = 4 << 20
 _MIN_RING_BYTES = 4096
-#: Bytes moved (both directions together) per loop turn.
-TURN_BYTES = 1 << 20
 #: How long ``aclose`` lets queued sends drain before closing.
 CLOSE_DRAIN_SECONDS = 5.0
 #: A sleeping rank with work pending re-checks its rings after this long, doubling up to
@@ -252,8 +249,10 @@ class ShmTransport(Transport):
         seg: Segment | None,
         doorbell: Doorbell | None,
         spin: float,
+        staging: int,
     ) -> None:
         super().__init__(rank, world_size, mailbox)
+        self._staging = staging
         self.local_ranks = local_ranks
         self._loop = asyncio.get_running_loop()
         self._seg = seg
@@ -287,6 +286,7 @@ class ShmTransport(Transport):
         ring_bytes: int | None = None,
         spin: float | None = None,
         job_key: str | None = None,
+        staging_bytes: int | None = None,
     ) -> ShmTransport:
         """Set up the rings between ``rank`` and the other ranks of ``local_ranks``.
 
@@ -317,6 +317,10 @@ class ShmTransport(Transport):
             job_key: the job's identity, from which segment names derive (so that a
                 restart removes its predecessor's leftovers); ``None`` uses
                 :func:`default_job_key`.
+            staging_bytes: the bytes of messages from one peer this rank holds at most
+                for receives not posted yet; a message that does not fit waits for its
+                receive (see :mod:`aiodist.transport._flow`). ``None`` reads
+                ``$AIODIST_STAGING_BYTES``, else 16 MiB. Ranks may differ.
 
         Returns:
             The open transport.
@@ -327,7 +331,7 @@ class ShmTransport(Transport):
                 size needed), or a local rank could not create or map a segment (every
                 local rank raises it then, naming that rank); the caller may fall back to
                 TCP.
-            DistUsageError: a bad argument, or a peer that is not on this host (its host
+            DistUsageError: a bad argument (``staging_bytes`` included), or a peer that is not on this host (its host
                 key differs) or disagrees on ``local_ranks`` or ``ring_bytes``.
             DistTimeoutError: a local rank did not arrive in time (the ranks are named).
             DistNetworkError: a local rank exited during setup.
@@ -363,6 +367,7 @@ class ShmTransport(Transport):
         else:
             spin_s = float(spin)
         seconds = to_seconds(timeout, DEFAULT_SETUP_TIMEOUT)
+        staging = resolve_staging_bytes(staging_bytes)
         reason = unavailable_reason()
         if reason is not None:
             logger.info("no shared-memory transport: %s", reason)
@@ -375,13 +380,23 @@ class ShmTransport(Transport):
                 f"{rank} of {world_size}"
             )
         if not peers:
-            return cls(rank, world_size, local, mailbox, None, None, 0.0)
+            return cls(rank, world_size, local, mailbox, None, None, 0.0, staging)
         job = default_job_key() if job_key is None else job_key
         remove_leftovers(job)
         loop = asyncio.get_running_loop()
         deadline = None if seconds is None else loop.time() + seconds
         return await cls._setup(
-            store, rank, world_size, local, peers, mailbox, ring_bytes, spin_s, job, deadline
+            store,
+            rank,
+            world_size,
+            local,
+            peers,
+            mailbox,
+            ring_bytes,
+            spin_s,
+            staging,
+            job,
+            deadline,
         )
 
     @classmethod
@@ -395,6 +410,7 @@ class ShmTransport(Transport):
         mailbox: Mailbox,
         cap: int,
         spin: float,
+        staging: int,
         job: str,
         deadline: float | None,
     ) -> ShmTransport:
@@ -435,6 +451,7 @@ class ShmTransport(Transport):
                     bell=doorbell.path,
                     ring=cap,
                     ranks=list(local),
+                    staging=staging,
                 )
             records = await _shm_setup.exchange(store, "shm/t", rank, local, record, deadline, what)
             failed = [str(records[r]["failed"]) for r in sorted(records) if "failed" in records[r]]
@@ -480,12 +497,13 @@ class ShmTransport(Transport):
             if spin < 0:
                 same_process = any(p.pid == me.pid for p in procs.values())
                 spin = SPIN_SECONDS if ranks_fit(len(local)) and not same_process else 0.0
-            self = cls(rank, world_size, local, mailbox, seg, doorbell, spin)
+            self = cls(rank, world_size, local, mailbox, seg, doorbell, spin, staging)
             for i, r in enumerate(peers):
                 senders_of_r = [s for s in local if s != r]
                 out_ring = CTRL_BYTES + senders_of_r.index(rank) * (RING_HDR_BYTES + cap)
                 in_ring = CTRL_BYTES + i * (RING_HDR_BYTES + cap)
                 link = ShmLink(self, r, procs[r], attached[i], out_ring, in_ring, cap, bells[i])
+                link.flow.granted(int(records[r]["staging"]))  # the first credit: its bound
                 self._links.append(link)
                 self._by_peer[r] = link
             doorbell.listen(self._loop, self._on_bell)
@@ -521,40 +539,47 @@ class ShmTransport(Transport):
 
     # -- the Transport interface -----------------------------------------------------------
 
-    def send(self, peer: int, tag: Tag, data: memoryview) -> asyncio.Future[None]:
+    def send(
+        self, peer: int, tag: Tag, data: memoryview, *, cleared: bool = False
+    ) -> asyncio.Future[None]:
         """Send ``data`` to the local rank ``peer``.
 
         The future resolves once the payload is in shared memory (the caller may then
-        reuse ``data``); for a small message on a ring with room, before this returns.
-        It fails with ``DistNetworkError`` if the peer is lost or has closed first.
+        reuse ``data``); for a small message on a ring with room, before this returns; for
+        one beyond the peer's staging bound, once the peer posted its receive and the
+        payload followed. It fails with ``DistNetworkError`` if the peer is lost or has
+        closed first.
 
         Raises:
             DistUsageError: ``peer`` is out of range or not served here, the tag is
                 malformed, or ``data`` is not contiguous.
         """
         data = as_bytes(data, writable=False)
-        try:
-            fp = self.mailbox.fingerprint_of(tag[0], tag[1])
-            header = _HEADER.pack(tag[0], tag[1], tag[2], len(data), fp)
-        except (struct.error, TypeError, IndexError):
-            raise DistUsageError(
-                f"a tag must be three integers in [0, 2**64) (group id, seq, step), got {tag!r}"
-            ) from None
         link = self._link_for(peer)
         fut: asyncio.Future[None] = self._loop.create_future()
+        if link is not None and link.error is None and self._closed is None:
+            # The common case, kept short: packing the header checks the tag.
+            try:
+                fp = self.mailbox.fingerprint_of(tag[0], tag[1])
+                header = link.flow.header(tag, len(data), fp, cleared)
+                if header is None:
+                    link.flow.announce(tag, data, fp, fut)
+            except (struct.error, TypeError, IndexError):
+                check_tag(tag)  # raises the usage error for a malformed tag
+                raise
+            if header is not None:
+                link.write(header, data, fut)
+            return fut
+        check_tag(tag)
         if self._closed is not None:
             fail_future(fut, self._closed)
-        elif link is None:
+        elif link is not None:
+            assert link.error is not None  # (an open link took the common case)
+            fail_future(fut, link.error)
+        else:  # to this rank itself
+            fp = self.mailbox.fingerprint_of(tag[0], tag[1])
             self.mailbox.deliver(peer, (tag[0], tag[1], tag[2]), data, fp)
             fut.set_result(None)
-        elif link.error is not None:
-            fail_future(fut, link.error)
-        else:
-            link.queue.append(QueuedSend(header, data, fut))
-            if len(link.queue) == 1:
-                link.tx(TURN_BYTES)
-            if link.queue:
-                self._schedule()
         return fut
 
     def recv_into(self, peer: int | None, tag: Tag, out: memoryview) -> asyncio.Future[int]:
@@ -569,12 +594,7 @@ class ShmTransport(Transport):
                 malformed, or ``out`` is read-only or not contiguous.
         """
         link = None if peer is None else self._link_for(peer)
-        try:
-            _HEADER.pack(tag[0], tag[1], tag[2], 0, NO_FINGERPRINT)
-        except (struct.error, TypeError, IndexError):
-            raise DistUsageError(
-                f"a tag must be three integers in [0, 2**64) (group id, seq, step), got {tag!r}"
-            ) from None
+        check_tag(tag)
         fut = self.mailbox.post(peer, tag, as_bytes(out, writable=True))
         if not fut.done() and self._closed is None:
             # The message may already wait in the ring.
@@ -596,15 +616,8 @@ class ShmTransport(Transport):
         if link is None:
             self.mailbox.reject(peer, group, seq, reason)
             return
-        if self._closed is not None or link.error is not None:
-            return  # a peer that is gone needs no rejection
-        fut: asyncio.Future[None] = self._loop.create_future()
-        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
-        link.queue.append(control_send(control_frame(REJECTION, group, seq, reason), fut))
-        if len(link.queue) == 1:
-            link.tx(TURN_BYTES)
-        if link.queue:
-            self._schedule()
+        frame = control_frame(REJECTION, group, seq, reason)
+        link.write(frame[: HEADER.size], memoryview(frame)[HEADER.size :], None)
 
     def _link_for(self, peer: int) -> ShmLink | None:
         """The link to ``peer``; ``None`` for this rank itself."""
@@ -634,7 +647,8 @@ class ShmTransport(Transport):
         harmless.
         """
         if self._closed is None:
-            queued = [s.fut for link in self._links for s in link.queue]
+            queued = [s.fut for link in self._links for s in (*link.queue, *link.bulk)]
+            queued += [f for link in self._links for f in link.flow.waiting()]
             if queued:
                 await asyncio.wait(queued, timeout=CLOSE_DRAIN_SECONDS)
             if self._closed is None:
@@ -658,9 +672,11 @@ class ShmTransport(Transport):
         for link in self._links:
             if link.error is None:
                 link.bell.ring()  # whatever its flag says: it must learn our state
-            for s in link.queue:
+            for s in (*link.queue, *link.bulk):
                 fail_future(s.fut, exc)
             link.queue.clear()
+            link.bulk.clear()
+            link.flow.fail(exc)
         self.mailbox.abort(exc)
         self._release()
         logger.debug("rank %d shared-memory transport closed: %s", self.rank, exc)
@@ -693,7 +709,7 @@ class ShmTransport(Transport):
         for link in self._links:
             if link.error is None:
                 moved += link.rx(budget - moved)
-                if link.queue and link.error is None:
+                if (link.queue or link.bulk) and link.error is None:
                     moved += link.tx(budget - moved)
         return moved
 
@@ -702,7 +718,7 @@ class ShmTransport(Transport):
             self._awaited = [f for f in self._awaited if not f.done()]
             if self._awaited:
                 return True
-        return any(link.queue or link.inbound is not None for link in self._links)
+        return any(link.queue or link.bulk or link.inbound is not None for link in self._links)
 
     def _service(self) -> None:
         # Move bytes until nothing moves or this turn's budget is spent; then poll for a
@@ -824,9 +840,11 @@ class ShmTransport(Transport):
         link.error = exc
         if link.watch is not None:
             link.watch.close()
-        for s in link.queue:
+        for s in (*link.queue, *link.bulk):
             fail_future(s.fut, exc)
         link.queue.clear()
+        link.bulk.clear()
+        link.flow.fail(exc)
         link.inbound = None  # the mailbox fails it with the peer
         self.mailbox.fail_peer(link.peer, exc)
         level = logging.WARNING if departure_of(exc) is None else logging.DEBUG

@@ -5,25 +5,30 @@ connection per pair, polling the sockets before sleeping, abort and close) and d
 wire format. One connection's side of it, the handshake and reading and writing frames, is
 :class:`~aiodist.transport._tcp_connection.TCPConnection`'s.
 
-Wire format. After connecting, the connecting rank sends an 82-byte hello and the accepting
-rank answers with 82 bytes (``<4sHHHII32s32s``: magic ``AIOD``, version, kind, flags, rank,
-world size, nonce, proof; kind is hello, accept, reject or refused). With a shared secret
+Wire format. After connecting, the connecting rank sends a 90-byte hello and the accepting
+rank answers with 90 bytes (``<4sHHHII32s32sQ``: magic ``AIOD``, version, kind, flags, rank,
+world size, nonce, proof, staging bound; kind is hello, accept, reject or refused; the
+staging bound is the bytes the sender stages at most for the other side, which starts with
+that much credit, see :mod:`aiodist.transport._flow`). With a shared secret
 (``auth_token``, flag bit 0), the answer's proof is an HMAC of the token over both nonces,
 the ranks and the world size, and the connecting rank checks it, then sends 32 bytes of
 proof of its own, which the accepting rank checks before it reads a single frame. A side
 without the token, or with another one, is refused and never gets to send a frame. Then
 both directions carry frames::
 
-    frame := group:u64 seq:u64 step:u64 nbytes:u64 fingerprint:32s | nbytes of payload
+    frame := group:u64 seq:u64 step:u64 word:u64 fingerprint:32s | payload
 
-Three lengths that no payload can have mark control frames, whose ``step`` is the length of
-the UTF-8 text that follows: ``2**64 - 1`` says goodbye (the sender closes in order; the
-text says why it leaves, e.g. that its process is exiting),
-``2**64 - 2`` rejects operation ``(group, seq)`` with the text as the reason, ``2**64 - 3``
-says the sender is aborting, with the text as the cause. An aborting rank writes that last
-frame only at a frame boundary, then shuts down its sending side and keeps reading until
-the peer closes: closing a socket with unread bytes would send a reset, and a reset makes
-the peer's kernel drop the frame before the peer reads it.
+``word`` is the payload's length and the message's kind (eager, free, an announcement
+without payload, the payload of a cleared announcement), or one of the lengths that no
+payload can have that mark control frames, whose ``step`` is the length of the UTF-8 text
+that follows: ``2**64 - 1`` says goodbye (the sender closes in order; the text says why it
+leaves, e.g. that its process is exiting), ``2**64 - 2`` rejects operation ``(group, seq)``
+with the text as the reason, ``2**64 - 3`` says the sender is aborting, with the text as the
+cause; ``2**64 - 4`` to ``2**64 - 7`` are flow control (:mod:`aiodist.transport._frames` has
+the details). An aborting rank writes that last frame only at a frame boundary, then shuts
+down its sending side and keeps reading until the peer closes: closing a socket with unread
+bytes would send a reset, and a reset makes the peer's kernel drop the frame before the peer
+reads it.
 """
 
 from __future__ import annotations
@@ -33,11 +38,10 @@ import functools
 import logging
 import socket
 import struct
-from collections.abc import Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, TypeVar
 
 from .._auth import resolve_token
-from .._fingerprint import NO_FINGERPRINT
 from .._timeouts import DEFAULT_SETUP_TIMEOUT, Timeout, to_seconds
 from .._wait import SPIN_SECONDS, Backoff, local_ranks, ranks_fit, spin_until
 from ..errors import (
@@ -49,8 +53,9 @@ from ..errors import (
     map_exceptions,
 )
 from ..store._sockets import resolve_peer_timeout
-from ._frames import ABORTING, BYE, HEADER, REJECTION, control_frame
-from ._mailbox import Mailbox, as_bytes, fail_future
+from ._flow import PeerFlow, resolve_staging_bytes
+from ._frames import ABORTING, BYE, REJECTION, control_frame
+from ._mailbox import Mailbox, as_bytes, check_tag, fail_future
 from ._tcp_connection import (
     ABORT_LINGER_SECONDS as ABORT_LINGER_SECONDS,  # the connection's now; still importable here
     DONE,
@@ -76,8 +81,6 @@ __all__ = ["TCPTransport"]
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-_HEADER = HEADER
 
 #: How long ``aclose`` lets queued sends drain before closing the connections.
 CLOSE_DRAIN_SECONDS = 5.0
@@ -107,21 +110,61 @@ def _parse_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def _retrieve(fut: asyncio.Future[None]) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
 class _Peer:
-    """What this rank knows about one other rank."""
+    """What this rank knows about one other rank, and where its frames go."""
 
-    __slots__ = ("conn", "connecting", "error", "pending", "rank", "waiter")
+    __slots__ = (
+        "conn",
+        "connecting",
+        "error",
+        "flow",
+        "pending",
+        "rank",
+        "transport",
+        "waiter",
+    )
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, transport: TCPTransport, rank: int, staging: int) -> None:
+        self.transport = transport
         self.rank = rank
+        self.flow = PeerFlow(rank, staging, self.write)
         self.conn: TCPConnection | None = None
         # Our own connection attempt, while it runs.
         self.connecting: asyncio.Task[None] | None = None
         # Resolved when a connection is established, whichever side opened it.
         self.waiter: asyncio.Future[None] | None = None
-        # Frames sent before the connection existed, in order.
-        self.pending: list[tuple[bytes, memoryview, asyncio.Future[None]]] = []
+        # What was sent before the connection existed, in order: how to write each once it
+        # does (a message is framed then, when the peer's credit is known), and its future.
+        self.pending: list[tuple[Callable[[], None], asyncio.Future[None]]] = []
         self.error: BaseException | None = None
+
+    def write(
+        self,
+        header: bytes,
+        data: memoryview,
+        fut: asyncio.Future[None] | None,
+        bulk: bool = False,
+    ) -> None:
+        """Write a frame to this peer (see :data:`aiodist.transport._flow.Write`)."""
+        if fut is None:
+            # Nobody waits for a control frame: a peer that is gone needs none.
+            fut = self.transport._loop.create_future()
+            fut.add_done_callback(_retrieve)
+        conn = self.conn
+        if conn is not None:
+            conn.send(header, data, fut, bulk)
+        elif self.transport._closed is not None:
+            fail_future(fut, self.transport._closed)
+        elif self.error is not None:
+            fail_future(fut, self.error)
+        else:
+            self.pending.append((functools.partial(self.write, header, data, fut, bulk), fut))
+            self.transport._connect_soon(self)
 
 
 class TCPTransport(Transport):
@@ -161,6 +204,7 @@ class TCPTransport(Transport):
         auto_spin: bool,
         token: bytes | None,
         mailbox: Mailbox | None,
+        staging: int,
     ) -> None:
         super().__init__(rank, world_size, mailbox)
         self.address = address
@@ -174,7 +218,8 @@ class TCPTransport(Transport):
         self._spinning = False
         # When receives skip polling for a while (polls ran out of time in a row).
         self._backoff = Backoff()
-        self._peers = [_Peer(r) for r in range(world_size)]
+        self._staging = staging
+        self._peers = [_Peer(self, r, staging) for r in range(world_size)]
         # Ranks another transport of this rank reaches: they never connect over TCP.
         self._elsewhere: frozenset[int] = frozenset()
         self._conns: list[TCPConnection] = []
@@ -199,6 +244,7 @@ class TCPTransport(Transport):
         local_world_size: int | None = None,
         spin: float | None = None,
         auth_token: str | bytes | None = None,
+        staging_bytes: int | None = None,
     ) -> TCPTransport:
         """Listen on ``host`` (ephemeral port) and publish the address in ``directory``.
 
@@ -223,13 +269,17 @@ class TCPTransport(Transport):
                 challenge-response in both directions); ``None`` reads
                 ``$AIODIST_AUTH_TOKEN``; unset means no authentication. Every rank needs
                 the same token.
+            staging_bytes: the bytes of messages from one peer this rank holds at most
+                for receives not posted yet; a message that does not fit waits for its
+                receive (see :mod:`aiodist.transport._flow`). ``None`` reads
+                ``$AIODIST_STAGING_BYTES``, else 16 MiB. Ranks may differ.
 
         Returns:
             The listening transport. Connections are opened when first needed.
 
         Raises:
-            DistUsageError: ``rank``, ``world_size``, ``timeout`` or ``spin`` is invalid,
-                or the token is empty.
+            DistUsageError: ``rank``, ``world_size``, ``timeout``, ``spin`` or
+                ``staging_bytes`` is invalid, or the token is empty.
             OSError: the listening socket could not be created.
         """
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -238,6 +288,7 @@ class TCPTransport(Transport):
             raise DistUsageError(f"rank must be in [0, {world_size}), got {rank!r}")
         seconds = to_seconds(timeout, DEFAULT_SETUP_TIMEOUT)
         token = resolve_token(auth_token)
+        staging = resolve_staging_bytes(staging_bytes)
         auto_spin = spin is None
         if spin is None:
             local = local_ranks(world_size) if local_world_size is None else local_world_size
@@ -261,7 +312,16 @@ class TCPTransport(Transport):
             listener.close()
             raise
         self = cls(
-            directory, rank, world_size, address, seconds, float(spin), auto_spin, token, mailbox
+            directory,
+            rank,
+            world_size,
+            address,
+            seconds,
+            float(spin),
+            auto_spin,
+            token,
+            mailbox,
+            staging,
         )
         try:
             self._listener = listener
@@ -290,58 +350,61 @@ class TCPTransport(Transport):
 
     # -- the Transport interface -----------------------------------------------------------
 
-    def send(self, peer: int, tag: Tag, data: memoryview) -> asyncio.Future[None]:
+    def send(
+        self, peer: int, tag: Tag, data: memoryview, *, cleared: bool = False
+    ) -> asyncio.Future[None]:
         """Send ``data`` to rank ``peer`` without copying it.
 
         The future resolves once no buffer of the event loop refers to ``data`` (the caller
-        may then reuse it), and fails with ``DistNetworkError`` if the peer is lost first.
+        may then reuse it): at once for a message within the peer's staging bound, once the
+        peer posted its receive for a larger one. It fails with ``DistNetworkError`` if the
+        peer is lost first.
 
         Raises:
             DistUsageError: ``peer`` is out of range, the tag is malformed, or ``data`` is
                 not contiguous.
         """
         data = as_bytes(data, writable=False)
-        try:
-            fp = self.mailbox.fingerprint_of(tag[0], tag[1])
-            header = _HEADER.pack(tag[0], tag[1], tag[2], len(data), fp)
-        except (struct.error, TypeError, IndexError):
-            raise DistUsageError(
-                f"a tag must be three integers in [0, 2**64) (group id, seq, step), got {tag!r}"
-            ) from None
         if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < self.world_size:
             raise DistUsageError(f"peer must be a rank in [0, {self.world_size}), got {peer!r}")
         fut: asyncio.Future[None] = self._loop.create_future()
+        p = self._peers[peer]
+        conn = p.conn
+        if conn is not None:
+            # The common case, kept short: packing the header checks the tag.
+            try:
+                fp = self.mailbox.fingerprint_of(tag[0], tag[1])
+                header = p.flow.header(tag, len(data), fp, cleared)
+                if header is None:
+                    p.flow.announce(tag, data, fp, fut)
+            except (struct.error, TypeError, IndexError):
+                check_tag(tag)  # raises the usage error for a malformed tag
+                raise
+            if header is not None:
+                conn.send(header, data, fut)
+            return fut
+        check_tag(tag)
+        fp = self.mailbox.fingerprint_of(tag[0], tag[1])
         if peer == self.rank and self._closed is None:
             self.mailbox.deliver(peer, (tag[0], tag[1], tag[2]), data, fp)
             fut.set_result(None)
-        else:
-            self._send_frame(self._peers[peer], header, data, fut)
-        return fut
-
-    def _send_frame(
-        self, p: _Peer, header: bytes, data: memoryview, fut: asyncio.Future[None]
-    ) -> None:
-        conn = p.conn
-        if conn is not None:
-            conn.send(header, data, fut)
         elif self._closed is not None:
             fail_future(fut, self._closed)
         elif p.error is not None:
             fail_future(fut, p.error)
         else:
-            p.pending.append((header, data, fut))
+            # Framed once connected, when the peer's credit is known.
+            p.pending.append((functools.partial(p.flow.send, tag, data, fp, fut, cleared), fut))
             self._connect_soon(p)
+        return fut
 
     def send_reject(self, peer: int, group: int, seq: int, reason: str) -> None:
         """Tell ``peer`` that this rank rejected operation ``(group, seq)``, and why."""
         if peer == self.rank:
             self.mailbox.reject(peer, group, seq, reason)
             return
-        fut: asyncio.Future[None] = self._loop.create_future()
-        # Nobody waits for it: a peer that is gone needs no rejection.
-        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
         frame = control_frame(REJECTION, group, seq, reason)
-        self._send_frame(self._peers[peer], frame, memoryview(b""), fut)
+        self._peers[peer].write(frame, memoryview(b""), None)
 
     def recv_into(self, peer: int | None, tag: Tag, out: memoryview) -> asyncio.Future[int]:
         """Receive the next ``tag`` message from ``peer`` (``None``: any rank) into ``out``.
@@ -358,12 +421,7 @@ class TCPTransport(Transport):
             isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < self.world_size
         ):
             raise DistUsageError(f"peer must be a rank in [0, {self.world_size}), got {peer!r}")
-        try:
-            _HEADER.pack(tag[0], tag[1], tag[2], 0, NO_FINGERPRINT)
-        except (struct.error, TypeError, IndexError):
-            raise DistUsageError(
-                f"a tag must be three integers in [0, 2**64) (group id, seq, step), got {tag!r}"
-            ) from None
+        check_tag(tag)
         fut = self.mailbox.post(peer, tag, as_bytes(out, writable=True))
         if not fut.done():
             if peer is not None and peer != self.rank:
@@ -386,9 +444,10 @@ class TCPTransport(Transport):
         for task in self._tasks:
             task.cancel()
         for p in self._peers:
-            for _, _, fut in p.pending:
+            for _, fut in p.pending:
                 fail_future(fut, exc)
             p.pending.clear()
+            p.flow.fail(exc)
             if p.waiter is not None:
                 fail_future(p.waiter, exc)
             p.conn = None
@@ -413,7 +472,9 @@ class TCPTransport(Transport):
         if self._closed is None:
             queued = [f for c in self._conns for _, f in c.queue if f is not None]
             queued += [f for c in self._conns for f in c.handed]
-            queued += [fut for p in self._peers for _, _, fut in p.pending]
+            queued += [f for c in self._conns for _, _, f in c.bulk]
+            queued += [f for p in self._peers for _, f in p.pending]
+            queued += [f for p in self._peers for f in p.flow.waiting()]
             if queued:
                 await asyncio.wait(queued, timeout=CLOSE_DRAIN_SECONDS)
             if reason is not None and self._closed is None:
@@ -639,13 +700,15 @@ class TCPTransport(Transport):
             conn.transport.abort()
             return
         p.conn = conn
+        conn.flow = p.flow
+        p.flow.granted(conn.peer_staging)  # the first credit: the peer's staging bound
         self._conns.append(conn)
         if p.waiter is not None and not p.waiter.done():
             p.waiter.set_result(None)
         p.waiter = None
         pending, p.pending = p.pending, []
-        for header, data, fut in pending:
-            conn.send(header, data, fut)
+        for write, _ in pending:
+            write()
         logger.debug("rank %d connected to rank %d", self.rank, peer)
 
     def peer_gone(self, peer: int, exc: BaseException) -> None:
@@ -686,9 +749,10 @@ class TCPTransport(Transport):
             conn.state = DONE
             if conn.transport is not None:
                 conn.transport.abort()
-        for _, _, fut in p.pending:
+        for _, fut in p.pending:
             fail_future(fut, exc)
         p.pending.clear()
+        p.flow.fail(exc)
         if p.waiter is not None:
             fail_future(p.waiter, exc)
             p.waiter = None
