@@ -17,6 +17,8 @@ MAGIC = b"AIOD"
 VERSION = 6
 HELLO, ACCEPT, REJECT, REFUSED = 0, 1, 2, 3
 FLAG_AUTH = 1
+#: On a reject: the rank is connected already to a process that claimed the connecting rank.
+FLAG_HELD = 2
 # ..., nonce, proof, then the bytes the sender stages at most for the other side
 HANDSHAKE = struct.Struct("<4sHHHII32s32sQ")
 #: The staging bound a raw peer announces: what it lets the rank send it unannounced.

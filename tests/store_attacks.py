@@ -57,8 +57,12 @@ class ServerProcess:
     """A store server in a subprocess (see the module docstring); a context manager."""
 
     def __init__(self, loop: str, token: str, nofile: int = 0) -> None:
+        self._start([sys.executable, __file__, loop, str(nofile), token])
+
+    def _start(self, command: list[str]) -> None:
+        """Run ``command``, which prints the port it listens on first."""
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, loop, str(nofile), token],
+            command,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -66,7 +70,7 @@ class ServerProcess:
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"the store server did not start: {self.proc.stderr!r}")
+            raise RuntimeError(f"{command} did not start: {self.proc.communicate()[1]!r}")
         self.port = int(line)
         self.stderr = b""
 

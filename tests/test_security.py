@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,11 +34,12 @@ from store_attacks import (
     torch_add,
     torch_set_head,
 )
+from transport_attacks import MESSAGE, TAG as ATTACK_TAG, RankProcess
 
 import aiodist
 import aiodist._assembly
 from aiodist import _serving_wire as serving_wire, collectives
-from aiodist._auth import derive_key
+from aiodist._auth import auth_mac, derive_key
 from aiodist.collectives.shm_workspace import NodeWorkspace
 from aiodist.debug import gather_status
 from aiodist.group import Plan, resolve_group
@@ -51,6 +53,7 @@ from aiodist.store._wire import (
     encode_frame,
 )
 from aiodist.testing import free_port, run_world
+from aiodist.transport import tcp
 from aiodist.transport._shm_segment import (
     SHM_DIR,
     ProcessId,
@@ -64,12 +67,15 @@ from aiodist.transport._shm_segment import (
 )
 from aiodist.transport._shm_signal import Bell
 from aiodist.transport.base import OpComm, PeerDirectory
+from aiodist.transport.shm import ShmTransport
 from aiodist.transport.tcp import TCPTransport
 
 pytestmark = pytest.mark.both_loops
 
 T = (7, 1, 0)
 TOKEN = b"correct horse battery staple"
+#: The loops a server or rank in a process of its own runs on, for the attacks on it.
+SERVER_LOOPS = ["uvloop", "asyncio"]
 
 
 @pytest.fixture(autouse=True)
@@ -241,6 +247,323 @@ async def test_init_process_group_auth_token_covers_store_and_peers() -> None:
     assert await asyncio.gather(rank_fn(0), rank_fn(1)) == [13.0, 13.0]
 
 
+# -- posing as a rank ---------------------------------------------------------------------------
+def _claim(address: tuple[str, int], rank: int, token: bytes | None) -> tuple[Any, ...]:
+    """A stranger's hello claiming ``rank`` of 2 (with the auth flag if ``token``, and a
+    proof made with it); the answer, once the connection is closed."""
+    with socket.create_connection(address, timeout=5) as s:
+        nonce = os.urandom(32)
+        s.sendall(raw_peer.hello(rank, 2, auth=token is not None, nonce=nonce))
+        reply = raw_peer.HANDSHAKE.unpack(s.recv(raw_peer.HANDSHAKE.size, socket.MSG_WAITALL))
+        with contextlib.suppress(ConnectionError):  # (it may be closed already)
+            if token is not None:
+                ids = raw_peer.IDS.pack(rank, 1 - rank, 2)
+                s.sendall(auth_mac(token, b"peer/connect", reply[6], nonce + ids))
+            s.sendall(frame(T, b"stranger"))
+            while s.recv(65536):
+                pass
+        return reply
+
+
+async def test_without_a_secret_anyone_can_pose_as_a_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No token: the first process to say it is rank 1 is rank 1 for rank 0, which receives
+    what it sends. The real rank 1 is then refused, and says why within the peer timeout
+    instead of waiting for the connect timeout."""
+    monkeypatch.setenv("AIODIST_PEER_TIMEOUT", "1")
+    ts = await transports(aiodist.HashStore(timeout=5), [None, None])
+    try:
+        _, writer, reply, _ = await raw_peer.connect(ts[0].address, 1, 0, 2, None)
+        assert reply[2] == raw_peer.ACCEPT
+        writer.write(frame(T, b"stranger"))
+        got = bytearray(8)
+        assert await ts[0].recv_into(1, T, memoryview(got)) == 1 and got == b"stranger"
+        start = time.monotonic()
+        with pytest.raises(
+            aiodist.DistNetworkError,
+            match=r"^lost connection to rank 0: it refused this rank's connection: it is "
+            r"connected already to another process that claimed to be rank 1: without a "
+            r"secret, anyone who can reach a rank's port can pose as a rank \(give every rank "
+            r"the same auth_token / AIODIST_AUTH_TOKEN\)$",
+        ):
+            await ts[1].send(0, T, memoryview(b"realrank"))
+        assert time.monotonic() - start < 4
+        writer.close()
+    finally:
+        await close_all(ts)
+
+
+@pytest.mark.parametrize("token", [TOKEN, None], ids=["secret", "none"])
+async def test_a_strangers_hello_never_breaks_a_ranks_connection(
+    token: bytes | None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Ranks 0 and 1 are connected; strangers claiming either (with a guessed proof where
+    the job has a secret) are refused, told that the rank is held, and the ranks' own
+    connection carries on in both directions."""
+    ts = await transports(aiodist.HashStore(timeout=5), [token, token])
+
+    async def exchange(data: bytes) -> None:
+        for src, dst in [(0, 1), (1, 0)]:
+            out = bytearray(len(data))
+            fut = ts[dst].recv_into(src, T, memoryview(out))
+            await ts[src].send(dst, T, memoryview(data))
+            assert await fut == src and out == data
+
+    try:
+        await exchange(b"before")
+        guess = None if token is None else b"a guess"
+        for victim, claimed in [(0, 1), (1, 0)]:
+            reply = await asyncio.to_thread(_claim, ts[victim].address, claimed, guess)
+            assert reply[2] == raw_peer.REJECT and reply[3] & raw_peer.FLAG_HELD, reply
+        await exchange(b"after!")
+        assert ts[0].connected_peers() == [1] and ts[1].connected_peers() == [0]
+        assert ts[0].mailbox.num_staged() == ts[1].mailbox.num_staged() == 0
+        if token is None:
+            assert (
+                "which it is connected to already: without a secret, another process may "
+                "have posed as rank 1" in caplog.text
+            )
+    finally:
+        await close_all(ts)
+
+
+async def test_with_a_secret_a_strangers_claim_keeps_nobody_out() -> None:
+    """A stranger claims rank 1 first and holds its handshake open (it cannot prove the
+    token): the real rank 1 connects meanwhile and is rank 1; the stranger is dropped."""
+    ts = await transports(aiodist.HashStore(timeout=5), [TOKEN, TOKEN])
+    try:
+        reader, writer = await asyncio.open_connection(*ts[0].address)
+        writer.write(raw_peer.hello(1, 2, auth=True, nonce=os.urandom(32)))
+        reply = raw_peer.HANDSHAKE.unpack(await reader.readexactly(raw_peer.HANDSHAKE.size))
+        assert reply[2] == raw_peer.ACCEPT  # (it now waits for the stranger's proof)
+        out = bytearray(8)
+        fut = ts[0].recv_into(None, T, memoryview(out))
+        await ts[1].send(0, T, memoryview(b"realrank"))
+        assert await fut == 1 and out == b"realrank"
+        writer.write(bytes(32) + frame(T, b"stranger"))
+        assert await eof_or_reset(reader) == b""
+        writer.close()
+        assert ts[0].connected_peers() == [1] and ts[0].mailbox.num_staged() == 0
+    finally:
+        await close_all(ts)
+
+
+async def test_a_connection_proved_late_is_not_taken_for_an_impostor(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Rank 1 connects to rank 0 (through a relay that holds its proof back a while): it
+    counts the connection as open once it sent the proof, rank 0 only once it checked it.
+    Rank 0 connecting to rank 1 meanwhile is told that rank 1 is connected to a process
+    claiming rank 0, which is rank 0 itself: it waits for its proof to arrive, and both
+    messages go through the one connection."""
+    store = aiodist.HashStore(timeout=5)
+    ts = await transports(store, [TOKEN, TOKEN])
+    release = asyncio.Event()
+
+    async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(*ts[0].address)
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, hold: bool) -> None:
+            if hold:
+                dst.write(await src.readexactly(raw_peer.HANDSHAKE.size))
+                await release.wait()
+            while data := await src.read(65536):
+                dst.write(data)
+            dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer, True), pipe(up_reader, writer, False))
+
+    server = await asyncio.start_server(relay, "127.0.0.1", 0)
+    await store.set("transport/tcp/0", f"127.0.0.1:{server.sockets[0].getsockname()[1]}")
+    try:
+        got = [bytearray(3), bytearray(3)]
+        # (From any rank: a receive from a rank connects to it at once.)
+        futs = [ts[r].recv_into(None, T, memoryview(got[r])) for r in (0, 1)]
+        await ts[1].send(0, T, memoryview(b"one"))
+        assert ts[1].connected_peers() == [0] and ts[0].connected_peers() == []
+        sent = ts[0].send(1, T, memoryview(b"two"))
+        await asyncio.sleep(0.3)  # (rank 1 refused rank 0's connection: rank 0 waits)
+        assert not sent.done()
+        release.set()
+        await asyncio.wait_for(sent, 5)
+        assert await asyncio.gather(*futs) == [1, 0] and got == [b"one", b"two"]
+        assert ts[0].connected_peers() == [1] and ts[1].connected_peers() == [0]
+        assert "refused" not in caplog.text
+    finally:
+        await close_all(ts)
+        server.close()
+
+
+# -- the transport before a peer is let in -----------------------------------------------------
+async def test_a_connection_in_its_handshake_costs_a_rank_a_few_kib() -> None:
+    """100 connections send a hello claiming rank 1, with the auth flag, and never prove
+    the token: rank 0 answers each, holds no read buffer for any (less than 16 KiB of
+    Python memory apiece, asyncio's objects included; a read buffer alone is 64 KiB), and
+    lets none in."""
+    ts = await transports(aiodist.HashStore(timeout=5), [TOKEN, TOKEN])
+    t0 = ts[0]
+    count = 100
+
+    def claim() -> list[socket.socket]:
+        socks = [
+            socket.create_connection(t0.address, timeout=5, source_address=(f"127.0.0.{i}", 0))
+            for i in range(2, 2 + count)
+        ]
+        for s in socks:
+            s.sendall(raw_peer.hello(1, 2, auth=True, nonce=os.urandom(32)))
+        for s in socks:
+            assert len(s.recv(raw_peer.HANDSHAKE.size, socket.MSG_WAITALL)) == 90
+        return socks
+
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        socks = await asyncio.to_thread(claim)
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    try:
+        assert held < count * 16 << 10, f"{held / count:.0f} bytes per connection"
+        assert t0.connected_peers() == [] and t0.mailbox.num_staged() == 0
+    finally:
+        for s in socks:
+            s.close()
+        await close_all(ts)
+
+
+async def test_a_ranks_handshakes_of_one_address_are_capped_the_oldest_goes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(tcp, "MIN_HANDSHAKES_PER_HOST", 4)
+    ts = await transports(aiodist.HashStore(timeout=5), [TOKEN, TOKEN])
+    t0 = ts[0]
+    try:
+        crowd = [
+            await asyncio.open_connection(*t0.address, local_addr=("127.0.0.2", 0))
+            for _ in range(6)
+        ]
+        other = await asyncio.open_connection(*t0.address, local_addr=("127.0.0.3", 0))
+        # The two oldest of 127.0.0.2 are closed at once; the rest, and 127.0.0.3's, wait.
+        for reader, _ in crowd[:2]:
+            assert await eof_or_reset(reader) == b""
+        for reader, _ in [*crowd[2:], other]:
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(reader.read(1), 0.3)
+        out = bytearray(2)
+        fut = t0.recv_into(None, T, memoryview(out))
+        await ts[1].send(0, T, memoryview(b"ok"))
+        assert await fut == 1 and out == b"ok"
+        for _, writer in [*crowd, other]:
+            writer.close()
+    finally:
+        await close_all(ts)
+
+
+async def test_refused_connections_are_logged_sparingly(caplog: pytest.LogCaptureFixture) -> None:
+    """300 connections that send garbage or a hello without the token: rank 0 says so once
+    in ten seconds (then with the count of those it did not say), not 300 times."""
+    ts = await transports(aiodist.HashStore(timeout=5), [TOKEN, TOKEN])
+
+    def knock() -> None:
+        for _ in range(150):
+            for data in (b"GET / HTTP/1.1\r\n\r\n", raw_peer.hello(1, 2, auth=False)):
+                with socket.create_connection(ts[0].address, timeout=5) as s:
+                    s.sendall(data)
+                    with contextlib.suppress(ConnectionResetError):
+                        while s.recv(4096):
+                            pass
+
+    try:
+        start = time.monotonic()
+        await asyncio.to_thread(knock)
+        elapsed = time.monotonic() - start
+    finally:
+        await close_all(ts)
+    said = [r.getMessage() for r in caplog.records if r.name.startswith("aiodist.transport")]
+    assert len(said) <= 1 + elapsed // 10, said
+    assert said[0].startswith("rank 0 dropped a connection from 127.0.0.1: a peer sent b'G"), said
+
+
+@pytest.mark.parametrize("rank_loop", SERVER_LOOPS)
+@pytest.mark.parametrize(
+    "sources", [["127.0.0.1"], [f"127.0.0.{i}" for i in range(2, 12)]], ids=["one", "ten"]
+)
+def test_idle_connections_leave_the_real_rank_served(
+    rank_loop: str, sources: list[str], tmp_path: Path
+) -> None:
+    """130 connections that never say a word, against rank 0 of a world of 2 in a process
+    that may open 128 files (from one address: its cap per address; from ten: its
+    descriptors run out), then the real rank 1: its message arrives, and rank 0 neither
+    spins nor floods its log."""
+    store = str(tmp_path / "store")
+    with RankProcess(rank_loop, TOKEN.decode(), store, nofile=128) as rank0:
+        cpu = rank0.cpu()
+        start = time.monotonic()
+        socks = idle_sockets(rank0.port, 130, sources)
+
+        async def rank1() -> None:
+            directory = PeerDirectory(aiodist.FileStore(store, timeout=20))
+            t = await TCPTransport.create(directory, 1, 2, timeout=20, auth_token=TOKEN)
+            try:
+                await t.send(0, ATTACK_TAG, memoryview(MESSAGE))
+            finally:
+                await t.aclose()
+
+        try:
+            asyncio.run(rank1())
+            got = rank0.message()
+        finally:
+            for s in socks:
+                s.close()
+        elapsed = time.monotonic() - start
+        cpu = rank0.cpu() - cpu
+    assert got == f"1 {MESSAGE.hex()}"
+    assert cpu < 0.5 * elapsed + 0.5, f"{cpu:.1f} s of CPU in {elapsed:.1f} s"
+    lines = rank0.stderr.count(b"\n")
+    assert lines < 20, f"{lines} lines of log:\n{rank0.stderr[-3000:].decode()}"
+
+
+_BACKLOG = """
+import asyncio, subprocess
+from aiodist.store import HashStore
+from aiodist.transport.base import PeerDirectory
+from aiodist.transport import tcp
+from aiodist.transport.tcp import TCPTransport
+
+async def main():
+    for size in (2, 500, 5000):
+        t = await TCPTransport.create(PeerDirectory(HashStore()), 0, size)
+        ss = ["ss", "-ltnH", f"sport = :{t.address[1]}"]
+        print(size, subprocess.run(ss, capture_output=True, text=True).stdout.split()[2])
+        await t.aclose()
+
+asyncio.run(main())
+"""
+
+
+def test_a_ranks_listen_backlog_is_sized_to_the_world() -> None:
+    """Room for every other rank connecting at once (with the kernel's cap raised, in a
+    network namespace of its own, so that the cap is not what is seen)."""
+    if os.geteuid() != 0:
+        pytest.skip("raising net.core.somaxconn in a network namespace needs root")
+    raise_cap = "ip link set lo up && echo 65535 > /proc/sys/net/core/somaxconn"
+    proc = subprocess.run(
+        [
+            "unshare",
+            "-n",
+            "sh",
+            "-c",
+            f'{raise_cap} && exec "$0" -c "$1"',
+            sys.executable,
+            _BACKLOG,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[:3] == ["2 128", "500 500", "5000 5000"], proc.stdout
+
+
 # -- listeners bind the given interface ---------------------------------------------------------
 async def test_transport_listener_binds_only_the_given_address() -> None:
     t = await TCPTransport.create(PeerDirectory(aiodist.HashStore()), 0, 1, host="127.0.0.2")
@@ -394,7 +717,6 @@ def test_sync_init_process_group_takes_auth_token(tmp_path: Path) -> None:
 
 
 # -- the store before authentication ---------------------------------------------------------
-SERVER_LOOPS = ["uvloop", "asyncio"]
 
 
 @pytest.mark.parametrize("server_loop", SERVER_LOOPS)
@@ -618,6 +940,73 @@ def test_a_job_without_a_token_gets_one(tmp_path: Path) -> None:
     assert len(token) == 64 and int(token, 16) >= 0 and lines["[rank1]"]["token"] == token
     assert "requires authentication" in lines["[rank0]"]["refused"]
     assert "secret" not in lines["stderr"]  # (no warning: the job has one)
+
+
+_TARGET = """
+import asyncio, json, os, sys
+from pathlib import Path
+import numpy as np
+import aiodist
+from aiodist.group import resolve_group
+
+async def main():
+    await aiodist.init_process_group("gloo", shared_memory=False)  # (ranks talk over TCP)
+    here, rank = Path(sys.argv[1]), aiodist.get_rank()
+    transport = resolve_group(None, "the test")._world.transport
+    if rank == 0:
+        seen = {"address": transport.address, "connected": transport.connected_peers()}
+        (here / "address.tmp").write_text(json.dumps(seen))
+        (here / "address.tmp").rename(here / "address")
+    while not (here / "go").exists():
+        await asyncio.sleep(0.05)
+    got = np.zeros(8, np.uint8)
+    if rank == 1:
+        await aiodist.send(np.frombuffer(b"realrank", np.uint8).copy(), dst=0)
+    else:
+        await aiodist.recv(got, src=1)
+        print(json.dumps({"got": bytes(got).decode()}))
+    await aiodist.destroy_process_group()
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_default_job_keeps_a_stranger_from_posing_as_a_rank(tmp_path: Path) -> None:
+    """A job started as `aiodist-run` with no secret set, whose ranks talk over TCP: before
+    rank 1 ever connected to rank 0, a stranger claiming to be rank 1 of 2 is refused, with
+    the auth flag or without it, and what it sends never reaches rank 0, which receives the
+    real rank 1's message."""
+    script = tmp_path / "target.py"
+    script.write_text(_TARGET)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "aiodist.run", "--nproc-per-node=2", str(script), str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_launcher_env(),
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "address").exists():
+            assert launcher.poll() is None and time.monotonic() < deadline, "no address"
+            time.sleep(0.05)
+        seen = json.loads((tmp_path / "address").read_text())
+        assert seen["connected"] == []  # (so nothing but the secret keeps the stranger out)
+        address = (seen["address"][0], seen["address"][1])
+        refused = _claim(address, 1, None)
+        assert refused[2] == raw_peer.REFUSED and refused[3] & raw_peer.FLAG_AUTH, refused
+        guessed = _claim(address, 1, b"a guess")
+        assert guessed[2] == raw_peer.ACCEPT  # (then its proof is wrong: it is dropped)
+        (tmp_path / "go").touch()
+        out, err = launcher.communicate(timeout=60)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 0, err
+    lines = {
+        line.partition(": ")[0]: json.loads(line.partition(": ")[2]) for line in out.splitlines()
+    }
+    assert lines["[rank0]"] == {"got": "realrank"}, out
 
 
 @pytest.mark.multiprocess
@@ -887,6 +1276,55 @@ async def test_a_forged_workspace_record_maps_nothing(where: str, tmp_path: Path
     finally:
         if where == "symlink":
             os.unlink(seg)
+
+
+@pytest.mark.parametrize("forged", ["segment", "doorbell", "symlink"])
+async def test_a_forged_transport_record_maps_and_rings_nothing(forged: str) -> None:
+    """Rank 1 sets up the shared-memory transport; "rank 0" is whoever wrote its record in
+    the store, pointing its rings at another job's segment (with the transport's magic
+    number, of the size rank 1 maps), its doorbell at another job's FIFO, or its rings at a
+    symlink with a valid name. Rank 1 refuses the record; nothing is written into either."""
+    store = aiodist.HashStore(timeout=10)
+    rank1 = asyncio.ensure_future(ShmTransport.create(store, 1, 2, timeout=10, job_key=JOB))
+    mine = json.loads(await store.get("shm/t/1"))
+    me = this_process()
+    size = os.stat(mine["seg"]).st_size
+    other = f"{SHM_DIR}/{job_prefix('another job')}"
+    victims = {
+        "segment": f"{other}t0-{me.pid}-{me.start}-0123abcd",
+        "doorbell": f"{other}tb0-{me.pid}-{me.start}-0123abcd",
+    }
+    content = bytearray(size)
+    content[:8] = b"AIODSHM1"  # the magic number a transport segment starts with
+    await asyncio.to_thread(Path(victims["segment"]).write_bytes, content)
+    os.mkfifo(victims["doorbell"], 0o600)
+    # Rank 0's own files, as it would have made them, for what is not forged.
+    own = {"seg": _name("t", 0, me), "bell": _name("tb", 0, me)}
+    await asyncio.to_thread(Path(own["seg"]).write_bytes, content)
+    os.mkfifo(own["bell"], 0o600)
+    bells = [os.open(p, os.O_RDWR | os.O_NONBLOCK) for p in (victims["doorbell"], own["bell"])]
+    link = _name("t", 0, me, "89abcdef")
+    os.symlink(victims["segment"], link)
+    record = {**mine, "pid": me.pid, "start": me.start, **own, "size": size}
+    record.update(
+        {"segment": {"seg": victims["segment"]}, "doorbell": {"bell": victims["doorbell"]},
+         "symlink": {"seg": link}}[forged]
+    )  # fmt: skip
+    try:
+        await store.set("shm/t/0", json.dumps(record))
+        await store.set("shm/t/mapped/0", "")  # (its barrier: rank 1 goes on if it mapped)
+        with pytest.raises(SharedMemoryError, match="refusing it"):
+            transport = await asyncio.wait_for(rank1, 10)
+            await transport.send(0, T, memoryview(b"written into it" * 8))  # (and rings)
+            await transport.aclose()
+        assert await asyncio.to_thread(Path(victims["segment"]).read_bytes) == content
+        with pytest.raises(BlockingIOError):
+            os.read(bells[0], 1)
+    finally:
+        for fd in bells:
+            os.close(fd)
+        for path in [*victims.values(), *own.values(), link]:
+            os.unlink(path)
 
 
 # -- the status endpoints ----------------------------------------------------------------------

@@ -17,7 +17,7 @@ from ..errors import DistNetworkError, DistProtocolError, DistTimeoutError
 from ..store import Store
 from ._shm_segment import ProcessId, is_alive
 
-__all__ = ["barrier", "exchange", "publish"]
+__all__ = ["barrier", "count_of", "exchange", "process_of", "publish"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +52,30 @@ async def _wait_keys(
         for r, proc in procs.items():
             if not is_alive(proc):
                 raise DistNetworkError(f"{what}: rank {r} (pid {proc.pid}) exited")
+
+
+def count_of(rank: int, record: Mapping[str, Any], field: str, what: str) -> int:
+    """The non-negative integer ``field`` of rank ``rank``'s ``record``.
+
+    Raises:
+        DistProtocolError: the record has no such field, or something else in it.
+    """
+    value = record.get(field)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise DistProtocolError(
+            f"{what}: rank {rank} published {str(value)[:80]!r} as its {field}, not a "
+            "non-negative integer"
+        )
+    return value
+
+
+def process_of(rank: int, record: Mapping[str, Any], what: str) -> ProcessId:
+    """The process that rank ``rank``'s ``record`` names (its pid and start time).
+
+    Raises:
+        DistProtocolError: the record names none.
+    """
+    return ProcessId(count_of(rank, record, "pid", what), count_of(rank, record, "start", what))
 
 
 async def publish(store: Store, key: str, rank: int, record: Mapping[str, Any]) -> None:

@@ -7,6 +7,10 @@ sends to them and fails what depends on a peer that is lost; a connection report
 it learns (a peer established, lost, or aborting) and delivers what it reads into the
 transport's mailbox.
 
+Before the handshake is done (with a token: before the peer proved it holds it), a
+connection reads nothing but the handshake's fixed 90 bytes and the 32-byte proof, and holds
+nothing more: its read buffer is made once it is established.
+
 Receiving. ``get_buffer`` hands the loop a slice of the posted receive's own memory while a
 payload of 16 KiB or more is arriving (no copy at all), otherwise a 64 KiB read buffer that
 picks up several small frames per read. A payload whose receive is not posted yet goes to a
@@ -36,6 +40,7 @@ from typing import TYPE_CHECKING, cast
 
 from .._auth import AUTH_MAC_SIZE, NONCE_SIZE, auth_mac, verify_mac
 from ..errors import DistNetworkError, DistProtocolError
+from ..store._sockets import plain_host
 from ._frames import BYE, HEADER, MAX_MESSAGE, ControlText, is_control, open_message
 from ._mailbox import Inbound, fail_future
 from .base import Departure, lost_peer_error
@@ -61,6 +66,9 @@ _VERSION = 6
 # REFUSED: the two sides disagree on authentication (one has a token, the other not).
 _HELLO, _ACCEPT, _REJECT, _REFUSED = 0, 1, 2, 3
 _FLAG_AUTH = 0x01
+# On a reject: the rejecting rank is connected already to a process that claimed the
+# connecting rank's number (not the tie-break of two ranks connecting to each other).
+_FLAG_HELD = 0x02
 # magic, version, kind, flags, rank, world size, nonce, proof (zeros without a token), and
 # the bytes the sender stages at most for the other side (its first credit)
 _HANDSHAKE = struct.Struct(f"<4sHHHII{NONCE_SIZE}s{AUTH_MAC_SIZE}sQ")
@@ -84,6 +92,8 @@ READ_BUDGET = 2 << 20
 # (smaller ones go through the read buffer, which also picks up the following headers).
 _DIRECT_MIN = 16 << 10
 _RX_BUFFER = 64 << 10
+# What a connection that is closing reads (and drops) into when it never had a read buffer.
+_DISCARD = memoryview(bytearray(4096))
 # Up to this payload size a frame is joined into one bytes object and written at once.
 _JOIN_MAX = 64 << 10
 
@@ -135,8 +145,13 @@ class TCPConnection(asyncio.BufferedProtocol):
         self.state = HANDSHAKING
         self.transport: asyncio.Transport | None = None
         self.fd = -1
-        # Resolved with True (accepted) or False (refused) for the connecting side.
+        # Resolved with True (accepted) or False (refused) for the connecting side, and
+        # whether the refusal said the peer is connected to someone claiming our rank.
         self.handshake: asyncio.Future[bool] = self.loop.create_future()
+        self.held = False
+        # The peer's address (accepting side): connections in their handshake are counted
+        # per address.
+        self.host = ""
         self.lost: asyncio.Future[None] = self.loop.create_future()
         # What the peer said when it said goodbye (it closes in order).
         self.bye: str | None = None
@@ -160,8 +175,8 @@ class TCPConnection(asyncio.BufferedProtocol):
         self._write_paused = False
         self._flush_scheduled = False
         self._gather = False
-        # Receiving.
-        self._rx = bytearray(_RX_BUFFER)
+        # Receiving: the read buffer is made once the connection is established.
+        self._rx = bytearray()
         self._rxv = memoryview(self._rx)
         self._rstart = 0
         self._rend = 0
@@ -200,12 +215,16 @@ class TCPConnection(asyncio.BufferedProtocol):
             return
         if self.peer is not None:
             transport.write(self._handshake_message(_HELLO, _NO_PROOF))
-        elif self.owner._timeout is not None:
+            return
+        self.host = plain_host(transport.get_extra_info("peername"))
+        if self.owner._timeout is not None:
             self._timer = self.loop.call_later(self.owner._timeout, self._handshake_timeout)
+        self.owner._arrived(self)
 
-    def _handshake_message(self, kind: int, proof: bytes) -> bytes:
+    def _handshake_message(self, kind: int, proof: bytes, flags: int = 0) -> bytes:
         owner = self.owner
-        flags = _FLAG_AUTH if owner._token is not None else 0
+        if owner._token is not None:
+            flags |= _FLAG_AUTH
         return _HANDSHAKE.pack(
             _MAGIC,
             _VERSION,
@@ -233,11 +252,20 @@ class TCPConnection(asyncio.BufferedProtocol):
             logger.debug("rank %d: a connection sent no handshake in time", self.owner.rank)
             self._drop_unopened(self.transport.abort)
 
+    def evict(self, why: str) -> None:
+        """Drop this accepted connection, still in its handshake, to make room (``why``)."""
+        assert self.transport is not None
+        self.owner._say(f"rank {self.owner.rank} dropped a connection from {self.host}: {why}")
+        self._drop_unopened(self.transport.abort)
+
     def _handshake_failed(self, exc: BaseException) -> None:
         if not self.handshake.done():
             self.handshake.set_exception(exc)
             self.handshake.exception()  # the connecting task reads it, or has gone
-        if self.peer is None or not isinstance(exc, DistNetworkError):
+        if self.accepted:
+            # Whoever connects can cause this: said at most every few seconds.
+            self.owner._say(f"rank {self.owner.rank} dropped a connection from {self.host}: {exc}")
+        elif not isinstance(exc, DistNetworkError):
             logger.warning("rank %d dropped a connection: %s", self.owner.rank, exc)
         assert self.transport is not None
         self._drop_unopened(self.transport.abort)
@@ -300,7 +328,9 @@ class TCPConnection(asyncio.BufferedProtocol):
                     )
                 )
         if kind == _REJECT:
-            # The peer's own connection to us is the one kept.
+            # The peer's own connection to us is the one kept, or (held) the peer holds one
+            # from a process that claimed our rank: the transport tells them apart.
+            self.held = bool(flags & _FLAG_HELD)
             self.handshake.set_result(False)
             self._drop_unopened(self.transport.close)
             return None
@@ -324,20 +354,32 @@ class TCPConnection(asyncio.BufferedProtocol):
         if peer_auth != (owner._token is not None):
             # Tell the peer why, so that it fails with a clear message; then drop it.
             self.transport.write(self._handshake_message(_REFUSED, _NO_PROOF))
-            logger.warning(
-                "rank %d refused a connection from a peer claiming rank %d: %s",
-                owner.rank,
-                rank,
-                "it has no auth token" if owner._token is not None else "it has an auth token",
+            owner._say(
+                f"rank {owner.rank} refused a connection from {self.host} claiming rank "
+                f"{rank}: "
+                + ("it has no auth token" if owner._token is not None else "it has an auth token")
             )
             self._drop_unopened(self.transport.close)
             return None
         self.peer = rank
         keep = owner._accepts(rank)
+        # A claimant of a rank this rank is connected to is refused, and the connection
+        # held stays: a stranger can be turned away, never take a connection over or break it.
+        held = not keep and owner._holds(rank)
         proof = _NO_PROOF
         if owner._token is not None:
             proof = self._proof(_ROLE_ACCEPT, self._peer_nonce, self._nonce, rank)
-        self.transport.write(self._handshake_message(_ACCEPT if keep else _REJECT, proof))
+        self.transport.write(
+            self._handshake_message(_ACCEPT if keep else _REJECT, proof, _FLAG_HELD if held else 0)
+        )
+        if held and owner._token is None:
+            # (With a token, it may be that rank itself, still checking the proof of the
+            # connection this rank opened to it and holds.)
+            owner._say(
+                f"rank {owner.rank} refused a connection from {self.host} claiming rank {rank}, "
+                f"which it is connected to already: without a secret, another process may "
+                f"have posed as rank {rank}"
+            )
         if not keep:
             self._drop_unopened(self.transport.close)
             return None
@@ -365,6 +407,10 @@ class TCPConnection(asyncio.BufferedProtocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        self._rx = bytearray(_RX_BUFFER)
+        self._rxv = memoryview(self._rx)
+        if self.accepted:
+            self.owner._settled(self)
         if not self.handshake.done():
             self.handshake.set_result(True)
         self.owner._establish(self)
@@ -372,6 +418,8 @@ class TCPConnection(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         owner = self.owner
         owner._live.discard(self)
+        if self.accepted:
+            owner._settled(self)
         if self._timer is not None:
             self._timer.cancel()
         if not self.lost.done():
@@ -409,6 +457,8 @@ class TCPConnection(asyncio.BufferedProtocol):
         or it was dropped before it opened.
         """
         self.owner._live.discard(self)
+        if self.accepted:
+            self.owner._settled(self)
         self.state = DONE
         if not self.lost.done():
             self.lost.set_result(None)
@@ -570,7 +620,8 @@ class TCPConnection(asyncio.BufferedProtocol):
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self.state == DONE:
-            return self._rxv  # closing: whatever still arrives is read and dropped
+            # Closing: whatever still arrives is read and dropped.
+            return self._rxv if self._rx else _DISCARD
         if self.state == HANDSHAKING:
             # Read no further than the handshake: frames after it are read as frames.
             return memoryview(self._hs)[self._hs_got :]

@@ -53,10 +53,10 @@ from ._shm_link import (
     leave_cause,
 )
 from ._shm_segment import (
-    ProcessId,
     Segment,
     SharedMemoryError,
     host_key,
+    peer_path,
     remove_leftovers,
     segment_path,
     this_process,
@@ -447,7 +447,6 @@ class ShmTransport(Transport):
                     pid=me.pid,
                     start=me.start,
                     seg=seg.path,
-                    size=size,
                     bell=doorbell.path,
                     ring=cap,
                     ranks=list(local),
@@ -470,18 +469,22 @@ class ShmTransport(Transport):
                         f"and {rec.get('ring')}-byte rings, rank {rank} with {list(local)} "
                         f"and {cap}-byte rings; every local rank must pass the same"
                     )
-            procs = {r: ProcessId(int(rec["pid"]), int(rec["start"])) for r, rec in records.items()}
+            procs = {r: _shm_setup.process_of(r, rec, what) for r, rec in records.items()}
+            staged = {r: _shm_setup.count_of(r, rec, "staging", what) for r, rec in records.items()}
             failure = None
             try:
                 for r in peers:
-                    peer_seg = Segment.attach(str(records[r]["seg"]), int(records[r]["size"]))
+                    # Whoever can write the store wrote the record: only a file that rank's
+                    # process could have made is opened, and only as large as its rings.
+                    path = peer_path(records[r]["seg"], job, "t", r, procs[r])
+                    peer_seg = Segment.attach(path, size)
                     attached.append(peer_seg)
                     if peer_seg.words[W_MAGIC] != _MAGIC:
                         raise DistProtocolError(
                             f"rank {r}'s shared-memory segment {peer_seg.path} is not an "
                             "aiodist one"
                         )
-                    bells.append(Bell(str(records[r]["bell"])))
+                    bells.append(Bell(peer_path(records[r]["bell"], job, "tb", r, procs[r])))
             except (SharedMemoryError, OSError) as exc:
                 # (A peer's files are gone if it exited and was swept away as leftovers: the
                 # barrier then names it.)
@@ -503,7 +506,7 @@ class ShmTransport(Transport):
                 out_ring = CTRL_BYTES + senders_of_r.index(rank) * (RING_HDR_BYTES + cap)
                 in_ring = CTRL_BYTES + i * (RING_HDR_BYTES + cap)
                 link = ShmLink(self, r, procs[r], attached[i], out_ring, in_ring, cap, bells[i])
-                link.flow.granted(int(records[r]["staging"]))  # the first credit: its bound
+                link.flow.granted(staged[r])  # the first credit: its bound
                 self._links.append(link)
                 self._by_peer[r] = link
             doorbell.listen(self._loop, self._on_bell)

@@ -13,8 +13,10 @@ that much credit, see :mod:`aiodist.transport._flow`). With a shared secret
 (``auth_token``, flag bit 0), the answer's proof is an HMAC of the token over both nonces,
 the ranks and the world size, and the connecting rank checks it, then sends 32 bytes of
 proof of its own, which the accepting rank checks before it reads a single frame. A side
-without the token, or with another one, is refused and never gets to send a frame. Then
-both directions carry frames::
+without the token, or with another one, is refused and never gets to send a frame. A
+reject with flag bit 1 says the rejecting rank is connected already to a process that
+claimed the connecting rank (rather than keeping the other of two connections opened at
+once). Then both directions carry frames::
 
     frame := group:u64 seq:u64 step:u64 word:u64 fingerprint:32s | payload
 
@@ -29,15 +31,24 @@ the details). An aborting rank writes that last frame only at a frame boundary, 
 down its sending side and keeps reading until the peer closes: closing a socket with unread
 bytes would send a reset, and a reset makes the peer's kernel drop the frame before the peer
 reads it.
+
+Before a connection has finished its handshake, it costs the accepting rank the
+handshake's bytes and a descriptor, for a bounded time and in a bounded number: it must
+finish within the transport's timeout, the connections of one address in their handshake
+are capped (past the cap that address's oldest goes), and out of file descriptors the
+oldest such connection of the most crowded address is closed to accept the next, instead
+of retrying ``accept`` in a loop. Such refusals are logged at most every few seconds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import logging
 import socket
 import struct
+import time
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, TypeVar
 
@@ -90,8 +101,21 @@ LEFT_CHECK_SECONDS = 1.0
 #: How often a rank whose connection to a peer is still forming looks whether the peer
 #: left meanwhile.
 TIE_RECHECK_SECONDS = 0.2
-#: How long accepting pauses after the listening socket failed (out of file descriptors).
-ACCEPT_RETRY_SECONDS = 0.5
+#: Connections of one address that may be in their handshake at once, at the least (the
+#: world size, if larger): past it, that address's oldest one is closed.
+MIN_HANDSHAKES_PER_HOST = 64
+#: The listen backlog: room for every other rank connecting at once (the kernel caps it at
+#: net.core.somaxconn).
+_MIN_BACKLOG, _MAX_BACKLOG = 128, 65535
+#: What ``accept`` says when this process (or the system) has no descriptor left.
+_OUT_OF_FILES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+#: Seconds before accepting again after ``accept`` failed: after closing a connection still
+#: in its handshake (the loop releases its descriptor), or with none to close.
+_RETRY_AFTER_CLOSING = 0.01
+ACCEPT_RETRY_SECONDS = 1.0
+#: Seconds between two log messages about connections refused or dropped before their
+#: handshake finished (the count of those in between is given): nobody can flood the log.
+_LOG_INTERVAL = 10.0
 
 
 def _close_unless_adopted(sock: socket.socket, task: asyncio.Task[None]) -> None:
@@ -229,6 +253,15 @@ class TCPTransport(Transport):
         self._closed: BaseException | None = None
         self._token = token
         self._peer_timeout = resolve_peer_timeout()
+        # Accepted sockets whose connection is not made yet, and the accepted connections
+        # still in their handshake by address (oldest first).
+        self._adopting = 0
+        self._handshaking: dict[str, dict[TCPConnection, None]] = {}
+        self._per_host = max(MIN_HANDSHAKES_PER_HOST, world_size)
+        self._resume: asyncio.TimerHandle | None = None
+        # Refusals not logged yet, and when the next message may be logged.
+        self._refusals = 0
+        self._quiet_until = 0.0
         TCPTransport._open_count += 1
 
     @classmethod
@@ -325,7 +358,7 @@ class TCPTransport(Transport):
         )
         try:
             self._listener = listener
-            listener.listen(min(max(world_size, 128), 4096))
+            listener.listen(min(max(world_size, _MIN_BACKLOG), _MAX_BACKLOG))
             listener.setblocking(False)
             loop.add_reader(listener, self._accept)
             await directory.publish(rank, _format_address(public, address[1]))
@@ -547,7 +580,9 @@ class TCPTransport(Transport):
         # Accepting is done here rather than by an asyncio.Server: a server closed while a
         # connection it accepted waits for its first step leaks that connection (CPython
         # 3.11), whereas each connection accepted here belongs to a task that abort cancels
-        # and that closes the socket unless its transport took it.
+        # and that closes the socket unless its transport took it. Out of descriptors, too,
+        # neither loop's server is usable (the standard loop retries once per backlog
+        # entry, logging each time; uvloop drops the waiting clients).
         assert self._listener is not None
         for _ in range(64):  # then let the loop run
             try:
@@ -555,22 +590,84 @@ class TCPTransport(Transport):
             except (BlockingIOError, InterruptedError, ConnectionAbortedError):
                 return
             except OSError as exc:
-                logger.warning("rank %d cannot accept connections: %s; retrying", self.rank, exc)
-                self._loop.remove_reader(self._listener)
-                self._loop.call_later(ACCEPT_RETRY_SECONDS, self._resume_accepting)
+                self._cannot_accept(exc)
                 return
             sock.setblocking(False)
+            self._adopting += 1
             task = self._spawn(self._adopt(sock))
-            task.add_done_callback(functools.partial(_close_unless_adopted, sock))
+            task.add_done_callback(functools.partial(self._adopted, sock))
+
+    def _adopted(self, sock: socket.socket, task: asyncio.Task[None]) -> None:
+        self._adopting -= 1
+        _close_unless_adopted(sock, task)
+
+    def _cannot_accept(self, exc: OSError) -> None:
+        """``accept`` failed: stop accepting for a moment rather than retry in a loop. Out of
+        descriptors, first close the oldest connection still in its handshake of the
+        address that has the most such connections, and accept again soon after."""
+        assert self._listener is not None
+        self._loop.remove_reader(self._listener)
+        crowd = max(self._handshaking.values(), key=len, default=None)
+        out_of_files = exc.errno in _OUT_OF_FILES
+        if out_of_files and crowd:
+            next(iter(crowd)).evict(f"out of file descriptors ({exc.strerror})")
+            delay = _RETRY_AFTER_CLOSING
+        elif out_of_files and self._adopting:
+            delay = _RETRY_AFTER_CLOSING  # (connections accepted just now, counted soon)
+        else:
+            self._say(
+                f"rank {self.rank} cannot accept connections ({exc.strerror or exc}): trying "
+                f"again in {ACCEPT_RETRY_SECONDS:g} s"
+                + (" (raise the open-file limit: ulimit -n)" if out_of_files else "")
+            )
+            delay = ACCEPT_RETRY_SECONDS
+        self._resume = self._loop.call_later(delay, self._resume_accepting)
 
     def _resume_accepting(self) -> None:
+        self._resume = None
         if self._closed is None and self._listener is not None:
             self._loop.add_reader(self._listener, self._accept)
+
+    def _arrived(self, conn: TCPConnection) -> None:
+        """An accepted connection starts its handshake: past the cap of its address, that
+        address's oldest connection in its handshake goes."""
+        mine = self._handshaking.setdefault(conn.host, {})
+        mine[conn] = None
+        if len(mine) > self._per_host:
+            next(iter(mine)).evict(
+                f"more than {self._per_host} connections from {conn.host} in their handshake"
+            )
+
+    def _settled(self, conn: TCPConnection) -> None:
+        """``conn`` (accepted) is established, dropped or gone: not in its handshake."""
+        mine = self._handshaking.get(conn.host)
+        if mine is not None:
+            mine.pop(conn, None)
+            if not mine:
+                del self._handshaking[conn.host]
+
+    def _say(self, message: str) -> None:
+        """Log a warning about a connection refused or dropped before its handshake
+        finished, at most every ``_LOG_INTERVAL`` seconds (with the number of those not
+        said since): whoever can connect can cause these, and must not flood the log."""
+        self._refusals += 1
+        now = time.monotonic()
+        if now < self._quiet_until:
+            return
+        more = self._refusals - 1
+        self._refusals = 0
+        self._quiet_until = now + _LOG_INTERVAL
+        if more:
+            message += f" ({more} more such refusals since the last message)"
+        logger.warning("%s", message)
 
     async def _adopt(self, sock: socket.socket) -> None:
         await self._loop.connect_accepted_socket(lambda: TCPConnection(self, None), sock)
 
     def _stop_listening(self) -> None:
+        if self._resume is not None:
+            self._resume.cancel()
+            self._resume = None
         if self._listener is not None:
             self._loop.remove_reader(self._listener)
             self._listener.close()
@@ -592,14 +689,16 @@ class TCPTransport(Transport):
         if self._closed is not None or p.conn is not None or p.error is not None:
             return False
         if peer in self._elsewhere:
-            logger.warning(
-                "rank %d refused a TCP connection from a peer claiming rank %d, "
-                "which it reaches through shared memory",
-                self.rank,
-                peer,
+            self._say(
+                f"rank {self.rank} refused a TCP connection from a peer claiming rank {peer}, "
+                "which it reaches through shared memory"
             )
             return False
         return p.connecting is None or peer < self.rank
+
+    def _holds(self, peer: int) -> bool:
+        """Whether this rank is connected to ``peer``: someone else claiming it is refused."""
+        return self._peers[peer].conn is not None
 
     async def _connect(self, p: _Peer, waiter: asyncio.Future[None]) -> None:
         peer = p.rank
@@ -625,7 +724,9 @@ class TCPTransport(Transport):
                     raise
                 accepted = await self._unless_left(peer, conn.handshake)
                 p.connecting = None
-                if not accepted:
+                if not accepted and conn.held:
+                    await self._held(p, waiter)
+                elif not accepted:
                     # The peer's own connection won the tie-break: it comes next.
                     await self._unless_left(peer, waiter)
         except asyncio.CancelledError:
@@ -656,6 +757,32 @@ class TCPTransport(Transport):
                     self._fail_peer(p, exc)
         finally:
             p.connecting = None
+
+    async def _held(self, p: _Peer, waiter: asyncio.Future[None]) -> None:
+        """The peer refused our connection: it holds one with a process that claimed our
+        rank. That is this rank, if the peer opened that connection to us and its proof is
+        still on its way (the peer counts the connection as open once it sent the proof,
+        this rank once it checked it): the peer timeout leaves ample time for it to arrive.
+        Otherwise another process posed as this rank, and this rank cannot reach the peer.
+
+        Raises:
+            DistNetworkError: the peer's connection did not come within the peer timeout.
+        """
+        try:
+            async with asyncio.timeout(self._peer_timeout):
+                await self._unless_left(p.rank, waiter)
+        except TimeoutError:
+            hint = (
+                ""
+                if self._token is not None
+                else ": without a secret, anyone who can reach a rank's port can pose as a "
+                "rank (give every rank the same auth_token / AIODIST_AUTH_TOKEN)"
+            )
+            raise lost_peer_error(
+                p.rank,
+                f"it refused this rank's connection: it is connected already to another "
+                f"process that claimed to be rank {self.rank}{hint}",
+            ) from None
 
     async def _unless_left(self, peer: int, fut: asyncio.Future[T]) -> T:
         """Wait for ``fut`` (a handshake, the peer's own connection), unless ``peer`` leaves.
