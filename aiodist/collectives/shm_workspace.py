@@ -423,7 +423,7 @@ class NodeWorkspace:
                         f"group rank {r} asked for {rec.get('block')}-byte workspace blocks, "
                         f"group rank {rank} for {block}; every rank must pass the same"
                     )
-            procs = {r: ProcessId(int(rec["pid"]), int(rec["start"])) for r, rec in records.items()}
+            procs = {r: _shm_setup.process_of(r, rec, what) for r, rec in records.items()}
 
             def gone(r: int, exc: Exception) -> Exception:
                 """What to raise when rank ``r``'s file would not open: its process exited
