@@ -73,6 +73,15 @@ class _Blocking(Generic[P, T]):
 
 
 _live_stores: weakref.WeakSet[Store] = weakref.WeakSet()
+# The async stores whose blocking store was dropped without being closed: a process group
+# made on them may still use them (a store made inside a function and passed to
+# init_process_group), so they are closed only when the loop thread stops, not left open on
+# a stopped loop, where a server would hold its clients' connections without answering.
+_orphans: list[_aio.Store] = []
+
+
+def _orphaned(store: _aio.Store) -> None:
+    _orphans.append(store)
 
 
 class Store:
@@ -96,6 +105,8 @@ class Store:
         self._store = store
         self._closed = False
         _live_stores.add(self)
+        self._dropped = weakref.finalize(self, _orphaned, store)
+        self._dropped.atexit = False
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} (blocking) {self._store!r}>"
@@ -146,6 +157,7 @@ class Store:
             return
         self._closed = True
         _live_stores.discard(self)
+        self._dropped.detach()
         run(self._store.aclose())
 
     def __enter__(self) -> Self:
@@ -327,16 +339,22 @@ def any_store_open() -> bool:
 
 
 def close_all_stores() -> None:
-    """Close every blocking store still open, each within :data:`SHUTDOWN_TIMEOUT` (at exit).
+    """Close every blocking store still open, and the async stores of those dropped without
+    being closed, each within :data:`SHUTDOWN_TIMEOUT` (before the loop thread stops).
 
     A failure to close one is logged and the others are closed still: exit must not hang on
     a dead peer.
     """
+    stores: list[_aio.Store] = []
     for store in list(_live_stores):
-        if store._closed:
-            continue
-        store._closed = True
+        if not store._closed:
+            store._closed = True
+            store._dropped.detach()
+            stores.append(store.async_store)
+    stores += _orphans
+    _orphans.clear()
+    for async_store in stores:
         try:
-            run(store.async_store.aclose(), timeout=SHUTDOWN_TIMEOUT)
+            run(async_store.aclose(), timeout=SHUTDOWN_TIMEOUT)
         except Exception as exc:
-            logger.debug("closing %r at exit failed: %s", store, exc)
+            logger.debug("closing %r failed: %s", async_store, exc)

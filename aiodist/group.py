@@ -1039,6 +1039,9 @@ class ProcessGroup:
         if self is world.default_group:
             if peek_world() is world:
                 set_current_world(None)
+            # A store served from this process, even one the caller made, stays up until
+            # every rank has left: the caller may drop it (or stop the loop) next.
+            world.domain.hosting = world.domain.hosting or _hosts_server(world.store)
             await world.aclose()
             return
         if self._destroyed:
