@@ -20,8 +20,6 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from .errors import DistUsageError
-
 __all__ = ["FIRST_WARNING", "WAIT_WARNING_ENV", "SlowWait", "interval", "speaking"]
 
 logger = logging.getLogger(__name__)
@@ -44,22 +42,21 @@ Describe = Callable[[], Awaitable[str]]
 
 
 def interval() -> float:
-    """Seconds between the warnings of a long wait (``$AIODIST_WAIT_WARNING``, default 300).
-
-    Raises:
-        DistUsageError: the variable is not a positive number.
-    """
+    """Seconds between the warnings of a long wait (``$AIODIST_WAIT_WARNING``, default 300;
+    a value that is not a positive number is logged and the default used)."""
     text = os.environ.get(WAIT_WARNING_ENV, "").strip()
-    if not text:
-        return DEFAULT_INTERVAL
     try:
-        seconds = float(text)
+        seconds = float(text) if text else DEFAULT_INTERVAL
     except ValueError:
         seconds = -1.0
     if not seconds > 0:
-        raise DistUsageError(
-            f"{WAIT_WARNING_ENV} must be a positive number of seconds, got {text!r}"
+        logger.warning(
+            "%s=%r is not a positive number of seconds: using %g",
+            WAIT_WARNING_ENV,
+            text,
+            DEFAULT_INTERVAL,
         )
+        return DEFAULT_INTERVAL
     return seconds
 
 
@@ -105,7 +102,7 @@ class SlowWait:
             except Exception as exc:  # the warning must come, whatever the store does
                 detail = f"(could not tell whom: {type(exc).__name__}: {exc})"
         logger.warning(
-            "%s: still waiting after %.0f s%s (next word in %.0f s; set %s to change)",
+            "%s: still waiting after %.1f s%s (next word in %g s; set %s to change)",
             self.what,
             self.elapsed,
             f": {detail}" if detail else "",

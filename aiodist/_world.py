@@ -309,15 +309,12 @@ class FailureDomain:
         up to :data:`ARRIVAL_GRACE` for the others (one store request per poll). ``None``
         if the store cannot be reached.
         """
-        key = f"arrived/{prefix}"
         loop = asyncio.get_running_loop()
         try:
-            await self.store.append(key, f"{me},")
-            # Listed for the last rank to leave the world, which deletes them.
-            await self.store.append(_ARRIVALS_KEY, f"{key};")
+            await self.arrive(prefix, me)
             end = loop.time() + ARRIVAL_GRACE
             while True:
-                seen = {int(r) for r in (await self.store.get(key)).decode().split(",") if r}
+                seen = await self.arrived(prefix)
                 pending = [r for r in ranks if r not in seen]
                 if not pending or loop.time() >= end:
                     return pending
@@ -325,6 +322,28 @@ class FailureDomain:
         except DistError as exc:
             logger.warning("rank %d: could not count the ranks that arrived: %s", self.rank, exc)
             return None
+
+    async def arrive(self, prefix: str, me: int) -> None:
+        """Record that rank ``me`` arrived at ``prefix`` (an operation that runs long).
+
+        Raises:
+            DistError: the store cannot be reached.
+        """
+        key = f"arrived/{prefix}"
+        await self.store.append(key, f"{me},")
+        # Listed for the last rank to leave the world, which deletes them.
+        await self.store.append(_ARRIVALS_KEY, f"{key};")
+
+    async def arrived(self, prefix: str) -> set[int]:
+        """The ranks that recorded their arrival at ``prefix`` so far (see :meth:`arrive`).
+
+        Raises:
+            DistError: the store cannot be reached.
+        """
+        key = f"arrived/{prefix}"
+        if not await self.store.check([key]):
+            return set()
+        return {int(r) for r in (await self.store.get(key)).decode().split(",") if r}
 
     async def _forget_arrivals(self) -> None:
         """Delete the records of timed-out operations (:meth:`missing`) once every rank has

@@ -168,6 +168,10 @@ async def gather_status(
         timeout: seconds to wait for each rank's answer.
         auth_token: the job's secret (``None``: ``$AIODIST_AUTH_TOKEN``, if set).
 
+    While ranks are forming a world (in ``init_process_group``, waiting for the others),
+    that world is shown instead: ``{"rank", "forming"}`` for each rank that has arrived
+    (what it joins and since when) and ``{"rank", "error"}`` for each that has not.
+
     Returns:
         One entry per rank, in rank order: ``{"rank", "address", "status"}``, where
         ``status`` holds the process's ``pid``, ``time``, its ``ranks`` (operations
@@ -180,14 +184,17 @@ async def gather_status(
             reached.
         DistUsageError: the token is empty.
     """
-    from ._assembly import CURRENT, job_store
+    from ._assembly import CURRENT, forming_worlds, job_store
 
     token = resolve_token(auth_token)
     job = job_store(store, group_name)
+    forming = await forming_worlds(job)
+    if forming:
+        return _status.forming_entries(forming)
     if not await job.check([CURRENT]):
         raise DistError(
-            f"the store holds no world of the job {group_name or 'default_pg'!r} "
-            "(none has formed yet, or another group_name)"
+            f"the store holds no world of the job {group_name or 'default_pg'!r}, and no rank "
+            "is forming one (init_process_group not called yet, or another group_name)"
         )
     return await _status.gather_status(job, timeout=timeout, token=token)
 
