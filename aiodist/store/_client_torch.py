@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ..errors import DistNetworkError, DistProtocolError, DistStoreError, QueueEmptyError
+from ._base import settled
 from ._client_connection import (
     MAX_REPLY_VALUE,
     SERVER_GRACE,
@@ -358,12 +359,32 @@ class TorchChannel(Channel, ReplySink):
         while True:
             if block:
                 await self.wait([key], remaining_from(start, timeout))
-            value = await self._call(torch_request(TorchOp.QUEUE_POP, key), _p_queue_pop)
+            conn = await self._main()
+            popped: asyncio.Future[Any] = conn.loop.create_future()
+            self._fifo.append((popped, _p_queue_pop, None))
+            conn.write(torch_request(TorchOp.QUEUE_POP, key))
+            try:
+                # (Shielded: a cancelled task cancels the future it awaits, and the reply,
+                # which still comes, would be dropped.)
+                value = await asyncio.shield(popped)
+            except asyncio.CancelledError:
+                # The server pops at once and answers in order: wait for its answer and put
+                # back what it took (at the end: torch's wire cannot put a value first).
+                await settled(popped, SERVER_GRACE)
+                if popped.done() and not popped.cancelled() and popped.exception() is None:
+                    taken = popped.result()
+                    if taken is not None and not self._conn.is_lost:
+                        self.queue_push(key, taken)  # (written now: a post, no reply)
+                raise
             if value is not None:
                 assert isinstance(value, bytes)
                 return value
             if not block:
                 raise QueueEmptyError(f"queue {format_keys([key[1:]])} is empty")
+
+    def queue_push_front(self, key: bytes, value: bytes) -> Awaitable[None]:
+        # torch's wire has no way to put a value first: at the end, then.
+        return self.queue_push(key, value)
 
     def queue_len(self, key: bytes) -> Awaitable[int]:
         return self._request(torch_request(TorchOp.QUEUE_LEN, key), _p_i64)

@@ -203,6 +203,16 @@ class KeyValueState:
         blocking poppers to take one value, and torch's clients, which wait and then pop,
         would get ``QueueEmptyError`` where one value is pushed at a time)."""
         self._queues.setdefault(key, deque()).append(value)
+        self._wake_popper(key)
+
+    def queue_push_front(self, key: bytes, value: bytes) -> None:
+        """Put ``value`` at the head of queue ``key`` (the next pop returns it) and wake the
+        first wait it completes, as :meth:`queue_push` does: where a pop that was cancelled
+        after it took ``value`` puts it back."""
+        self._queues.setdefault(key, deque()).appendleft(value)
+        self._wake_popper(key)
+
+    def _wake_popper(self, key: bytes) -> None:
         waiters = self._waiters.get(key)
         if waiters:
             for waiter in waiters:

@@ -499,8 +499,23 @@ class TCPStore(Store):
         self._check_open()
         await self._channel.queue_push(self._key(key), self._value(value))
 
+    async def queue_push_front(self, key: str, value: Value) -> None:
+        """Put ``value`` at the head of queue ``key`` (see :meth:`Store.queue_push_front`);
+        on torch's wire, which cannot, at its end.
+
+        Raises:
+            DistUsageError: the value is too large.
+            DistNetworkError: the server went away.
+        """
+        self._check_open()
+        await self._channel.queue_push_front(self._key(key), self._value(value))
+
     async def queue_pop(self, key: str, block: bool = True) -> bytes:
         """Pop the oldest value of queue ``key``.
+
+        Cancelled (or given up by the client's deadline), it never loses its value: one the
+        server popped for it goes back at the head of the queue (on torch's wire, at the
+        end), before any later request of this client is served.
 
         Raises:
             QueueEmptyError: ``block`` is false and the queue is empty.
