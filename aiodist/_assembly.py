@@ -27,7 +27,7 @@ from . import backends as _backends, group as _group
 from ._auth import resolve_token
 from ._speaking import SlowWait
 from ._status import register_status, status_enabled
-from .errors import DistNetworkError, DistUsageError
+from .errors import DistError, DistNetworkError, DistUsageError
 from .group import Connect, Membership, ProcessGroup, World, start_world
 from .store import PrefixStore, Store
 from .transport._address import listen_host
@@ -35,6 +35,7 @@ from .transport.base import Transport
 
 __all__ = [
     "CURRENT",
+    "RANK_QUEUE",
     "Forming",
     "FormingRank",
     "announce",
@@ -164,9 +165,13 @@ CURRENT = "current"
 
 async def announce(world: World) -> None:
     """Record in the job's namespace that ``world`` is its world now, for the processes
-    that wait to join it (they give up when every rank of it has left)."""
+    that wait to join it (they give up when every rank of it has left); and tell the
+    launcher that started this process (``aiodist-run``) its rank in it."""
     membership = world.membership
-    if membership is None or world.rank != 0:
+    if membership is None:
+        return
+    await _tell_launcher(membership.lobby, world.rank)
+    if world.rank != 0:
         return
     store, path = world.store, ""
     while store is not membership.lobby:
@@ -174,6 +179,25 @@ async def announce(world: World) -> None:
         path = store.prefix + path
         store = store.underlying_store
     await membership.lobby.set(CURRENT, f"{path}|{world.size}")
+
+
+#: The queue, in the root of the job's store, where a worker of ``aiodist-run`` says its
+#: rank each time it joins a world (``{run id}``, ``{node}``, ``{local rank}``): the launcher
+#: prefixes the worker's output lines with it, also after a shrink or an admission.
+RANK_QUEUE = "aiodist-run/{run}/rank/{node}/{local}"
+
+
+async def _tell_launcher(job: Store, rank: int) -> None:
+    run, node, local = (os.environ.get(v) for v in ("AIODIST_RUN_ID", "GROUP_RANK", "LOCAL_RANK"))
+    if not (run and node and local):
+        return  # (not a worker of aiodist-run)
+    root = job
+    while isinstance(root, PrefixStore):
+        root = root.underlying_store
+    try:
+        await root.queue_push(RANK_QUEUE.format(run=run, node=node, local=local), str(rank))
+    except DistError as exc:
+        logger.debug("could not tell the launcher this rank (%d): %s", rank, exc)
 
 
 def job_store(store: Store, name: str) -> PrefixStore:

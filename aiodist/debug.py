@@ -321,8 +321,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _status_main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="python -m aiodist.debug",
-        description="Say which rank is behind, and where, from the flight recorder dumps "
-        "of all ranks.",
+        usage="%(prog)s DUMP.json [DUMP.json ...]\n       %(prog)s status [--store HOST:PORT] ...",
+        description="Say which rank is behind, and where, from the flight recorder dumps of\n"
+        "all ranks; or, with `status`, what every rank of a running job does now.",
+        epilog="commands:\n"
+        "  status      the live view of a running job: what every rank does now, on\n"
+        "              whom it waits, and the stacks of those waited for (while the\n"
+        "              world forms: which ranks have arrived); see\n"
+        "              python -m aiodist.debug status --help",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("dumps", nargs="+", help="the JSON dumps, one per rank")
     args = parser.parse_args(argv)
