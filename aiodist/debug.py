@@ -184,7 +184,8 @@ async def gather_status(
             reached.
         DistUsageError: the token is empty.
     """
-    from ._assembly import CURRENT, forming_worlds, job_store
+    from ._assembly import CURRENT, job_store
+    from ._forming import forming_worlds
 
     token = resolve_token(auth_token)
     job = job_store(store, group_name)

@@ -21,7 +21,8 @@ import pytest
 
 import aiodist
 from aiodist import debug
-from aiodist._assembly import forming_worlds, job_store
+from aiodist._assembly import job_store
+from aiodist._forming import forming_worlds
 from aiodist.backends import cpu
 from aiodist.group import isolate_context
 from aiodist.testing import free_port, run_world
