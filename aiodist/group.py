@@ -400,7 +400,8 @@ class World:
                 record = op.record
                 if record is None:
                     continue
-                if op.kind is OpKind.COLLECTIVE and op not in arrived:
+                ran = now - record.queued
+                if op.kind is OpKind.COLLECTIVE and op not in arrived and ran >= first / 4:
                     arrived.add(op)
                     with contextlib.suppress(DistError, TimeoutError):
                         async with asyncio.timeout(first):
@@ -416,7 +417,7 @@ class World:
                     op.name,
                     op.label,
                     op.group,
-                    now - record.queued,
+                    ran,
                     await op.group.waits_for(op, first),
                     every,
                     WAIT_WARNING_ENV,
