@@ -183,9 +183,11 @@ async def _tell_launcher(job: Store, rank: int) -> None:
     run, node, local = (os.environ.get(v) for v in ("AIODIST_RUN_ID", "GROUP_RANK", "LOCAL_RANK"))
     if not (run and node and local):
         return  # (not a worker of aiodist-run)
-    root = job
-    while isinstance(root, PrefixStore):
-        root = root.underlying_store
+    # Only the job's world (its namespace right on the store the launcher gave): a world the
+    # worker forms in a namespace of its own numbers its ranks as it pleases.
+    root = job.underlying_store if isinstance(job, PrefixStore) else job
+    if isinstance(root, PrefixStore):
+        return
     try:
         await root.queue_push(RANK_QUEUE.format(run=run, node=node, local=local), str(rank))
     except DistError as exc:
