@@ -101,6 +101,12 @@ def _ok(reply: asyncio.Future[Any]) -> bytes | None:
     return payload if status == _OK else None
 
 
+def _retrieve(done: asyncio.Future[Any]) -> None:
+    # Marks a failure as seen: a future nobody awaits any more.
+    if not done.cancelled():
+        done.exception()
+
+
 def _given_back(done: asyncio.Future[None]) -> None:
     if not done.cancelled() and done.exception() is not None:
         logger.warning("a cancelled queue_pop could not give its value back: %s", done.exception())
@@ -247,7 +253,9 @@ class AiodistChannel(Channel, ReplySink):
         except BaseException as exc:
             # Cancelled or given up: tell the server to drop the request (and its waiter).
             if taken is not None:
-                if await self._abandon(rid, future, taken):
+                # (A server silent past the deadline is not waited for again.)
+                silent = isinstance(exc, TimeoutError)
+                if await self._abandon(rid, future, taken, 0.0 if silent else SERVER_GRACE):
                     raise asyncio.CancelledError from None  # (cancelled meanwhile)
             elif self._pending.pop(rid, None) is not None and not conn.is_lost:
                 conn.write(encode_frame(0, Op.CANCEL, U32.pack(rid)))
@@ -267,10 +275,12 @@ class AiodistChannel(Channel, ReplySink):
         rid: int,
         future: asyncio.Future[Any],
         taken: Callable[[bytes], asyncio.Future[None] | None],
+        grace: float,
     ) -> bool:
-        """Give up request ``rid`` (see ``_call``'s ``taken``) and know its outcome: what it
-        took is given back (``taken`` sends the request that does, awaited here) before
-        this returns. Returns whether the caller was cancelled meanwhile."""
+        """Give up request ``rid`` (see ``_call``'s ``taken``) and know its outcome within
+        ``grace`` seconds: what it took is given back (``taken`` sends the request that
+        does, awaited here) before this returns; past the grace, a reply that comes later
+        gives back all the same. Returns whether the caller was cancelled meanwhile."""
         conn = self._conn
         cancelled = False
         if not future.done() and not conn.is_lost:
@@ -278,7 +288,8 @@ class AiodistChannel(Channel, ReplySink):
             # The server answers in order: by its answer to this ping, the request has
             # answered (served before the cancel reached the server) or been dropped.
             ping = self._submit(int(Op.PING), b"", _nothing)
-            cancelled = await settled(ping, SERVER_GRACE)
+            ping.add_done_callback(_retrieve)  # (its failure, a lost connection, is the pop's)
+            cancelled = await settled(ping, grace)
             if not ping.done():
                 # A server silent past the grace: a reply that comes later still gives back.
                 def late(reply: asyncio.Future[Any]) -> None:
@@ -293,7 +304,7 @@ class AiodistChannel(Channel, ReplySink):
         if payload is not None:
             giving = taken(payload)
             if giving is not None:
-                cancelled = await settled(giving, SERVER_GRACE) or cancelled
+                cancelled = await settled(giving, grace) or cancelled
         return cancelled
 
     @staticmethod
