@@ -481,6 +481,14 @@ async def destroy_process_group(group: Group = None) -> None:
     and leaves the process uninitialized. Later operations on a destroyed group raise at
     once.
 
+    How long it takes, whatever order the ranks leave in: a rank that does not serve the
+    store returns within moments, and never waits longer than ``LEAVE_WAIT`` (5 s) for a
+    store that does not answer (its host left, or stopped its event loop) plus the
+    transport's own closing bound (5 s). The rank whose process serves the world's store
+    (even a store the caller made) keeps it up until every rank has left or gone, at most
+    the group's timeout, saying at intervals which ranks it waits for: the others may
+    still need it, and the caller may close it, drop it or stop its loop next.
+
     Raises:
         DistUsageError: not initialized, or ``group`` is not a process group.
     """

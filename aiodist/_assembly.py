@@ -20,8 +20,9 @@ from typing import Any
 
 from . import backends as _backends, group as _group
 from ._auth import resolve_token
+from ._forming import Forming
 from ._status import register_status, status_enabled
-from .errors import DistNetworkError, DistUsageError
+from .errors import DistError, DistNetworkError, DistUsageError
 from .group import Connect, Membership, ProcessGroup, World, start_world
 from .store import PrefixStore, Store
 from .transport._address import listen_host
@@ -29,6 +30,7 @@ from .transport.base import Transport
 
 __all__ = [
     "CURRENT",
+    "RANK_QUEUE",
     "announce",
     "connect_members",
     "connector",
@@ -67,6 +69,7 @@ async def join_world(
         DistUsageError: shared memory was required and cannot be had.
     """
 
+    forming: Forming | None = None
     try:
         job = job_store(store, name)
         # Counted per rank: the n-th join of every rank meets in generation n, however the
@@ -78,22 +81,31 @@ async def join_world(
             # learn that it can never be complete.
             earlier = PrefixStore(f"{world_size}/{generation - 1}", job)
             await earlier.set(_LEFT, f"rank {rank} (it joined a later generation)")
+        forming = Forming(job, prefixed, rank, world_size, backend, generation)
+        await forming.enter()
         membership = Membership(connector(timeout, token, shared_memory), job)
-        transport = await connect_members(prefixed, rank, world_size, membership.connect)
+        transport = await connect_members(
+            prefixed, rank, world_size, membership.connect, forming=forming
+        )
     except BaseException:
+        if forming is not None:
+            await forming.leave()
         for s in owned:
             await s.aclose()
         raise
     logger.debug("rank %d/%d joined generation %d", rank, world_size, generation)
-    return await open_world(
-        transport,
-        prefixed,
-        backend=backend,
-        backends=backends,
-        timeout=timeout,
-        owned=owned,
-        membership=membership,
-    )
+    try:
+        return await open_world(
+            transport,
+            prefixed,
+            backend=backend,
+            backends=backends,
+            timeout=timeout,
+            owned=owned,
+            membership=membership,
+        )
+    finally:
+        await forming.leave()
 
 
 async def open_world(
@@ -145,9 +157,13 @@ CURRENT = "current"
 
 async def announce(world: World) -> None:
     """Record in the job's namespace that ``world`` is its world now, for the processes
-    that wait to join it (they give up when every rank of it has left)."""
+    that wait to join it (they give up when every rank of it has left); and tell the
+    launcher that started this process (``aiodist-run``) its rank in it."""
     membership = world.membership
-    if membership is None or world.rank != 0:
+    if membership is None:
+        return
+    await _tell_launcher(membership.lobby, world.rank)
+    if world.rank != 0:
         return
     store, path = world.store, ""
     while store is not membership.lobby:
@@ -155,6 +171,27 @@ async def announce(world: World) -> None:
         path = store.prefix + path
         store = store.underlying_store
     await membership.lobby.set(CURRENT, f"{path}|{world.size}")
+
+
+#: The queue, in the root of the job's store, where a worker of ``aiodist-run`` says its
+#: rank each time it joins a world (``{run id}``, ``{node}``, ``{local rank}``): the launcher
+#: prefixes the worker's output lines with it, also after a shrink or an admission.
+RANK_QUEUE = "aiodist-run/{run}/rank/{node}/{local}"
+
+
+async def _tell_launcher(job: Store, rank: int) -> None:
+    run, node, local = (os.environ.get(v) for v in ("AIODIST_RUN_ID", "GROUP_RANK", "LOCAL_RANK"))
+    if not (run and node and local):
+        return  # (not a worker of aiodist-run)
+    # Only the job's world (its namespace right on the store the launcher gave): a world the
+    # worker forms in a namespace of its own numbers its ranks as it pleases.
+    root = job.underlying_store if isinstance(job, PrefixStore) else job
+    if isinstance(root, PrefixStore):
+        return
+    try:
+        await root.queue_push(RANK_QUEUE.format(run=run, node=node, local=local), str(rank))
+    except DistError as exc:
+        logger.debug("could not tell the launcher this rank (%d): %s", rank, exc)
 
 
 def job_store(store: Store, name: str) -> PrefixStore:
@@ -245,22 +282,31 @@ async def _shm_room(store: Store, rank: int, world_size: int, local: list[int]) 
 
 
 async def connect_members(
-    store: Store, rank: int, size: int, connect: Connect, op: str = "init_process_group"
+    store: Store,
+    rank: int,
+    size: int,
+    connect: Connect,
+    op: str = "init_process_group",
+    *,
+    forming: Forming | None = None,
 ) -> Transport:
     """Connect ``rank`` to the other ranks of the world of ``size`` gathering in ``store``.
 
     Unless one of them gives up meanwhile: a rank that fails, is cancelled, or whose process
     ends (its lease on the store) while the world forms makes the others raise at once
-    (``op``, the call that forms the world, starts the message).
+    (``op``, the call that forms the world, starts the message). With ``forming`` (a rank's
+    ``init_process_group``), the ranks also check that they agree on the world, and a long
+    wait says which ranks have not arrived.
 
     Raises:
         DistNetworkError: a rank left the world as it formed (named).
+        DistUsageError: the ranks disagree on the world size or the backend (both named).
         DistTimeoutError: the connections did not complete in time.
     """
     # (Stores without connections hold no leases: there a rank that dies is waited for.)
     await store.lease(_LEFT, f"rank {rank} (its process ended while the world formed)")
     try:
-        transport = await _unless_left(store, connect(store, rank, size), op)
+        transport = await _unless_left(store, connect(store, rank, size), op, forming)
         try:
             await store.lease(_LEFT, None)
         except BaseException:
@@ -296,11 +342,15 @@ async def left_by(store: Store) -> str | None:
     return (await store.get(_LEFT)).decode()
 
 
-async def _unless_left(store: Store, joining: Coroutine[Any, Any, Transport], op: str) -> Transport:
-    """Await ``joining`` a world, unless one of its ranks leaves it meanwhile.
+async def _unless_left(
+    store: Store, joining: Coroutine[Any, Any, Transport], op: str, forming: Forming | None
+) -> Transport:
+    """Await ``joining`` a world, unless one of its ranks leaves it meanwhile, or (with
+    ``forming``) the ranks disagree on it; a long wait says whom it waits for.
 
     Raises:
         DistNetworkError: naming that rank; joining again joins the next generation.
+        DistUsageError: the ranks disagree on the world size or the backend.
     """
     task = asyncio.ensure_future(joining)
     try:
@@ -308,6 +358,8 @@ async def _unless_left(store: Store, joining: Coroutine[Any, Any, Transport], op
             done, _ = await asyncio.wait({task}, timeout=_LEFT_POLL)
             if done:
                 return task.result()
+            if forming is not None:
+                await forming.poll()
             who = await left_by(store)
             if who is not None:
                 again = "; call init_process_group again to join the next"

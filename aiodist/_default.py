@@ -8,9 +8,11 @@ several ranks as tasks of one event loop. A forked child starts with none.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import os
 import warnings
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from .errors import DistUsageError
@@ -19,6 +21,7 @@ if TYPE_CHECKING:
     from .group import World
 
 __all__ = [
+    "blocking_loops",
     "current_world",
     "isolate_context",
     "peek_world",
@@ -84,11 +87,25 @@ def current_world(op: str = "this operation") -> World:
     """
     world = peek_world()
     if world is None:
-        raise DistUsageError(
-            f"{op} needs the default process group: call "
-            "`await aiodist.init_process_group(...)` first"
-        )
+        raise DistUsageError(f"{op} needs the default process group: call {_init_call()} first")
     return world
+
+
+#: The event loops that run ``aiodist.sync``'s calls (its loop thread's): an error raised
+#: there names the blocking call to make.
+blocking_loops: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
+
+
+def _init_call() -> str:
+    """How the caller initializes: the blocking call outside any event loop and on
+    ``aiodist.sync``'s, the awaited one in the caller's own loop."""
+    try:
+        loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+    except RuntimeError:
+        loop = None
+    if loop is None or loop in blocking_loops:
+        return "`dist.init_process_group(...)` (with `import aiodist.sync as dist`)"
+    return "`await aiodist.init_process_group(...)`"
 
 
 def warn_not_in_group(op: str, stacklevel: int) -> None:

@@ -81,6 +81,17 @@ VARIABLES: tuple[Variable, ...] = (
         ("aiodist.store._sockets",),
     ),
     Variable(
+        "AIODIST_WAIT_WARNING",
+        "aiodist",
+        "`300`",
+        "Seconds between the warnings a long wait logs (the first comes at the first minute, "
+        "or after this many seconds when shorter): `init_process_group` waiting for ranks "
+        "(it names those that have not arrived), a collective waiting for a peer (named), "
+        "a store connection being retried, a store host waiting for the others to leave.",
+        "`init_process_group`, the operations, the stores, `destroy_process_group`",
+        ("aiodist._speaking",),
+    ),
+    Variable(
         "AIODIST_SHM",
         "aiodist",
         "on",

@@ -165,7 +165,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     add(
         "--standalone",
         action=_EnvFlag,
-        help="single node; the store takes a free port on 127.0.0.1",
+        help="single node; the store listens on 127.0.0.1, on --master-port if given, else "
+        "on a free port (logged)",
     )
     add(
         *_flag("--max-restarts"),
@@ -562,7 +563,9 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         if ns.rdzv_backend in ("etcd", "etcd-v2"):
             # As torchrun: --standalone means a store of its own on this machine.
             logger.info("--standalone: the launcher hosts the store, not etcd")
-        master_addr, master_port, run_id = "127.0.0.1", 0, uuid.uuid4().hex[:12]
+        # (On --master-port when given: where `python -m aiodist.debug status` finds it.)
+        master_addr, run_id = "127.0.0.1", uuid.uuid4().hex[:12]
+        master_port = 0 if master_port is None else master_port
     elif ns.rdzv_backend in ("etcd", "etcd-v2"):
         # (Without an endpoint: etcd's own default client address.)
         members = parse_endpoints(str(ns.rdzv_endpoint or "127.0.0.1:2379"), "--rdzv-endpoint")

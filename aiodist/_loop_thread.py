@@ -41,7 +41,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from ._asyncio_internals import loop_on_this_thread, pending_work, set_loop_on_this_thread, wake
-from ._default import peek_world
+from ._default import blocking_loops, peek_world
 from ._loop import loop_factory
 from ._wait import SPIN_SECONDS, local_ranks, ranks_fit, spin_until
 from .errors import DistError, DistTimeoutError, DistUsageError
@@ -192,6 +192,7 @@ class _LoopThread:
         async def serve() -> None:
             self._stopping = asyncio.Event()
             self._loop = asyncio.get_running_loop()
+            blocking_loops.add(self._loop)
             ready.set()
             await self._stopping.wait()
 

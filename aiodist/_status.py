@@ -50,6 +50,7 @@ __all__ = [
     "STATUS_HOST_ENV",
     "authorized",
     "format_status",
+    "forming_entries",
     "gather_status",
     "process_status",
     "serve_status",
@@ -312,6 +313,68 @@ async def gather_status(
     return entries
 
 
+def forming_entries(forming: Sequence[Any]) -> list[dict[str, Any]]:
+    """The entries of the live view for the ranks forming a world (``FormingRank``s, by
+    rank): each arrived rank says what it joins and since when, each missing rank that it
+    has not arrived. Ranks forming worlds of several sizes are all listed."""
+    sizes = sorted({f.world_size for f in forming})
+    entries: list[dict[str, Any]] = []
+    arrived = {f.rank: f for f in forming}
+    for rank in range(max(sizes)):
+        f = arrived.get(rank)
+        if f is None:
+            entries.append(
+                {
+                    "rank": rank,
+                    "error": "has not arrived: init_process_group not called yet, or it "
+                    "cannot reach the store",
+                }
+            )
+            continue
+        entries.append(
+            {
+                "rank": rank,
+                "forming": {
+                    "world_size": f.world_size,
+                    "generation": f.generation,
+                    "backend": f.backend,
+                    "pid": f.pid,
+                    "host": f.host,
+                    "since": f.since,
+                },
+            }
+        )
+    return entries
+
+
+def _forming_text(entries: Sequence[dict[str, Any]]) -> str:
+    forming = [e for e in entries if "forming" in e]
+    sizes = sorted({e["forming"]["world_size"] for e in forming})
+    here = [e["rank"] for e in forming]
+    missing = [e["rank"] for e in entries if "forming" not in e]
+    head = (
+        f"a world of {sizes[0]} ranks is forming"
+        if len(sizes) == 1
+        else f"ranks disagree on the world size: {sizes}"
+    )
+    lines = [
+        f"{head}: {_ranks(here)} arrived"
+        + (f", {_ranks(missing)} not yet" if missing else ", waiting for each other")
+    ]
+    now = time.time()
+    for entry in entries:
+        f = entry.get("forming")
+        if f is None:
+            lines.append(f"rank {entry['rank']}: {entry['error']}")
+        else:
+            lines.append(
+                f"rank {entry['rank']} (pid {f['pid']} on {f['host']}): in init_process_group "
+                f"for {max(0.0, now - f['since']):.1f} s, world_size={f['world_size']}, "
+                f"backend={f['backend']!r}, generation {f['generation']}"
+            )
+    return "\n".join(lines)
+
+
 def _rank_view(entry: dict[str, Any]) -> dict[str, Any] | None:
     status = entry.get("status")
     if status is None:
@@ -336,8 +399,12 @@ def format_status(entries: Sequence[dict[str, Any]]) -> str:
 
     A rank waits on the members of its operation's group that have not issued that
     operation yet (for a receive: its source). The stacks shown are those of the ranks
-    waited for, and of every rank when nobody waits on anyone.
+    waited for, and of every rank when nobody waits on anyone; each process's main thread
+    first, aiodist's own threads last. For a world that is forming (entries with
+    ``"forming"``), it says which ranks have arrived, since when, and which have not.
     """
+    if any("forming" in e for e in entries):
+        return _forming_text(entries)
     views = {e["rank"]: _rank_view(e) for e in entries}
     # group -> rank -> the highest sequence number it issued there
     issued: dict[int, dict[int, int]] = {}
@@ -377,10 +444,19 @@ def format_status(entries: Sequence[dict[str, Any]]) -> str:
         if "status" not in entry:
             continue
         lines.append(f"\nstacks of rank {rank} (pid {entry['status']['pid']}):")
-        for thread, stack in entry["status"]["stacks"].items():
+        for thread, stack in sorted(entry["status"]["stacks"].items(), key=_thread_order):
             lines.append(f"  thread {thread}:")
             lines.extend("    " + line for line in stack.rstrip().splitlines())
     return "\n".join(lines)
+
+
+def _thread_order(item: tuple[str, str]) -> int:
+    # The caller's main thread first, then the others it started, then aiodist's own (its
+    # event loop, executors): what the user's code does is what is asked first.
+    name = item[0]
+    if name == "MainThread":
+        return 0
+    return 2 if name.startswith(("aiodist-", "asyncio_", "ThreadPoolExecutor")) else 1
 
 
 def _ranks(ranks: Sequence[int]) -> str:

@@ -12,8 +12,11 @@ default group, and :func:`close_all_stores` closes what is left at exit.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import logging
 import os
+import threading
 import weakref
 from collections.abc import Callable, Coroutine, Sequence
 from datetime import timedelta
@@ -21,7 +24,7 @@ from types import TracebackType
 from typing import Any, Concatenate, Generic, ParamSpec, Self, TypeVar, overload
 
 from . import store as _aio
-from ._loop_thread import SHUTDOWN_TIMEOUT, run
+from ._loop_thread import SHUTDOWN_TIMEOUT, run, start_on_loop, wait
 from ._timeouts import DEFAULT_STORE_TIMEOUT, Timeout
 from .errors import DistStoreError, DistUsageError
 
@@ -74,6 +77,15 @@ class _Blocking(Generic[P, T]):
 
 
 _live_stores: weakref.WeakSet[Store] = weakref.WeakSet()
+# The async stores whose blocking store was dropped without being closed: a process group
+# made on them may still use them (a store made inside a function and passed to
+# init_process_group), so they are closed only when the loop thread stops, not left open on
+# a stopped loop, where a server would hold its clients' connections without answering.
+_orphans: list[_aio.Store] = []
+
+
+def _orphaned(store: _aio.Store) -> None:
+    _orphans.append(store)
 
 
 class Store:
@@ -107,6 +119,8 @@ class Store:
         self._store = store
         self._closed = False
         _live_stores.add(self)
+        self._dropped = weakref.finalize(self, _orphaned, store)
+        self._dropped.atexit = False
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} (blocking) {self._store!r}>"
@@ -143,8 +157,43 @@ class Store:
     multi_set = _Blocking(_aio.Store.multi_set)
     append = _Blocking(_aio.Store.append)
     queue_push = _Blocking(_aio.Store.queue_push)
-    queue_pop = _Blocking(_aio.Store.queue_pop)
+    queue_push_front = _Blocking(_aio.Store.queue_push_front)
     queue_len = _Blocking(_aio.Store.queue_len)
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        """Pop the oldest value of queue ``key`` (see :meth:`aiodist.Store.queue_pop`).
+
+        Interrupted (Ctrl-C), it never loses a value: one the pop took as the interrupt came
+        goes back at the head of the queue before ``KeyboardInterrupt`` is raised.
+
+        Raises:
+            QueueEmptyError: ``block`` is false and the queue is empty.
+            DistTimeoutError: ``block`` is true and nothing arrived within the store timeout.
+        """
+        store = self._store
+        started: list[asyncio.Task[bytes]] = []  # (the pop's task, once started on the loop)
+        gave_up = threading.Event()
+
+        def start() -> asyncio.Task[bytes] | None:
+            if gave_up.is_set():
+                return None  # (interrupted before the pop began: it never does)
+            task = asyncio.ensure_future(store.queue_pop(key, block))
+            started.append(task)
+            return task
+
+        def track(task: asyncio.Task[bytes] | None, done: concurrent.futures.Future[bytes]) -> None:
+            if task is not None:
+                task.add_done_callback(functools.partial(_settle, done))
+
+        try:
+            return wait(start_on_loop(start, track))
+        except BaseException:
+            # Decided on the loop, where the pop ends: cancelled there (the store gives back
+            # what it took), or, if it ended first, its value put back.
+            gave_up.set()
+            run(_abandon(store, key, started), timeout=SHUTDOWN_TIMEOUT)
+            raise
+
     barrier = _Blocking(_aio.Store.barrier)
 
     def has_extended_api(self) -> bool:
@@ -163,6 +212,7 @@ class Store:
             return
         self._closed = True
         _live_stores.discard(self)
+        self._dropped.detach()
         run(self._store.aclose())
 
     def __enter__(self) -> Self:
@@ -485,22 +535,49 @@ class TCPStore(Store):
         super().close()
 
 
+def _settle(done: concurrent.futures.Future[bytes], task: asyncio.Task[bytes]) -> None:
+    error = None if task.cancelled() else task.exception()
+    if task.cancelled():
+        done.cancel()
+    elif error is not None:
+        done.set_exception(error)
+    else:
+        done.set_result(task.result())
+
+
+async def _abandon(store: _aio.Store, key: str, started: list[asyncio.Task[bytes]]) -> None:
+    # A pop whose caller stopped waiting (Ctrl-C): its value must stay in the queue. (This
+    # runs after the pop's start on the loop, which was handed over first.)
+    for task in started:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        elif not task.cancelled() and task.exception() is None:
+            await store.queue_push_front(key, task.result())
+
+
 def any_store_open() -> bool:
     """Return whether a blocking store of this process is still open."""
     return any(not s._closed for s in list(_live_stores))
 
 
 def close_all_stores() -> None:
-    """Close every blocking store still open, each within :data:`SHUTDOWN_TIMEOUT` (at exit).
+    """Close every blocking store still open, and the async stores of those dropped without
+    being closed, each within :data:`SHUTDOWN_TIMEOUT` (before the loop thread stops).
 
     A failure to close one is logged and the others are closed still: exit must not hang on
     a dead peer.
     """
+    stores: list[_aio.Store] = []
     for store in list(_live_stores):
-        if store._closed:
-            continue
-        store._closed = True
+        if not store._closed:
+            store._closed = True
+            store._dropped.detach()
+            stores.append(store.async_store)
+    stores += _orphans
+    _orphans.clear()
+    for async_store in stores:
         try:
-            run(store.async_store.aclose(), timeout=SHUTDOWN_TIMEOUT)
+            run(async_store.aclose(), timeout=SHUTDOWN_TIMEOUT)
         except Exception as exc:
-            logger.debug("closing %r at exit failed: %s", store, exc)
+            logger.debug("closing %r failed: %s", async_store, exc)

@@ -175,6 +175,8 @@ class _Worker:
         #: Why the launcher sent SIGKILL, if it did.
         self.killed: str | None = None
         self.exited_at: float | None = None
+        #: What starts each of its lines on the console (its rank changes after a shrink).
+        self.prefix = (spec.prefix or f"[rank{spec.rank}]: ").encode()
 
     def __repr__(self) -> str:
         state = "running" if self.exitcode is None else describe_exit(self.exitcode)
@@ -245,6 +247,13 @@ class WorkerGroup:
             finished.append(worker.spec.rank)
         return None
 
+    def renumber(self, local_rank: int, prefix: str) -> None:
+        """Start the console lines of the running worker of ``local_rank`` with ``prefix``
+        from now on (its world changed its rank: a shrink or an admission)."""
+        for worker in self._workers:
+            if worker.spec.local_rank == local_rank and worker.exitcode is None:
+                worker.prefix = prefix.encode()
+
     async def start(self, specs: Sequence[WorkerSpec]) -> None:
         """Start one process per spec.
 
@@ -306,7 +315,6 @@ class WorkerGroup:
         worker = _Worker(spec, proc)
         worker.files = list(files.values())
         assert proc.stdout is not None and proc.stderr is not None
-        prefix = (spec.prefix or f"[rank{spec.rank}]: ").encode()
         for reader, name, flag, console in (
             (proc.stdout, "stdout", Std.OUT, self._stdout),
             (proc.stderr, "stderr", Std.ERR, self._stderr),
@@ -317,7 +325,6 @@ class WorkerGroup:
                     self._pump(
                         worker,
                         reader,
-                        prefix,
                         console if show else None,
                         files.get(name),
                         keep_tail=flag is Std.ERR,
@@ -335,7 +342,6 @@ class WorkerGroup:
         self,
         worker: _Worker,
         reader: asyncio.StreamReader,
-        prefix: bytes,
         console: BinaryIO | None,
         file: BinaryIO | None,
         keep_tail: bool,
@@ -348,15 +354,14 @@ class WorkerGroup:
             data = pending + chunk
             lines = data.split(b"\n")
             pending = lines.pop()
-            self._emit(worker, lines, prefix, console, file, keep_tail)
+            self._emit(worker, lines, console, file, keep_tail)
         if pending:
-            self._emit(worker, [pending], prefix, console, file, keep_tail)
+            self._emit(worker, [pending], console, file, keep_tail)
 
     def _emit(
         self,
         worker: _Worker,
         lines: list[bytes],
-        prefix: bytes,
         console: BinaryIO | None,
         file: BinaryIO | None,
         keep_tail: bool,
@@ -371,6 +376,7 @@ class WorkerGroup:
         if console is not None:
             # A worker's partial line is only printed once complete, so lines of different
             # ranks never interleave mid-line.
+            prefix = worker.prefix
             console.write(b"".join(prefix + line + b"\n" for line in lines))
             console.flush()
 

@@ -40,11 +40,12 @@ import re
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TypeVar
 
+from ._speaking import speaking
 from .errors import DistError, DistNetworkError, DistTimeoutError
 from .store import Store
 from .transport.base import abort_text, peer_aborted_error
 
-__all__ = ["ARRIVAL_GRACE", "FailureDomain"]
+__all__ = ["ARRIVAL_GRACE", "LEAVE_WAIT", "FailureDomain"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,11 @@ _ARRIVAL_POLL = 0.02
 #: Seconds a store-hosting rank of an aborted world keeps the store up for the others to
 #: read the cause and leave.
 BROKEN_LEAVE_WAIT = 2.0
+
+#: Seconds a leaving rank waits for the store to record its goodbye: the store's host may
+#: have left already, its process alive with its event loop stopped (a worker pool, a
+#: notebook), and a store that never answers must not hold ``destroy_process_group``.
+LEAVE_WAIT = 5.0
 
 # The watch retries a store error that is not a lost connection after this many seconds,
 # doubling up to the maximum.
@@ -303,15 +309,12 @@ class FailureDomain:
         up to :data:`ARRIVAL_GRACE` for the others (one store request per poll). ``None``
         if the store cannot be reached.
         """
-        key = f"arrived/{prefix}"
         loop = asyncio.get_running_loop()
         try:
-            await self.store.append(key, f"{me},")
-            # Listed for the last rank to leave the world, which deletes them.
-            await self.store.append(_ARRIVALS_KEY, f"{key};")
+            await self.arrive(prefix, me)
             end = loop.time() + ARRIVAL_GRACE
             while True:
-                seen = {int(r) for r in (await self.store.get(key)).decode().split(",") if r}
+                seen = await self.arrived(prefix)
                 pending = [r for r in ranks if r not in seen]
                 if not pending or loop.time() >= end:
                     return pending
@@ -319,6 +322,28 @@ class FailureDomain:
         except DistError as exc:
             logger.warning("rank %d: could not count the ranks that arrived: %s", self.rank, exc)
             return None
+
+    async def arrive(self, prefix: str, me: int) -> None:
+        """Record that rank ``me`` arrived at ``prefix`` (an operation that runs long).
+
+        Raises:
+            DistError: the store cannot be reached.
+        """
+        key = f"arrived/{prefix}"
+        await self.store.append(key, f"{me},")
+        # Listed for the last rank to leave the world, which deletes them.
+        await self.store.append(_ARRIVALS_KEY, f"{key};")
+
+    async def arrived(self, prefix: str) -> set[int]:
+        """The ranks that recorded their arrival at ``prefix`` so far (see :meth:`arrive`).
+
+        Raises:
+            DistError: the store cannot be reached.
+        """
+        key = f"arrived/{prefix}"
+        if not await self.store.check([key]):
+            return set()
+        return {int(r) for r in (await self.store.get(key)).decode().split(",") if r}
 
     async def _forget_arrivals(self) -> None:
         """Delete the records of timed-out operations (:meth:`missing`) once every rank has
@@ -420,21 +445,48 @@ class FailureDomain:
         # be long after this rank is done; so a rank that hosts the store keeps it up until
         # every rank has left (or gone: its lease records that). An aborted world waits
         # briefly: its ranks leave as soon as they learn of the abort, and the cause stays
-        # readable meanwhile.
+        # readable meanwhile. Every other step is bounded by LEAVE_WAIT.
+        keys = [f"left/{r}" for r in range(self.size)]
         try:
-            # A goodbye: nothing for the server to tell the others.
-            await self.store.lease(f"left/{self.rank}", None)
-            await self.store.lease(_DEPARTED_KEY, None)
-            await self.store.set(f"left/{self.rank}", reason)
-            keys = [f"left/{r}" for r in range(self.size)]
-            if await self.store.check(keys):
-                await self._forget_arrivals()  # (the last to leave: nobody counts any more)
-                return
-            if not self.hosting:
-                return
-            logger.info("rank %d: keeping the store up until every rank left", self.rank)
-            await self.store.wait(keys, BROKEN_LEAVE_WAIT if self.aborted else self._timeout)
+            async with asyncio.timeout(LEAVE_WAIT):
+                # The goodbye first: a request a stopped server has received is carried out
+                # when it runs again, and until the leases are withdrawn the end of this
+                # connection still says that this rank went.
+                await self.store.set(f"left/{self.rank}", reason)
+                # Nothing more for the server to tell the others.
+                await self.store.lease(f"left/{self.rank}", None)
+                await self.store.lease(_DEPARTED_KEY, None)
+                if await self.store.check(keys):
+                    await self._forget_arrivals()  # (the last to leave: nobody counts any more)
+                    return
+        except TimeoutError:
+            logger.warning(
+                "rank %d: the store did not answer within %g s while this rank left (its "
+                "host may have left already); leaving without a goodbye in the store",
+                self.rank,
+                LEAVE_WAIT,
+            )
+            return
+        except DistError as exc:
+            logger.warning("rank %d: leaving the store: %s", self.rank, exc)
+            return
+        if not self.hosting:
+            return
+        limit = BROKEN_LEAVE_WAIT if self.aborted else self._timeout
+        logger.info("rank %d: keeping the store up until every rank left", self.rank)
+        try:
+            await speaking(
+                self.store.wait(keys, limit),
+                lambda: self._not_left(keys),
+                f"rank {self.rank} keeps the store it hosts up until every rank has left "
+                "(destroy_process_group or exit)",
+            )
         except DistTimeoutError as exc:
             logger.info("rank %d: not every rank left the store: %s", self.rank, exc)
         except DistError as exc:
             logger.warning("rank %d: leaving the store: %s", self.rank, exc)
+
+    async def _not_left(self, keys: list[str]) -> str:
+        found = await asyncio.gather(*(self.store.check([k]) for k in keys))
+        waiting = [r for r, there in enumerate(found) if not there]
+        return f"ranks {waiting} have not left yet"

@@ -168,6 +168,10 @@ async def gather_status(
         timeout: seconds to wait for each rank's answer.
         auth_token: the job's secret (``None``: ``$AIODIST_AUTH_TOKEN``, if set).
 
+    While ranks are forming a world (in ``init_process_group``, waiting for the others),
+    that world is shown instead: ``{"rank", "forming"}`` for each rank that has arrived
+    (what it joins and since when) and ``{"rank", "error"}`` for each that has not.
+
     Returns:
         One entry per rank, in rank order: ``{"rank", "address", "status"}``, where
         ``status`` holds the process's ``pid``, ``time``, its ``ranks`` (operations
@@ -181,13 +185,17 @@ async def gather_status(
         DistUsageError: the token is empty.
     """
     from ._assembly import CURRENT, job_store
+    from ._forming import forming_worlds
 
     token = resolve_token(auth_token)
     job = job_store(store, group_name)
+    forming = await forming_worlds(job)
+    if forming:
+        return _status.forming_entries(forming)
     if not await job.check([CURRENT]):
         raise DistError(
-            f"the store holds no world of the job {group_name or 'default_pg'!r} "
-            "(none has formed yet, or another group_name)"
+            f"the store holds no world of the job {group_name or 'default_pg'!r}, and no rank "
+            "is forming one (init_process_group not called yet, or another group_name)"
         )
     return await _status.gather_status(job, timeout=timeout, token=token)
 
@@ -314,8 +322,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _status_main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="python -m aiodist.debug",
-        description="Say which rank is behind, and where, from the flight recorder dumps "
-        "of all ranks.",
+        usage="%(prog)s DUMP.json [DUMP.json ...]\n       %(prog)s status [--store HOST:PORT] ...",
+        description="Say which rank is behind, and where, from the flight recorder dumps of\n"
+        "all ranks; or, with `status`, what every rank of a running job does now.",
+        epilog="commands:\n"
+        "  status      the live view of a running job: what every rank does now, on\n"
+        "              whom it waits, and the stacks of those waited for (while the\n"
+        "              world forms: which ranks have arrived); see\n"
+        "              python -m aiodist.debug status --help",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("dumps", nargs="+", help="the JSON dumps, one per rank")
     args = parser.parse_args(argv)

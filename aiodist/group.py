@@ -67,6 +67,7 @@ from ._default import (
 )
 from ._fingerprint import NO_FINGERPRINT
 from ._recorder import FlightRecorder, payload_nbytes
+from ._speaking import FIRST_WARNING, WAIT_WARNING_ENV, interval as speaking_interval
 from ._timeouts import DEFAULT_PG_TIMEOUT, Timeout, to_seconds
 from ._work import (
     ANY_TAG,
@@ -265,6 +266,7 @@ class World:
         self.recorder = FlightRecorder(self.rank, self.size)
         self._leaving = False
         self._keeper: asyncio.Task[None] | None = None
+        self._speaker: asyncio.Task[None] | None = None
         self.default_group = ProcessGroup(self, range(self.size), 0, backend, backends, timeout)
         transport.mailbox.listen(self)  # (a peer lost since the transport connected too)
 
@@ -380,6 +382,53 @@ class World:
         """
         self.domain.start()
         self.keep()
+        if self._speaker is None:
+            self._speaker = asyncio.get_running_loop().create_task(self._speak_while_slow())
+
+    async def _speak_while_slow(self) -> None:
+        # Says, at the first minute and then at every interval (see aiodist._speaking), which
+        # operations still wait and for whom: a peer stuck in user code, or one that never
+        # calls, shows in the log long before the group's timeout. A collective that has run
+        # a quarter of that records its arrival in the store (as a timed-out one does), so
+        # the warning can name the ranks that have not called it.
+        every = speaking_interval()
+        first = min(FIRST_WARNING, every)
+        arrived: set[Operation] = set()
+        warned: dict[Operation, float] = {}
+        while True:
+            await asyncio.sleep(first / 4)
+            now = time.time()
+            running = [op for g in list(self.groups.values()) for op in g._inflight]
+            for op in running:
+                record = op.record
+                if record is None:
+                    continue
+                ran = now - record.queued
+                if op.kind is OpKind.COLLECTIVE and op not in arrived and ran >= first / 4:
+                    arrived.add(op)
+                    with contextlib.suppress(DistError, TimeoutError):
+                        async with asyncio.timeout(first):
+                            await self.domain.arrive(_arrival_key(op), op.group.rank)
+                last = warned.get(op)
+                if now < (record.queued + first if last is None else last + every):
+                    continue
+                warned[op] = now
+                logger.warning(
+                    "rank %d: %s (%s) on %r still waits after %.1f s: %s (next word in %g s; "
+                    "set %s to change)",
+                    self.rank,
+                    op.name,
+                    op.label,
+                    op.group,
+                    ran,
+                    await op.group.waits_for(op, first),
+                    every,
+                    WAIT_WARNING_ENV,
+                )
+            alive = set(running)
+            arrived &= alive
+            for op in [op for op in warned if op not in alive]:
+                del warned[op]
 
     def keep(self) -> None:
         """Leave this world when the event loop that runs it shuts down with it still open.
@@ -435,6 +484,9 @@ class World:
         keeper = self._keeper
         if keeper is not None and keeper is not asyncio.current_task():
             keeper.cancel()
+        if self._speaker is not None:
+            self._speaker.cancel()
+            await asyncio.gather(self._speaker, return_exceptions=True)
         groups = list(self.groups.values())
         # A call this rank rejected still takes its place on its path (a turn of a
         # workspace): let it, so that the peers hear why instead of that this rank left.
@@ -1011,7 +1063,7 @@ class ProcessGroup:
             missing = None
             if op.kind is OpKind.COLLECTIVE:
                 missing = await self._world.domain.missing(
-                    f"{self.group_id}/{op.seq}", self.rank, list(range(self.size))
+                    _arrival_key(op), self.rank, list(range(self.size))
                 )
             assert op.timeout is not None  # only operations with a deadline expire
             kind = "call's" if op.own_timeout else "group"
@@ -1029,17 +1081,44 @@ class ProcessGroup:
         )
         if missing is not None:
             text += f"; ranks that did not arrive: {missing or 'none'}"
-        if op.waiting_for is not None:
-            waiting = op.waiting_for()
-        else:
-            waiting = [
-                self._group_rank_of[p]
-                for p in self._world.transport.waiting_for(op.wire_group, op.seq)
-                if p in self._group_rank_of
-            ]
+        waiting = self.waiting_on(op)
         if waiting:
             text += f"; still waiting for messages from ranks {waiting}"
         return DistTimeoutError(text)
+
+    async def waits_for(self, op: Operation, within: float) -> str:
+        """Say for whom ``op``, which has run long, waits: the members that have not
+        recorded their arrival (collectives, see :meth:`World._speak_while_slow`; asking
+        the store for up to ``within`` seconds), and those whose messages it lacks."""
+        text = ""
+        if op.kind is OpKind.COLLECTIVE:
+            try:
+                async with asyncio.timeout(within):
+                    seen = await self._world.domain.arrived(_arrival_key(op))
+            except (DistError, TimeoutError):
+                seen = None
+            if seen is not None:
+                absent = [r for r in range(self.size) if r not in seen]
+                text = (
+                    f"group ranks {absent} have not called it (or only just)"
+                    if absent
+                    else "every group rank has called it"
+                )
+        waiting = self.waiting_on(op)
+        if waiting:
+            text += ("; " if text else "") + f"waiting for messages from group ranks {waiting}"
+        return text or "waiting for the other ranks"
+
+    def waiting_on(self, op: Operation) -> list[int]:
+        """The group ranks whose part ``op`` still waits for (its data path says, or the
+        transport: the peers whose messages it has not received)."""
+        if op.waiting_for is not None:
+            return op.waiting_for()
+        return [
+            self._group_rank_of[p]
+            for p in self._world.transport.waiting_for(op.wire_group, op.seq)
+            if p in self._group_rank_of
+        ]
 
     async def destroy(self) -> None:
         """Destroy this group: later operations on it raise at once.
@@ -1052,6 +1131,9 @@ class ProcessGroup:
         if self is world.default_group:
             if peek_world() is world:
                 set_current_world(None)
+            # A store served from this process, even one the caller made, stays up until
+            # every rank has left: the caller may drop it (or stop the loop) next.
+            world.domain.hosting = world.domain.hosting or _hosts_server(world.store)
             await world.aclose()
             return
         if self._destroyed:
@@ -1138,6 +1220,12 @@ async def _resume(coro: Coroutine[Any, Any, None], yielded: Any) -> None:
             yielded = coro.send(None) if cancelled is None else coro.throw(cancelled)
         except StopIteration:
             return
+
+
+def _arrival_key(op: Operation) -> str:
+    """Where the ranks of a collective that runs long record their arrival (see
+    ``FailureDomain.arrive``)."""
+    return f"{op.group.group_id}/{op.seq}"
 
 
 def _hosts_server(store: Store) -> bool:

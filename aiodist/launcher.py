@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from ._assembly import RANK_QUEUE
 from ._auth import derive_key, resolve_token
 
 # The command line and the agreement between nodes have modules of their own; their public
@@ -64,7 +65,7 @@ from ._preload import Starter
 from ._status import authorized
 from ._workers import WorkerFailure, WorkerGroup, WorkerSpec, describe_exit
 from .debug import format_status, gather_status
-from .errors import DistError, DistUsageError
+from .errors import DistError, DistTimeoutError, DistUsageError
 from .store import Store, TCPStore
 
 logger = logging.getLogger(__name__)
@@ -89,6 +90,7 @@ class _Launcher:
         self._stdout = stdout
         self._stderr = stderr
         self._group: WorkerGroup | None = None
+        self._store: Store | None = None
         #: Where the workers are forked from, with ``--preload``.
         self._starter: Starter | None = None
         self._signal: int | None = None
@@ -164,6 +166,7 @@ class _Launcher:
     async def _run(self) -> int:
         cfg = self._cfg
         store = await open_store(cfg, self._token)
+        self._store = store
         coord = Coordinator(store, cfg)
         status = None
         try:
@@ -179,6 +182,13 @@ class _Launcher:
                 status = await self._serve_status(store)
             if cfg.preload:
                 self._starter = await Starter.open(cfg.preload, self._environment())
+            if self._hosting and isinstance(store, TCPStore):
+                where = f"{cfg.master_addr}:{self._port}"
+                logger.info(
+                    "the job's store is at %s (python -m aiodist.debug status --store %s)",
+                    where,
+                    where,
+                )
             if self._several:
                 logger.info(
                     "%s: %s %s",
@@ -417,6 +427,21 @@ class _Launcher:
             prefix=self._line_prefix(rank, local),
         )
 
+    async def _renumber(self, group: WorkerGroup, local: int) -> None:
+        """Prefix the output of the worker of ``local`` with the rank it says it has, each
+        time it joins a world (``RANK_QUEUE``): a shrink or an admission renumbers ranks."""
+        assert self._store is not None
+        key = RANK_QUEUE.format(run=self._cfg.run_id, node=self._round.node_rank, local=local)
+        while True:
+            try:
+                rank = int(await self._store.queue_pop(key))
+            except DistTimeoutError:
+                continue  # (the store's own timeout: wait again)
+            except (DistError, ValueError) as exc:
+                logger.debug("the rank of local rank %d cannot be followed: %s", local, exc)
+                return
+            group.renumber(local, self._line_prefix(rank, local) or f"[rank{rank}]: ")
+
     def _environment(self) -> dict[str, str]:
         """What every worker's environment starts from (and the ``--preload`` starter's)."""
         env = dict(os.environ)
@@ -465,6 +490,10 @@ class _Launcher:
         cfg = self._cfg
         group = WorkerGroup(self._round.node_rank, self._stdout, self._stderr, self._starter)
         self._group = group
+        renumbering = [
+            asyncio.create_task(self._renumber(group, local), name=f"aiodist-run rank of {local}")
+            for local in range(cfg.nproc_per_node)
+        ]
         try:
             await group.start([self._spec(local, attempt) for local in range(cfg.nproc_per_node)])
             if self._keep_logs and attempt == 0 and any(cfg.redirects + cfg.tees):
@@ -515,6 +544,9 @@ class _Launcher:
             raise
         finally:
             self._group = None
+            for task in renumbering:
+                task.cancel()
+            await asyncio.gather(*renumbering, return_exceptions=True)
         # This node is done; the job is done once every node is.
         if self._several:
             await coord.increment(attempt, "done")

@@ -10,6 +10,19 @@ of any rank in this process) is counted in three metrics of ``prometheus_client`
 ``aiodist_operation_seconds{op}``
     a histogram of their durations, from start to end.
 
+and, for each serving :class:`~aiodist.serving.Controller` of the process, in four more:
+
+``aiodist_serving_state{state}``
+    1 for the state the controller is in now (``starting``, ``ready``, ``rebuilding``,
+    ``failed``, ...), 0 for the others;
+``aiodist_serving_rebuilds_total``
+    the process groups it built again after a failure;
+``aiodist_serving_calls_total{outcome}``
+    the calls made through it, ``outcome`` ``completed``, ``failed`` or ``refused`` (the
+    controller was not ready);
+``aiodist_serving_calls_in_flight``
+    the calls running now.
+
 ``aiodist.contrib.aiohttp`` and ``aiodist.contrib.fastapi`` enable them and serve them at
 ``/metrics`` when ``prometheus_client`` is installed. Elsewhere, serve them as
 ``prometheus_client`` does (``prometheus_client.start_http_server(8000)``)::
@@ -24,6 +37,7 @@ Counting costs about a microsecond per operation, and nothing before :func:`enab
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from . import _recorder
@@ -103,5 +117,38 @@ def enable(registry: Any = None) -> None:
                 size.inc(record.nbytes)
             duration.observe(record.ended - (record.started or record.queued))
 
+        target.register(_ServingCollector())
         _registry = target
         _recorder.set_observer(observe)
+
+
+class _ServingCollector:
+    """The serving controllers' metrics, read from them when scraped (see the module)."""
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        from .serving import STATES, controllers
+
+        healths = [c.health() for c in controllers()]
+        state = GaugeMetricFamily(
+            "aiodist_serving_state", "The serving controller's state (1: now)", labels=["state"]
+        )
+        for name in STATES:
+            state.add_metric([name], sum(h["state"] == name for h in healths))
+        rebuilds = CounterMetricFamily(
+            "aiodist_serving_rebuilds", "Process groups the serving controller built again"
+        )
+        rebuilds.add_metric([], sum(max(0, h["generation"] - 1) for h in healths))
+        calls = CounterMetricFamily(
+            "aiodist_serving_calls", "Calls through the serving controller", labels=["outcome"]
+        )
+        failed = sum(h["failed"] for h in healths)
+        calls.add_metric(["completed"], sum(h["calls"] - h["in_flight"] for h in healths) - failed)
+        calls.add_metric(["failed"], failed)
+        calls.add_metric(["refused"], sum(h["refused"] for h in healths))
+        in_flight = GaugeMetricFamily(
+            "aiodist_serving_calls_in_flight", "Calls through the serving controller running now"
+        )
+        in_flight.add_metric([], sum(h["in_flight"] for h in healths))
+        yield from (state, rebuilds, calls, in_flight)

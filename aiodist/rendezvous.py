@@ -255,12 +255,17 @@ async def _tcp_store(
         "%s:// rendezvous: rank %d/%d %s the store at %s:%d",
         scheme, rank, world_size, "hosts" if is_master else "joins", host, port,
     )  # fmt: skip
+    # The host does not wait here for the others to join the store: init_process_group
+    # waits for every rank anyway, checking that they agree on the world size and saying
+    # whom it waits for (a host waiting for more ranks than the others were given would
+    # wait here in silence).
     store: Store = await TCPStore.create(
         host,
         port,
         world_size=world_size,
         is_master=is_master,
         timeout=timeout,
+        wait_for_workers=False,
         auth_token=auth_token,
     )
     return store

@@ -52,6 +52,7 @@ import contextlib
 import logging
 import signal
 import threading
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -63,12 +64,14 @@ from .group import ProcessGroup, World
 
 __all__ = [
     "CONTROLLER_RANK",
+    "STATES",
     "Channel",
     "Controller",
     "Handler",
     "RemoteError",
     "Reply",
     "Unavailable",
+    "controllers",
     "run_worker",
     "worker_group",
 ]
@@ -86,6 +89,17 @@ Handler = _serving_channel.Handler
 
 #: Seconds between attempts to join the group again when the store cannot be reached.
 _RETRY = 0.5
+
+#: Every state a :class:`Controller` is in at some point, in the order of its life.
+STATES = ("new", "starting", "ready", "rebuilding", "failed", "closing", "closed")
+
+# The controllers of this process, for aiodist.metrics.
+_controllers: weakref.WeakSet[Controller] = weakref.WeakSet()
+
+
+def controllers() -> list[Controller]:
+    """The :class:`Controller` objects of this process (for :mod:`aiodist.metrics`)."""
+    return list(_controllers)
 
 
 class Unavailable(DistError):
@@ -165,12 +179,14 @@ class Controller:
         self._generation = 0
         self._calls = 0
         self._failed = 0
+        self._refused = 0
         self._in_flight = 0
         self._channel: Channel | None = None
         self._world: World | None = None
         self._task: asyncio.Task[None] | None = None
         self._closed = asyncio.Event()
         self._changed = asyncio.Event()
+        _controllers.add(self)
 
     def __repr__(self) -> str:
         return (
@@ -218,7 +234,8 @@ class Controller:
         being recovered from, which names the rank it came from); ``generation`` counts the
         groups built; ``world_size`` is the group's (while joining, the one asked for, if
         given); ``calls`` and ``failed`` count the calls made and those that raised;
-        ``in_flight`` the calls running now.
+        ``in_flight`` the calls running now; ``refused`` the calls refused because the
+        controller was not ready (:class:`Unavailable`).
         """
         state, reason = self._now()
         world = self._world
@@ -231,6 +248,7 @@ class Controller:
             "calls": self._calls,
             "failed": self._failed,
             "in_flight": self._in_flight,
+            "refused": self._refused,
         }
 
     async def __aenter__(self) -> Controller:
@@ -279,7 +297,11 @@ class Controller:
             DistUsageError, RemoteError, DistTimeoutError, DistError: as
                 :meth:`Channel.call`.
         """
-        channel = self.channel
+        try:
+            channel = self.channel
+        except Unavailable:
+            self._refused += 1
+            raise
         self._in_flight += 1
         self._calls += 1
         try:

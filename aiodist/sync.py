@@ -584,8 +584,10 @@ def destroy_process_group(group: Group = None) -> None:
     """Destroy ``group``, or with ``None`` every group and the default one.
 
     Destroying the default group closes its connections; when no blocking store is still
-    open, the event-loop thread stops too (a later call starts a new one), so
-    ``init_process_group`` may be called again.
+    open, the stores dropped without being closed are closed and the event-loop thread
+    stops too (a later call starts a new one), so ``init_process_group`` may be called
+    again. It returns within the bounds of :func:`aiodist.destroy_process_group`: the rank
+    whose process serves the store waits until every rank has left.
 
     Raises:
         DistUsageError: not initialized, or ``group`` is not a process group of this world.
@@ -595,6 +597,7 @@ def destroy_process_group(group: Group = None) -> None:
         run(_aio_api.destroy_process_group(group))
         ended = world is not None and (group is None or group is world.default_group)
         if ended and not any_store_open():
+            close_all_stores()  # (those dropped unclosed: a stopped loop would not answer)
             loop_thread.stop()
 
 

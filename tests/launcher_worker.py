@@ -177,7 +177,7 @@ def main() -> None:
                 import aiodist._assembly as assembly
                 import aiodist._world as world
 
-                async def die(*_: object) -> None:
+                async def die(*_: object, **__: object) -> None:
                     os.kill(os.getpid(), signal.SIGKILL)
 
                 if args[1] == "during":  # its generation counted, its lease not yet

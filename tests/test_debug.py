@@ -153,6 +153,21 @@ async def test_cli_reports_mismatched_ops(tmp_path: Path) -> None:
     assert len(lines) == 4
 
 
+def test_cli_help_lists_the_status_command() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "aiodist.debug", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert out.startswith(
+        "usage: python -m aiodist.debug DUMP.json [DUMP.json ...]\n"
+        "       python -m aiodist.debug status [--store HOST:PORT] ...\n"
+    ), out
+    assert "\ncommands:\n  status      the live view of a running job" in out, out
+
+
 async def dump_on_sigusr1(rank: int, size: int) -> dict[str, Any]:
     """Run a few ops, then signal this process; the handler init installed writes the dump."""
     for _ in range(3):

@@ -128,24 +128,32 @@ def test_elastic_sgd_survives_a_killed_worker_and_takes_its_replacement_back(
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     out = proc.stdout
     survivors = [r for r in range(4) if r != kill_rank]
+    # (Each line carries the rank its worker has when it prints it: the launcher follows.)
     for new_rank, rank in enumerate(survivors):
         assert re.search(
-            rf"^\[rank{rank}\]: worker {rank}: step 10 failed \(DistNetworkError\); ranks "
+            rf"^\[rank{new_rank}\]: worker {rank}: step 10 failed \(DistNetworkError\); ranks "
             rf"\[{kill_rank}\] lost; now rank {new_rank} of 3 after [\d.]+ ms$",
             out,
             re.M,
         ), out
         assert (
-            f"worker {rank}: done as rank {new_rank}; weights match the reference: True" in out
+            f"[rank{new_rank}]: worker {rank}: done as rank {new_rank}; weights match the "
+            "reference: True" in out
         ), out
     admitted = re.search(
-        rf"^\[rank{kill_rank}\]: replacement of worker {kill_rank}: admitted as rank 3 of 4 at "
+        rf"^\[rank3\]: replacement of worker {kill_rank}: admitted as rank 3 of 4 at "
         r"step (\d+), ",
         out,
         re.M,
     )
     assert admitted and admitted[1] == "15", out  # the first admission point after the loss
     assert (
-        f"replacement of worker {kill_rank}: done as rank 3; weights match the reference: True"
-        in out
+        f"[rank3]: replacement of worker {kill_rank}: done as rank 3; weights match the "
+        "reference: True" in out
     )
+    # A line a step from the rank 0 of the moment: the recovery reads from the output.
+    steps = re.findall(
+        r"^\[rank0\]: worker \d: step (\d+) of 60 by (\d) ranks: loss [\d.]+$", out, re.M
+    )
+    assert [int(s) for s, _ in steps] == list(range(1, 61)), out
+    assert [int(n) for _, n in steps] == [4] * 10 + [3] * 5 + [4] * 45, out

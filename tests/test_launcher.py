@@ -347,6 +347,51 @@ def test_standalone_picks_free_ports_concurrently() -> None:
     assert len(ports) == 3
 
 
+def test_standalone_takes_the_master_port_and_says_where_the_store_is() -> None:
+    port = free_port()
+    result = launch("--standalone", f"--master-port={port}", "--nproc-per-node=2", WORKER, "env")
+    assert result.returncode == 0, result.stderr
+    envs = [json.loads(v[0]) for v in by_rank(result.stdout).values()]
+    assert {e["MASTER_PORT"] for e in envs} == {str(port)}
+    said = f"the job's store is at 127.0.0.1:{port} (python -m aiodist.debug status --store 127.0.0.1:{port})"
+    assert f"[aiodist-run] INFO: {said}" in result.stderr.splitlines(), result.stderr
+    # Without it, a free port, said all the same.
+    result = launch("--standalone", WORKER, "env")
+    picked = json.loads(by_rank(result.stdout)[0][0])["MASTER_PORT"]
+    assert f"the job's store is at 127.0.0.1:{picked} " in result.stderr, result.stderr
+
+
+_SHRINKING = """
+import os
+import aiodist.sync as dist
+
+dist.init_process_group("gloo")
+print(f"before: rank {dist.get_rank()}", flush=True)
+if dist.get_rank() == 0:
+    dist.destroy_process_group()
+else:
+    dist.shrink_group([0])
+    print(f"after: rank {dist.get_rank()}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+"""
+
+
+def test_output_lines_carry_the_rank_after_a_shrink(tmp_path: Path) -> None:
+    script = tmp_path / "shrink.py"
+    script.write_text(_SHRINKING)
+    result = launch("--nproc-per-node=3", str(script))
+    assert result.returncode == 0, result.stderr
+    lines = sorted(result.stdout.splitlines())
+    assert lines == [
+        "[rank0]: after: rank 0",  # (local rank 1: rank 1, then rank 0)
+        "[rank0]: before: rank 0",
+        "[rank1]: after: rank 1",  # (local rank 2)
+        "[rank1]: before: rank 1",
+        "[rank2]: before: rank 2",
+    ], result.stdout
+
+
 def test_master_port_and_rdzv_endpoint() -> None:
     port = free_port()
     result = launch(f"--master-port={port}", "--nproc-per-node=2", WORKER, "allreduce")

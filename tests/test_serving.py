@@ -485,6 +485,7 @@ async def test_the_controller_answers_unavailable_until_every_rank_joined() -> N
         "calls": 0,
         "failed": 0,
         "in_flight": 0,
+        "refused": 2,  # (before it started, and now)
     }
     workers = start_workers(store, 3)
     await controller.wait_ready(10)

@@ -71,6 +71,7 @@ async def test_an_example_answers_like_numpy_and_drains_on_shutdown(
             "calls": 0,
             "failed": 0,
             "in_flight": 0,
+            "refused": 0,
         }, job.output()
 
         # Requests of every batch size, eight at a time, each checked against numpy.

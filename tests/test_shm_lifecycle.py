@@ -305,3 +305,63 @@ def test_a_rank_that_cannot_reserve_its_rings_takes_its_host_to_tcp(tmp_path: Pa
             r"bytes\): \[Errno 27\] File too large \(\d+ bytes are free\); .*",
             said[0],
         ), said
+
+
+#: Two ranks that make subgroups until /dev/shm (24 MiB: the default group's rings and
+#: workspace, and two subgroups' workspaces) has no room for the next workspace: each
+#: reports, per subgroup, whether it has a workspace, its all_reduce, and what it said.
+_SUBGROUPS_UNTIL_FULL = textwrap.dedent(
+    """
+    import asyncio, json, logging, sys, time
+    import numpy as np
+    import aiodist
+    from aiodist.testing import start_world_processes
+
+    async def rank_main(rank, size):
+        said = []
+        handler = logging.Handler()
+        handler.emit = lambda record: said.append(record.getMessage())
+        logging.getLogger("aiodist").addHandler(handler)
+        await aiodist.init_process_group(timeout=30)
+        start = time.monotonic()
+        groups = []
+        for _ in range(4):
+            pg = await aiodist.new_group([0, 1])
+            x = np.full(4, float(rank + 1))
+            await aiodist.all_reduce(x, group=pg)
+            groups.append(("cpu" in pg.paths, x.tolist()))
+        took = time.monotonic() - start
+        await aiodist.destroy_process_group()
+        return groups, took, [s for s in said if "no shared-memory workspace" in s]
+
+    if __name__ == "__main__":
+        print(json.dumps(start_world_processes(rank_main, 2, init_group=False).results()))
+    """
+)
+
+
+@pytest.mark.multiprocess
+def test_subgroups_past_the_room_in_dev_shm_agree_to_run_over_the_transport(
+    tmp_path: Path,
+) -> None:
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare to mount a small /dev/shm privately")
+    worker = tmp_path / "subgroups.py"  # (a file: spawned ranks import their function)
+    worker.write_text(_SUBGROUPS_UNTIL_FULL)
+    script = f"mount -t tmpfs -o size=24m tmpfs /dev/shm && exec {sys.executable} {worker}"
+    proc = subprocess.run(
+        ["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    for rank, (groups, took, said) in enumerate(json.loads(proc.stdout.splitlines()[-1])):
+        # The first two fit; the others run over the transport, on both ranks alike.
+        assert groups == [[True, [3.0] * 4]] * 2 + [[False, [3.0] * 4]] * 2, (rank, groups)
+        assert took < 15, (rank, took)  # (no rank waits for the group's timeout of 30 s)
+        assert len(said) == 2, (rank, said)
+        for text in said:
+            assert re.fullmatch(
+                rf"<ProcessGroup rank={rank}/2 .*>: no shared-memory workspace, its "
+                r"collectives run over the transport: group rank 0: cannot reserve \d+ bytes "
+                r"of shared memory in /dev/shm .*",
+                text,
+            ), text

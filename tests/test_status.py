@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import aiodist
-from aiodist.debug import gather_status
+from aiodist.debug import format_status, gather_status
 from aiodist.testing import start_world_processes
 
 
@@ -80,6 +80,9 @@ def test_the_view_names_the_hung_rank_and_shows_its_stack() -> None:
         assert re.findall(r"^stacks of rank (\d+)", out, re.MULTILINE) == ["2"], out
         stacks = out.split(f"stacks of rank 2 (pid {pids[2]}):", 1)[1]
         assert "in stuck_in_user_code" in stacks and "time.sleep(seconds)" in stacks, out
+        # The user's main thread first, aiodist's own threads after it.
+        threads = re.findall(r"^  thread (\S+):$", stacks, re.MULTILINE)
+        assert threads[0] == "MainThread", threads
 
         # A rank whose process cannot answer at all (stopped) is named, within the deadline.
         os.kill(pids[2], signal.SIGSTOP)
@@ -91,6 +94,28 @@ def test_the_view_names_the_hung_rank_and_shows_its_stack() -> None:
         out = proc.stdout
         assert re.search(r"^rank 2: no answer within 1 s$", out, re.MULTILINE), out
         assert re.search(rf"^rank 0 .*{waiting}$", out, re.MULTILINE), out
+
+
+def test_the_view_shows_the_main_thread_first_and_aiodists_threads_last() -> None:
+    stacks = {
+        "aiodist-loop": '  File "aiodist/_loop_thread.py", line 1, in main\n',
+        "ThreadPoolExecutor-0_0": '  File "concurrent/futures/thread.py", line 1, in _worker\n',
+        "loader": '  File "train.py", line 3, in load\n',
+        "MainThread": '  File "train.py", line 9, in <module>\n',
+    }
+    entry = {
+        "rank": 0,
+        "address": "127.0.0.1:1",
+        "status": {
+            "pid": 1,
+            "time": 0.0,
+            "ranks": [{"rank": 0, "in_flight": [], "recent": [], "last_error": None}],
+            "stacks": stacks,
+        },
+    }
+    out = format_status([entry])
+    threads = re.findall(r"^  thread (\S+):$", out, re.MULTILINE)
+    assert threads == ["MainThread", "loader", "aiodist-loop", "ThreadPoolExecutor-0_0"], out
 
 
 async def test_the_view_says_when_the_store_has_no_world() -> None:

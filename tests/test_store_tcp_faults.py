@@ -167,6 +167,26 @@ async def test_disconnect_mid_request_is_cleaned_up(server: aiodist.TCPStoreServ
 
 
 @pytest.mark.both_loops
+async def test_a_client_reset_is_not_news_at_info_level(
+    server: aiodist.TCPStoreServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    # What a killed client's process leaves: a connection reset (SO_LINGER 0 sends the RST).
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(_wire.CLIENT_HELLO.pack(_wire.AIODIST_MAGIC, _wire.PROTOCOL_VERSION, b"n" * 32))
+    await reader.readexactly(_wire.SERVER_HELLO.size)  # (admitted: the server has no token)
+    with caplog.at_level("DEBUG", logger="aiodist.store"):
+        deadline = time.monotonic() + 5
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()
+        while server.num_clients:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+    lost = [r for r in caplog.records if "lost the connection" in r.getMessage()]
+    assert [r.levelname for r in lost] == ["DEBUG"], lost
+    assert "Connection reset by peer" in lost[0].getMessage()
+
+
 async def test_cancelled_wait_is_removed_from_the_server(server: aiodist.TCPStoreServer) -> None:
     store = await _client(server)
     with pytest.raises(TimeoutError):

@@ -44,8 +44,14 @@ def test_init_rules_single_rank(clean_world: None, tmp_path: Path) -> None:
         dist.init_process_group("mpi", store=store, rank=0, world_size=1)
     with pytest.raises(aiodist.DistUsageError, match=r"blocking aiodist\.sync store"):
         dist.init_process_group(store=aiodist.HashStore(), rank=0, world_size=1)  # type: ignore[arg-type]
-    with pytest.raises(aiodist.DistUsageError, match="needs the default process group"):
+    # The blocking facade names the blocking call, for operations and introspection alike.
+    blocking = r"needs the default process group: call `dist\.init_process_group\(\.\.\.\)` \(with `import aiodist\.sync as dist`\) first$"
+    with pytest.raises(aiodist.DistUsageError, match=f"^all_reduce {blocking}"):
         dist.all_reduce(np.ones(1))
+    with pytest.raises(aiodist.DistUsageError, match=f"^get_rank {blocking}"):
+        dist.get_rank()
+    with pytest.raises(aiodist.DistUsageError, match=f"^new_group {blocking}"):
+        dist.new_group([0])
     assert not dist.is_initialized()
 
     # With cupy installed, the forms that name both devices (or none) get the CUDA backend too.

@@ -12,10 +12,12 @@ Object collectives, barriers and point to point run here for every backend.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import logging
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -28,6 +30,13 @@ from .._ops import ReduceOp
 from .._work import rejected_on_transport
 from ..collectives import objects, shm, two_level
 from ..collectives.two_level import HostPlan
+from ..errors import (
+    DistError,
+    DistNetworkError,
+    DistProtocolError,
+    DistTimeoutError,
+    DistUsageError,
+)
 from ..group import Plan, ProcessGroup
 from ..store import PrefixStore
 from ..transport._shm_segment import SharedMemoryError
@@ -38,6 +47,8 @@ from . import Backend, Path
 __all__ = ["BACKEND", "PATHS", "on_transport"]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 _NAME = "cpu"  # the backend's name, which keys its workspace in a group's paths
 
@@ -52,23 +63,129 @@ async def _setup(group: ProcessGroup) -> None:
     transport = group.world.transport
     local = transport.local_ranks
     if group.size > 1 and len(group.backends) == 1 and set(group.ranks) <= set(local):
-        # Within the group's own timeout (init_process_group's, new_group's): a rank that
-        # never comes must not hold the others for the workspace's default 300 s.
-        ws = await shm.NodeWorkspace.create(
-            PrefixStore(f"shm/ws/{group.group_id}", group.world.store),
-            group.rank,
-            group.size,
-            ranks=group.ranks,
-            local_world_size=len(local),
-            job_key=default_job_key(),
-            timeout=group.timeout,
-        )
-        group.paths[_NAME] = _Workspace(ws)
+        ws = await _agreed_workspace(group, len(local))
+        if ws is not None:
+            group.paths[_NAME] = _Workspace(ws)
         return
     # A group over several hosts, with several of its ranks on some, works in two levels.
     plan = HostPlan.of_group(transport.hosts, group.ranks, group.rank)
     if plan is not None and not turned_off("AIODIST_TWO_LEVEL"):
         group.paths[_NAME] = _TwoLevel(plan)
+
+
+#: Errors a member's failed workspace set-up is raised as on the other members, by name.
+_FAILURES: dict[str, type[DistError]] = {
+    cls.__name__: cls
+    for cls in (DistUsageError, DistTimeoutError, DistNetworkError, DistProtocolError)
+}
+
+
+async def _agreed_workspace(group: ProcessGroup, local: int) -> shm.NodeWorkspace | None:
+    """Make the group's workspace with its members, who all end with the same outcome.
+
+    A group's data path decides which operations take turns in the workspace, so every
+    member must agree on whether there is one. A member that cannot make or map it records
+    why (the first failure wins) and the others stop waiting for it at once: shared memory
+    that cannot be had (``SharedMemoryError``: ``/dev/shm`` too small, say) leaves the group
+    on the transport's algorithms on every member (logged); any other failure is raised on
+    every member, naming the one where it happened. A member whose set-up succeeded then
+    waits for every other member's outcome (or the first failure) before it keeps the
+    workspace.
+
+    Raises:
+        DistError: a member could not set up the workspace (not for lack of shared memory).
+    """
+    store = PrefixStore(f"shm/ws/{group.group_id}", group.world.store)
+    making = asyncio.ensure_future(
+        shm.NodeWorkspace.create(
+            store,
+            group.rank,
+            group.size,
+            ranks=group.ranks,
+            local_world_size=local,
+            job_key=default_job_key(),
+            # Within the group's own timeout (init_process_group's, new_group's): a rank
+            # that never comes must not hold the others for the workspace's default 300 s.
+            timeout=group.timeout,
+        )
+    )
+    failure = asyncio.ensure_future(_first_failure(store))
+    ws: shm.NodeWorkspace | None = None
+    own: BaseException | None = None
+    decided = False
+    try:
+        if await _unless_failed(making, failure) is not None:
+            try:
+                ws = making.result()
+            except Exception as exc:
+                own = exc
+                await store.compare_set(_FAILED, "", f"{type(exc).__name__}|{group.rank}|{exc}")
+        # Every member's outcome, or the first failure, decides.
+        met = await _unless_failed(store.barrier(_DECIDED, group.size, group.timeout), failure)
+        if met is not None:
+            met.result()
+        decided = True
+        if not await store.check([_FAILED]):
+            return ws
+        kind, rank, reason = (await store.get(_FAILED)).decode(errors="replace").split("|", 2)
+    except BaseException:
+        if ws is not None:
+            await ws.aclose()
+        if not decided:
+            with contextlib.suppress(Exception):
+                # (Best effort: the others then stop waiting for this member.)
+                why = f"DistNetworkError|{group.rank}|it stopped setting up"
+                await asyncio.wait_for(store.compare_set(_FAILED, "", why), 1)
+        raise
+    finally:
+        for task in (making, failure):
+            task.cancel()
+        await asyncio.gather(making, failure, return_exceptions=True)
+    if ws is not None:
+        await ws.aclose()
+    if kind == SharedMemoryError.__name__:
+        logger.warning(
+            "%r: no shared-memory workspace, its collectives run over the transport: group "
+            "rank %s: %s",
+            group,
+            rank,
+            reason,
+        )
+        return None
+    if own is not None and int(rank) == group.rank:
+        raise own
+    raise _FAILURES.get(kind, DistError)(
+        f"setting up the shared-memory workspace of {group!r}: group rank {rank} failed: "
+        f"{kind}: {reason}"
+    )
+
+
+async def _first_failure(store: PrefixStore) -> None:
+    # Returns once a member recorded a failure (the store's own timeout is waited again).
+    while True:
+        try:
+            await store.wait([_FAILED])
+            return
+        except DistTimeoutError:
+            continue
+
+
+async def _unless_failed(
+    step: Awaitable[T], failure: asyncio.Future[None]
+) -> asyncio.Future[T] | None:
+    """Await ``step`` unless a member's failure is recorded first (then ``step`` is
+    cancelled and this returns ``None``); return the ended step, holding its outcome."""
+    task = asyncio.ensure_future(step)
+    await asyncio.wait((task, failure), return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        return task
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return None
+
+
+# The keys of the agreement on a group's workspace (in its namespace, shm/ws/<group id>).
+_FAILED, _DECIDED = "failed", "decided"
 
 
 class _Workspace:

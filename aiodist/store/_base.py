@@ -7,13 +7,13 @@ import asyncio
 import time
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Self
+from typing import Any, Self
 
 from .._timeouts import DEFAULT_STORE_TIMEOUT, Timeout, to_seconds
 from ..errors import DistStoreError, DistUsageError
 from ._state import barrier_timeout_error, format_keys
 
-__all__ = ["Store", "Value", "check_world_size", "encode_key", "encode_value"]
+__all__ = ["Store", "Value", "check_world_size", "encode_key", "encode_value", "settled"]
 
 #: The longest pause between two looks at a counter when a store can only poll it.
 _MAX_BARRIER_POLL = 0.05
@@ -177,10 +177,22 @@ class Store(abc.ABC):
     async def queue_pop(self, key: str, block: bool = True) -> bytes:
         """Pop the oldest value of queue ``key``.
 
+        A pop that is cancelled never loses a value: either it returned it, or the value is
+        in the queue (a value taken as the cancellation came is put back at the head, see
+        :meth:`queue_push_front`).
+
         Raises:
             QueueEmptyError: ``block`` is false and the queue is empty.
             DistTimeoutError: ``block`` is true and nothing arrived within the store timeout.
         """
+
+    async def queue_push_front(self, key: str, value: Value) -> None:
+        """Put ``value`` at the head of queue ``key``, waking one popper: the next pop
+        returns it. This is how a pop that was cancelled after it took ``value`` gives it
+        back. Stores that cannot put a value first put it at the end (this default, and
+        torch's wire).
+        """
+        await self.queue_push(key, value)
 
     @abc.abstractmethod
     async def queue_len(self, key: str) -> int:
@@ -242,6 +254,22 @@ class Store(abc.ABC):
         tb: TracebackType | None,
     ) -> None:
         await self.aclose()
+
+
+async def settled(future: asyncio.Future[Any], limit: float | None = None) -> bool:
+    """Wait for ``future`` to be done (up to ``limit`` seconds; ``None``: no limit), through
+    cancellations: the caller is handling a failure or a cancellation already (it gives back
+    what a request it gave up on took). Returns whether the caller was cancelled meanwhile
+    (for it to raise that)."""
+    loop = asyncio.get_running_loop()
+    end = None if limit is None else loop.time() + limit
+    cancelled = False
+    while not future.done() and (end is None or loop.time() < end):
+        try:
+            await asyncio.wait([future], timeout=None if end is None else end - loop.time())
+        except asyncio.CancelledError:
+            cancelled = True
+    return cancelled
 
 
 def check_world_size(world_size: object) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import os
 import struct
 from collections.abc import Callable, Sequence
@@ -24,6 +25,7 @@ from ..errors import (
     DistUsageError,
     QueueEmptyError,
 )
+from ._base import settled
 from ._client_connection import (
     MAX_REPLY_VALUE,
     SERVER_GRACE,
@@ -57,6 +59,8 @@ from ._wire import (
 
 __all__ = ["AiodistChannel", "handshake_aiodist"]
 
+logger = logging.getLogger(__name__)
+
 _OK = int(Status.OK)
 #: Request ids run 1..2**32-1: id 0 is what CANCEL frames carry.
 _MAX_RID = 0xFFFFFFFF
@@ -82,10 +86,30 @@ _SET, _ADD, _COMPARE_SET, _CHECK = int(Op.SET), int(Op.ADD), int(Op.COMPARE_SET)
 _DELETE_KEY, _NUM_KEYS, _LIST_KEYS = int(Op.DELETE_KEY), int(Op.NUM_KEYS), int(Op.LIST_KEYS)
 _MULTI_SET, _APPEND = int(Op.MULTI_SET), int(Op.APPEND)
 _QUEUE_PUSH, _QUEUE_LEN = int(Op.QUEUE_PUSH), int(Op.QUEUE_LEN)
+_QUEUE_PUSH_FRONT = int(Op.QUEUE_PUSH_FRONT)
 
 
 def _nothing(payload: bytes) -> None:
     return None
+
+
+def _ok(reply: asyncio.Future[Any]) -> bytes | None:
+    """The payload of a successful reply (``(status, payload)``), else ``None``."""
+    if not reply.done() or reply.cancelled() or reply.exception() is not None:
+        return None
+    status, payload = reply.result()
+    return payload if status == _OK else None
+
+
+def _retrieve(done: asyncio.Future[Any]) -> None:
+    # Marks a failure as seen: a future nobody awaits any more.
+    if not done.cancelled():
+        done.exception()
+
+
+def _given_back(done: asyncio.Future[None]) -> None:
+    if not done.cancelled() and done.exception() is not None:
+        logger.warning("a cancelled queue_pop could not give its value back: %s", done.exception())
 
 
 def _i64(payload: bytes) -> int:
@@ -201,21 +225,39 @@ class AiodistChannel(Channel, ReplySink):
         conn.write(FRAME_HEAD.pack(len(payload) + 5, rid, op) + payload)
         return future
 
-    async def _call(self, op: Op, *parts: bytes, deadline: float | None = None) -> bytes:
+    async def _call(
+        self,
+        op: Op,
+        *parts: bytes,
+        deadline: float | None = None,
+        taken: Callable[[bytes], asyncio.Future[None] | None] | None = None,
+    ) -> bytes:
         """A request that may wait on the server: on cancellation it is cancelled there too,
-        and a server that stays silent past ``deadline`` plus a grace is reported."""
+        and a server that stays silent past ``deadline`` plus a grace is reported.
+
+        ``taken`` is called with the payload of a successful reply that the caller gave up
+        on (cancelled or timed out): a reply parsed in the turn the cancellation came, or
+        one the server sent before it saw the cancel (a pop gives its value back so).
+        """
         future = self._submit(op, b"".join(parts), None)
         rid = self._next_rid
         conn = self._conn
+        # (A cancelled task cancels the future it awaits: shielded, the reply still lands.)
+        reply = future if taken is None else asyncio.shield(future)
         try:
             if deadline is None:
-                status, payload = await future
+                status, payload = await reply
             else:
                 async with asyncio.timeout(deadline + SERVER_GRACE):
-                    status, payload = await future
+                    status, payload = await reply
         except BaseException as exc:
             # Cancelled or given up: tell the server to drop the request (and its waiter).
-            if self._pending.pop(rid, None) is not None and not conn.is_lost:
+            if taken is not None:
+                # (A server silent past the deadline is not waited for again.)
+                silent = isinstance(exc, TimeoutError)
+                if await self._abandon(rid, future, taken, 0.0 if silent else SERVER_GRACE):
+                    raise asyncio.CancelledError from None  # (cancelled meanwhile)
+            elif self._pending.pop(rid, None) is not None and not conn.is_lost:
                 conn.write(encode_frame(0, Op.CANCEL, U32.pack(rid)))
             if isinstance(exc, TimeoutError):
                 raise DistTimeoutError(
@@ -227,6 +269,43 @@ class AiodistChannel(Channel, ReplySink):
             result: bytes = payload
             return result
         raise self._error(status, payload)
+
+    async def _abandon(
+        self,
+        rid: int,
+        future: asyncio.Future[Any],
+        taken: Callable[[bytes], asyncio.Future[None] | None],
+        grace: float,
+    ) -> bool:
+        """Give up request ``rid`` (see ``_call``'s ``taken``) and know its outcome within
+        ``grace`` seconds: what it took is given back (``taken`` sends the request that
+        does, awaited here) before this returns; past the grace, a reply that comes later
+        gives back all the same. Returns whether the caller was cancelled meanwhile."""
+        conn = self._conn
+        cancelled = False
+        if not future.done() and not conn.is_lost:
+            conn.write(encode_frame(0, Op.CANCEL, U32.pack(rid)))
+            # The server answers in order: by its answer to this ping, the request has
+            # answered (served before the cancel reached the server) or been dropped.
+            ping = self._submit(int(Op.PING), b"", _nothing)
+            ping.add_done_callback(_retrieve)  # (its failure, a lost connection, is the pop's)
+            cancelled = await settled(ping, grace)
+            if not ping.done():
+                # A server silent past the grace: a reply that comes later still gives back.
+                def late(reply: asyncio.Future[Any]) -> None:
+                    payload = _ok(reply)
+                    if payload is not None:
+                        taken(payload)
+
+                future.add_done_callback(late)
+                return cancelled
+        self._pending.pop(rid, None)
+        payload = _ok(future)
+        if payload is not None:
+            giving = taken(payload)
+            if giving is not None:
+                cancelled = await settled(giving, grace) or cancelled
+        return cancelled
 
     @staticmethod
     def _error(status: int, payload: bytes) -> Exception:
@@ -305,13 +384,25 @@ class AiodistChannel(Channel, ReplySink):
         return self._submit(_QUEUE_PUSH, blob32(key) + blob32(value), _nothing)
 
     async def queue_pop(self, key: bytes, block: bool, timeout: float | None) -> bytes:
+        def give_back(value: bytes) -> asyncio.Future[None] | None:
+            if self._conn.is_lost:
+                logger.warning("a cancelled queue_pop lost its value with the connection")
+                return None
+            giving = self.queue_push_front(key, value)
+            giving.add_done_callback(_given_back)
+            return giving
+
         return await self._call(
             Op.QUEUE_POP,
             _timeout_arg(timeout),
             U8.pack(block),
             blob32(key),
             deadline=timeout if block else None,
+            taken=give_back,
         )
+
+    def queue_push_front(self, key: bytes, value: bytes) -> asyncio.Future[None]:
+        return self._submit(_QUEUE_PUSH_FRONT, blob32(key) + blob32(value), _nothing)
 
     def queue_len(self, key: bytes) -> asyncio.Future[int]:
         return self._submit(_QUEUE_LEN, blob32(key), _i64)

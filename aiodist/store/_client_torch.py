@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ..errors import DistNetworkError, DistProtocolError, DistStoreError, QueueEmptyError
+from ._base import settled
 from ._client_connection import (
     MAX_REPLY_VALUE,
     SERVER_GRACE,
@@ -87,6 +88,17 @@ _T_SET, _T_ADD = int(TorchOp.SET), int(TorchOp.ADD)
 
 def _p_many(n: int) -> _Parser:
     return lambda r: [_p_bytes(r) for _ in range(n)]
+
+
+async def _read_pop(conn: ClientConnection) -> bytes | None:
+    """Read the answer to a QUEUE_POP: the value, or ``None`` where the queue was empty."""
+    (count,) = I64.unpack(await conn.read_exactly(8))
+    if count <= 0:
+        return None
+    (size,) = U64.unpack(await conn.read_exactly(8))
+    if size > MAX_REPLY_VALUE:
+        raise DistProtocolError(f"torch store sent a {size}-byte queue item")
+    return await conn.read_exactly(size)
 
 
 async def torch_validate(conn: ClientConnection, nonce: int, timeout: float | None) -> int:
@@ -365,7 +377,11 @@ class TorchChannel(Channel, ReplySink):
     async def queue_pop(self, key: bytes, block: bool, timeout: float | None) -> bytes:
         request = torch_request(TorchOp.QUEUE_POP, key)
         if not block:
-            value = await self._call(request, _p_queue_pop)
+            conn = await self._main()
+            answer: asyncio.Future[Any] = conn.loop.create_future()
+            self._fifo.append((answer, _p_queue_pop, None))
+            conn.write(request)
+            value = await self._keep_popped(key, answer)
             if value is None:
                 raise QueueEmptyError(f"queue {format_keys([key[1:]])} is empty")
             assert isinstance(value, bytes)
@@ -376,14 +392,7 @@ class TorchChannel(Channel, ReplySink):
 
         async def pop(conn: ClientConnection) -> None:
             conn.write(request)
-            (count,) = I64.unpack(await conn.read_exactly(8))
-            if count <= 0:
-                popped.append(None)
-                return
-            (size,) = U64.unpack(await conn.read_exactly(8))
-            if size > MAX_REPLY_VALUE:
-                raise DistProtocolError(f"torch store sent a {size}-byte queue item")
-            popped.append(await conn.read_exactly(size))
+            popped.append(await self._keep_popped(key, asyncio.ensure_future(_read_pop(conn))))
 
         start = time.monotonic()
         wait = torch_request(TorchOp.WAIT, [key])
@@ -393,6 +402,25 @@ class TorchChannel(Channel, ReplySink):
             value = popped.pop()
             if value is not None:
                 return value
+
+    async def _keep_popped(self, key: bytes, answer: asyncio.Future[Any]) -> Any:
+        """Await the answer to a pop of queue ``key``; cancelled meanwhile, wait for the
+        answer (the server pops at once and answers in order) and put back what it took, at
+        the end: torch's wire cannot put a value first. (Shielded: a cancelled task cancels
+        the future it awaits, and the value in a reply still to come would be dropped.)"""
+        try:
+            return await asyncio.shield(answer)
+        except asyncio.CancelledError:
+            await settled(answer, SERVER_GRACE)
+            if answer.done() and not answer.cancelled() and answer.exception() is None:
+                taken = answer.result()
+                if taken is not None and not self._conn.is_lost:
+                    self.queue_push(key, taken)  # (written now: a post, no reply)
+            raise
+
+    def queue_push_front(self, key: bytes, value: bytes) -> Awaitable[None]:
+        # torch's wire has no way to put a value first: at the end, then.
+        return self.queue_push(key, value)
 
     def queue_len(self, key: bytes) -> Awaitable[int]:
         return self._request(torch_request(TorchOp.QUEUE_LEN, key), _p_i64)

@@ -147,7 +147,16 @@ class _Connection(AiodistWire, TorchWire):
             self._deadline = None
         self._server._gone(self)
         if exc is not None and self._admitted:
-            logger.info("store server: lost the connection from %s: %s", self.peer, exc)
+            # A reset is what a client's process that ended (killed, say) leaves: its leases
+            # tell whom that concerns, so it is not news at every kill. Anything else (a
+            # host gone silent past the peer timeout) is.
+            reset = isinstance(exc, ConnectionResetError | BrokenPipeError)
+            logger.log(
+                logging.DEBUG if reset else logging.INFO,
+                "store server: lost the connection from %s: %s",
+                self.peer,
+                exc,
+            )
         self._aiodist_lost()
         self._torch_lost()
         self._transport = None

@@ -437,6 +437,11 @@ class AiodistWire(ServerConnection):
         self._state.queue_push(r.blob32(self._max_key, "key"), r.blob32(self._max_value, "value"))
         self._reply(rid)
 
+    def _op_queue_push_front(self, rid: int, r: Reader) -> None:
+        key = r.blob32(self._max_key, "key")
+        self._state.queue_push_front(key, r.blob32(self._max_value, "value"))
+        self._reply(rid)
+
     def _op_queue_pop(self, rid: int, r: Reader) -> None:
         timeout = _read_timeout(r)
         block = r.u8()
@@ -601,4 +606,5 @@ _AIODIST_HANDLERS: dict[int, _AiodistHandler] = {
     Op.PING: AiodistWire._op_ping,
     Op.BARRIER: AiodistWire._op_barrier,
     Op.LEASE: AiodistWire._op_lease,
+    Op.QUEUE_PUSH_FRONT: AiodistWire._op_queue_push_front,
 }

@@ -231,6 +231,14 @@ class KeyValueState:
         if key in self._waiters:
             self._wake_one(key)
 
+    def queue_push_front(self, key: bytes, value: bytes) -> None:
+        """Put ``value`` at the head of queue ``key`` (the next pop returns it) and wake the
+        first wait it completes, as :meth:`queue_push` does: where a pop that was cancelled
+        after it took ``value`` puts it back."""
+        self._queues.setdefault(key, deque()).appendleft(value)
+        if key in self._waiters:
+            self._wake_one(key)
+
     def queue_pop(self, key: bytes, owner: Hashable | None = None) -> bytes | None:
         """Pop the oldest value of queue ``key``: the one promised to ``owner`` if it holds
         a promise on ``key``, else one nobody was promised; ``None`` if there is none."""

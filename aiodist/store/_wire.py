@@ -65,8 +65,9 @@ __all__ = [
 #: ``AIOD``). torch's first byte is always 0 (VALIDATE), so the server tells the two apart by
 #: the first byte.
 AIODIST_MAGIC = b"AIOS"
-#: Bumped whenever the frame layout or an opcode's meaning changes.
-PROTOCOL_VERSION = 2
+#: Bumped whenever the frame layout or an opcode's meaning changes, or an opcode is added
+#: (3: QUEUE_PUSH_FRONT).
+PROTOCOL_VERSION = 3
 FLAG_AUTH = 0x01
 
 #: Limits a server applies unless told otherwise (torch's libuv server allows 8 KiB keys and
@@ -157,6 +158,9 @@ class Op(enum.IntEnum):
     #: key, value: when this connection ends, set ``key`` to ``value`` if it is not set
     #: already (an empty value withdraws the lease).
     LEASE = 19
+    #: key, value: put ``value`` at the head of queue ``key`` (a cancelled pop gives back
+    #: what it took).
+    QUEUE_PUSH_FRONT = 20
 
 
 class Status(enum.IntEnum):

@@ -36,13 +36,20 @@ from typing import Any
 
 from .._timeouts import DEFAULT_STORE_TIMEOUT, Timeout, to_seconds
 from ..errors import (
-    DistError,
     DistNetworkError,
     DistStoreError,
     DistUsageError,
     QueueEmptyError,
 )
-from ._base import Store, Value, check_lengths, check_world_size, encode_key, encode_value
+from ._base import (
+    Store,
+    Value,
+    check_lengths,
+    check_world_size,
+    encode_key,
+    encode_value,
+    settled,
+)
 from ._etcd_client import (
     Endpoint,
     EtcdClient,
@@ -104,6 +111,14 @@ def _kvs(response: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _revision(answer: dict[str, Any]) -> int:
     return int(answer.get("header", {}).get("revision", 0))
+
+
+#: What starts the names of the items that cancelled pops gave back (client ids, which
+#: start the names of pushed items, are hexadecimal): they sort before every pushed item.
+_GIVEN_BACK = b"\x00"
+#: What follows it in the names of the items put first (``queue_push_front``): they sort
+#: before those that pops gave back.
+_FIRST = b"\x00"
 
 
 class _Compacted(Exception):
@@ -225,8 +240,6 @@ class EtcdStore(Store):
         self._pruned = 0
         self._keeper: asyncio.Task[None] | None = None
         self._watches: set[_Watch] = set()
-        # Values that cancelled pops put back, on their way.
-        self._background: set[asyncio.Future[None]] = set()
         self._lost: str | None = None
         self._closed = False
 
@@ -746,11 +759,28 @@ class EtcdStore(Store):
         item = self._queue(encode_key(key)) + self._me + b".%016x" % next(self._items)
         await self._transact([], lambda _: _Write([], [self._put(item, data)], b""))
 
+    async def queue_push_front(self, key: str, value: Value) -> None:
+        """Put ``value`` at the head of queue ``key`` (see :meth:`Store.queue_push_front`).
+
+        Raises:
+            DistUsageError: the value is too large.
+            DistNetworkError: no etcd member could be reached.
+        """
+        self._check_open()
+        data = self._value(value)
+        revision, _ = await self._read([])
+        # First among the items given back, later ones before earlier ones (the count falls
+        # as the revision grows); this client's id and a count keep the name its own.
+        place = (
+            _FIRST + b"%016x" % (2**64 - 1 - revision) + self._me + b".%016x" % next(self._items)
+        )
+        await self._give_back(self._queue(encode_key(key)), place, data)
+
     async def queue_pop(self, key: str, block: bool = True) -> bytes:
         """Pop the oldest value of queue ``key``.
 
-        A pop cancelled while its transaction is in flight puts what it took back at the
-        end of the queue.
+        A pop cancelled while its transaction is in flight waits for it and puts what it
+        took back at the head of the queue (before the cancellation goes on).
 
         Raises:
             QueueEmptyError: ``block`` is false and the queue is empty.
@@ -765,9 +795,20 @@ class EtcdStore(Store):
         while True:
             taking = asyncio.ensure_future(self._pop_once(items))
             try:
-                value, revision = await asyncio.shield(taking)
+                value, order, revision = await asyncio.shield(taking)
             except asyncio.CancelledError:
-                taking.add_done_callback(lambda t: self._give_back(key, t))
+                await settled(taking)
+                if not taking.cancelled() and taking.exception() is None:
+                    taken, order, _ = taking.result()
+                    if taken is not None:
+                        giving = asyncio.ensure_future(self._give_back(items, order, taken))
+                        await settled(giving)
+                        if not giving.cancelled() and giving.exception() is not None:
+                            logger.warning(
+                                "a cancelled queue_pop on %r could not put its value back: %s",
+                                key,
+                                giving.exception(),
+                            )
                 raise
             if value is not None:
                 return value
@@ -786,34 +827,41 @@ class EtcdStore(Store):
             ):
                 raise timeout_error([raw], [raw], time.monotonic() - start) from None
 
-    async def _pop_once(self, items: bytes) -> tuple[bytes | None, int]:
+    async def _pop_once(self, items: bytes) -> tuple[bytes | None, bytes, int]:
+        """Pop the head of the queue whose items are under ``items``: the first item given
+        back, else the oldest. Returns its value (``None``: empty), its place (what it is
+        given back under if its pop is cancelled) and the revision read."""
+
         def plan(ranges: list[dict[str, Any]]) -> _Write | None:
-            kvs = _kvs(ranges[0])
+            kvs = _kvs(ranges[0]) or _kvs(ranges[1])
             if not kvs:
                 return None
             item = unb64(kvs[0]["key"])
             mod = int(kvs[0]["mod_revision"])
+            name = item[len(items) :]
+            # Its place: kept if it was given back before, else its creation's revision.
+            order = (
+                name[len(_GIVEN_BACK) :]
+                if name.startswith(_GIVEN_BACK)
+                else b"%016x" % int(kvs[0]["create_revision"])
+            )
             value = unb64(kvs[0].get("value"))
-            return _Write([_compare(item, "MOD", mod)], [self._delete(item)], value)
+            result = bytes([len(order)]) + order + value
+            return _Write([_compare(item, "MOD", mod)], [self._delete(item)], result)
 
+        given_back = _range(items + _GIVEN_BACK, prefix=True, sort_target="KEY", limit="1")
         oldest = _range(items, prefix=True, sort_target="CREATE", sort_order="ASCEND", limit="1")
-        return await self._transact([oldest], plan)
+        result, revision = await self._transact([given_back, oldest], plan)
+        if result is None:
+            return None, b"", revision
+        end = 1 + result[0]
+        return result[end:], result[1:end], revision
 
-    def _give_back(self, key: str, taking: asyncio.Future[tuple[bytes | None, int]]) -> None:
-        if taking.cancelled() or taking.exception() is not None:
-            return
-        value = taking.result()[0]
-        if value is not None and not self._closed:
-            logger.debug("a cancelled queue_pop on %r puts its value back", key)
-            pushing = asyncio.ensure_future(self._put_back(key, value))
-            self._background.add(pushing)
-            pushing.add_done_callback(self._background.discard)
-
-    async def _put_back(self, key: str, value: bytes) -> None:
-        try:
-            await self.queue_push(key, value)
-        except DistError as exc:
-            logger.warning("a cancelled queue_pop on %r could not put its value back: %s", key, exc)
+    async def _give_back(self, items: bytes, order: bytes, value: bytes) -> None:
+        # Under its place among the items given back: they sort by name before every item
+        # pushed (a pop takes them first), in the order the queue had them.
+        item = items + _GIVEN_BACK + order
+        await self._transact([], lambda _: _Write([], [self._put(item, value)], b""))
 
     async def queue_len(self, key: str) -> int:
         """Return the number of values in queue ``key``.

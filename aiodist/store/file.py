@@ -27,13 +27,13 @@ import struct
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from typing import TypeVar
 
 from .._timeouts import Timeout, to_seconds
 from ..errors import DistStoreError, DistUsageError, QueueEmptyError
-from ._base import Store, Value, check_lengths, encode_key, encode_value
+from ._base import Store, Value, check_lengths, encode_key, encode_value, settled
 from ._state import KeyValueState, format_keys, timeout_error
 
 __all__ = ["FileStore"]
@@ -46,6 +46,7 @@ _LEN = struct.Struct("<I")
 _USER = b"/"
 _DELETE = b"-"
 _PUSH = b"+/"
+_PUSH_FRONT = b"</"
 _POP = b"^/"
 _REFCOUNT = b"refcount/"
 _CLEANUP = b"cleanup/"
@@ -155,6 +156,8 @@ class _Log:
             self.state.set(key[len(_USER) :], value)
         elif key.startswith(_PUSH):
             self.state.queue_push(key[len(_PUSH) :], value)
+        elif key.startswith(_PUSH_FRONT):
+            self.state.queue_push_front(key[len(_PUSH_FRONT) :], value)
         elif key.startswith(_POP):
             self.state.queue_pop(key[len(_POP) :])
         else:
@@ -270,12 +273,19 @@ class _Log:
             self.state.queue_push(key, value)
             self.write(_record(_PUSH + key, value))
 
-    def queue_pop(self, key: bytes) -> bytes | None:
+    def queue_push_front(self, key: bytes, value: bytes) -> None:
+        with self.locked(exclusive=True):
+            self.state.queue_push_front(key, value)
+            self.write(_record(_PUSH_FRONT + key, value))
+
+    def queue_pop(self, key: bytes, abandoned: threading.Event) -> bytes | None:
         # A reader's look first: an empty queue needs no exclusive lock.
         with self.locked(exclusive=False):
             if not self.state.queue_len(key):
                 return None
         with self.locked(exclusive=True):
+            if abandoned.is_set():
+                return None  # (its caller was cancelled while this waited for the lock)
             value = self.state.queue_pop(key)
             if value is not None:
                 self.write(_record(_POP + key, b""))
@@ -359,13 +369,16 @@ class FileStore(Store):
         return await future
 
     async def _poll(
-        self, attempt: Callable[[], T | None], keys: Sequence[bytes], timeout: float | None
+        self,
+        attempt: Callable[[], Awaitable[T | None]],
+        keys: Sequence[bytes],
+        timeout: float | None,
     ) -> T:
-        """Call ``attempt`` in a thread until it returns a value, or raise after ``timeout``."""
+        """Await ``attempt()`` until it returns a value, or raise after ``timeout``."""
         start = time.monotonic()
         delay = 0.001
         while True:
-            result = await self._io(attempt)
+            result = await attempt()
             if result is not None:
                 return result
             waited = time.monotonic() - start
@@ -381,7 +394,7 @@ class FileStore(Store):
 
     async def get(self, key: str) -> bytes:
         k = encode_key(key)
-        return await self._poll(functools.partial(self._log.get, k), [k], self.timeout)
+        return await self._poll(functools.partial(self._io, self._log.get, k), [k], self.timeout)
 
     async def add(self, key: str, amount: int) -> int:
         return await self._io(self._log.add, encode_key(key), int(amount))
@@ -398,7 +411,7 @@ class FileStore(Store):
         def ready() -> bool | None:
             return True if not self._log.missing(encoded) else None
 
-        await self._poll(ready, encoded, deadline)
+        await self._poll(functools.partial(self._io, ready), encoded, deadline)
 
     async def check(self, keys: Sequence[str]) -> bool:
         encoded = [encode_key(k) for k in keys]
@@ -419,7 +432,7 @@ class FileStore(Store):
         if not encoded:
             return []
         return await self._poll(
-            functools.partial(self._log.multi_get, encoded), encoded, self.timeout
+            functools.partial(self._io, self._log.multi_get, encoded), encoded, self.timeout
         )
 
     async def multi_set(self, keys: Sequence[str], values: Sequence[Value]) -> None:
@@ -434,14 +447,42 @@ class FileStore(Store):
     async def queue_push(self, key: str, value: Value) -> None:
         await self._io(self._log.queue_push, encode_key(key), encode_value(value))
 
+    async def queue_push_front(self, key: str, value: Value) -> None:
+        await self._io(self._log.queue_push_front, encode_key(key), encode_value(value))
+
     async def queue_pop(self, key: str, block: bool = True) -> bytes:
         k = encode_key(key)
         if not block:
-            value = await self._io(self._log.queue_pop, k)
+            value = await self._take(k)
             if value is None:
                 raise QueueEmptyError(f"queue {format_keys([k])} is empty")
             return value
-        return await self._poll(functools.partial(self._log.queue_pop, k), [k], self.timeout)
+        return await self._poll(functools.partial(self._take, k), [k], self.timeout)
+
+    async def _take(self, key: bytes) -> bytes | None:
+        """One pop in a thread. Cancelled, the thread (which cannot be stopped) is told not
+        to pop and waited for; a value it popped all the same goes back at the head of the
+        queue before the cancellation goes on."""
+        abandoned = threading.Event()
+        popping = asyncio.get_running_loop().run_in_executor(
+            None, self._log.queue_pop, key, abandoned
+        )
+        try:
+            return await asyncio.shield(popping)
+        except asyncio.CancelledError:
+            abandoned.set()
+            await settled(popping)
+            if not popping.cancelled() and popping.exception() is None:
+                value = popping.result()
+                if value is not None:
+                    giving = asyncio.ensure_future(self._io(self._log.queue_push_front, key, value))
+                    await settled(giving)
+                    if not giving.cancelled() and giving.exception() is not None:
+                        logger.warning(
+                            "a cancelled queue_pop could not give its value back: %s",
+                            giving.exception(),
+                        )
+            raise
 
     async def queue_len(self, key: str) -> int:
         k = encode_key(key)

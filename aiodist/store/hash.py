@@ -76,7 +76,11 @@ class HashStore(Store):
     async def queue_push(self, key: str, value: Value) -> None:
         self._state.queue_push(encode_key(key), encode_value(value))
 
+    async def queue_push_front(self, key: str, value: Value) -> None:
+        self._state.queue_push_front(encode_key(key), encode_value(value))
+
     async def queue_pop(self, key: str, block: bool = True) -> bytes:
+        # (Nothing is taken across an await: a cancelled pop has taken nothing.)
         k = encode_key(key)
         while True:
             value = self._state.queue_pop(k)

@@ -146,6 +146,9 @@ class PrefixStore(Store):
     async def queue_pop(self, key: str, block: bool = True) -> bytes:
         return await self._store.queue_pop(self._key(key), block)
 
+    async def queue_push_front(self, key: str, value: Value) -> None:
+        await self._store.queue_push_front(self._key(key), value)
+
     async def queue_len(self, key: str) -> int:
         return await self._store.queue_len(self._key(key))
 

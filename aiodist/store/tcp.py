@@ -18,6 +18,7 @@ choice of wire when it connects. Each wire's client is a channel of its own modu
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
@@ -25,6 +26,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 from .._auth import resolve_token
+from .._speaking import speaking
 from .._timeouts import DEFAULT_STORE_TIMEOUT, Timeout, to_seconds
 from ..errors import DistNetworkError, DistProtocolError, DistTimeoutError, DistUsageError
 from ._base import Store, Value, check_lengths, check_world_size, encode_key, encode_value
@@ -44,6 +46,10 @@ Wire = Literal["auto", "aiodist", "torch"]
 
 #: The key every TCPStore adds 1 to when it is created with a world size (torch's name).
 _JOIN_KEY = b"init/"
+
+
+async def _joined(server: TCPStoreServer, world_size: int) -> str:
+    return f"{server.state.count_or_none(_JOIN_KEY)} of {world_size} have joined"
 
 
 async def _open_channel(
@@ -271,14 +277,26 @@ class TCPStore(Store):
                 connect_host = "127.0.0.1" if server.host == "0.0.0.0" else "::1"
         channel: Channel | None = None
         try:
-            channel = await _open_channel(
-                connect_host, port, wire, token, seconds, max_key_size, max_value_size, peer
+            channel = await speaking(
+                _open_channel(
+                    connect_host, port, wire, token, seconds, max_key_size, max_value_size, peer
+                ),
+                None,
+                f"TCPStore: connecting to the store at {connect_host}:{port} (is its host "
+                "up, and are the address and port right? MASTER_ADDR and MASTER_PORT for "
+                "env://)",
             )
             store = cls(channel, host_name, port, seconds, server=server, token=token)
             if world_size is not None:
                 await channel.add(_JOIN_KEY, 1)
                 if server is not None and wait_for_workers:
-                    await server.wait_for_count(_JOIN_KEY, world_size, seconds)
+                    joined = server.wait_for_count(_JOIN_KEY, world_size, seconds)
+                    await speaking(
+                        joined,
+                        functools.partial(_joined, server, world_size),
+                        f"TCPStore: the store at {host_name}:{port} waits for its "
+                        f"{world_size} clients (world_size) to join",
+                    )
         except BaseException:
             if channel is not None:
                 channel.close()
@@ -488,8 +506,23 @@ class TCPStore(Store):
         self._check_open()
         await self._channel.queue_push(self._key(key), self._value(value))
 
+    async def queue_push_front(self, key: str, value: Value) -> None:
+        """Put ``value`` at the head of queue ``key`` (see :meth:`Store.queue_push_front`);
+        on torch's wire, which cannot, at its end.
+
+        Raises:
+            DistUsageError: the value is too large.
+            DistNetworkError: the server went away.
+        """
+        self._check_open()
+        await self._channel.queue_push_front(self._key(key), self._value(value))
+
     async def queue_pop(self, key: str, block: bool = True) -> bytes:
         """Pop the oldest value of queue ``key``.
+
+        Cancelled (or given up by the client's deadline), it never loses its value: one the
+        server popped for it goes back at the head of the queue (on torch's wire, at the
+        end), before any later request of this client is served.
 
         Raises:
             QueueEmptyError: ``block`` is false and the queue is empty.
