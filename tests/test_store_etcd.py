@@ -143,6 +143,7 @@ async def test_a_lease_is_carried_out_when_its_holder_stops_renewing(etcd: str) 
             "async def main():\n"
             f"    s = await aiodist.EtcdStore.create({etcd!r}, '/leases', lease_ttl=2)\n"
             "    await s.lease('left/1', 'rank 1 is gone')\n"
+            "    await s.lease('log', '1;', append=True)\n"
             "    await s.lease('withdrawn', 'never')\n"
             "    await s.lease('withdrawn', None)\n"
             "    print('ready', flush=True)\n"
@@ -157,11 +158,15 @@ async def test_a_lease_is_carried_out_when_its_holder_stops_renewing(etcd: str) 
         assert holder.stdout is not None
         assert await asyncio.to_thread(holder.stdout.readline) == "ready\n"
         await watcher.lease("left/0", "rank 0 is gone")  # (a store with leases carries out others')
+        await watcher.lease("log", "0;", append=True)
+        await watcher.append("log", "start;")
         assert await watcher.check(["left/1"]) is False
         holder.kill()
         start = time.monotonic()
         assert await watcher.get("left/1") == b"rank 1 is gone"
         assert time.monotonic() - start < 10
+        assert watcher.lease_lapse == 3.0  # (its lease's time to live, and a second)
+        assert await watcher.get("log") == b"start;1;"
         assert await watcher.check(["withdrawn", "left/0"]) is False
     finally:
         holder.kill()
@@ -170,6 +175,7 @@ async def test_a_lease_is_carried_out_when_its_holder_stops_renewing(etcd: str) 
     # Closing the store ends its leases too (as a TCPStore connection's end does).
     async with await aiodist.EtcdStore.create(etcd, "/leases", timeout=5) as reader:
         assert await reader.get("left/0") == b"rank 0 is gone"
+        assert await reader.get("log") == b"start;1;0;"
 
 
 @pytest.mark.multiprocess

@@ -197,6 +197,38 @@ async def test_request_ids_wrap_past_zero_and_past_ids_still_waiting(
     assert store.server.state.waiter_count == 0
 
 
+@pytest.mark.both_loops
+async def test_leases_are_carried_out_when_a_client_goes_without_withdrawing_them(
+    store: aiodist.TCPStore,
+) -> None:
+    # Three clients go: each has leases that set a key (the first one wins), that append
+    # to a key (every one lands), and one it withdrew (nothing happens). The server carries
+    # out a client's leases together, as its connection ends.
+    await store.set("taken", b"already")
+    for name in ("a", "b", "c"):
+        client = await store.clone()
+        assert await client.lease("first", f"{name} went")
+        assert await client.lease("taken", f"{name} went")
+        assert await client.lease("log", f"{name};", append=True)
+        assert await client.lease("withdrawn", "never")
+        assert await client.lease(f"went/{name}", "yes")
+        await client.lease("withdrawn", None)
+        await client.aclose()
+        assert await store.get(f"went/{name}") == b"yes"
+    assert await store.get("log") == b"a;b;c;"
+    assert await store.get("first") == b"a went"
+    assert await store.get("taken") == b"already"
+    assert not await store.check(["withdrawn"])
+    # A client holds one lease per key: withdrawing it ends either kind.
+    client = await store.clone()
+    await client.lease("log", "d;", append=True)
+    await client.lease("log", None)
+    await client.lease("went/d", "yes")
+    await client.aclose()
+    assert await store.get("went/d") == b"yes"
+    assert await store.get("log") == b"a;b;c;"
+
+
 # -- world size join ------------------------------------------------------------------------
 async def test_master_waits_for_workers_to_join() -> None:
     port = free_port()
@@ -454,7 +486,7 @@ async def test_client_reports_a_server_of_another_protocol_version() -> None:
     try:
         with pytest.raises(
             aiodist.DistProtocolError,
-            match=r"speaks aiodist store protocol version 99, this client speaks version 2",
+            match=r"speaks aiodist store protocol version 99, this client speaks version 3",
         ):
             await aiodist.TCPStore.create("127.0.0.1", port, wire="aiodist", timeout=2)
     finally:

@@ -66,7 +66,7 @@ __all__ = [
 #: the first byte.
 AIODIST_MAGIC = b"AIOS"
 #: Bumped whenever the frame layout or an opcode's meaning changes.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 FLAG_AUTH = 0x01
 
 #: Limits a server applies unless told otherwise (torch's libuv server allows 8 KiB keys and
@@ -155,8 +155,11 @@ class Op(enum.IntEnum):
     #: reaches the world size (a timeout reply ends with the i64 count reached).
     BARRIER = 18
     #: key, value: when this connection ends, set ``key`` to ``value`` if it is not set
-    #: already (an empty value withdraws the lease).
+    #: already (an empty value withdraws the lease on ``key``, of either kind).
     LEASE = 19
+    #: key, value: when this connection ends, append ``value`` to ``key`` (an empty value
+    #: withdraws the lease on ``key``, of either kind).
+    LEASE_APPEND = 20
 
 
 class Status(enum.IntEnum):

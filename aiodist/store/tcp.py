@@ -465,8 +465,9 @@ class TCPStore(Store):
         self._check_open()
         await self._channel.append(self._key(key), self._value(value))
 
-    async def lease(self, key: str, value: Value | None) -> bool:
-        """Have the server set ``key`` to ``value`` when this client's connection ends.
+    async def lease(self, key: str, value: Value | None, *, append: bool = False) -> bool:
+        """Have the server set ``key`` to ``value`` (or, with ``append``, append it) when
+        this client's connection ends.
 
         See :meth:`Store.lease`. On torch's wire (a torch server) there are no leases.
 
@@ -475,7 +476,7 @@ class TCPStore(Store):
         """
         self._check_open()
         return await self._channel.lease(
-            self._key(key), b"" if value is None else self._value(value)
+            self._key(key), b"" if value is None else self._value(value), append
         )
 
     async def queue_push(self, key: str, value: Value) -> None:
