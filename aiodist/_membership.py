@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import secrets
 from collections.abc import Awaitable, Callable, Collection, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
@@ -79,8 +80,12 @@ _FORMED = "formed"
 _OUTCOME = "outcome"
 _STANDS = "stands"
 # The outcome of a vote to shrink (under its ``done`` key) starts with one of these: the
-# number of the vote that stood, or why it failed.
-_AGREED, _FAILED = "=", "!"
+# number of the vote that stood, why it failed (voters that differ), or which rank went
+# away before it voted.
+_AGREED, _FAILED, _WENT = "=", "!", "-"
+# How many times a second the voters of a vote, together, check whether a rank went away
+# before it voted (see _watch_voters).
+_CHECKS_PER_SECOND = 256
 # The key of a job's lobby that records the processes that stopped waiting to be admitted
 # (their leases, or their own word), by the name they registered under.
 _WITHDRAWN = "withdrawn"
@@ -111,19 +116,18 @@ async def gone_for_good(
     :func:`lost`)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + LOST_GRACE + domain.store.lease_lapse
-    members = set(ranks)
+    delay = _LOST_POLL
     while True:
-        gone = [
-            r
-            for r, why in (await domain.departures()).items()
-            if r in members and not why.startswith(_MOVED_ON)
-        ]
+        left = await domain.departures(ranks)
+        gone = [r for r, why in left.items() if not why.startswith(_MOVED_ON)]
         # A rank noticed through its connection may not be in the store yet: its lease is
         # carried out as the store's server sees the same connection end, moments later
-        # (on etcd, once its lease lapses).
+        # (on etcd, once its lease lapses: seconds, where every survivor asking every 20 ms
+        # would flood it, hence the growing pause).
         if gone or (domain.broken is None and not expected) or loop.time() >= deadline:
             return gone
-        await asyncio.sleep(_LOST_POLL)
+        await asyncio.sleep(delay)
+        delay = min(2 * delay, _LOST_CHECK)
 
 
 async def shrink(
@@ -232,11 +236,13 @@ async def vote(
     ``excluded``, through the store under ``key`` (new for each vote); return a number
     unique to the vote in the world. ``group_rank`` names a world rank in the messages.
 
-    Every voter makes a few requests, whatever the number of voters: it records its vote
-    (``arrived``), proposes its list (the first one recorded is the list), counts itself in,
-    and waits for the outcome (``done``: the vote's number once every remaining rank voted
-    for the list, or why the vote failed, whichever comes first), checking every
-    :data:`_LOST_CHECK` seconds that no remaining rank went away before it voted.
+    Three round trips to the store per voter, whatever the number of voters: it records
+    that it voted (``arrived``) as it proposes its list (the first one recorded is the
+    list), counts itself in, and reads the outcome (``done``) as soon as there is one: the
+    vote's number once every remaining rank voted for the list, or why the vote failed,
+    whichever comes first. Meanwhile the voters check that no remaining rank went away
+    before it voted (see :func:`_watch_voters`); the one that finds such a rank records it
+    as the outcome, which tells the others.
 
     Raises:
         DistUsageError: another rank voted for another list (every voter raises).
@@ -246,49 +252,95 @@ async def vote(
     """
     store, me = domain.store, domain.rank
     mine = ",".join(map(str, sorted(excluded)))
+    done = f"{key}/done"
     problem = None
+    watching: asyncio.Task[None] | None = None
     try:
-        await store.append(f"{key}/arrived", f"{me},")
-        agreed = (await store.compare_set(f"{key}/excluded", "", mine)).decode()
+        _, agreed_raw = await asyncio.gather(
+            store.append(f"{key}/arrived", f"{me},"),
+            store.compare_set(f"{key}/excluded", "", mine),
+        )
+        agreed = agreed_raw.decode()
         if agreed != mine:
             problem = (
                 f"shrink_group: rank {group_rank(me)} of the group excludes ranks [{mine}] but "
                 f"another remaining rank excludes ranks [{agreed}]; every remaining rank must "
                 "exclude the same ranks"
             )
-            await store.compare_set(f"{key}/done", "", _FAILED + problem)  # (unless it stands)
+            # (Unless the vote stood already: then this rank alone raises.)
+            outcome = (await store.compare_set(done, "", _FAILED + problem)).decode()
         elif await store.add(f"{key}/votes", 1) == len(remaining):
             number = await store.add("shrink/groups", 1)
-            await store.compare_set(f"{key}/done", "", f"{_AGREED}{number}")
-
-        async def voted() -> set[int]:
-            return {int(r) for r in (await store.get(f"{key}/arrived")).decode().split(",") if r}
-
-        async def gone_before_voting() -> str | None:
-            if await _departed(domain, remaining)() is None:
-                return None  # (the usual answer, in one request)
-            return await _departed(domain, [r for r in remaining if r not in await voted()])()
-
-        try:
-            await _unless_gone(store.wait([f"{key}/done"], timeout), gone_before_voting)
-        except DistTimeoutError:
-            missing = [group_rank(r) for r in remaining if r not in await voted()]
-            raise DistTimeoutError(
-                f"shrink_group: group ranks {missing} did not call shrink_group within {timeout} s"
-            ) from None
-        outcome = (await store.get(f"{key}/done")).decode()
+            outcome = (await store.compare_set(done, "", f"{_AGREED}{number}")).decode()
+        else:
+            watching = asyncio.ensure_future(_watch_voters(domain, key, remaining))
+            try:
+                async with asyncio.timeout(timeout):
+                    outcome = (await _value_of(store, done)).decode()
+            except TimeoutError:
+                voted = await _voted(store, key)
+                missing = [group_rank(r) for r in remaining if r not in voted]
+                raise DistTimeoutError(
+                    f"shrink_group: group ranks {missing} did not call shrink_group within "
+                    f"{timeout} s"
+                ) from None
     except DistNetworkError as exc:
         raise DistNetworkError(
             f"shrink_group: the store cannot be reached ({exc}); the remaining ranks agree "
             "through it, so it must be served by one of them or from outside the job"
         ) from exc
-    except _Gone as gone:
-        raise DistNetworkError(f"shrink_group: {gone} went away before it voted") from None
+    finally:
+        if watching is not None:
+            watching.cancel()
+            await asyncio.gather(watching, return_exceptions=True)
     if outcome.startswith(_FAILED):
         raise DistUsageError(outcome.removeprefix(_FAILED))
+    if outcome.startswith(_WENT):
+        raise DistNetworkError(
+            f"shrink_group: {outcome.removeprefix(_WENT)} went away before it voted"
+        )
     if problem is not None:
         raise DistUsageError(problem)  # (the vote stood for the list first recorded)
     return int(outcome.removeprefix(_AGREED))
+
+
+async def _voted(store: Store, key: str) -> set[int]:
+    """The world ranks that voted in the vote under ``key``."""
+    return {int(r) for r in (await store.get(f"{key}/arrived")).decode().split(",") if r}
+
+
+async def _watch_voters(domain: FailureDomain, key: str, remaining: Sequence[int]) -> None:
+    """Until cancelled, check whether one of the ranks ``remaining`` went away before it
+    voted in the vote under ``key``; if one did, record it as the vote's outcome (which
+    ends the vote for every voter).
+
+    Every voter checks, but each at a pace that keeps all the checks together at about
+    :data:`_CHECKS_PER_SECOND` (one request each), from a random start: a loss is seen
+    within moments by one voter or another, at a cost to the store that does not grow with
+    the number of voters (each voter checking every :data:`_LOST_CHECK` seconds would
+    cost ``N / 0.25`` requests a second, which at thousands of ranks slowed the vote
+    itself).
+    """
+    every = max(_LOST_CHECK, len(remaining) / _CHECKS_PER_SECOND)
+    await asyncio.sleep(random.uniform(0, every))
+    while True:
+        gone = await _departed(domain, remaining)()
+        if gone is not None:  # (the usual answer is no, in one request)
+            voted = await _voted(domain.store, key)
+            gone = await _departed(domain, [r for r in remaining if r not in voted])()
+            if gone is not None:
+                await domain.store.compare_set(f"{key}/done", "", _WENT + gone)
+                return
+        await asyncio.sleep(every)
+
+
+async def _value_of(store: Store, key: str) -> bytes:
+    """The value of ``key`` once it is set, however long that takes (the caller bounds the
+    wait): a ``get`` parked at the store, again each time the store's own timeout ends it.
+    """
+    while True:
+        with contextlib.suppress(DistTimeoutError):
+            return await store.get(key)
 
 
 async def admit(world: World) -> list[int]:
@@ -592,27 +644,25 @@ async def stands(domain: FailureDomain, size: int, timeout: float | None) -> str
     this process saw the world break or time out, first. Without it, a process that went
     away as the world formed could leave some processes in it and others still in the
     world it replaces (each deciding alone whether it came too late), where neither can
-    go on. Three requests (four for the last to count in), whatever ``size`` is.
+    go on. Two round trips to the store, whatever ``size`` is: a process counts itself in
+    and reads the outcome as soon as there is one (the last to count in decides it).
     """
     store = domain.store
     if await store.add(_FORMED, 1) == size:
-        await store.compare_set(_OUTCOME, "", _STANDS)
-    loop = asyncio.get_running_loop()
-    deadline = None if timeout is None else loop.time() + timeout
-    while True:
-        if domain.broken is not None:
-            await store.compare_set(_OUTCOME, "", str(domain.broken))
-        elif deadline is not None and loop.time() >= deadline:
-            await store.compare_set(
-                _OUTCOME, "", f"not every process had formed it within {timeout} s"
-            )
+        outcome = await store.compare_set(_OUTCOME, "", _STANDS)
+    else:
         try:
-            await store.wait([_OUTCOME], _LOST_CHECK)
-            break
-        except DistTimeoutError:
-            continue
-    outcome = (await store.get(_OUTCOME)).decode(errors="replace")
-    return None if outcome == _STANDS else outcome
+            async with asyncio.timeout(timeout):
+                outcome = await domain.unless_broken(_value_of(store, _OUTCOME), "forming")
+        except TimeoutError:
+            why = f"not every process had formed it within {timeout} s"
+            outcome = await store.compare_set(_OUTCOME, "", why)
+        except DistNetworkError:
+            if domain.broken is None:
+                raise  # (the store cannot be reached, or the world was closed)
+            outcome = await store.compare_set(_OUTCOME, "", str(domain.broken))
+    text = outcome.decode(errors="replace")
+    return None if text == _STANDS else text
 
 
 async def _give_up_forming(store: Store, why: str) -> None:

@@ -39,7 +39,7 @@ import asyncio
 import contextlib
 import logging
 import re
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Container
 from typing import TypeVar
 
 from .errors import DistError, DistNetworkError, DistTimeoutError
@@ -392,7 +392,7 @@ class FailureDomain:
             ) from cause
         return task.result()
 
-    async def departures(self, ranks: Iterable[int] | None = None) -> dict[int, str]:
+    async def departures(self, ranks: Container[int] | None = None) -> dict[int, str]:
         """The ranks (of ``ranks``, default all) that have left this world so far, with why
         (a goodbye, or their lease if they went without one).
 
@@ -408,9 +408,8 @@ class FailureDomain:
             return {}  # (nobody else to leave; and the record was never made)
         raw = await self.store.get(_DEPARTURES_KEY)
         left = {int(who): why for who, why in parse_departures(raw).items()}
-        if ranks is None:
-            return left
-        return {r: left[r] for r in ranks if r in left}
+        # (By the departures, which are few: ``ranks`` may be every rank of a large world.)
+        return left if ranks is None else {r: why for r, why in left.items() if r in ranks}
 
     async def wait_ended(self) -> BaseException | None:
         """Wait until the world is aborted (return the cause) or closed (return ``None``)."""
