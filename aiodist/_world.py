@@ -351,7 +351,8 @@ class FailureDomain:
         the rank hosting it returns from here, the others have their answers already: a
         setup that ends with this needs nothing more from the store host, whose event loop
         may stop running once it returns there (a loop driven by ``run_until_complete``,
-        or blocked by its owner).
+        or blocked by its owner). (A TCPStore's own server runs on a loop of its own, which
+        keeps answering; a ``TCPStoreServer`` that a script serves on its loop does not.)
 
         Raises:
             DistTimeoutError: fewer than ``count`` arrived within ``timeout`` seconds.

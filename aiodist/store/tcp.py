@@ -211,7 +211,8 @@ class TCPStore(Store):
             world_size: the number of store instances of the job. Each one adds itself to
                 torch's ``init/`` counter; the master waits for all of them when
                 ``wait_for_workers``. ``None``: no join handshake.
-            is_master: start the server here.
+            is_master: start the server here, on an event loop and thread of its own, so
+                that it answers while this process's loop is blocked.
             timeout: seconds (or ``timedelta``) for connecting, joining, ``get`` and
                 ``wait``; default 300 s.
             wait_for_workers: the master waits for ``world_size`` instances to join.
@@ -265,7 +266,9 @@ class TCPStore(Store):
                 peer_timeout=peer,
                 expected_clients=world_size,
             )
-            await server.start(host_name, port, master_listen_fd)
+            # On a loop and thread of its own: it answers while this process's loop is
+            # blocked (user code, a long step), which would otherwise stall the whole job.
+            await server.start(host_name, port, master_listen_fd, thread=True)
             port = server.port
             if server.host in ("0.0.0.0", "::"):
                 connect_host = "127.0.0.1" if server.host == "0.0.0.0" else "::1"
