@@ -5,10 +5,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import re
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from etcd_helpers import Member, etcd, etcd3, needs_etcd
+from netns_helpers import Hosts
 
 import aiodist
 from aiodist.errors import DistNetworkError, DistUsageError
@@ -126,6 +131,77 @@ async def test_operations_go_on_when_an_etcd_member_dies(etcd3: list[Member]) ->
     finally:
         await store.aclose()
         await other.aclose()
+
+
+@pytest.mark.netns
+@pytest.mark.multiprocess
+def test_a_job_that_loses_a_host_of_its_store_goes_on(hosts: Hosts, tmp_path: Path) -> None:
+    # Two hosts: host 0 runs two etcd members and workers 0 and 1, host 1 the third member
+    # and worker 2; every client of the store talks to host 1's member first. At step 10 host
+    # 1's worker and member are killed: the survivors' store moves to host 0's members, they
+    # go on without worker 2 (recover), and a replacement started on host 0 is admitted.
+
+    from cluster_helpers import clean_env
+    from etcd_helpers import etcd_cluster
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "elastic_sgd.py"
+    placement = [0, 0, 1]  # the hosts of the members, and of the workers
+    with etcd_cluster(
+        tmp_path,
+        3,
+        hosts=[hosts.addresses[h] for h in placement],
+        prefixes=[hosts.prefix(h) for h in placement],
+    ) as members:
+        endpoints = ",".join(m.endpoint for m in (members[2], members[0], members[1]))
+
+        def start(rank: int, host: int, restarts: int) -> subprocess.Popen[str]:
+            env = clean_env(
+                RANK=str(rank),
+                WORLD_SIZE="3",
+                TORCHELASTIC_RESTART_COUNT=str(restarts),
+                AIODIST_STORE_URL=f"etcd://{endpoints}/job",
+                AIODIST_PEER_TIMEOUT="2",  # (the etcd lease's time to live)
+            )
+            command = [str(example), "--kill-rank=2", "--kill-step=10", "--wait-for-replacements"]
+            return subprocess.Popen(
+                [*hosts.prefix(host), sys.executable, *command],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+
+        workers = [start(rank, placement[rank], 0) for rank in range(3)]
+        try:
+            # Worker 2 kills itself at step 10; its host's member goes at once with it.
+            workers[2].wait(timeout=60)
+            members[2].kill()
+            assert workers[2].returncode == -signal.SIGKILL, workers[2].communicate()
+            workers.append(start(2, 0, 1))  # its replacement, on the host that is left
+            outs = [w.communicate(timeout=90) for w in (workers[0], workers[1], workers[3])]
+        finally:
+            for w in workers:
+                w.kill()
+                w.communicate()
+    for proc, (out, err) in zip((workers[0], workers[1], workers[3]), outs, strict=True):
+        assert proc.returncode == 0, out + err
+    (out0, _), (out1, _), (out2, _) = outs
+    for rank, out in ((0, out0), (1, out1)):
+        assert re.search(
+            rf"^worker {rank}: step 10 failed \(DistNetworkError\); ranks \[2\] lost; now "
+            rf"rank {rank} of 2 after [\d.]+ ms$",
+            out,
+            re.M,
+        ), out
+        assert out.endswith(
+            f"worker {rank}: done as rank {rank}; weights match the reference: True\n"
+        ), out
+    assert re.search(
+        r"^replacement of worker 2: admitted as rank 2 of 3 at step 15, ", out2, re.M
+    ), out2
+    assert out2.endswith(
+        "replacement of worker 2: done as rank 2; weights match the reference: True\n"
+    ), out2
 
 
 # -- leases ---------------------------------------------------------------------------------
