@@ -76,9 +76,11 @@ DEFAULT_MAX_VALUE_SIZE = 1024 * 1024
 _MIN_LEASE_TTL = 2
 #: Seconds between two tries of the lease keeper after the store failed it.
 _KEEPER_RETRY = 1.0
-#: Seconds, beyond its time to live, until a lapsed lease is carried out (etcd's leader looks
-#: for lapsed leases every 0.5 s; a client then reads and writes the markers).
-_LAPSE_NOTICED = 1.0
+#: Seconds, beyond its time to live, until a lapsed lease is carried out: etcd's leader looks
+#: for lapsed leases every 0.5 s (a client then reads and writes the markers), and when the
+#: leader died with the holder, the election of the next takes up to two election timeouts
+#: (1 s each by default) and the new leader first extends every lease by one more.
+_LAPSE_NOTICED = 4.0
 #: The first byte of a lease marker's value: whether the lease sets its key or appends to it.
 _SET, _APPEND = b"=", b"+"
 
@@ -244,9 +246,9 @@ class EtcdStore(Store):
 
     @property
     def lease_lapse(self) -> float:
-        """This client's etcd lease time to live, and a second more: etcd looks for lapsed
-        leases every half second, and another client then carries out the leases (see
-        :attr:`Store.lease_lapse`)."""
+        """This client's etcd lease time to live, and 4 s more for etcd to see it lapse,
+        even across the election of a new leader, and for another client to carry out the
+        leases (see :attr:`Store.lease_lapse`)."""
         return self._session.ttl + _LAPSE_NOTICED
 
     @classmethod
