@@ -50,7 +50,6 @@ __all__ = [
     "ARRIVAL_GRACE",
     "FailureDomain",
     "departure_record",
-    "parse_departures",
     "read_departures",
 ]
 
@@ -399,8 +398,7 @@ class FailureDomain:
 
         One store request, whatever the size of the world: every departure appends its
         record to one key (a goodbye as the rank leaves, a lease as its connection ends),
-        which every rank made as it took its leases. (It used to be one request per rank,
-        so the survivors of a loss made N**2 of them between them.)
+        which every rank made as it took its leases.
 
         Raises:
             DistNetworkError: the store cannot be reached.
@@ -408,7 +406,7 @@ class FailureDomain:
         if self.size == 1:
             return {}  # (nobody else to leave; and the record was never made)
         raw = await self.store.get(_DEPARTURES_KEY)
-        left = {int(who): why for who, why in parse_departures(raw).items()}
+        left = {int(who): why for who, why in _parse_departures(raw).items()}
         # (By the departures, which are few: ``ranks`` may be every rank of a large world.)
         return left if ranks is None else {r: why for r, why in left.items() if r in ranks}
 
@@ -462,7 +460,7 @@ class FailureDomain:
 
 def departure_record(who: int | str, why: str) -> str:
     """The record that ``who`` left, and why, appended to a key that lists departures (see
-    :func:`parse_departures`)."""
+    :func:`_parse_departures`)."""
     return f"{who}:{why.replace(chr(0), ' ')}\0"
 
 
@@ -476,10 +474,10 @@ async def read_departures(store: Store, key: str = _DEPARTURES_KEY) -> dict[str,
     """
     if not await store.check([key]):
         return {}
-    return parse_departures(await store.get(key))
+    return _parse_departures(await store.get(key))
 
 
-def parse_departures(raw: bytes) -> dict[str, str]:
+def _parse_departures(raw: bytes) -> dict[str, str]:
     """Who left, and why, from the records of :func:`departure_record` in ``raw`` (the
     first record of each, should there be two)."""
     left: dict[str, str] = {}

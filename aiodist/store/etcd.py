@@ -968,7 +968,8 @@ class EtcdStore(Store):
         first."""
         marker = unb64(kv["key"])
         target = self._data(marker[len(self._marker(owner)) :])
-        kind, value = unb64(kv.get("value"))[:1], unb64(kv.get("value"))[1:]
+        marked = unb64(kv.get("value"))
+        kind, value = marked[:1], marked[1:]
         # (Only while the owner's lease is gone and the marker is the one read.)
         checks = [
             _compare(self._alive(owner), "VERSION", 0),
