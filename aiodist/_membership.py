@@ -31,18 +31,31 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import secrets
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
 from . import backends as _backends
 from ._assembly import CURRENT, announce, connect_members, leave_forming, open_world
 from ._default import peek_world, set_current_world
+from ._world import FailureDomain, departure_record, read_departures
 from .errors import DistError, DistNetworkError, DistTimeoutError, DistUsageError
 from .group import Membership, ProcessGroup, World, check_int
 from .store import PrefixStore, Store
 
-__all__ = ["LOST_GRACE", "SHRINK_ABORT", "SHRINK_DEFAULT", "admit", "join", "lost", "shrink"]
+__all__ = [
+    "LOST_GRACE",
+    "SHRINK_ABORT",
+    "SHRINK_DEFAULT",
+    "admit",
+    "gone_for_good",
+    "join",
+    "lost",
+    "shrink",
+    "stands",
+    "vote",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -62,10 +75,20 @@ _ADMITTED_POLL = 0.1
 # Why a rank that moved on to a successor world left the old one: it is not lost.
 _MOVED_ON = "moved on to the group of its"
 # Keys in the store where a successor world forms: how many of its processes formed it, and
-# whether it stands (_STANDS) or why not (see _stands).
+# whether it stands (_STANDS) or why not (see stands).
 _FORMED = "formed"
 _OUTCOME = "outcome"
 _STANDS = "stands"
+# The outcome of a vote to shrink (under its ``done`` key) starts with one of these: the
+# number of the vote that stood, why it failed (voters that differ), or which rank went
+# away before it voted.
+_AGREED, _FAILED, _WENT = "=", "!", "-"
+# How many times a second the voters of a vote, together, check whether a rank went away
+# before it voted (see _watch_voters).
+_CHECKS_PER_SECOND = 256
+# The key of a job's lobby that records the processes that stopped waiting to be admitted
+# (their leases, or their own word), by the name they registered under.
+_WITHDRAWN = "withdrawn"
 
 T = TypeVar("T")
 
@@ -79,23 +102,32 @@ async def lost(group: ProcessGroup, *, expected: bool = False) -> list[int]:
 
     ``expected``: a rank is known to have gone (an operation failed for a lost connection),
     so a record still on its way is waited for (as in a broken world), up to
-    :data:`LOST_GRACE`.
+    :data:`LOST_GRACE` and the time the store takes to carry out a lease.
     """
-    world = group.world
+    gone = await gone_for_good(group.world.domain, group.ranks, expected=expected)
+    return sorted(group.group_rank(r) for r in gone)
+
+
+async def gone_for_good(
+    domain: FailureDomain, ranks: Sequence[int], *, expected: bool = False
+) -> list[int]:
+    """The ranks of ``ranks`` that left ``domain``'s world for good (not to a successor
+    world), in one store request unless one is expected and not recorded yet (see
+    :func:`lost`)."""
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + LOST_GRACE
+    deadline = loop.time() + LOST_GRACE + domain.store.lease_lapse
+    delay = _LOST_POLL
     while True:
-        left = await world.domain.departures()
-        ranks = [
-            group.group_rank(r)
-            for r, why in left.items()
-            if r in group.ranks and not why.startswith(_MOVED_ON)
-        ]
-        # A rank noticed through its connection may not be in the store yet: its lease fires
-        # as the store's server sees the same connection end, moments later.
-        if ranks or (world.broken is None and not expected) or loop.time() >= deadline:
-            return sorted(ranks)
-        await asyncio.sleep(_LOST_POLL)
+        left = await domain.departures(ranks)
+        gone = [r for r, why in left.items() if not why.startswith(_MOVED_ON)]
+        # A rank noticed through its connection may not be in the store yet: its lease is
+        # carried out as the store's server sees the same connection end, moments later
+        # (on etcd, once its lease lapses: seconds, where every survivor asking every 20 ms
+        # would flood it, hence the growing pause).
+        if gone or (domain.broken is None and not expected) or loop.time() >= deadline:
+            return gone
+        await asyncio.sleep(delay)
+        delay = min(2 * delay, _LOST_CHECK)
 
 
 async def shrink(
@@ -127,13 +159,15 @@ async def shrink(
     groups = list(world.groups.values()) if default else [group]
     await _end_inflight(groups, abort=shrink_flags == SHRINK_ABORT)
     remaining = [r for i, r in enumerate(group.ranks) if i not in excluded]
-    key, new_id = await _vote(group, excluded, remaining)
+    group.membership_votes += 1
+    key = f"shrink/{group.group_id}/{group.membership_votes}"
+    new_id = await vote(world.domain, key, excluded, remaining, group.timeout, group.group_rank)
     if default:
         store = PrefixStore(f"{key}/world", world.store)
         rank, size = remaining.index(world.rank), len(remaining)
         others = [r for r in remaining if r != world.rank]
         successor = await _successor(
-            world, store, rank, size, "shrink_group", _departed(world, others)
+            world, store, rank, size, "shrink_group", _departed(world.domain, others)
         )
         return successor.default_group
     shrunk = ProcessGroup(
@@ -190,60 +224,123 @@ async def _end_inflight(groups: list[ProcessGroup], *, abort: bool) -> None:
     await asyncio.gather(*(g.drain() for g in groups))
 
 
-async def _vote(group: ProcessGroup, excluded: set[int], remaining: list[int]) -> tuple[str, int]:
-    """Agree with the other remaining ranks on the ranks to exclude; return the vote's key
-    in the store and a number unique to it in the world.
+async def vote(
+    domain: FailureDomain,
+    key: str,
+    excluded: Collection[int],
+    remaining: Sequence[int],
+    timeout: float | None,
+    group_rank: Callable[[int], int],
+) -> int:
+    """Agree with the other ranks ``remaining`` of ``domain``'s world on the group ranks
+    ``excluded``, through the store under ``key`` (new for each vote); return a number
+    unique to the vote in the world. ``group_rank`` names a world rank in the messages.
+
+    Three round trips to the store per voter, whatever the number of voters: it records
+    that it voted (``arrived``) as it proposes its list (the first one recorded is the
+    list), counts itself in, and reads the outcome (``done``) as soon as there is one: the
+    vote's number once every remaining rank voted for the list, or why the vote failed,
+    whichever comes first. Meanwhile the voters check that no remaining rank went away
+    before it voted (see :func:`_watch_voters`); the one that finds such a rank records it
+    as the outcome, which tells the others.
 
     Raises:
         DistUsageError: another rank voted for another list (every voter raises).
         DistTimeoutError: a remaining rank did not vote in time (named).
-        DistNetworkError: the store cannot be reached.
+        DistNetworkError: the store cannot be reached, or a remaining rank went away before
+            it voted.
     """
-    world, store = group.world, group.world.store
-    group.membership_votes += 1
-    key = f"shrink/{group.group_id}/{group.membership_votes}"
-    vote = ",".join(map(str, sorted(excluded)))
+    store, me = domain.store, domain.rank
+    mine = ",".join(map(str, sorted(excluded)))
+    done = f"{key}/done"
+    problem = None
+    watching: asyncio.Task[None] | None = None
     try:
-        await store.append(f"{key}/arrived", f"{world.rank},")
-        agreed = (await store.compare_set(f"{key}/excluded", "", vote)).decode()
-        if agreed != vote:
-            await store.compare_set(
-                f"{key}/problem",
-                "",
-                f"shrink_group: rank {group.rank} of the group excludes ranks [{vote}] but "
-                f"another remaining rank excludes ranks [{agreed}]; every remaining rank "
-                "must exclude the same ranks",
+        _, agreed_raw = await asyncio.gather(
+            store.append(f"{key}/arrived", f"{me},"),
+            store.compare_set(f"{key}/excluded", "", mine),
+        )
+        agreed = agreed_raw.decode()
+        if agreed != mine:
+            problem = (
+                f"shrink_group: rank {group_rank(me)} of the group excludes ranks [{mine}] but "
+                f"another remaining rank excludes ranks [{agreed}]; every remaining rank must "
+                "exclude the same ranks"
             )
-            await store.compare_set(f"{key}/done", "", "")  # (a completed vote stands)
+            # (Unless the vote stood already: then this rank alone raises.)
+            outcome = (await store.compare_set(done, "", _FAILED + problem)).decode()
         elif await store.add(f"{key}/votes", 1) == len(remaining):
-            await store.set(f"{key}/done", str(await store.add("shrink/groups", 1)))
-
-        async def arrived() -> set[int]:
-            return {int(r) for r in (await store.get(f"{key}/arrived")).decode().split(",") if r}
-
-        async def not_voted_gone() -> str | None:
-            voted = await arrived()
-            return await _departed(world, [r for r in remaining if r not in voted])()
-
-        try:
-            await _unless_gone(store.wait([f"{key}/done"], group.timeout), not_voted_gone)
-        except DistTimeoutError:
-            voted = await arrived()
-            missing = [group.group_rank(r) for r in remaining if r not in voted]
-            raise DistTimeoutError(
-                f"shrink_group: group ranks {missing} did not call shrink_group within "
-                f"{group.timeout} s"
-            ) from None
-        if await store.check([f"{key}/problem"]):
-            raise DistUsageError((await store.get(f"{key}/problem")).decode())
-        return key, int(await store.get(f"{key}/done"))
+            number = await store.add("shrink/groups", 1)
+            outcome = (await store.compare_set(done, "", f"{_AGREED}{number}")).decode()
+        else:
+            watching = asyncio.ensure_future(_watch_voters(domain, key, remaining))
+            try:
+                async with asyncio.timeout(timeout):
+                    outcome = (await _value_of(store, done)).decode()
+            except TimeoutError:
+                voted = await _voted(store, key)
+                missing = [group_rank(r) for r in remaining if r not in voted]
+                raise DistTimeoutError(
+                    f"shrink_group: group ranks {missing} did not call shrink_group within "
+                    f"{timeout} s"
+                ) from None
     except DistNetworkError as exc:
         raise DistNetworkError(
             f"shrink_group: the store cannot be reached ({exc}); the remaining ranks agree "
             "through it, so it must be served by one of them or from outside the job"
         ) from exc
-    except _Gone as gone:
-        raise DistNetworkError(f"shrink_group: {gone} went away before it voted") from None
+    finally:
+        if watching is not None:
+            watching.cancel()
+            await asyncio.gather(watching, return_exceptions=True)
+    if outcome.startswith(_FAILED):
+        raise DistUsageError(outcome.removeprefix(_FAILED))
+    if outcome.startswith(_WENT):
+        raise DistNetworkError(
+            f"shrink_group: {outcome.removeprefix(_WENT)} went away before it voted"
+        )
+    if problem is not None:
+        raise DistUsageError(problem)  # (the vote stood for the list first recorded)
+    return int(outcome.removeprefix(_AGREED))
+
+
+async def _voted(store: Store, key: str) -> set[int]:
+    """The world ranks that voted in the vote under ``key``."""
+    return {int(r) for r in (await store.get(f"{key}/arrived")).decode().split(",") if r}
+
+
+async def _watch_voters(domain: FailureDomain, key: str, remaining: Sequence[int]) -> None:
+    """Until cancelled, check whether one of the ranks ``remaining`` went away before it
+    voted in the vote under ``key``; if one did, record it as the vote's outcome (which
+    ends the vote for every voter).
+
+    Every voter checks, but each at a pace that keeps all the checks together at about
+    :data:`_CHECKS_PER_SECOND` (one request each), from a random start: a loss is seen
+    within moments by one voter or another, at a cost to the store that does not grow with
+    the number of voters (each voter checking every :data:`_LOST_CHECK` seconds would
+    cost ``N / 0.25`` requests a second, which at thousands of ranks slowed the vote
+    itself).
+    """
+    every = max(_LOST_CHECK, len(remaining) / _CHECKS_PER_SECOND)
+    await asyncio.sleep(random.uniform(0, every))
+    while True:
+        gone = await _departed(domain, remaining)()
+        if gone is not None:  # (the usual answer is no, in one request)
+            voted = await _voted(domain.store, key)
+            gone = await _departed(domain, [r for r in remaining if r not in voted])()
+            if gone is not None:
+                await domain.store.compare_set(f"{key}/done", "", _WENT + gone)
+                return
+        await asyncio.sleep(every)
+
+
+async def _value_of(store: Store, key: str) -> bytes:
+    """The value of ``key`` once it is set, however long that takes (the caller bounds the
+    wait): a ``get`` parked at the store, again each time the store's own timeout ends it.
+    """
+    while True:
+        with contextlib.suppress(DistTimeoutError):
+            return await store.get(key)
 
 
 async def admit(world: World) -> list[int]:
@@ -257,7 +354,8 @@ async def admit(world: World) -> list[int]:
     # since the last time and are still there; the others adopt its decision.
     registered = [i for i in (await lobby.compare_set("waiting", "", "")).decode().split(",") if i]
     fresh = registered[membership.seen :]
-    alive = [i for i in fresh if not await lobby.check([f"gone/{i}"])]
+    withdrawn = await read_departures(lobby, _WITHDRAWN) if fresh else {}
+    alive = [i for i in fresh if i not in withdrawn]
     round_id = await lobby.add("rounds", 1) if alive else 0
     proposal = f"{round_id}|{len(registered)}|{','.join(alive)}"
     agreed = (
@@ -276,12 +374,13 @@ async def admit(world: World) -> list[int]:
     )
     store = PrefixStore(f"round/{round_text}", lobby)
     members = [r for r in range(world.size) if r != world.rank]
+    gone = _departed(world.domain, members, lobby, ids)
     try:
-        await _successor(world, store, world.rank, size, "admit", _departed(world, members, ids))
+        await _successor(world, store, world.rank, size, "admit", gone)
     except DistNetworkError as exc:
         # Only processes being admitted were lost: the members' world is as it was, and
         # admitting nobody is what happened (the others that wait register again).
-        if world.broken is not None or await _departed(world, members)() is not None:
+        if world.broken is not None or await _departed(world.domain, members)() is not None:
             raise
         logger.warning("rank %d: admit: nobody admitted this time: %s", world.rank, exc)
         return []
@@ -289,22 +388,25 @@ async def admit(world: World) -> list[int]:
 
 
 def _departed(
-    world: World, ranks: Sequence[int], joiners: Sequence[str] = ()
+    domain: FailureDomain,
+    ranks: Sequence[int],
+    lobby: Store | None = None,
+    joiners: Sequence[str] = (),
 ) -> Callable[[], Awaitable[str | None]]:
-    """Why one of ``world``'s ``ranks``, or of the processes ``joiners`` waiting in its
-    lobby, went away (other than to a successor world), if one did: a process that dies
-    before it takes its part in forming a successor holds its lease there only."""
+    """Why one of ``domain``'s world's ``ranks``, or of the processes ``joiners`` waiting
+    in ``lobby``, went away (other than to a successor world), if one did: a process that
+    dies before it takes its part in forming a successor holds its lease there only. One
+    store request each, however many there are."""
 
     async def gone() -> str | None:
-        for r, why in (await world.domain.departures(ranks)).items():
+        for r, why in (await domain.departures(ranks)).items():
             if not why.startswith(_MOVED_ON):
                 return f"rank {r} ({why})"
-        assert world.membership is not None
-        lobby = world.membership.lobby
-        for i in joiners:
-            if await lobby.check([f"gone/{i}"]):
-                why = (await lobby.get(f"gone/{i}")).decode(errors="replace")
-                return f"a process being admitted ({why})"
+        if lobby is not None and joiners:
+            withdrawn = await read_departures(lobby, _WITHDRAWN)
+            for i in joiners:
+                if i in withdrawn:
+                    return f"a process being admitted ({withdrawn[i]})"
         return None
 
     return gone
@@ -347,7 +449,8 @@ async def join(
             # Members that decide while this process is gone leave it out; those that
             # decided watch this lease as the grown world forms, so it is held until the
             # grown world holds this process's own.
-            await lobby.lease(f"gone/{me}", "its process ended while it waited to be admitted")
+            ended = "its process ended while it waited to be admitted"
+            await lobby.lease(_WITHDRAWN, departure_record(me, ended), append=True)
             await lobby.append("waiting", f"{me},")
             await _admitted(lobby, f"ticket/{me}", timeout, deadline)
             round_text, rank, size, seen = (await lobby.get(f"ticket/{me}")).decode().split("|")
@@ -365,12 +468,12 @@ async def join(
                 owned=[],
                 membership=membership,
             )
-            why_not = await _stands(pg.world, store, int(size))
+            why_not = await stands(pg.world.domain, int(size), pg.world.timeout)
             if why_not is not None:
                 raise DistNetworkError(
                     f"join_process_group: the grown world was given up as it formed: {why_not}"
                 )
-            await lobby.lease(f"gone/{me}", None)
+            await lobby.lease(_WITHDRAWN, None)
             await receive(pg)
         except BaseException as exc:
             if store is not None:
@@ -434,15 +537,12 @@ async def _admitted(
         current = await lobby.compare_set(CURRENT, "", "")
         if current:
             path, size = current.decode().rsplit("|", 1)
-            world = PrefixStore(path.rstrip("/"), lobby)
-            keys = [f"left/{r}" for r in range(int(size))]
-            if await world.check(keys):
-                reasons = [v.decode(errors="replace") for v in await world.multi_get(keys)]
-                if not any(why.startswith(_MOVED_ON) for why in reasons):
-                    raise DistNetworkError(
-                        "join_process_group: the job's world ended before it admitted this "
-                        f"process: every one of its {size} ranks left it"
-                    )
+            left = await read_departures(PrefixStore(path.rstrip("/"), lobby))
+            if len(left) == int(size) and not any(w.startswith(_MOVED_ON) for w in left.values()):
+                raise DistNetworkError(
+                    "join_process_group: the job's world ended before it admitted this "
+                    f"process: every one of its {size} ranks left it"
+                )
         if deadline is not None and loop.time() >= deadline:
             raise DistTimeoutError(
                 f"join_process_group: not admitted within {timeout} s: the members of the "
@@ -456,7 +556,8 @@ async def _give_up(lobby: Store, me: str, exc: BaseException) -> None:
     and those that already admitted it and form a world with it hear it will not come."""
     why = "cancelled" if isinstance(exc, asyncio.CancelledError) else repr(exc)
     try:
-        await asyncio.wait_for(lobby.set(f"gone/{me}", f"it stopped waiting: {why}"), 5)
+        record = departure_record(me, f"it stopped waiting: {why}")
+        await asyncio.wait_for(lobby.append(_WITHDRAWN, record), 5)
         if await asyncio.wait_for(lobby.check([f"ticket/{me}"]), 5):
             round_text, rank, *_ = (await lobby.get(f"ticket/{me}")).decode().split("|")
             world = PrefixStore(f"round/{round_text}", lobby)
@@ -484,7 +585,7 @@ async def _successor(
     gone: Callable[[], Awaitable[str | None]],
 ) -> World:
     """Form the world of ``size`` ranks gathering in ``store`` as ``rank``, make it the
-    default once it stands (see :func:`_stands`), and close ``world`` (which hands it its
+    default once it stands (see :func:`stands`), and close ``world`` (which hands it its
     stores).
 
     ``gone`` says why one of the processes expected there went away, if one did (see
@@ -499,7 +600,7 @@ async def _successor(
                 f"{why}: the new process group can never be complete: {exc} went away"
             ) from None
         raise
-    why_not = await _stands(successor, store, size)
+    why_not = await stands(successor.domain, size, successor.timeout)
     if why_not is not None:
         await successor.aclose()
         raise DistNetworkError(f"{why}: the new process group was given up as it formed: {why_not}")
@@ -533,38 +634,40 @@ async def _formed(world: World, store: Store, rank: int, size: int, why: str) ->
     return successor
 
 
-async def _stands(world: World, store: Store, size: int) -> str | None:
-    """Whether ``world``, just formed in ``store`` by this process, stands: ``None`` if it
-    does, else why not.
+async def stands(domain: FailureDomain, size: int, timeout: float | None) -> str | None:
+    """Whether the world of ``size`` processes just formed by this one, ``domain``'s (in
+    its store), stands: ``None`` if it does, else why not. ``timeout`` is its operation
+    timeout.
 
     Decided once for every process of it, through the store: it stands once all ``size``
     have formed it, and not if one of them gave up forming it (:func:`_give_up_forming`), or
     this process saw the world break or time out, first. Without it, a process that went
     away as the world formed could leave some processes in it and others still in the
     world it replaces (each deciding alone whether it came too late), where neither can
-    go on.
+    go on. Two round trips to the store, whatever ``size`` is: a process counts itself in
+    and reads the outcome as soon as there is one (the last to count in decides it).
     """
+    store = domain.store
     if await store.add(_FORMED, 1) == size:
-        await store.compare_set(_OUTCOME, "", _STANDS)
-    loop = asyncio.get_running_loop()
-    deadline = None if world.timeout is None else loop.time() + world.timeout
-    while not await store.check([_OUTCOME]):
-        if world.broken is not None:
-            await store.compare_set(_OUTCOME, "", str(world.broken))
-        elif deadline is not None and loop.time() >= deadline:
-            await store.compare_set(
-                _OUTCOME, "", f"not every process had formed it within {world.timeout} s"
-            )
-        else:
-            with contextlib.suppress(DistTimeoutError):
-                await store.wait([_OUTCOME], _LOST_CHECK)
-    outcome = (await store.get(_OUTCOME)).decode(errors="replace")
-    return None if outcome == _STANDS else outcome
+        outcome = await store.compare_set(_OUTCOME, "", _STANDS)
+    else:
+        try:
+            async with asyncio.timeout(timeout):
+                outcome = await domain.unless_broken(_value_of(store, _OUTCOME), "forming")
+        except TimeoutError:
+            why = f"not every process had formed it within {timeout} s"
+            outcome = await store.compare_set(_OUTCOME, "", why)
+        except DistNetworkError:
+            if domain.broken is None:
+                raise  # (the store cannot be reached, or the world was closed)
+            outcome = await store.compare_set(_OUTCOME, "", str(domain.broken))
+    text = outcome.decode(errors="replace")
+    return None if text == _STANDS else text
 
 
 async def _give_up_forming(store: Store, why: str) -> None:
     """Tell the processes forming a world in ``store`` that this one will not (see
-    :func:`_stands`): the world cannot stand, since this process did not form it."""
+    :func:`stands`): the world cannot stand, since this process did not form it."""
     with contextlib.suppress(DistError, TimeoutError):
         await asyncio.wait_for(store.compare_set(_OUTCOME, "", why), 5)
 

@@ -456,7 +456,7 @@ _tenants: weakref.WeakValueDictionary[int, TCPStore] = weakref.WeakValueDictiona
 class TCPStore(Store):
     """A blocking TCP store with ``torch.distributed.TCPStore``'s constructor.
 
-    The master (``is_master=True``) serves the store from aiodist's loop thread, so it keeps
+    The master (``is_master=True``) serves the store from a thread of its own, so it keeps
     serving while the calling thread blocks or computes.
 
     Args:

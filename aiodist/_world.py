@@ -10,7 +10,9 @@ together, over the world's store:
   (see :meth:`FailureDomain.why_gone`);
 * **departures**: a rank whose connection to the store ends without a goodbye (its process
   exited without leaving, was killed, or its host became unreachable) has the server set
-  ``departed`` (a lease); every rank keeps a ``get`` of it parked too;
+  ``departed`` (a lease); every rank keeps a ``get`` of it parked too. Every departure, a
+  goodbye or a lease, is also a record in one key, ``departures``, so that who has left is
+  one request however many ranks the world has (:meth:`FailureDomain.departures`);
 * **store loss**: losing the store aborts the world (every later group creation, abort and
   rendezvous needs it; a rank hosting it keeps it up until the others have left);
 * **arrivals**: when an operation times out, the ranks that entered it say so under one key,
@@ -37,7 +39,7 @@ import asyncio
 import contextlib
 import logging
 import re
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Container
 from typing import TypeVar
 
 from ._speaking import speaking
@@ -45,7 +47,13 @@ from .errors import DistError, DistNetworkError, DistTimeoutError
 from .store import Store
 from .transport.base import abort_text, peer_aborted_error
 
-__all__ = ["ARRIVAL_GRACE", "LEAVE_WAIT", "FailureDomain"]
+__all__ = [
+    "ARRIVAL_GRACE",
+    "LEAVE_WAIT",
+    "FailureDomain",
+    "departure_record",
+    "read_departures",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +61,8 @@ T = TypeVar("T")
 
 _ABORT_KEY = "abort"
 _DEPARTED_KEY = "departed"
+#: The key that holds a record of every rank that left the world (see departure_record).
+_DEPARTURES_KEY = "departures"
 # The keys under which the ranks of timed-out operations recorded their arrival.
 _ARRIVALS_KEY = "arrivals"
 #: How a departure record (see _take_leases) starts: the rank it names.
@@ -172,8 +182,11 @@ class FailureDomain:
             "host cannot be reached)"
         )
         try:
+            # (Made at once, so that reading it never waits; see departures.)
+            await self.store.append(_DEPARTURES_KEY, "")
             await self.store.lease(f"left/{self.rank}", gone)
             await self.store.lease(_DEPARTED_KEY, gone)
+            await self.store.lease(_DEPARTURES_KEY, departure_record(self.rank, gone), append=True)
         except DistError as exc:
             logger.warning("rank %d: could not take a lease on the store: %s", self.rank, exc)
 
@@ -363,7 +376,8 @@ class FailureDomain:
         the rank hosting it returns from here, the others have their answers already: a
         setup that ends with this needs nothing more from the store host, whose event loop
         may stop running once it returns there (a loop driven by ``run_until_complete``,
-        or blocked by its owner).
+        or blocked by its owner). (A TCPStore's own server runs on a loop of its own, which
+        keeps answering; a ``TCPStoreServer`` that a script serves on its loop does not.)
 
         Raises:
             DistTimeoutError: fewer than ``count`` arrived within ``timeout`` seconds.
@@ -404,20 +418,23 @@ class FailureDomain:
             ) from cause
         return task.result()
 
-    async def departures(self, ranks: Iterable[int] | None = None) -> dict[int, str]:
+    async def departures(self, ranks: Container[int] | None = None) -> dict[int, str]:
         """The ranks (of ``ranks``, default all) that have left this world so far, with why
-        (``left/<rank>``: a goodbye, or their lease if they went without one).
+        (a goodbye, or their lease if they went without one).
+
+        One store request, whatever the size of the world: every departure appends its
+        record to one key (a goodbye as the rank leaves, a lease as its connection ends),
+        which every rank made as it took its leases.
 
         Raises:
             DistNetworkError: the store cannot be reached.
         """
-        asked = list(range(self.size) if ranks is None else ranks)
-        # (One request per rank, sent together: a check of several keys says only whether
-        # all of them are there.)
-        found = await asyncio.gather(*(self.store.check([f"left/{r}"]) for r in asked))
-        left = [r for r, there in zip(asked, found, strict=True) if there]
-        values = await self.store.multi_get([f"left/{r}" for r in left]) if left else []
-        return {r: v.decode(errors="replace") for r, v in zip(left, values, strict=True)}
+        if self.size == 1:
+            return {}  # (nobody else to leave; and the record was never made)
+        raw = await self.store.get(_DEPARTURES_KEY)
+        left = {int(who): why for who, why in _parse_departures(raw).items()}
+        # (By the departures, which are few: ``ranks`` may be every rank of a large world.)
+        return left if ranks is None else {r: why for r, why in left.items() if r in ranks}
 
     async def wait_ended(self) -> BaseException | None:
         """Wait until the world is aborted (return the cause) or closed (return ``None``)."""
@@ -453,9 +470,11 @@ class FailureDomain:
                 # when it runs again, and until the leases are withdrawn the end of this
                 # connection still says that this rank went.
                 await self.store.set(f"left/{self.rank}", reason)
+                await self.store.append(_DEPARTURES_KEY, departure_record(self.rank, reason))
                 # Nothing more for the server to tell the others.
                 await self.store.lease(f"left/{self.rank}", None)
                 await self.store.lease(_DEPARTED_KEY, None)
+                await self.store.lease(_DEPARTURES_KEY, None)
                 if await self.store.check(keys):
                     await self._forget_arrivals()  # (the last to leave: nobody counts any more)
                     return
@@ -490,3 +509,32 @@ class FailureDomain:
         found = await asyncio.gather(*(self.store.check([k]) for k in keys))
         waiting = [r for r, there in enumerate(found) if not there]
         return f"ranks {waiting} have not left yet"
+
+def departure_record(who: int | str, why: str) -> str:
+    """The record that ``who`` left, and why, appended to a key that lists departures (see
+    :func:`_parse_departures`)."""
+    return f"{who}:{why.replace(chr(0), ' ')}\0"
+
+
+async def read_departures(store: Store, key: str = _DEPARTURES_KEY) -> dict[str, str]:
+    """Who left, and why, by the records in ``key`` of ``store`` (by default, the world's
+    departures, when ``store`` is a world's namespace), for a process that holds no domain
+    there; two requests at most.
+
+    Raises:
+        DistNetworkError: the store cannot be reached.
+    """
+    if not await store.check([key]):
+        return {}
+    return _parse_departures(await store.get(key))
+
+
+def _parse_departures(raw: bytes) -> dict[str, str]:
+    """Who left, and why, from the records of :func:`departure_record` in ``raw`` (the
+    first record of each, should there be two)."""
+    left: dict[str, str] = {}
+    for record in raw.decode(errors="replace").split("\0"):
+        who, sep, why = record.partition(":")
+        if sep:
+            left.setdefault(who, why)
+    return left

@@ -29,6 +29,15 @@ interleaved (one of each in turn), so that a change in the machine's load hits a
                  restarted; the restarted workers load the last checkpoint (rank 0 writes the
                  step and the model every ``--checkpoint-every`` steps, to /dev/shm where there
                  is one: a checkpoint in memory, the fastest a restart can load) and go on
+    elastic-etcd the elastic setup with the job's store in an etcd cluster of three members on
+                 this host (``--rdzv-backend=etcd``, every client talking to the first
+                 member first, which each repetition starts afresh), as a job spread over hosts
+                 runs it so that no host is its store's only home: at the kill step the worker
+                 kills that first member too, then itself, as the loss of a host running both
+                 would; the survivors' store moves to the other members, they learn of the
+                 loss once the dead worker's etcd lease lapses (``--etcd-lease-ttl`` seconds,
+                 ``AIODIST_PEER_TIMEOUT``), and the replacement is admitted as in the elastic
+                 setup
     torch-all    the same job with torch gloo workers (``torch.distributed.all_reduce`` on
                  torch tensors) under ``torchrun --standalone --max-restarts=1``, restarted as a
                  whole, from the same checkpoints; torchrun runs with
@@ -87,12 +96,14 @@ import os
 import shlex
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -108,9 +119,12 @@ from compare import (
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = str(Path(__file__).resolve())
 NPROC = 4
-SETUPS = ("elastic", "aiodist-all", "torch-all")
+SETUPS = ("elastic", "elastic-etcd", "aiodist-all", "torch-all")
+#: The setups whose survivors go on in their processes (the others restart every worker).
+ELASTIC = ("elastic", "elastic-etcd")
 LABELS = {
     "elastic": "aiodist elastic",
+    "elastic-etcd": "aiodist elastic, store in etcd",
     "aiodist-all": "aiodist full restart",
     "torch-all": "torch gloo full restart",
 }
@@ -120,6 +134,14 @@ DESCRIPTIONS = {
     "processes and go on at 3; the replacement (a fork of the launcher's starter, which "
     "imported numpy and aiodist once) joins at the next admission point and receives the step "
     "and the model",
+    "elastic-etcd": "`aiodist-run --rdzv-backend=etcd --rdzv-endpoint=E1,E2,E3 --nnodes=1 "
+    "--nproc-per-node=4 --restart-policy=failed --max-restarts=1 --preload=numpy,aiodist.sync`, "
+    "the job's store in a fresh etcd cluster of three members on this host: at the kill step "
+    "the worker kills member E1 (the one every client talks to first) with SIGKILL, then "
+    "itself, as the loss of a host running both would; the survivors' store moves to E2, "
+    "they learn of the loss once the dead worker's etcd lease lapses (AIODIST_PEER_TIMEOUT, "
+    "the lease's time to live, given below), recover and go on at 3; the replacement joins "
+    "as in the elastic setup",
     "aiodist-all": "`aiodist-run --standalone --nproc-per-node=4 --restart-policy=all "
     "--max-restarts=1 --preload=numpy,aiodist.sync`: every worker restarted; they load the "
     "last checkpoint",
@@ -275,6 +297,7 @@ def worker_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--checkpoint-every", type=int, default=5)
     p.add_argument("--checkpoint-dir", default="")
     p.add_argument("--elastic", action="store_true")
+    p.add_argument("--kill-also", type=int, default=0, help="a process killed at the kill step")
     p.add_argument("--deadline", type=float, required=True)
     return p.parse_args(argv)
 
@@ -316,6 +339,8 @@ def aiodist_worker(a: argparse.Namespace) -> None:
     while step < a.steps:
         if first and mine == a.kill_rank and step == a.kill_step:
             emit("kill", step=step)
+            if a.kill_also:  # (the rest of its host: an etcd member)
+                os.kill(a.kill_also, signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
         local_gradient(w, grad, shard_weight(dist.get_rank(), dist.get_world_size()))
         try:
@@ -408,6 +433,78 @@ def worker_main(argv: list[str]) -> None:
         aiodist_worker(a)
 
 
+# -- the etcd cluster of the elastic-etcd setup -----------------------------------------------
+
+
+class EtcdCluster:
+    """Three etcd members on loopback, their data on disk (as a cluster keeps it), started
+    and ready (a leader elected); :meth:`stop` ends them and removes their data."""
+
+    def __init__(self) -> None:
+        etcd = shutil.which("etcd")
+        if etcd is None:
+            raise RuntimeError("etcd is not installed (Debian: apt-get install etcd-server)")
+        self.folder = Path(tempfile.mkdtemp(prefix="aiodist-bench-etcd-"))
+        with contextlib.ExitStack() as stack:
+            socks = [stack.enter_context(socket.socket()) for _ in range(6)]
+            for sock in socks:
+                sock.bind(("127.0.0.1", 0))
+            ports = [sock.getsockname()[1] for sock in socks]
+        names = [f"m{i}" for i in range(3)]
+        peers = [f"http://127.0.0.1:{ports[2 * i + 1]}" for i in range(3)]
+        #: The members' client addresses; every client talks to the first one first.
+        self.endpoints = [f"127.0.0.1:{ports[2 * i]}" for i in range(3)]
+        cluster = ",".join(f"{n}={u}" for n, u in zip(names, peers, strict=True))
+        self.procs = []
+        for i, name in enumerate(names):
+            with open(self.folder / f"{name}.log", "wb") as log:
+                self.procs.append(
+                    subprocess.Popen(
+                        [
+                            etcd, "--name", name, "--data-dir", str(self.folder / name),
+                            "--listen-client-urls", f"http://{self.endpoints[i]}",
+                            "--advertise-client-urls", f"http://{self.endpoints[i]}",
+                            "--listen-peer-urls", peers[i],
+                            "--initial-advertise-peer-urls", peers[i],
+                            "--initial-cluster", cluster, "--initial-cluster-state", "new",
+                            "--initial-cluster-token", self.folder.name,
+                        ],
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    )
+                )  # fmt: skip
+        #: The members' process ids, in the order of :attr:`endpoints`.
+        self.pids = [proc.pid for proc in self.procs]
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        for endpoint in self.endpoints:
+            request = urllib.request.Request(
+                f"http://{endpoint}/v3/kv/range", data=json.dumps({"key": "AA=="}).encode()
+            )
+            while True:
+                with (
+                    contextlib.suppress(OSError),
+                    urllib.request.urlopen(request, timeout=2) as answer,
+                ):
+                    if b"header" in answer.read():
+                        break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"etcd at {endpoint} did not become ready in {timeout} s")
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
 # -- one repetition ---------------------------------------------------------------------------
 
 
@@ -430,7 +527,9 @@ class Failed(Exception):
     pass
 
 
-def launcher_command(setup: str, a: argparse.Namespace, ckpt: str, deadline: float) -> list[str]:
+def launcher_command(
+    setup: str, a: argparse.Namespace, ckpt: str, deadline: float, etcd: EtcdCluster | None
+) -> list[str]:
     worker = [
         SCRIPT,
         "--worker",
@@ -447,6 +546,15 @@ def launcher_command(setup: str, a: argparse.Namespace, ckpt: str, deadline: flo
     aiodist_run = [sys.executable, "-m", "aiodist.run", *common, "--preload=numpy,aiodist.sync"]
     if setup == "elastic":
         return [*aiodist_run, "--restart-policy=failed", *worker, "--elastic"]
+    if setup == "elastic-etcd":
+        assert etcd is not None
+        on_etcd = [
+            sys.executable, "-m", "aiodist.run", "--rdzv-backend=etcd",
+            f"--rdzv-endpoint={','.join(etcd.endpoints)}", "--rdzv-id=bench", "--nnodes=1",
+            f"--nproc-per-node={NPROC}", "--max-restarts=1", "--preload=numpy,aiodist.sync",
+        ]  # fmt: skip
+        kill_also = f"--kill-also={etcd.pids[0]}"
+        return [*on_etcd, "--restart-policy=failed", *worker, "--elastic", kill_also]
     worker.append(f"--checkpoint-dir={ckpt}")
     if setup == "aiodist-all":
         return [*aiodist_run, "--restart-policy=all", *worker]
@@ -502,9 +610,30 @@ def one_rep(setup: str, index: int, a: argparse.Namespace, ckpt_root: str, ref: 
     ckpt = folder / "checkpoints"
     ckpt.mkdir()
     deadline = time.time() + a.timeout + 10
-    cmd = launcher_command(setup, a, str(ckpt), deadline)
+    etcd = EtcdCluster() if setup == "elastic-etcd" else None
+    try:
+        cmd = launcher_command(setup, a, str(ckpt), deadline, etcd)
+        return run_rep(rep, folder, cmd, a, ref, etcd)
+    finally:
+        if etcd is not None:
+            etcd.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def run_rep(
+    rep: Rep,
+    folder: Path,
+    cmd: list[str],
+    a: argparse.Namespace,
+    ref: str,
+    etcd: EtcdCluster | None,
+) -> Rep:
+    """Run one repetition's launcher ``cmd`` and read its measurements into ``rep``."""
+    setup = rep.setup
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_"))}
     env.setdefault("OMP_NUM_THREADS", "1")
+    if etcd is not None:
+        env["AIODIST_PEER_TIMEOUT"] = f"{a.etcd_lease_ttl:g}"  # (the etcd leases' TTL)
     if setup == "torch-all":
         # torchrun shares its rendezvous store with the workers by default and keeps the
         # first attempt's keys in it: the restarted gloo workers then read the dead ones'
@@ -536,7 +665,6 @@ def one_rep(setup: str, index: int, a: argparse.Namespace, ckpt_root: str, ref: 
         ln for ln in text.splitlines() if MARK not in ln and ln.strip()
     ][-15:]
     events = parse(text)
-    shutil.rmtree(folder, ignore_errors=True)
     try:
         analyse(setup, events, a, ref, rep.m)
     except Failed as exc:
@@ -594,7 +722,7 @@ def analyse(
     if len(caught) == len(survivors):
         m["lost_steps"] = (max(caught.values()) - t_kill) / step_s - 1
     restarted = [e for e in events if e["ev"] == "start" and e["attempt"] > 0]
-    if setup == "elastic":
+    if setup in ELASTIC:
         starts = [e for e in restarted if e["rank0"] == killed]
         ready = [e for e in events if e["ev"] == "ready"]
         if not starts:
@@ -698,7 +826,7 @@ def row(rep: Rep) -> str:
         cell(m.get("ready_s")),
         cell(m.get("whole_s")),
         point,
-        cell(m.get("pids_kept")) if rep.setup == "elastic" else "-",
+        cell(m.get("pids_kept")) if rep.setup in ELASTIC else "-",
         cell(m.get("equal")),
     ]
     return "| " + " | ".join(cells) + " |"
@@ -728,7 +856,7 @@ def summary(reps: list[Rep], setups: list[str]) -> tuple[list[str], dict[tuple[s
     for setup in setups:
         mine = [r for r in reps if r.setup == setup]
         ok = [r for r in mine if r.ok]
-        for key, label in MEASURES + (ELASTIC_MEASURES if setup == "elastic" else ()):
+        for key, label in MEASURES + (ELASTIC_MEASURES if setup in ELASTIC else ()):
             values = [r.m[key] for r in ok if r.m.get(key) is not None]
             if values:
                 medians[setup, key] = statistics.median(values)
@@ -749,7 +877,7 @@ def minmax(values: list[float]) -> tuple[float, float]:
 
 
 def ratios(medians: dict[tuple[str, str], float], setups: list[str]) -> list[str]:
-    others = [s for s in setups if s != "elastic"]
+    others = [s for s in setups if s not in ELASTIC]
     if "elastic" not in setups or not others:
         return []
     lines = [
@@ -833,6 +961,12 @@ def main() -> None:
     p.add_argument("--setups", default=",".join(SETUPS), help=f"comma-separated: {SETUPS}")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per repetition")
     p.add_argument(
+        "--etcd-lease-ttl",
+        type=float,
+        default=2.0,
+        help="elastic-etcd: the etcd leases' time to live, seconds (AIODIST_PEER_TIMEOUT)",
+    )
+    p.add_argument(
         "--write",
         action="store_true",
         help="write bench/results/elastic.md and docs/images/elastic.png (else a temp folder)",
@@ -857,6 +991,17 @@ def main() -> None:
     if a.plot is None:
         a.plot = str(ROOT / "docs/images/elastic.png" if a.write else Path(folder, "elastic.png"))
     notes = []
+    if "elastic-etcd" in setups:
+        if shutil.which("etcd") is None:
+            print("etcd is not installed (apt-get install etcd-server): elastic-etcd is left out")
+            notes.append("etcd is not installed: the elastic setup on etcd is left out.")
+            setups.remove("elastic-etcd")
+        else:
+            version = subprocess.run(["etcd", "--version"], capture_output=True, text=True)
+            notes.append(
+                f"{version.stdout.splitlines()[0]}; etcd leases' time to live "
+                f"{a.etcd_lease_ttl:g} s (AIODIST_PEER_TIMEOUT)."
+            )
     if "torch-all" in setups:
         if importlib.util.find_spec("torch") is None:
             print("torch is not installed (pip install torch==2.13.0): torch-all is left out")

@@ -19,14 +19,28 @@ Configurations (one fresh server process per run):
 Per run it records the phase times, store calls per second during the rendezvous (4 per
 rank), the server's CPU time and peak RSS (``VmHWM``), descriptors open in the server and per
 rank in the workers. Cost per rank (server CPU, server memory, time) should stay flat as N
-grows. Needs torch for the torch configurations (``pip install torch==2.13.0``; without it
+grows.
+
+A second table, ``shrink`` (aiodist's server and clients), times the store's part of a shrink
+after a loss: each rank holds its failure domain's leases in the world's namespace
+(``aiodist._world.FailureDomain``, as every rank of a world does); the last rank's connection
+ends without a goodbye (as when its process is killed), and the time runs
+
+1. told: from that until every survivor's domain has heard of it (the store's ``departed``
+   key, which every rank watches);
+2. agreement: from the start signal until the last survivor is through what
+   ``shrink_group(lost_ranks())`` asks of the store: which ranks are gone
+   (``aiodist._membership.gone_for_good``), the vote on the ranks to exclude (``vote``) and
+   whether the new world stands once every survivor formed it (``stands``); the new world's
+   connections are left out (they are a rendezvous, timed above). Target: 0.5 s at 1024
+   ranks. It also counts the store requests each survivor made. Needs torch for the torch configurations (``pip install torch==2.13.0``; without it
 they are left out, saying so) and matplotlib for the plot (``pip install -e '.[bench]'``;
 without it the results are still written, and the plot skipped).
 
 Usage::
 
     python bench/scale.py [--ranks 256,1024,4096] [--procs 8] [--repeat 3]
-                          [--configs aiodist,torch,aiodist-torch] [--write]
+                          [--configs aiodist,torch,aiodist-torch,shrink] [--write]
                           [--out FILE] [--plot FILE]
 
 The table goes to ``scale.md`` and the plot to ``scale.png`` in a temporary folder, or with
@@ -49,8 +63,13 @@ import tempfile
 import textwrap
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from aiodist import PrefixStore
+from aiodist._timeouts import Timeout
+from aiodist.store import Value
 
 ROOT = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
@@ -93,6 +112,10 @@ LABELS = {
     "torch": "torch server (libuv), torch clients",
     "aiodist-torch": "aiodist server, torch clients",
 }
+#: The configuration of the shrink table (aiodist's server and clients).
+SHRINK = "shrink"
+#: The key of the simulated shrink's vote (the first vote of the default group).
+_VOTE_KEY = "shrink/0/1"
 
 
 def _address(rank: int) -> bytes:
@@ -229,6 +252,159 @@ class _TorchRanks:
             await asyncio.to_thread(t.join)
 
 
+class _Counted(PrefixStore):
+    """A namespace of a store that counts the requests made through it."""
+
+    requests = 0
+
+    async def set(self, key: str, value: Value) -> None:
+        self.requests += 1
+        await super().set(key, value)
+
+    async def get(self, key: str) -> bytes:
+        self.requests += 1
+        return await super().get(key)
+
+    async def add(self, key: str, amount: int) -> int:
+        self.requests += 1
+        return await super().add(key, amount)
+
+    async def compare_set(self, key: str, expected: Value, desired: Value) -> bytes:
+        self.requests += 1
+        return await super().compare_set(key, expected, desired)
+
+    async def append(self, key: str, value: Value) -> None:
+        self.requests += 1
+        await super().append(key, value)
+
+    async def check(self, keys: Sequence[str]) -> bool:
+        self.requests += 1
+        return await super().check(keys)
+
+    async def wait(self, keys: Sequence[str], timeout: Timeout = None) -> None:
+        self.requests += 1
+        await super().wait(keys, timeout)
+
+    async def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        self.requests += 1
+        return await super().multi_get(keys)
+
+    async def lease(self, key: str, value: Value | None, *, append: bool = False) -> bool:
+        self.requests += 1
+        return await super().lease(key, value, append=append)
+
+
+class _ShrinkRanks:
+    """This worker's ranks of a world whose last rank is lost: each a store client and a
+    failure domain on one event loop."""
+
+    def __init__(self, port: int, ranks: range, world: int) -> None:
+        self.port, self.ranks, self.world = port, ranks, world
+        self.clients: list[Any] = []
+        self.domains: list[Any] = []
+
+    async def connect(self) -> None:
+        import aiodist
+        from aiodist._world import FailureDomain
+
+        self.clients = await asyncio.gather(
+            *(
+                aiodist.TCPStore.create(HOST, self.port, timeout=STORE_TIMEOUT, wire="aiodist")
+                for _ in self.ranks
+            )
+        )
+        self.domains = [
+            FailureDomain(
+                _Counted("world", client),
+                rank,
+                self.world,
+                on_abort=lambda cause: None,
+                on_gone=lambda rank, cause: None,
+                hosting=False,
+                timeout=STORE_TIMEOUT,
+            )
+            for rank, client in zip(self.ranks, self.clients, strict=True)
+        ]
+        for domain in self.domains:
+            domain.start()
+        await asyncio.gather(*(d.leased() for d in self.domains))
+
+    def _survivors(self) -> list[Any]:
+        return [d for d in self.domains if d.rank != self.world - 1]
+
+    async def kill(self) -> float:
+        """End the last rank's connection (if it is here) without a goodbye; return when
+        every survivor here was told."""
+        if self.world - 1 in self.ranks:
+            await self.clients[-1].aclose()
+        await asyncio.gather(*(d.wait_ended() for d in self._survivors()))
+        return time.monotonic()
+
+    async def agree(self) -> tuple[float, list[int]]:
+        """Every survivor here through the store's part of ``shrink_group(lost_ranks())``;
+        return when the last was, and the requests each made."""
+        from aiodist._membership import gone_for_good, stands, vote
+        from aiodist._world import FailureDomain
+
+        world = self.world
+        survivors = self._survivors()
+        before = [d.store.requests for d in survivors]
+        # (Every survivor's list of the remaining ranks, which each rank makes for itself
+        # in its own process: made once here, where thousands of ranks share two CPUs.)
+        remaining = list(range(world - 1))
+
+        async def one(domain: Any) -> None:
+            lost = await gone_for_good(domain, range(world), expected=True)
+            if lost != [world - 1]:
+                raise AssertionError(f"rank {domain.rank} found {lost} lost")
+            await vote(domain, _VOTE_KEY, lost, remaining, STORE_TIMEOUT, lambda r: r)
+            # The new world's domain, as the rank forms it (its connections left out).
+            successor = FailureDomain(
+                PrefixStore(f"{_VOTE_KEY}/world", domain.store),
+                domain.rank,  # (its rank among the remaining ranks: the lost one is last)
+                len(remaining),
+                on_abort=lambda cause: None,
+                on_gone=lambda rank, cause: None,
+                hosting=False,
+                timeout=STORE_TIMEOUT,
+            )
+            why_not = await stands(successor, len(remaining), STORE_TIMEOUT)
+            if why_not is not None:
+                raise AssertionError(f"rank {domain.rank}: the new world fell: {why_not}")
+
+        await asyncio.gather(*(one(d) for d in survivors))
+        end = time.monotonic()
+        return end, [d.store.requests - b for d, b in zip(survivors, before, strict=True)]
+
+    async def close(self) -> None:
+        # (The world is not left in order: the domains' watches end with their stores, or
+        # are cancelled with the loop.)
+        await asyncio.gather(*(c.aclose() for c in self.clients))
+        self.clients, self.domains = [], []
+
+
+async def _shrink_job(job: dict[str, Any]) -> None:
+    loop = asyncio.get_running_loop()
+
+    async def expect(word: str) -> None:
+        line = await loop.run_in_executor(None, sys.stdin.readline)
+        if line.strip() != word:
+            raise RuntimeError(f"worker expected {word!r}, got {line!r}")
+
+    ranks = _ShrinkRanks(job["port"], range(job["lo"], job["hi"]), job["world"])
+    print("ready", flush=True)
+    await expect("connect")
+    await ranks.connect()
+    print("connected", flush=True)
+    await expect("kill")
+    print(f"told {await ranks.kill()!r}", flush=True)
+    await expect("go")
+    end, requests = await ranks.agree()
+    print(f"done {end!r} {json.dumps(requests, separators=(',', ':'))}", flush=True)
+    await expect("close")
+    await ranks.close()
+
+
 async def _worker_job(job: dict[str, Any]) -> dict[str, Any]:
     loop = asyncio.get_running_loop()
 
@@ -254,12 +430,17 @@ async def _worker_job(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def _worker_main() -> None:
+    import logging
+
     from aiodist._loop import loop_factory
 
+    # (A shrink's survivors each say that a rank went, and the lost rank that it lost the
+    # store: thousands of warnings.)
+    logging.getLogger("aiodist").setLevel(logging.ERROR)
     for line in sys.stdin:
         job = json.loads(line)
         with asyncio.Runner(loop_factory=loop_factory("auto")) as runner:
-            runner.run(_worker_job(job))
+            runner.run(_shrink_job(job) if job["client"] == SHRINK else _worker_job(job))
         print("closed", flush=True)
 
 
@@ -361,6 +542,47 @@ def run_once(workers: _Workers, config: str, world: int) -> dict[str, float]:
     }
 
 
+def run_shrink(workers: _Workers, world: int) -> dict[str, float]:
+    """The store's part of a shrink of ``world`` ranks, the last one lost; returns its
+    measurements."""
+    server, port = _start_server("aiodist", world)
+    try:
+        n = len(workers.procs)
+        bounds = [world * i // n for i in range(n + 1)]
+        for i, p in enumerate(workers.procs):
+            job = {"port": port, "lo": bounds[i], "hi": bounds[i + 1], "world": world,
+                   "client": SHRINK}  # fmt: skip
+            assert p.stdin is not None
+            p.stdin.write(json.dumps(job) + "\n")
+            p.stdin.flush()
+        workers.expect("ready")
+        workers.send("connect")
+        workers.expect("connected")
+        t_kill = time.monotonic()
+        workers.send("kill")
+        t_told = max(float(t[0]) for t in workers.expect("told"))
+        cpu0 = _cpu_seconds(server.pid)
+        t0 = time.monotonic()
+        workers.send("go")
+        done = workers.expect("done")
+        cpu1 = _cpu_seconds(server.pid)
+        workers.send("close")
+        workers.expect("closed")
+    finally:
+        assert server.stdin is not None
+        server.stdin.close()
+        server.wait(timeout=60)
+    requests = [r for d in done for r in json.loads(d[1])]
+    survivors = world - 1
+    return {
+        "told_ms": (t_told - t_kill) * 1e3,
+        "agreement_ms": (max(float(d[0]) for d in done) - t0) * 1e3,
+        "requests_median": statistics.median(requests),
+        "requests_max": max(requests),
+        "cpu_us_survivor": (cpu1 - cpu0) / survivors * 1e6,
+    }
+
+
 def _raise_open_files() -> None:
     # Children inherit the limit: the servers and the workers all need thousands.
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -426,7 +648,7 @@ def main() -> None:
     parser.add_argument("--ranks", default="256,1024,4096")
     parser.add_argument("--procs", type=int, default=8, help="worker processes")
     parser.add_argument("--repeat", type=int, default=3, help="runs per cell (median kept)")
-    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--configs", default=",".join([*CONFIGS, SHRINK]))
     parser.add_argument(
         "--write",
         action="store_true",
@@ -462,17 +684,37 @@ def main() -> None:
         except ImportError:
             print("torch is not installed (pip install torch==2.13.0): the torch rows are left out")
             configs = [c for c in configs if "torch" not in CONFIGS.get(c, ())]
+    unknown = [c for c in configs if c not in CONFIGS and c != SHRINK]
+    if unknown:
+        parser.error(f"unknown configurations {unknown}: expected some of {[*CONFIGS, SHRINK]}")
     worlds = [int(x) for x in args.ranks.split(",")]
     workers = _Workers(args.procs)
     rows: list[tuple[str, int, dict[str, float]]] = []
+    shrink_rows: list[tuple[int, dict[str, float]]] = []
     try:
         for world in worlds:
             runs: dict[str, list[dict[str, float]]] = {c: [] for c in configs}
             for _ in range(args.repeat):
                 # Interleaved, so that load from elsewhere on the machine hits all alike.
                 for config in configs:
-                    runs[config].append(run_once(workers, config, world))
+                    if config == SHRINK:
+                        runs[config].append(run_shrink(workers, world))
+                    else:
+                        runs[config].append(run_once(workers, config, world))
             for config in configs:
+                if config == SHRINK:
+                    by_time = sorted(runs[config], key=lambda r: r["agreement_ms"])
+                    median = dict(by_time[len(by_time) // 2])
+                    median["told_ms"] = statistics.median(r["told_ms"] for r in runs[config])
+                    shrink_rows.append((world, median))
+                    print(
+                        f"{world:5} ranks  {config:13}  told {median['told_ms']:8.1f} ms  "
+                        f"agreement {median['agreement_ms']:8.1f} ms  requests per survivor "
+                        f"{median['requests_median']:.0f} (max {median['requests_max']:.0f})  "
+                        f"server cpu {median['cpu_us_survivor']:6.1f} us/survivor",
+                        flush=True,
+                    )
+                    continue
                 by_time = sorted(runs[config], key=lambda r: r["rendezvous_ms"])
                 median = dict(by_time[len(by_time) // 2])
                 median["connect_ms"] = statistics.median(r["connect_ms"] for r in runs[config])
@@ -489,6 +731,31 @@ def main() -> None:
                 )
     finally:
         workers.close()
+    old = Path(args.out).read_text() if Path(args.out).exists() else ""
+    old_rendezvous, _, old_shrink = old.partition(SHRINK_HEADING)
+    sections = [_rendezvous_section(args, rows) if rows else old_rendezvous.strip("\n")]
+    if shrink_rows:
+        sections.append(_shrink_section(args, shrink_rows))
+    elif old_shrink:
+        sections.append(SHRINK_HEADING + old_shrink)
+    text = "\n\n".join(s.strip("\n") for s in sections if s.strip()) + "\n"
+    print()
+    print(text)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(text)
+    print(f"wrote {args.out}")
+    if args.plot and rows:
+        _plot(rows, Path(args.plot))
+
+
+#: The heading of the shrink table in the results file: a run without the shrink keeps the
+#: file's table, and one with the shrink alone keeps the rendezvous tables and their notes.
+SHRINK_HEADING = "## Shrink after a loss"
+
+
+def _rendezvous_section(
+    args: argparse.Namespace, rows: list[tuple[str, int, dict[str, float]]]
+) -> str:
     lines = [
         "# Store at scale",
         "",
@@ -513,14 +780,41 @@ def main() -> None:
             f"| {r['cpu_rdv_us_rank']:.1f} | {r['peak_rss_mib']:.1f} "
             f"| {r['rss_kib_rank']:.2f} | {r['server_fds']:.0f} | {r['client_fds_rank']:.2f} |"
         )
-    table = "\n".join(lines) + "\n"
-    print()
-    print(table)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(table)
-    print(f"wrote {args.out}")
-    if args.plot:
-        _plot(rows, Path(args.plot))
+    return "\n".join(lines) + "\n"
+
+
+def _shrink_section(args: argparse.Namespace, rows: list[tuple[int, dict[str, float]]]) -> str:
+    lines = [
+        SHRINK_HEADING,
+        "",
+        f"`python bench/scale.py --ranks {args.ranks} --procs {args.procs} --repeat "
+        f"{args.repeat} --configs {SHRINK}` on {os.cpu_count()} CPUs, loopback; aiodist's "
+        f"server and clients, ranks spread over {args.procs} worker processes as above, a "
+        "fresh server per run; median of the runs (by agreement time). Each rank holds its "
+        "failure domain's leases in the world's namespace; the last rank's connection ends "
+        "without a goodbye. Told: from then until every survivor's domain heard of it. "
+        "Agreement: from the start signal until the last survivor is through the store's "
+        "part of `shrink_group(lost_ranks())`: the ranks gone, the vote on the ranks to "
+        "exclude, and whether the new world stands once every survivor formed it (the new "
+        "world's connections left out). Requests: store requests each survivor made for "
+        "it. Target: agreement <= 0.5 s at 1024 ranks.",
+        "",
+        "| ranks | survivors told (ms) | agreement (ms) | store requests per survivor "
+        "(median) | (max) | server CPU (us/survivor) |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for world, r in rows:
+        lines.append(
+            f"| {world} | {r['told_ms']:.1f} | {r['agreement_ms']:.1f} "
+            f"| {r['requests_median']:.0f} | {r['requests_max']:.0f} "
+            f"| {r['cpu_us_survivor']:.1f} |"
+        )
+    target = [r for world, r in rows if world == 1024]
+    if target:
+        ms = target[0]["agreement_ms"]
+        verdict = "met" if ms <= 500 else "not met"
+        lines += ["", f"Target, agreement <= 500 ms at 1024 ranks: {ms:.0f} ms ({verdict})."]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -12,6 +12,10 @@ It also times a rendezvous: N clients each ``add`` a counter, the one that bring
 a key, and everyone ``wait``s for that key; the time is from the start signal until the last
 client returns.
 
+aiodist's server runs as a TCPStore that hosts it runs it: on an event loop and thread of its
+own (``TCPStoreServer.start(thread=True)``), beside the process's idle main loop; with
+``--profile-server``, on the main loop, which cProfile sees.
+
 Usage::
 
     python bench/store.py [--duration 1.0] [--clients 1,8,64,256] [--rendezvous 64,256]
@@ -43,8 +47,8 @@ import asyncio, sys
 import aiodist
 from aiodist._loop import loop_factory
 
-async def main():
-    server = await aiodist.TCPStoreServer().start("127.0.0.1", 0)
+async def main(thread):
+    server = await aiodist.TCPStoreServer().start("127.0.0.1", 0, thread=thread)
     print(server.port, flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
     await server.aclose()
@@ -52,9 +56,9 @@ async def main():
 with asyncio.Runner(loop_factory=loop_factory("auto")) as runner:
     if len(sys.argv) > 1:
         import cProfile
-        cProfile.run("runner.run(main())", sys.argv[1])
+        cProfile.run("runner.run(main(False))", sys.argv[1])
     else:
-        runner.run(main())
+        runner.run(main(True))
 """
 
 _TORCH_SERVER = """

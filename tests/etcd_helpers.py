@@ -11,6 +11,7 @@ import contextlib
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -46,6 +47,8 @@ class Member:
         self.peer_port = peer_port
         self.data_dir = data_dir
         self.proc: subprocess.Popen[bytes] | None = None
+        #: The command prefix that runs it on its host (``[]``: this namespace).
+        self.prefix: list[str] = []
 
     @property
     def endpoint(self) -> str:
@@ -71,6 +74,7 @@ class Member:
         ]  # fmt: skip
 
     def start(self, cluster: str, prefix: list[str] | None = None) -> None:
+        self.prefix = prefix or []
         log = (self.data_dir.parent / f"{self.name}.log").open("wb")
         with log:
             self.proc = subprocess.Popen(
@@ -85,11 +89,40 @@ class Member:
             self.proc.wait()
 
 
-def wait_ready(members: list[Member], timeout: float = 30.0) -> None:
-    """Wait until every member answers a linearizable read (the cluster has a leader)."""
+#: Exits 0 if the etcd member at argv[1] answers a linearizable read (run on its host).
+_PROBE = """
+import json, sys, urllib.request
+request = urllib.request.Request(
+    f"http://{sys.argv[1]}/v3/kv/range", data=json.dumps({"key": "AA=="}).encode()
+)
+try:
+    with urllib.request.urlopen(request, timeout=2) as answer:
+        sys.exit(0 if b"header" in answer.read() else 1)
+except OSError:
+    sys.exit(1)
+"""
+
+
+def _answers(member: Member) -> bool:
+    """Whether ``member`` answers a linearizable read (asked from its host)."""
+    if member.prefix:
+        probe = [*member.prefix, sys.executable, "-c", _PROBE, member.endpoint]
+        return subprocess.run(probe, capture_output=True, timeout=10).returncode == 0
     import json
     import urllib.request
 
+    request = urllib.request.Request(
+        f"http://{member.endpoint}/v3/kv/range", data=json.dumps({"key": "AA=="}).encode()
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=2) as answer:
+            return b"header" in answer.read()
+    except OSError:
+        return False
+
+
+def wait_ready(members: list[Member], timeout: float = 30.0) -> None:
+    """Wait until every member answers a linearizable read (the cluster has a leader)."""
     deadline = time.monotonic() + timeout
     for member in members:
         while True:
@@ -97,16 +130,8 @@ def wait_ready(members: list[Member], timeout: float = 30.0) -> None:
             if member.proc.poll() is not None:
                 log = (member.data_dir.parent / f"{member.name}.log").read_text()
                 raise RuntimeError(f"etcd {member.name} exited: {log[-2000:]}")
-            try:
-                request = urllib.request.Request(
-                    f"http://{member.endpoint}/v3/kv/range",
-                    data=json.dumps({"key": "AA=="}).encode(),
-                )
-                with urllib.request.urlopen(request, timeout=2) as answer:
-                    if b"header" in answer.read():
-                        break
-            except OSError:
-                pass
+            if _answers(member):
+                break
             if time.monotonic() > deadline:
                 raise RuntimeError(f"etcd {member.name} did not become ready in {timeout} s")
             time.sleep(0.05)
@@ -124,7 +149,14 @@ def etcd_cluster(
     if ETCD is None:
         pytest.skip(needs_etcd.kwargs["reason"])
     hosts = hosts or ["127.0.0.1"] * size
-    ports = free_ports(2 * size) if len(set(hosts)) == 1 else [2379, 2380] * size
+    if prefixes is None:
+        ports = free_ports(2 * size, hosts[0])
+    else:
+        # (Other hosts' ports cannot be probed from here: etcd's own, counted per host.)
+        ports = []
+        for i, host in enumerate(hosts):
+            earlier = hosts[:i].count(host)
+            ports += [2379 + 2 * earlier, 2380 + 2 * earlier]
     members = []
     for i in range(size):
         data = base / f"etcd{i}"

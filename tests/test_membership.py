@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 from datetime import timedelta
 
 import numpy as np
@@ -365,6 +366,69 @@ async def test_recover_raises_the_error_again_when_no_rank_is_lost() -> None:
         await aiodist.barrier()  # (neither leaves while the other still looks)
 
     await run_world(fn, 2, transport="tcp")
+
+
+class _CountingStore(aiodist.PrefixStore):
+    """A namespace of a store that counts the reads made through it."""
+
+    requests = 0
+
+    async def get(self, key: str) -> bytes:
+        self.requests += 1
+        return await super().get(key)
+
+    async def check(self, keys: Sequence[str]) -> bool:
+        self.requests += 1
+        return await super().check(keys)
+
+    async def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        self.requests += 1
+        return await super().multi_get(keys)
+
+
+async def test_who_left_a_world_is_one_store_request_however_large_the_world() -> None:
+    from aiodist._world import FailureDomain
+
+    size = 64
+    master = await aiodist.TCPStore.create("127.0.0.1", 0, is_master=True, timeout=30)
+    clients = [await master.clone() for _ in range(size)]
+    domains = [
+        FailureDomain(
+            _CountingStore("world", client),
+            rank,
+            size,
+            on_abort=lambda cause: None,
+            on_gone=lambda rank, cause: None,
+            hosting=False,
+            timeout=30,
+        )
+        for rank, client in enumerate(clients)
+    ]
+    try:
+        for domain in domains:
+            domain.start()
+        await asyncio.gather(*(d.leased() for d in domains))
+        await domains[62].aclose("left the process group")  # a goodbye
+        await clients[63].aclose()  # gone without one: its lease says so
+        await domains[0].wait_ended()  # (told by the lease on `departed`)
+        counted = domains[0].store
+        assert isinstance(counted, _CountingStore)
+        before = counted.requests
+        left = await domains[0].departures()
+        assert counted.requests - before == 1
+        assert left == {
+            62: "left the process group",
+            63: "rank 63 is gone: its connection to the store ended without a goodbye (its "
+            "process exited without leaving the process group or was killed, or its host "
+            "cannot be reached)",
+        }
+        assert await domains[0].departures([1, 63]) == {63: left[63]}
+    finally:
+        for domain in domains:
+            await domain.aclose()
+        for client in clients:
+            await client.aclose()
+        await master.aclose()
 
 
 async def test_admit_outside_the_default_group_is_refused() -> None:

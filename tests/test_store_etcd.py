@@ -5,10 +5,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import re
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from etcd_helpers import Member, etcd, etcd3, needs_etcd
+from netns_helpers import Hosts
 
 import aiodist
 from aiodist.errors import DistNetworkError, DistUsageError
@@ -128,6 +133,77 @@ async def test_operations_go_on_when_an_etcd_member_dies(etcd3: list[Member]) ->
         await other.aclose()
 
 
+@pytest.mark.netns
+@pytest.mark.multiprocess
+def test_a_job_that_loses_a_host_of_its_store_goes_on(hosts: Hosts, tmp_path: Path) -> None:
+    # Two hosts: host 0 runs two etcd members and workers 0 and 1, host 1 the third member
+    # and worker 2; every client of the store talks to host 1's member first. At step 10 host
+    # 1's worker and member are killed: the survivors' store moves to host 0's members, they
+    # go on without worker 2 (recover), and a replacement started on host 0 is admitted.
+
+    from cluster_helpers import clean_env
+    from etcd_helpers import etcd_cluster
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "elastic_sgd.py"
+    placement = [0, 0, 1]  # the hosts of the members, and of the workers
+    with etcd_cluster(
+        tmp_path,
+        3,
+        hosts=[hosts.addresses[h] for h in placement],
+        prefixes=[hosts.prefix(h) for h in placement],
+    ) as members:
+        endpoints = ",".join(m.endpoint for m in (members[2], members[0], members[1]))
+
+        def start(rank: int, host: int, restarts: int) -> subprocess.Popen[str]:
+            env = clean_env(
+                RANK=str(rank),
+                WORLD_SIZE="3",
+                TORCHELASTIC_RESTART_COUNT=str(restarts),
+                AIODIST_STORE_URL=f"etcd://{endpoints}/job",
+                AIODIST_PEER_TIMEOUT="2",  # (the etcd lease's time to live)
+            )
+            command = [str(example), "--kill-rank=2", "--kill-step=10", "--wait-for-replacements"]
+            return subprocess.Popen(
+                [*hosts.prefix(host), sys.executable, *command],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+
+        workers = [start(rank, placement[rank], 0) for rank in range(3)]
+        try:
+            # Worker 2 kills itself at step 10; its host's member goes at once with it.
+            workers[2].wait(timeout=60)
+            members[2].kill()
+            assert workers[2].returncode == -signal.SIGKILL, workers[2].communicate()
+            workers.append(start(2, 0, 1))  # its replacement, on the host that is left
+            outs = [w.communicate(timeout=90) for w in (workers[0], workers[1], workers[3])]
+        finally:
+            for w in workers:
+                w.kill()
+                w.communicate()
+    for proc, (out, err) in zip((workers[0], workers[1], workers[3]), outs, strict=True):
+        assert proc.returncode == 0, out + err
+    (out0, _), (out1, _), (out2, _) = outs
+    for rank, out in ((0, out0), (1, out1)):
+        assert re.search(
+            rf"^worker {rank}: step 10 failed \(DistNetworkError\); ranks \[2\] lost; now "
+            rf"rank {rank} of 2 after [\d.]+ ms$",
+            out,
+            re.M,
+        ), out
+        assert out.endswith(
+            f"worker {rank}: done as rank {rank}; weights match the reference: True\n"
+        ), out
+    assert re.search(
+        r"^replacement of worker 2: admitted as rank 2 of 3 at step 15, ", out2, re.M
+    ), out2
+    assert out2.endswith(
+        "replacement of worker 2: done as rank 2; weights match the reference: True\n"
+    ), out2
+
+
 # -- leases ---------------------------------------------------------------------------------
 @pytest.mark.multiprocess
 async def test_a_lease_is_carried_out_when_its_holder_stops_renewing(etcd: str) -> None:
@@ -143,6 +219,7 @@ async def test_a_lease_is_carried_out_when_its_holder_stops_renewing(etcd: str) 
             "async def main():\n"
             f"    s = await aiodist.EtcdStore.create({etcd!r}, '/leases', lease_ttl=2)\n"
             "    await s.lease('left/1', 'rank 1 is gone')\n"
+            "    await s.lease('log', '1;', append=True)\n"
             "    await s.lease('withdrawn', 'never')\n"
             "    await s.lease('withdrawn', None)\n"
             "    print('ready', flush=True)\n"
@@ -157,11 +234,19 @@ async def test_a_lease_is_carried_out_when_its_holder_stops_renewing(etcd: str) 
         assert holder.stdout is not None
         assert await asyncio.to_thread(holder.stdout.readline) == "ready\n"
         await watcher.lease("left/0", "rank 0 is gone")  # (a store with leases carries out others')
+        await watcher.lease("log", "0;", append=True)
+        await watcher.append("log", "start;")
         assert await watcher.check(["left/1"]) is False
         holder.kill()
         start = time.monotonic()
         assert await watcher.get("left/1") == b"rank 1 is gone"
         assert time.monotonic() - start < 10
+        assert watcher.lease_lapse == 6.0  # (its lease's time to live, and 4 s)
+        # (Each of its leases is carried out on its own: the log's may come moments later.)
+        deadline = time.monotonic() + 5
+        while await watcher.get("log") != b"start;1;" and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert await watcher.get("log") == b"start;1;"
         assert await watcher.check(["withdrawn", "left/0"]) is False
     finally:
         holder.kill()
@@ -170,6 +255,7 @@ async def test_a_lease_is_carried_out_when_its_holder_stops_renewing(etcd: str) 
     # Closing the store ends its leases too (as a TCPStore connection's end does).
     async with await aiodist.EtcdStore.create(etcd, "/leases", timeout=5) as reader:
         assert await reader.get("left/0") == b"rank 0 is gone"
+        assert await reader.get("log") == b"start;1;0;"
 
 
 @pytest.mark.multiprocess

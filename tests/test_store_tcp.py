@@ -197,6 +197,38 @@ async def test_request_ids_wrap_past_zero_and_past_ids_still_waiting(
     assert store.server.state.waiter_count == 0
 
 
+@pytest.mark.both_loops
+async def test_leases_are_carried_out_when_a_client_goes_without_withdrawing_them(
+    store: aiodist.TCPStore,
+) -> None:
+    # Three clients go: each has leases that set a key (the first one wins), that append
+    # to a key (every one lands), and one it withdrew (nothing happens). The server carries
+    # out a client's leases together, as its connection ends.
+    await store.set("taken", b"already")
+    for name in ("a", "b", "c"):
+        client = await store.clone()
+        assert await client.lease("first", f"{name} went")
+        assert await client.lease("taken", f"{name} went")
+        assert await client.lease("log", f"{name};", append=True)
+        assert await client.lease("withdrawn", "never")
+        assert await client.lease(f"went/{name}", "yes")
+        await client.lease("withdrawn", None)
+        await client.aclose()
+        assert await store.get(f"went/{name}") == b"yes"
+    assert await store.get("log") == b"a;b;c;"
+    assert await store.get("first") == b"a went"
+    assert await store.get("taken") == b"already"
+    assert not await store.check(["withdrawn"])
+    # A client holds one lease per key: withdrawing it ends either kind.
+    client = await store.clone()
+    await client.lease("log", "d;", append=True)
+    await client.lease("log", None)
+    await client.lease("went/d", "yes")
+    await client.aclose()
+    assert await store.get("went/d") == b"yes"
+    assert await store.get("log") == b"a;b;c;"
+
+
 # -- world size join ------------------------------------------------------------------------
 async def test_master_waits_for_workers_to_join() -> None:
     port = free_port()
@@ -492,6 +524,80 @@ async def test_sixteen_processes_add_exactly() -> None:
         for proc, (_out, err) in zip(procs, results, strict=True):
             assert proc.returncode == 0, err.decode()
         assert server.state.get(b"/total") == b"16000"
+
+
+_BLOCKED_HOST = textwrap.dedent(
+    """
+    import asyncio, sys, time
+    import numpy as np
+    import aiodist
+    from aiodist.rendezvous import rendezvous
+
+    async def main(rank, port):
+        if rank == 0:
+            store = await aiodist.TCPStore.create(
+                "127.0.0.1", port, world_size=3, is_master=True, wait_for_workers=False,
+                timeout=60,
+            )
+            print("hosting", flush=True)
+            time.sleep(5)  # this rank's event loop is blocked: nothing of it runs
+            met = await store.check(["met/1", "met/2"])
+        else:
+            sys.stdin.readline()  # (imported: go once rank 0 hosts the store)
+            store, _, _ = await rendezvous(
+                f"tcp://127.0.0.1:{port}", rank=rank, world_size=3, timeout=60
+            )
+            # The two others first meet through the store, while rank 0 sleeps.
+            await store.set(f"hello/{rank}", b"here")
+            await store.get(f"hello/{3 - rank}")
+            await store.set(f"met/{rank}", b"")
+            met = True
+        pg = await aiodist.init_process_group("cpu", store=store, rank=rank, world_size=3)
+        x = np.array([rank + 1.0])
+        await aiodist.all_reduce(x)
+        print(f"met while rank 0 slept: {met}; sum {x[0]:g}; {pg.size} ranks", flush=True)
+        await aiodist.destroy_process_group()
+        await store.add("left", 1)
+        if rank == 0:  # (the others' last requests go to this rank's server)
+            await store.barrier("left", 4)
+        await store.aclose()
+
+    asyncio.run(main(int(sys.argv[1]), int(sys.argv[2])))
+    """
+)
+
+
+@pytest.mark.multiprocess
+def test_a_rank_blocked_in_its_event_loop_still_serves_the_store_it_hosts() -> None:
+    # The store's server runs apart from the loop of the rank that hosts it: a long
+    # blocking step there used to stall every store request of the job.
+    port = free_port()
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", _BLOCKED_HOST, str(rank), str(port)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (1, 2, 0)
+    ]
+    others, host = ranks[:2], ranks[2]
+    try:
+        assert host.stdout is not None
+        assert host.stdout.readline() == "hosting\n", host.communicate(timeout=10)
+        for proc in others:
+            assert proc.stdin is not None
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        outs = [proc.communicate(timeout=60) for proc in (host, *others)]
+    finally:
+        for proc in ranks:
+            proc.kill()
+            proc.communicate()
+    for proc, (out, err) in zip((host, *others), outs, strict=True):
+        assert proc.returncode == 0, err
+        assert out.splitlines()[-1] == "met while rank 0 slept: True; sum 6; 3 ranks", out
 
 
 def _liveness_options(sock: socket.socket) -> tuple[int, int, int, int, int]:

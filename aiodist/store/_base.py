@@ -60,19 +60,34 @@ class Store(abc.ABC):
     def __init__(self, timeout: Timeout = None) -> None:
         self._timeout = to_seconds(timeout, DEFAULT_STORE_TIMEOUT)
 
-    async def lease(self, key: str, value: Value | None) -> bool:
+    async def lease(self, key: str, value: Value | None, *, append: bool = False) -> bool:
         """Have ``key`` set to ``value`` if this store's connection to its server ends.
 
         A lease is how the server tells the other users of the store that this one went
         away without saying goodbye (its process died, or its host became unreachable): the
-        server sets ``key`` (unless it is already set) when the connection ends. ``None``
-        withdraws it. Returns whether the store holds leases: only an aiodist TCPStore
-        client does; in-process and file stores have no connection to lose.
+        server sets ``key`` (unless it is already set) when the connection ends. With
+        ``append``, the server appends ``value`` to ``key`` instead (creating it), so that
+        one key collects the value of every client that went: a reader learns who went in
+        one request, however many clients there are. ``None`` withdraws the lease on
+        ``key``, of either kind; a client holds one lease per key. Returns whether the
+        store holds leases: an aiodist TCPStore client and an EtcdStore do; in-process and
+        file stores have no connection to lose.
 
         Raises:
             DistNetworkError: the server went away.
         """
         return False
+
+    @property
+    def lease_lapse(self) -> float:
+        """Seconds a lease may take, at most, to be carried out once its holder is gone.
+
+        0 where the server sees the holder's connection end (a TCPStore: the lease is
+        carried out as the holder's peers see their connections to it end); an EtcdStore's
+        lease time to live, since etcd learns that a holder is gone only when its lease is
+        no longer renewed.
+        """
+        return 0.0
 
     def local_address(self) -> str | None:
         """The local address this store's connection to its server uses, if it has one.

@@ -412,8 +412,8 @@ class AiodistChannel(Channel, ReplySink):
             Op.BARRIER, _timeout_arg(timeout), I64.pack(world_size), blob32(key), deadline=timeout
         )
 
-    async def lease(self, key: bytes, value: bytes) -> bool:
-        await self._call(Op.LEASE, blob32(key), blob32(value))
+    async def lease(self, key: bytes, value: bytes, append: bool) -> bool:
+        await self._call(Op.LEASE_APPEND if append else Op.LEASE, blob32(key), blob32(value))
         return True
 
     def close(self) -> None:

@@ -256,7 +256,7 @@ class TorchChannel(Channel, ReplySink):
             raise TimedOut(missing, time.monotonic() - start)
         # The keys arrived while the cancel was on its way.
 
-    async def lease(self, key: bytes, value: bytes) -> bool:
+    async def lease(self, key: bytes, value: bytes, append: bool) -> bool:
         return False  # torch's server has no leases
 
     async def barrier(self, key: bytes, world_size: int, timeout: float | None) -> None:

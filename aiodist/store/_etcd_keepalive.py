@@ -63,24 +63,27 @@ async def _renew(
     on_lost: Callable[[str], None],
 ) -> None:
     client = EtcdClient(endpoints, connect_timeout=ttl / 3, peer_timeout=peer_timeout)
-    # The lease lapses at ``expires`` unless renewed before: each answer moves it.
+    # The lease lapses at ``expires`` unless renewed before: each answer moves it. Only etcd
+    # can say that it lapsed, though: a renewal that cannot get through in time (the member
+    # it went to died, the cluster is electing a leader) has not lost the lease, since a new
+    # leader extends every lease by its time to live; the renewals go on until one is
+    # answered, which says whether the lease still lives. (Deciding it lost at ``expires``
+    # made a process whose member died with the leader give up a lease that still lived.)
     expires = time.monotonic() + ttl
     try:
         while True:
             await asyncio.sleep(ttl / 3)
             sent = time.monotonic()
             try:
-                async with asyncio.timeout(max(expires - sent, 0.01)):
+                async with asyncio.timeout(ttl):
                     answer = await client.call("/v3/lease/keepalive", {"ID": str(lease_id)})
             except (DistError, TimeoutError) as exc:
-                if time.monotonic() < expires:
-                    logger.debug("renewing etcd lease %x failed, trying again: %s", lease_id, exc)
-                    continue
-                on_lost(
-                    f"its etcd lease {lease_id:x} lapsed: it could not be renewed within its "
-                    f"{ttl} s ({exc or type(exc).__name__})"
-                )
-                return
+                if "lease not found" in str(exc):
+                    on_lost(f"its etcd lease {lease_id:x} had lapsed when it was renewed")
+                    return
+                log = logger.warning if time.monotonic() >= expires else logger.debug
+                log("renewing etcd lease %x failed, trying again: %s", lease_id, exc or "timeout")
+                continue
             left = int(answer.get("TTL", 0))
             if left <= 0:
                 on_lost(f"its etcd lease {lease_id:x} had lapsed when it was renewed")

@@ -64,6 +64,7 @@ from ._server_connection import (
     CloseConnection,
     ServerConnection,
 )
+from ._server_thread import ServerThread
 from ._server_torch import TorchWire
 from ._sockets import (
     configure_socket,
@@ -288,7 +289,8 @@ class _Connection(AiodistWire, TorchWire):
 
 
 class TCPStoreServer:
-    """A store server on the current event loop, usable without any client of its own.
+    """A store server on the current event loop, or on one of its own in a thread of its own
+    (``start(thread=True)``), usable without any client of its own.
 
     It speaks aiodist's protocol and torch's TCPStore wire on the same port, so unmodified
     ``torch.distributed.TCPStore`` clients can share keys with aiodist clients (a launcher
@@ -359,6 +361,8 @@ class TCPStoreServer:
         self.state = state if state is not None else KeyValueState()
         self._listener: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        #: The thread the server runs in, when it has one of its own (see start).
+        self._thread: ServerThread | None = None
         self._connections: set[ServerConnection] = set()
         #: Connections being opened, and those still in their handshake by address (oldest
         #: first), each a subset of the connections.
@@ -398,13 +402,23 @@ class TCPStoreServer:
         return len(self._connections)
 
     async def start(
-        self, host: str = "127.0.0.1", port: int = 0, listen_fd: int | None = None
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        listen_fd: int | None = None,
+        *,
+        thread: bool = False,
     ) -> Self:
         """Listen on exactly ``host`` (not every interface) and ``port`` (0 picks a free one).
 
         Pass ``"0.0.0.0"`` or ``"::"`` to listen on every interface. With ``listen_fd`` (torch's
         ``master_listen_fd``), listen on that socket instead, bound already by the caller (to
         ``port``, unless ``port`` is 0); the server takes it over and closes it.
+
+        With ``thread``, the server runs on an event loop of its own (of the caller's loop's
+        kind), in a daemon thread of its own (``aiodist-store-server``), so that it answers
+        while the caller's loop is blocked; :meth:`wait_for_count` and :meth:`aclose` reach
+        it there from any loop. (A TCPStore that hosts its server starts it so.)
 
         Raises:
             DistUsageError: already started, the port is out of range, ``listen_fd`` is not a
@@ -413,10 +427,24 @@ class TCPStoreServer:
             DistStoreError: ``listen_fd`` is bound to another port than ``port``.
             DistNetworkError: the address cannot be resolved or the port is in use.
         """
-        if self._listener is not None:
+        if self._listener is not None or self._thread is not None:
             raise DistUsageError(f"{self!r} is already started")
         if not 0 <= port <= 65535:
             raise DistUsageError(f"port must be in 0..65535, got {port}")
+        if thread:
+            self._thread = ServerThread("aiodist-store-server")
+            await self._thread.start()
+            try:
+                await self._thread.run(self._listen(host, port, listen_fd))
+            except BaseException:
+                await self._thread.stop()
+                self._thread = None
+                raise
+        else:
+            await self._listen(host, port, listen_fd)
+        return self
+
+    async def _listen(self, host: str, port: int, listen_fd: int | None) -> None:
         if self.expected_clients:
             # One descriptor per client, and some slack for the ones a launcher or a
             # process group opens beside the store.
@@ -446,7 +474,6 @@ class TCPStoreServer:
         bound = sock.getsockname()
         self._host, self._port = str(bound[0]), int(bound[1])
         logger.debug("store server listening on %s:%d", self._host, self._port)
-        return self
 
     async def _bound_socket(
         self, loop: asyncio.AbstractEventLoop, host: str, port: int
@@ -597,6 +624,11 @@ class TCPStoreServer:
             DistStoreTimeoutError: the counter stayed below ``target`` for ``timeout`` seconds
                 (a ``DistStoreError``, in torch's words, which scripts match).
         """
+        if self._thread is not None:
+            return await self._thread.run(self._wait_for_count(key, target, timeout))
+        return await self._wait_for_count(key, target, timeout)
+
+    async def _wait_for_count(self, key: bytes, target: int, timeout: float | None) -> int:
         state = self.state
         start = time.monotonic()
         try:
@@ -613,7 +645,20 @@ class TCPStoreServer:
         return state.counter(key)
 
     async def aclose(self) -> None:
-        """Stop listening and drop every connection (their clients see the store go away)."""
+        """Stop listening and drop every connection (their clients see the store go away);
+        a server with a thread of its own stops it too."""
+        thread, self._thread = self._thread, None
+        if thread is not None and not thread.here:
+            return  # (a forked child: the server and its thread are the parent's)
+        if thread is not None:
+            try:
+                await thread.run(self._close())
+            finally:
+                await thread.stop()
+        else:
+            await self._close()
+
+    async def _close(self) -> None:
         listener, self._listener = self._listener, None
         if listener is None:
             return

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
+import logging
 import math
 import os
 import struct
@@ -60,6 +61,8 @@ if TYPE_CHECKING:
     from ._server import TCPStoreServer
 
 __all__ = ["AiodistWire"]
+
+logger = logging.getLogger(__name__)
 
 # Opcodes as plain ints: comparing against enum members costs ~70 ns each on CPython 3.11.
 _OP_SET, _OP_GET, _OP_ADD = int(Op.SET), int(Op.GET), int(Op.ADD)
@@ -141,17 +144,29 @@ class AiodistWire(ServerConnection):
         self._parked: dict[int, _Parked] = {}
         self._deferred: list[tuple[int, _Parked]] = []
         self._max_waiting = max_waiting
-        # Keys to set when this connection ends (leases), with their values.
-        self._leases: dict[bytes, bytes] = {}
+        # Keys to set (or append to) when this connection ends (leases): key -> (value,
+        # whether to append it).
+        self._leases: dict[bytes, tuple[bytes, bool]] = {}
         self._nonce = b""
         self._client_nonce = b""
 
     def _aiodist_lost(self) -> None:
         """Carry out the leases and abandon the waits of a connection that ended."""
         # A client that goes away without withdrawing its leases (its process died, or its
-        # host can no longer be reached) has them carried out: the first setter wins.
-        for key, value in self._leases.items():
-            self._state.compare_set(key, b"", value)
+        # host can no longer be reached) has them carried out: the first setter wins; an
+        # appended value is added to the others' (within the server's value limit).
+        for key, (value, append) in self._leases.items():
+            if not append:
+                self._state.compare_set(key, b"", value)
+            elif len(self._state.get(key) or b"") + len(value) <= self._max_value:
+                self._state.append(key, value)
+            else:
+                logger.warning(
+                    "store server: a lease of %s could not be carried out: appending to key "
+                    "%s would pass max_value_size",
+                    self.peer,
+                    _display(key),
+                )
         self._leases.clear()
         # Whatever this client was waiting for is abandoned: unregister it from the state.
         for parked in self._parked.values():
@@ -373,14 +388,17 @@ class AiodistWire(ServerConnection):
         expected = r.blob32(self._max_value, "value")
         self._reply(rid, self._state.compare_set(key, expected, r.blob32(self._max_value, "value")))
 
-    def _op_lease(self, rid: int, r: Reader) -> None:
+    def _op_lease(self, rid: int, r: Reader, append: bool = False) -> None:
         key = r.blob32(self._max_key, "key")
         value = r.blob32(self._max_value, "value")
         if value:
-            self._leases[key] = value
+            self._leases[key] = (value, append)
         else:
             self._leases.pop(key, None)
         self._reply(rid)
+
+    def _op_lease_append(self, rid: int, r: Reader) -> None:
+        self._op_lease(rid, r, append=True)
 
     def _op_wait(self, rid: int, r: Reader) -> None:
         timeout = _read_timeout(r)
@@ -607,4 +625,5 @@ _AIODIST_HANDLERS: dict[int, _AiodistHandler] = {
     Op.BARRIER: AiodistWire._op_barrier,
     Op.LEASE: AiodistWire._op_lease,
     Op.QUEUE_PUSH_FRONT: AiodistWire._op_queue_push_front,
+    Op.LEASE_APPEND: AiodistWire._op_lease_append,
 }

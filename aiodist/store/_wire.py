@@ -66,8 +66,8 @@ __all__ = [
 #: the first byte.
 AIODIST_MAGIC = b"AIOS"
 #: Bumped whenever the frame layout or an opcode's meaning changes, or an opcode is added
-#: (3: QUEUE_PUSH_FRONT).
-PROTOCOL_VERSION = 3
+#: (3: QUEUE_PUSH_FRONT; 4: LEASE_APPEND).
+PROTOCOL_VERSION = 4
 FLAG_AUTH = 0x01
 
 #: Limits a server applies unless told otherwise (torch's libuv server allows 8 KiB keys and
@@ -156,11 +156,14 @@ class Op(enum.IntEnum):
     #: reaches the world size (a timeout reply ends with the i64 count reached).
     BARRIER = 18
     #: key, value: when this connection ends, set ``key`` to ``value`` if it is not set
-    #: already (an empty value withdraws the lease).
+    #: already (an empty value withdraws the lease on ``key``, of either kind).
     LEASE = 19
     #: key, value: put ``value`` at the head of queue ``key`` (a cancelled pop gives back
     #: what it took).
     QUEUE_PUSH_FRONT = 20
+    #: key, value: when this connection ends, append ``value`` to ``key`` (an empty value
+    #: withdraws the lease on ``key``, of either kind).
+    LEASE_APPEND = 21
 
 
 class Status(enum.IntEnum):

@@ -9,8 +9,8 @@ Keys live under a prefix ``P`` (``/aiodist/`` unless given), in four families:
 * ``P o/<client>/<seq>``: the outcome of a write that must not happen twice (see below),
   under the client's lease.
 * ``P a/<client>``: present while the client's lease lives.
-* ``P l/<client>/<key>``: a lease (:meth:`EtcdStore.lease`): the value ``key`` takes if the
-  client's lease lapses.
+* ``P l/<client>/<key>``: a lease (:meth:`EtcdStore.lease`): ``=`` and the value ``key``
+  takes if the client's lease lapses, or ``+`` and the value appended to it then.
 
 Every store client holds an etcd lease (its *client id*), kept alive from a thread of its own
 (``_etcd_keepalive.py``). Writes that read before they write (``add``, ``compare_set``,
@@ -83,6 +83,13 @@ DEFAULT_MAX_VALUE_SIZE = 1024 * 1024
 _MIN_LEASE_TTL = 2
 #: Seconds between two tries of the lease keeper after the store failed it.
 _KEEPER_RETRY = 1.0
+#: Seconds, beyond its time to live, until a lapsed lease is carried out: etcd's leader looks
+#: for lapsed leases every 0.5 s (a client then reads and writes the markers), and when the
+#: leader died with the holder, the election of the next takes up to two election timeouts
+#: (1 s each by default) and the new leader first extends every lease by one more.
+_LAPSE_NOTICED = 4.0
+#: The first byte of a lease marker's value: whether the lease sets its key or appends to it.
+_SET, _APPEND = b"=", b"+"
 
 
 def _prefix_end(key: bytes) -> bytes:
@@ -249,6 +256,13 @@ class EtcdStore(Store):
             f"<EtcdStore {self._client.where} prefix={self.prefix!r} "
             f"lease={self._session.lease:x} timeout={self.timeout} {state}>"
         )
+
+    @property
+    def lease_lapse(self) -> float:
+        """This client's etcd lease time to live, and 4 s more for etcd to see it lapse,
+        even across the election of a new leader, and for another client to carry out the
+        leases (see :attr:`Store.lease_lapse`)."""
+        return self._session.ttl + _LAPSE_NOTICED
 
     @classmethod
     async def create(
@@ -921,14 +935,15 @@ class EtcdStore(Store):
             reached[0] = int(value) if value.lstrip(b"-").isdigit() else None
 
     # -- leases ----------------------------------------------------------------------------
-    async def lease(self, key: str, value: Value | None) -> bool:
-        """Have ``key`` set to ``value`` if this client's etcd lease lapses.
+    async def lease(self, key: str, value: Value | None, *, append: bool = False) -> bool:
+        """Have ``key`` set to ``value`` (or, with ``append``, ``value`` appended to it) if
+        this client's etcd lease lapses.
 
         See :meth:`Store.lease`. The lease lapses ``lease_ttl`` seconds after this process
         stopped renewing it (it died, or its host lost etcd), or when the store is closed;
         then another client of the store that holds leases itself sets ``key`` (unless it
-        holds a non-empty value already), as a TCPStore server does when a client's
-        connection ends. ``None`` (or an empty value) withdraws the lease.
+        holds a non-empty value already) or appends to it, as a TCPStore server does when a
+        client's connection ends. ``None`` (or an empty value) withdraws the lease.
 
         Raises:
             DistNetworkError: no etcd member could be reached, or this client's lease has
@@ -949,7 +964,7 @@ class EtcdStore(Store):
         # never be carried out.
         answer = await self._txn(
             [{**_compare(self._alive(self._me), "VERSION", 0), "result": "GREATER"}],
-            [self._put(marker, data)],
+            [self._put(marker, (_APPEND if append else _SET) + data)],
         )
         if not answer.get("succeeded"):
             self._on_lease_lost(f"its etcd lease {self._session.lease:x} lapsed")
@@ -996,11 +1011,13 @@ class EtcdStore(Store):
             await self._carry_out_one(owner, kv)
 
     async def _carry_out_one(self, owner: bytes, kv: dict[str, Any]) -> None:
-        """Set the key of the lease marker ``kv`` of ``owner``, unless it holds a value, and
-        delete the marker: once, whichever client of the store does it first."""
+        """Set the key of the lease marker ``kv`` of ``owner``, unless it holds a value (or
+        append to it), and delete the marker: once, whichever client of the store does it
+        first."""
         marker = unb64(kv["key"])
         target = self._data(marker[len(self._marker(owner)) :])
-        value = unb64(kv.get("value"))
+        marked = unb64(kv.get("value"))
+        kind, value = marked[:1], marked[1:]
         # (Only while the owner's lease is gone and the marker is the one read.)
         checks = [
             _compare(self._alive(owner), "VERSION", 0),
@@ -1011,10 +1028,21 @@ class EtcdStore(Store):
             if not _kvs(ranges[1]):
                 return None  # another client carried it out
             kvs = _kvs(ranges[0])
-            if kvs and unb64(kvs[0].get("value")):
+            old = unb64(kvs[0].get("value")) if kvs else b""
+            if kind == _APPEND and len(old) + len(value) > self._max_value:
+                logger.warning(
+                    "etcd store: a lease on %r could not be carried out: appending to it "
+                    "would pass max_value_size",
+                    target,
+                )
+                return _Write(checks, [self._delete(marker)], b"")
+            if kind != _APPEND and old:
                 return _Write(checks, [self._delete(marker)], b"")  # set already
             mod = int(kvs[0]["mod_revision"]) if kvs else 0
-            ops = [self._delete(marker), self._put(target, value)]
+            ops = [
+                self._delete(marker),
+                self._put(target, old + value if kind == _APPEND else value),
+            ]
             return _Write([*checks, _compare(target, "MOD", mod)], ops, b"")
 
         await self._transact([_range(target), _range(marker, keys_only=True)], plan, once=False)

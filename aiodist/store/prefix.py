@@ -55,9 +55,14 @@ class PrefixStore(Store):
         """The string put in front of every key (the prefix given, plus ``"/"``)."""
         return self._prefix
 
-    async def lease(self, key: str, value: Value | None) -> bool:
+    async def lease(self, key: str, value: Value | None, *, append: bool = False) -> bool:
         """The underlying store's lease on the prefixed key (see :meth:`Store.lease`)."""
-        return await self._store.lease(self._key(key), value)
+        return await self._store.lease(self._key(key), value, append=append)
+
+    @property
+    def lease_lapse(self) -> float:
+        """The underlying store's (see :attr:`Store.lease_lapse`)."""
+        return self._store.lease_lapse
 
     def local_address(self) -> str | None:
         """The underlying store's local address (see :meth:`Store.local_address`)."""

@@ -217,7 +217,8 @@ class TCPStore(Store):
             world_size: the number of store instances of the job. Each one adds itself to
                 torch's ``init/`` counter; the master waits for all of them when
                 ``wait_for_workers``. ``None``: no join handshake.
-            is_master: start the server here.
+            is_master: start the server here, on an event loop and thread of its own, so
+                that it answers while this process's loop is blocked.
             timeout: seconds (or ``timedelta``) for connecting, joining, ``get`` and
                 ``wait``; default 300 s.
             wait_for_workers: the master waits for ``world_size`` instances to join.
@@ -271,7 +272,9 @@ class TCPStore(Store):
                 peer_timeout=peer,
                 expected_clients=world_size,
             )
-            await server.start(host_name, port, master_listen_fd)
+            # On a loop and thread of its own: it answers while this process's loop is
+            # blocked (user code, a long step), which would otherwise stall the whole job.
+            await server.start(host_name, port, master_listen_fd, thread=True)
             port = server.port
             if server.host in ("0.0.0.0", "::"):
                 connect_host = "127.0.0.1" if server.host == "0.0.0.0" else "::1"
@@ -483,8 +486,9 @@ class TCPStore(Store):
         self._check_open()
         await self._channel.append(self._key(key), self._value(value))
 
-    async def lease(self, key: str, value: Value | None) -> bool:
-        """Have the server set ``key`` to ``value`` when this client's connection ends.
+    async def lease(self, key: str, value: Value | None, *, append: bool = False) -> bool:
+        """Have the server set ``key`` to ``value`` (or, with ``append``, append it) when
+        this client's connection ends.
 
         See :meth:`Store.lease`. On torch's wire (a torch server) there are no leases.
 
@@ -493,7 +497,7 @@ class TCPStore(Store):
         """
         self._check_open()
         return await self._channel.lease(
-            self._key(key), b"" if value is None else self._value(value)
+            self._key(key), b"" if value is None else self._value(value), append
         )
 
     async def queue_push(self, key: str, value: Value) -> None:
