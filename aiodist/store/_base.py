@@ -65,9 +65,12 @@ class Store(abc.ABC):
 
         A lease is how the server tells the other users of the store that this one went
         away without saying goodbye (its process died, or its host became unreachable): the
-        server sets ``key`` (unless it is already set) when the connection ends. ``None``
-        withdraws it. Returns whether the store holds leases: only an aiodist TCPStore
-        client does; in-process and file stores have no connection to lose.
+        server sets ``key`` when the connection ends. A lease never overwrites: if ``key``
+        holds a value already (another client's lease, say), an aiodist TCPStore server
+        records this one under the first free key of ``key/1``, ``key/2``, ..., so that the
+        leases of many clients on one key are all recorded, in order (an etcd store keeps
+        the first). ``None`` withdraws it. Returns whether the store holds leases: only an
+        aiodist TCPStore client does; in-process and file stores have no connection to lose.
 
         Raises:
             DistNetworkError: the server went away.
