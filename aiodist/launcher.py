@@ -399,12 +399,16 @@ class _Launcher:
             return
         for node in await coord.follow(attempt):
             if node != self._round.node_rank:
+                left = len(coord.live)
                 logger.warning(
-                    "node %d was lost: the attempt goes on without it (%d nodes left, at least "
-                    "%d needed); the workers go on without its workers (--restart-policy=failed)",
+                    "node %d was lost: the attempt goes on without it, on %d node%s "
+                    "(--nnodes=%d:%s); the workers go on without its workers "
+                    "(--restart-policy=failed)",
                     node,
-                    len(coord.live),
+                    left,
+                    "" if left == 1 else "s",
                     cfg.nnodes,
+                    cfg.max_nnodes,
                 )
         if self._hosting and not self._finished and self._round.node_rank not in coord.left:
             await self._take_in(coord, attempt)

@@ -23,7 +23,8 @@ the time from the loss to the survivors' shrink (the line ``ranks [2, 3] lost; n
 2``), to host 0's launcher leaving node 1 behind, and to its exit.
 
 The results go to ``lost_host.md`` in a fresh temporary folder, or with ``--write`` to
-``bench/results/lost_host.md`` (``--out``: another path).
+``bench/results/lost_host.md`` (``--out``: another path); the output of host 0's launcher in
+every run, each line with its time from the loss, to that temporary folder.
 """
 
 from __future__ import annotations
@@ -162,8 +163,9 @@ class Node:
         return ended
 
 
-def one_run(mode: str, index: int, rng: random.Random, guard: float) -> Run:
+def one_run(mode: str, index: int, rng: random.Random, guard: float, logs: Path) -> Run:
     run = Run(mode, index, rng.randrange(3, STEPS - 3))
+    lost = time.monotonic()
     nodes = [Node(host, f"lost-{mode}-{index}") for host in (0, 1)]
     try:
         if not nodes[0].wait_for(f"worker 0: step {run.step} done", time.monotonic() + guard):
@@ -197,6 +199,8 @@ def one_run(mode: str, index: int, rng: random.Random, guard: float) -> Run:
         ip("-n", NAMESPACES[1], "link", "set", VETHS[1], "up")
     if run.outcome != "passed":
         run.tail = [line for _, line in nodes[0].lines][-30:]
+    with (logs / f"{mode}-{index}.log").open("w") as log:
+        log.writelines(f"{t - lost:8.3f} {line}\n" for t, line in nodes[0].lines)
     return run
 
 
@@ -287,6 +291,7 @@ def main() -> None:
     if unknown:
         p.error(f"unknown modes {unknown}; known: {', '.join(MODES)}")
     rng = random.Random(args.seed)
+    logs = Path(tempfile.mkdtemp(prefix="aiodist-lost-host-"))
     t0 = time.monotonic()
     runs = []
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.hogs)]
@@ -294,7 +299,7 @@ def main() -> None:
     try:
         for index in range(1, args.runs + 1):
             for mode in args.modes:
-                run = one_run(mode, index, rng, args.guard)
+                run = one_run(mode, index, rng, args.guard, logs)
                 print(
                     f"{mode} {index}: {run.outcome} (step {run.step}; shrunk "
                     f"{_seconds(run.shrunk)}, left behind {_seconds(run.left_behind)}, "
@@ -313,9 +318,9 @@ def main() -> None:
     elif args.write:
         out = ROOT / "bench" / "results" / "lost_host.md"
     else:
-        out = Path(tempfile.mkdtemp(prefix="aiodist-lost-host-")) / "lost_host.md"
+        out = logs / "lost_host.md"
     out.write_text(text)
-    print(f"wrote {out}")
+    print(f"wrote {out} (every run's output: {logs})")
 
 
 if __name__ == "__main__":
