@@ -56,6 +56,9 @@ class Round(NamedTuple):
     nnodes: int
     rank_base: int
     world_size: int
+    #: Whether this node was taken into the attempt as it ran (``--nnodes=MIN:MAX`` with
+    #: ``--restart-policy=failed``): its workers join the running world.
+    joined: bool = False
 
 
 class Coordinator:
@@ -64,10 +67,16 @@ class Coordinator:
     Keys (under ``aiodist-run/<run_id>/``): ``hb/<token>`` heartbeat counters; ``node/<node>``
     a node's claim (token and worker count); ``a<k>/go`` attempt ``k`` may start (set by
     node 0); ``a<k>/failure`` the first failure of attempt ``k`` (compare-and-set, so every node
-    reports the same one); ``a<k>/done``, ``a<k>/stopped``, ``a<k>/acks`` counters. With
+    reports the same one); ``a<k>/done/<node>`` and ``a<k>/ack/<node>`` once a node's workers
+    finished and once it saw the job end; an ``a<k>/stopped`` counter. With
     ``--nnodes=MIN:MAX`` the nodes of each attempt come together anew (:meth:`join_round`):
-    ``a<k>/arrived`` counts them in, ``a<k>/claim/<i>`` holds the ``i``-th one's claim and
-    ``a<k>/members`` the arrivals node 0 took, in node-rank order.
+    ``a<k>/arrived`` counts them in, ``a<k>/claim/<i>`` holds the ``i``-th one's claim,
+    ``a<k>/members`` the arrivals node 0 took, in node-rank order, and ``a<k>/node/<n>`` the
+    claim of node ``n`` (``a<k>/nodes`` of them). With ``--restart-policy=failed`` as well,
+    the workers outlive a change of nodes, and so does the attempt: a lost node is left
+    behind (``a<k>/lost/<n>``, counted in ``a<k>/lost``) while ``MIN`` others remain, and a
+    node that comes is taken in (:meth:`take_in`: a new ``a<k>/node/<n>``, and
+    ``a<k+1>/took/<i>`` for its arrival ``i``).
     Every request is bounded by the lost-node timeout, so a vanished store is an error, not a
     hang; the supervisor is the only task using the store, so requests never overlap.
     """
@@ -79,6 +88,12 @@ class Coordinator:
         self._token = uuid.uuid4().hex
         #: The other nodes of this attempt: token -> (node rank, heartbeat count, since).
         self._beats: dict[str, tuple[int, int, float]] = {}
+        #: This node's rank in its attempt, the worker count of each node of it by node rank,
+        #: and those left behind (see :meth:`follow`).
+        self._me = cfg.node_rank
+        self._sizes: list[int] = []
+        self.left: set[int] = set()
+        self._lost_seen = 0
 
     def __repr__(self) -> str:
         return f"<Coordinator node={self._cfg.node_rank}/{self._cfg.nnodes} run={self._cfg.run_id}>"
@@ -149,12 +164,25 @@ class Coordinator:
     def _place(self, attempt: int, claims: list[list[str]], node_rank: int) -> Round:
         """This node's :class:`Round` among the nodes whose claims (token, worker count) are
         ``claims``, in node-rank order; the others' heartbeats are watched from now on."""
-        sizes = [int(size) for _, size in claims]
-        now = time.monotonic()
-        self._beats = {
-            token: (node, -1, now) for node, (token, _) in enumerate(claims) if node != node_rank
-        }
+        self._me, self._sizes, self.left, self._lost_seen = node_rank, [], set(), 0
+        self._beats = {}
+        self._add_nodes(claims)
+        sizes = self._sizes
         return Round(attempt, node_rank, len(claims), sum(sizes[:node_rank]), sum(sizes))
+
+    def _add_nodes(self, claims: list[list[str]]) -> None:
+        """Watch the heartbeats of the nodes whose claims are ``claims``, the next node ranks."""
+        now = time.monotonic()
+        for token, size in claims:
+            node = len(self._sizes)
+            self._sizes.append(int(size))
+            if node != self._me:
+                self._beats[token] = (node, -1, now)
+
+    @property
+    def live(self) -> list[int]:
+        """The node ranks of this node's attempt not left behind, this node's included."""
+        return [n for n in range(len(self._sizes)) if n not in self.left]
 
     async def join_round(self, attempt: int, hosting: bool) -> Round | None:
         """With ``--nnodes=MIN:MAX``: come to ``attempt`` with the other nodes; return this
@@ -183,6 +211,11 @@ class Coordinator:
             while not await self._op("the join", s.check([f"{a}members"])):
                 if await self._op("the join", s.check([f"{self._p}end"])):
                     return None
+                if cfg.restart_policy == "failed":
+                    took = f"{a}took/{arrival}"
+                    if await self._op("the join", s.check([took])):
+                        running, node = map(int, (await self._op("the join", s.get(took))).split())
+                        return await self._taken_in(running, node)
                 await asyncio.sleep(cfg.monitor_interval)
             members = [int(i) for i in (await self._op("the join", s.get(f"{a}members"))).split()]
             if arrival in members:
@@ -191,6 +224,15 @@ class Coordinator:
                 return self._place(attempt, claims, members.index(arrival))
             logger.info("attempt %d started without this node: waiting for the next", attempt)
             attempt += 1
+
+    async def _taken_in(self, attempt: int, node: int) -> Round:
+        """This node's :class:`Round` as node ``node``, taken into ``attempt`` as it runs."""
+        self._me, self._sizes, self.left, self._lost_seen = node, [], set(), 0
+        self._beats = {}
+        await self.follow(attempt)
+        live, sizes = self.live, self._sizes
+        base = sum(sizes[n] for n in live if n < node)
+        return Round(attempt, node, len(live), base, sum(sizes[n] for n in live), joined=True)
 
     async def _close(self, attempt: int, mine: int) -> None:
         """The store's node: decide who takes part in ``attempt`` (see :meth:`join_round`)."""
@@ -214,10 +256,76 @@ class Coordinator:
                     f"at {cfg.master_addr}:{cfg.master_port} within {cfg.join_timeout:g} s"
                 )
             await asyncio.sleep(cfg.monitor_interval)
-        others = [i for i in range(arrived) if i != mine][: cfg.max_nnodes - 1]
+        a = f"{self._p}a{attempt}/"
+        # (An arrival that an attempt took in as it ran is no longer waiting here.)
+        waiting = [i for i in range(arrived) if i != mine]
+        taken = [await self._op("the join", s.check([f"{a}took/{i}"])) for i in waiting]
+        others = [i for i, took in zip(waiting, taken, strict=True) if not took]
+        members = [mine, *others[: cfg.max_nnodes - 1]]
         await self.release(attempt)
-        members = " ".join(map(str, [mine, *others]))
-        await self._op("the start", s.set(f"{self._p}a{attempt}/members", members))
+        claims = await self._op("the join", s.multi_get([f"{a}claim/{i}" for i in members]))
+        keys = [f"{a}node/{n}" for n in range(len(members))]
+        await self._op("the start", s.multi_set([*keys, f"{a}nodes"], [*claims, str(len(members))]))
+        await self._op("the start", s.set(f"{a}members", " ".join(map(str, members))))
+
+    async def take_in(self, attempt: int, arrival: int) -> int:
+        """The store's node, with ``--restart-policy=failed``: take the node that arrived
+        ``arrival``-th for the next attempt into ``attempt``, which goes on; return its node
+        rank (every node watches its heartbeats from its next :meth:`follow`).
+
+        Raises:
+            NodeLostError: the store stopped answering.
+        """
+        s = self._store
+        a, later = f"{self._p}a{attempt}/", f"{self._p}a{attempt + 1}/"
+        claim = await self._op("the join", s.get(f"{later}claim/{arrival}"))
+        node = int(await self._op("the join", s.add(f"{a}nodes", 1))) - 1
+        await self._op("the join", s.set(f"{a}node/{node}", claim))
+        await self._op("the join", s.set(f"{later}took/{arrival}", f"{attempt} {node}"))
+        return node
+
+    async def follow(self, attempt: int) -> list[int]:
+        """With ``--restart-policy=failed`` and MIN:MAX nodes: take up the nodes taken into
+        ``attempt`` since the last call (their heartbeats are watched from now on) and those
+        left behind (no longer watched); return the node ranks newly left behind.
+
+        Raises:
+            NodeLostError: the store stopped answering.
+        """
+        s, a = self._store, f"{self._p}a{attempt}/"
+        nodes = int(await self._op("the roster", s.add(f"{a}nodes", 0)))
+        if nodes > len(self._sizes):
+            keys = [f"{a}node/{n}" for n in range(len(self._sizes), nodes)]
+            claims = await self._op("the roster", s.multi_get(keys))
+            self._add_nodes([c.decode().split() for c in claims])
+        lost = int(await self._op("the roster", s.add(f"{a}lost", 0)))
+        if lost == self._lost_seen:
+            return []
+        self._lost_seen = lost
+        left = [n for n in self.live if await self._op("the roster", s.check([f"{a}lost/{n}"]))]
+        self.left.update(left)
+        self._beats = {t: beat for t, beat in self._beats.items() if beat[0] not in self.left}
+        return left
+
+    async def leave_behind(self, attempt: int, node: int, why: str) -> None:
+        """Record that ``attempt`` goes on without ``node`` (lost: ``why``); every node
+        takes it up at its next :meth:`follow`.
+
+        Raises:
+            NodeLostError: the store stopped answering.
+        """
+        s, a = self._store, f"{self._p}a{attempt}/"
+        if await self._op("the roster", s.compare_set(f"{a}lost/{node}", b"", why)) == why.encode():
+            await self._op("the roster", s.add(f"{a}lost", 1))
+
+    async def mark(self, attempt: int, name: str) -> None:
+        """Record ``a<attempt>/<name>/<this node>`` (its workers are done, it saw the end)."""
+        await self._op(name, self._store.set(f"{self._p}a{attempt}/{name}/{self._me}", b"1"))
+
+    async def marked(self, attempt: int, name: str, nodes: list[int]) -> bool:
+        """Whether every node of ``nodes`` recorded ``name`` (see :meth:`mark`)."""
+        keys = [f"{self._p}a{attempt}/{name}/{n}" for n in nodes]
+        return not keys or bool(await self._op(name, self._store.check(keys)))
 
     async def end(self, status: int) -> None:
         """The store's node, with MIN:MAX nodes: the job ended with exit ``status``; nodes

@@ -9,10 +9,12 @@ together, over the world's store:
   answer. Every aborting rank also records what it aborted for under ``aborted/<rank>``
   (see :meth:`FailureDomain.why_gone`);
 * **departures**: a rank whose connection to the store ends without a goodbye (its process
-  exited without leaving, was killed, or its host became unreachable) has the server set
-  ``departed`` (a lease); every rank keeps a ``get`` of it parked too. Every departure, a
-  goodbye or a lease, is also a record in one key, ``departures``, so that who has left is
-  one request however many ranks the world has (:meth:`FailureDomain.departures`);
+  exited without leaving, was killed, or its host became unreachable) has the server record
+  it (a lease on ``departed``: the first under ``departed``, each later one under the next
+  free ``departed/<n>``); every rank keeps a ``get`` of the next record parked, so it learns
+  of every departure, from ranks it talks to or not. Every departure, a goodbye or a lease,
+  is also a record in one key, ``departures``, so that who has left is one request however
+  many ranks the world has (:meth:`FailureDomain.departures`);
 * **store loss**: losing the store aborts the world (every later group creation, abort and
   rendezvous needs it; a rank hosting it keeps it up until the others have left);
 * **arrivals**: when an operation times out, the ranks that entered it say so under one key,
@@ -191,10 +193,14 @@ class FailureDomain:
             logger.warning("rank %d: could not take a lease on the store: %s", self.rank, exc)
 
     async def _watch(self, key: str) -> None:
+        # The abort key is read once (the first cause is the world's); departures are read
+        # one record after the other (``departed``, then ``departed/1``, ...: see the store
+        # server's leases), for as long as the world is open.
+        slot, records = key, 0
         delay = _WATCH_RETRY
         while not self.closed:
             try:
-                reason = (await self.store.get(key)).decode(errors="replace")
+                reason = (await self.store.get(slot)).decode(errors="replace")
             except DistTimeoutError:
                 continue  # the store's own timeout: park the wait again
             except DistNetworkError as exc:
@@ -212,18 +218,27 @@ class FailureDomain:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, _WATCH_RETRY_MAX)
                 continue
+            delay = _WATCH_RETRY
             # (Both do nothing once closed.)
             if key == _DEPARTED_KEY:
-                gone = _GONE.match(reason)
-                if gone is not None and int(gone[1]) != self.rank and not self.closed:
-                    error = DistNetworkError(reason)
-                    self.depart(error)
-                    self._on_gone(int(gone[1]), error)
-            elif not reason.startswith(f"rank {self.rank}:"):
+                self._departed(reason)
+                records += 1
+                slot = f"{key}/{records}"
+                continue
+            if not reason.startswith(f"rank {self.rank}:"):
                 aborted = DistNetworkError(f"the group was aborted by {reason}")
                 aborted.origin = reason  # type: ignore[attr-defined]
                 self.abort(aborted)
             return
+
+    def _departed(self, record: str) -> None:
+        # A departure the store recorded: the first breaks the world; each one fails what
+        # still needs the rank it names (the first to fail aborts the world).
+        gone = _GONE.match(record)
+        if gone is not None and int(gone[1]) != self.rank and not self.closed:
+            error = DistNetworkError(record)
+            self.depart(error)
+            self._on_gone(int(gone[1]), error)
 
     def depart(self, cause: BaseException) -> None:
         """Mark the world broken because a rank went away without a goodbye (``cause``).

@@ -80,6 +80,8 @@ class _Outcome:
 
     failure: WorkerFailure | None = None
     signum: int | None = None
+    #: The other nodes went on without this one (MIN:MAX nodes, ``--restart-policy=failed``).
+    left_behind: bool = False
 
 
 class _Launcher:
@@ -102,6 +104,14 @@ class _Launcher:
         self._round = Round(0, cfg.node_rank, cfg.nnodes, 0, cfg.nproc_per_node * cfg.nnodes)
         #: Whether the launchers of several nodes coordinate through the store.
         self._several = cfg.nnodes > 1 or cfg.elastic
+        #: Whether an attempt outlives a change of nodes: with MIN:MAX nodes and
+        #: ``--restart-policy=failed`` the workers go on without a lost node's (they shrink
+        #: their world) and admit a new node's, so the launchers do too.
+        self._goes_on = cfg.elastic and cfg.restart_policy == "failed"
+        #: The store's node, when the attempt goes on: arrivals for the next attempt taken in.
+        self._taken = 0
+        #: Whether this node's workers of the attempt that ran last all finished.
+        self._finished = False
         #: Whether this node hosts the store (node 0 of a fixed count): it starts attempts,
         #: and keeps the store up until the others are done with it.
         self._hosting = False
@@ -204,7 +214,10 @@ class _Launcher:
                 self._round = await coord.join()
             return await self._attempts(coord)
         except NodeLostError as exc:
-            logger.error("%s; the workers of node %d were stopped", exc, self._round.node_rank)
+            what = "had finished" if self._finished else "were stopped"
+            logger.error("%s; the workers of node %d %s", exc, self._round.node_rank, what)
+            if exc.node is not None:
+                self._write_summary(self._node_failure(exc.node, 1, str(exc)), 0)
             return 1
         finally:
             if self._group is not None:
@@ -274,8 +287,9 @@ class _Launcher:
                     return 0
                 self._round, attempt = round_, round_.attempt
                 logger.info(
-                    "attempt %d: node %d of %d, ranks %d-%d of %d",
+                    "attempt %d: %snode %d of %d, ranks %d-%d of %d",
                     attempt,
+                    "taken in as it runs, as " if round_.joined else "",
                     round_.node_rank,
                     round_.nnodes,
                     round_.rank_base,
@@ -287,6 +301,15 @@ class _Launcher:
             if self._signal is not None:
                 return 128 + self._signal
             outcome = await self._run_attempt(coord, attempt)
+            if outcome.left_behind:
+                logger.warning(
+                    "attempt %d went on without this node (its heartbeats were not seen for "
+                    "%g s): joining the job again, as a node that comes",
+                    attempt,
+                    cfg.lost_after,
+                )
+                attempt += 1
+                continue
             if outcome.failure is None and outcome.signum is None:
                 await self._finish(coord, attempt)
                 return 0
@@ -347,7 +370,7 @@ class _Launcher:
         """Node 0 keeps the store up until every node has read the failure (or is lost)."""
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self._cfg.lost_after):
-                while await coord.count(attempt, "stopped") < self._round.nnodes:
+                while await coord.count(attempt, "stopped") < len(coord.live):
                     await asyncio.sleep(self._cfg.monitor_interval)
 
     async def _wait_release(self, coord: Coordinator, attempt: int) -> None:
@@ -355,16 +378,67 @@ class _Launcher:
         cfg = self._cfg
         if self._hosting:
             while attempt > 0 and await coord.count(attempt - 1, "stopped") < cfg.nnodes:
-                await self._tick(coord)
+                await self._tick(coord, attempt)
             await coord.release(attempt)
             return
         while not await coord.released(attempt):
-            await self._tick(coord)
+            await self._tick(coord, attempt)
 
-    async def _tick(self, coord: Coordinator) -> None:
+    async def _tick(self, coord: Coordinator, attempt: int) -> None:
         if self._several:
-            await coord.beat()
+            await self._heartbeats(coord, attempt)
         await asyncio.sleep(self._cfg.monitor_interval)
+
+    async def _heartbeats(self, coord: Coordinator, attempt: int) -> None:
+        """Send this node's heartbeat and check the others'. When the attempt goes on
+        without a lost node, leave it behind (while at least ``MIN`` nodes remain) and take
+        up what the other nodes saw come and go.
+
+        Raises:
+            NodeLostError: a node's heartbeats stopped (and the attempt cannot go on without
+                it), or the store stopped answering.
+        """
+        cfg = self._cfg
+        try:
+            await coord.beat()
+        except NodeLostError as exc:
+            if not self._goes_on or exc.node is None or len(coord.live) <= cfg.nnodes:
+                raise
+            await coord.leave_behind(attempt, exc.node, str(exc))
+        if not self._goes_on:
+            return
+        for node in await coord.follow(attempt):
+            if node != self._round.node_rank:
+                left = len(coord.live)
+                logger.warning(
+                    "node %d was lost: the attempt goes on without it, on %d node%s "
+                    "(--nnodes=%d:%s); the workers go on without its workers "
+                    "(--restart-policy=failed)",
+                    node,
+                    left,
+                    "" if left == 1 else "s",
+                    cfg.nnodes,
+                    cfg.max_nnodes,
+                )
+        if self._hosting and not self._finished and self._round.node_rank not in coord.left:
+            await self._take_in(coord, attempt)
+
+    async def _take_in(self, coord: Coordinator, attempt: int) -> None:
+        """The store's node, when the attempt goes on: take the nodes that came into it, up
+        to ``MAX`` (the others wait as spares)."""
+        cfg = self._cfg
+        assert cfg.max_nnodes is not None
+        arrived = await coord.count(attempt + 1, "arrived")
+        while self._taken < arrived and len(coord.live) < cfg.max_nnodes:
+            node = await coord.take_in(attempt, self._taken)
+            self._taken += 1
+            await coord.follow(attempt)
+            logger.info(
+                "a node came: taken into attempt %d as node %d; its workers join at the "
+                "workers' next admission point",
+                attempt,
+                node,
+            )
 
     def _spec(self, local: int, restarts: int) -> WorkerSpec:
         """The worker of local rank ``local`` after ``restarts`` restarts (of it or the group)."""
@@ -494,8 +568,12 @@ class _Launcher:
             asyncio.create_task(self._renumber(group, local), name=f"aiodist-run rank of {local}")
             for local in range(cfg.nproc_per_node)
         ]
+        self._finished, self._taken = False, 0
+        # A node taken into a running attempt starts its workers as replacements are:
+        # TORCHELASTIC_RESTART_COUNT above 0, so that they join the running world.
+        first = attempt + 1 if self._round.joined else attempt
         try:
-            await group.start([self._spec(local, attempt) for local in range(cfg.nproc_per_node)])
+            await group.start([self._spec(local, first) for local in range(cfg.nproc_per_node)])
             if self._keep_logs and attempt == 0 and any(cfg.redirects + cfg.tees):
                 logger.info("worker logs: %s", self._log_base / cfg.run_id)
             while True:
@@ -529,6 +607,12 @@ class _Launcher:
                     return _Outcome(failure=failure)
                 if self._several:
                     remote = await self._news(coord, attempt)
+                    if self._round.node_rank in coord.left:
+                        logger.warning(
+                            "the other nodes went on without this one: stopping its workers"
+                        )
+                        await group.stop(cfg.shutdown_timeout)
+                        return _Outcome(left_behind=True)
                     if remote is not None:
                         logger.info(
                             "%s: stopping the workers of this node", self._what_failed(remote)
@@ -547,16 +631,18 @@ class _Launcher:
             for task in renumbering:
                 task.cancel()
             await asyncio.gather(*renumbering, return_exceptions=True)
-        # This node is done; the job is done once every node is.
+        # This node is done; the job is done once every node is (every node that is left,
+        # when the attempt goes on without lost nodes).
+        self._finished = True
         if self._several:
-            await coord.increment(attempt, "done")
-            while await coord.count(attempt, "done") < self._round.nnodes:
+            await coord.mark(attempt, "done")
+            while not await coord.marked(attempt, "done", coord.live):
                 remote = await coord.failure(attempt)
                 if remote is not None:
                     return _Outcome(failure=remote)
                 if self._interrupted.is_set():
                     return _Outcome(signum=self._signal)
-                await self._tick(coord)
+                await self._tick(coord, attempt)
         return _Outcome()
 
     async def _news(self, coord: Coordinator, attempt: int) -> WorkerFailure | None:
@@ -565,13 +651,14 @@ class _Launcher:
         node's."""
         cfg = self._cfg
         try:
-            await coord.beat()
+            await self._heartbeats(coord, attempt)
         except NodeLostError as exc:
             if not cfg.elastic or exc.node is None:
                 raise  # (a fixed set of nodes cannot go on without one, nor anyone without the store)
             return await coord.publish_failure(attempt, self._node_failure(exc.node, 1, str(exc)))
         if (
             cfg.elastic
+            and not self._goes_on
             and cfg.max_nnodes is not None
             and self._round.nnodes < cfg.max_nnodes
             and await coord.waiting(attempt)
@@ -598,13 +685,14 @@ class _Launcher:
         if not self._several:
             return
         if not self._hosting:
-            await coord.increment(attempt, "acks")
+            await coord.mark(attempt, "ack")
             return
         if self._cfg.elastic:
             await coord.end(0)  # (nodes still waiting to join learn it and stop)
         with contextlib.suppress(NodeLostError):
-            while await coord.count(attempt, "acks") < self._round.nnodes - 1:
-                await self._tick(coord)
+            me = self._round.node_rank
+            while not await coord.marked(attempt, "ack", [n for n in coord.live if n != me]):
+                await self._tick(coord, attempt)
 
     def _signal_failure(self) -> WorkerFailure:
         assert self._signal is not None
@@ -644,6 +732,15 @@ class _Launcher:
             f"  root cause: {head}",
             f"  {restarts}; the other workers were stopped",
         ]
+        if f.rank < 0 and f.exitcode > 0 and not cfg.elastic:
+            lines[-1] = f"  the workers of node {self._round.node_rank} " + (
+                "had finished" if self._finished else "were stopped"
+            )
+            lines.append(
+                f"  a job of --nnodes={cfg.nnodes} runs on exactly that many nodes and ends when "
+                "one is lost; with --nnodes=MIN:MAX and --restart-policy=failed the other "
+                "nodes go on, their workers shrinking past the lost node's"
+            )
         if f.finished:
             which = ", ".join(map(str, sorted(f.finished)))
             lines.append(

@@ -59,11 +59,11 @@ def gradient_sum(w: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return 2.0 * x.T @ (x @ w - y)
 
 
-def reference() -> np.ndarray:
+def reference(steps: int = STEPS) -> np.ndarray:
     """Full-batch gradient descent in one process: what every worker must end with."""
     x, y = make_data()
     w = np.zeros(FEATURES)
-    for _ in range(STEPS):
+    for _ in range(steps):
         w = w - LR * gradient_sum(w, x, y) / SAMPLES
     return w
 
@@ -77,7 +77,11 @@ def say(text: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--kill-rank", type=int, default=2)
-    parser.add_argument("--kill-step", type=int, default=10)
+    parser.add_argument("--kill-step", type=int, default=10, help="-1: nobody kills itself")
+    parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument(
+        "--log-steps", action="store_true", help="print a line at the end of every step"
+    )
     parser.add_argument(
         "--step-seconds", type=float, default=0.05, help="time a step's computation takes"
     )
@@ -102,7 +106,7 @@ def main() -> None:
         dist.init_process_group("gloo")
     step, w = int(state[0]), state[1:].copy()
     full = int(os.environ["WORLD_SIZE"])
-    while step < STEPS:
+    while step < args.steps:
         if name == f"worker {args.kill_rank}" and step == args.kill_step:
             os.kill(os.getpid(), signal.SIGKILL)
         # This worker's shard: every size-th row, from its rank in the current group.
@@ -126,8 +130,10 @@ def main() -> None:
         w -= LR * grad / SAMPLES
         step += 1
         if dist.get_rank() == 0:  # (one line a step: the world's size shows its changes)
-            say(f"{name}: step {step} of {STEPS} by {dist.get_world_size()} ranks: loss {loss:.6f}")
-        if step % ADMIT_EVERY == 0 and step < STEPS:
+            say(f"{name}: step {step} of {args.steps} by {dist.get_world_size()} ranks: loss {loss:.6f}")
+        if args.log_steps:  # (every worker: a test follows each one)
+            say(f"{name}: step {step} done as rank {dist.get_rank()} of {dist.get_world_size()}")
+        if step % ADMIT_EVERY == 0 and step < args.steps:
             state[0], state[1:] = step, w  # sent to the admitted ranks, if any
             try:
                 admitted = dist.admit(state=[state])
@@ -140,7 +146,7 @@ def main() -> None:
                 # being admitted wait for the next admission point).
                 lost = dist.recover(exc)
                 say(f"{name}: admission at step {step} failed; ranks {lost} lost")
-    match = bool(np.allclose(w, reference(), rtol=1e-12, atol=0))
+    match = bool(np.allclose(w, reference(args.steps), rtol=1e-12, atol=0))
     say(f"{name}: done as rank {dist.get_rank()}; weights match the reference: {match}")
     dist.destroy_process_group()
     sys.exit(0 if match else 1)

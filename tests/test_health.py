@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import aiodist
+from aiodist._world import FailureDomain
 from aiodist.testing import run_world, run_world_processes
 
 pytestmark = pytest.mark.both_loops
@@ -156,3 +157,45 @@ def test_a_rank_nobody_talked_to_is_noticed_through_its_store_lease(tmp_path: Pa
         waited, cause = (tmp_path / f"rank{rank}").read_text().split(" ", 1)
         assert float(waited) < 2.0, (rank, waited, cause)
         assert "rank 3 is gone: its connection to the store ended" in cause, cause
+
+
+async def test_every_departure_the_store_records_reaches_every_rank() -> None:
+    # Four ranks' failure domains over one store. Ranks 2, 3 and 1 go without a goodbye,
+    # one after the other (their connections to the store end): rank 0 hears of each one,
+    # in that order, whether or not it ever talked to them; the first breaks its world.
+    async with await aiodist.TCPStoreServer().start("127.0.0.1", 0) as server:
+        stores = [
+            await aiodist.TCPStore.create("127.0.0.1", server.port, timeout=5) for _ in range(4)
+        ]
+        heard: list[tuple[int, str]] = []
+        domains = [
+            FailureDomain(
+                store,
+                rank,
+                4,
+                on_abort=lambda exc: None,
+                on_gone=(lambda r, exc: heard.append((r, str(exc))))
+                if rank == 0
+                else (lambda r, exc: None),
+                hosting=False,
+                timeout=5,
+            )
+            for rank, store in enumerate(stores)
+        ]
+        for domain in domains:
+            domain.start()
+        for domain in domains:
+            await domain.leased()
+        for count, rank in enumerate((2, 3, 1), 1):
+            await stores[rank].aclose()
+            async with asyncio.timeout(5):
+                while len(heard) < count:
+                    await asyncio.sleep(0.01)
+        assert [r for r, _ in heard] == [2, 3, 1]
+        for r, text in heard:
+            assert text.startswith(f"rank {r} is gone: its connection to the store ended"), text
+        assert str(domains[0].broken).startswith("rank 2 is gone"), domains[0].broken
+        assert not domains[0].aborted  # (a departure breaks the world; it aborts nothing)
+        for domain in domains:
+            await domain.aclose()
+        await stores[0].aclose()

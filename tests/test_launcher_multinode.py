@@ -219,6 +219,10 @@ def test_killed_node_makes_the_other_exit(hosts: Hosts, killed: int, mode: str) 
     assert elapsed < 30
     if mode == "signals" and killed == 1:
         assert "node 1 stopped sending heartbeats" in err
+        # The summary says what a fixed node count means, and what would let the job go on.
+        assert "root cause: node 1 was lost" in err, err
+        assert "a job of --nnodes=2 runs on exactly that many nodes and ends when one" in err
+        assert "with --nnodes=MIN:MAX and --restart-policy=failed the other nodes go on" in err
     elif mode == "signals":
         assert f"the store at {IPV4[0]}:29400 (node 0)" in err
     else:
@@ -260,6 +264,8 @@ async def test_a_worker_failing_while_the_node_polls_the_store_is_a_failure(
     class SlowStore:
         """Answers only once the worker has exited (a store reply slower than the worker)."""
 
+        left: frozenset[int] = frozenset()  # (no node was left behind)
+
         async def _reply(self) -> None:
             while run._group is not None and run._group.running():
                 await asyncio.sleep(0.01)
@@ -273,7 +279,7 @@ async def test_a_worker_failing_while_the_node_polls_the_store_is_a_failure(
         async def publish_failure(self, attempt: int, failure: Any) -> Any:
             return failure
 
-        async def increment(self, attempt: int, name: str) -> None:
+        async def mark(self, attempt: int, name: str) -> None:
             raise AssertionError(f"the attempt was taken for a success ({name})")
 
     outcome = await asyncio.wait_for(run._run_attempt(SlowStore(), 0), 30)  # type: ignore[arg-type]

@@ -135,6 +135,79 @@ def test_a_vanished_host_is_noticed_by_every_rank(
             r.close()
 
 
+#: The ranks' peer timeout in the tests of their own connections' liveness, and how much
+#: later than it the loss may be noticed (a liveness check a second, a window probe a second
+#: at most where the kernel has TCP_RTO_MAX_MS, a busy machine).
+LINK_PEER_TIMEOUT = 2.0
+LINK_SLACK = 5.0
+
+
+@pytest.mark.netns
+@pytest.mark.parametrize("scenario", ["stream", "unread"])
+def test_a_vanished_host_is_noticed_by_the_link_to_it(hosts: Hosts, scenario: str) -> None:
+    # The store's connections use a peer timeout of 60 s: its lease of the vanished rank
+    # tells nobody in time, so rank 0's own connection to rank 1 must notice. "stream": rank
+    # 0's data is in flight, unacknowledged; "unread": rank 1 is busy (its window closed)
+    # for twice the peer timeout, which is no loss, and then its host vanishes.
+    port = free_port()
+    env = _env(
+        AIODIST_PEER_TIMEOUT=f"{LINK_PEER_TIMEOUT:g}", STORE_PEER_TIMEOUT="60", VANISH_BUSY="600"
+    )
+    ranks = [
+        Rank(
+            [
+                *hosts.prefix(r),
+                sys.executable,
+                str(WORKER),
+                scenario,
+                str(r),
+                IPV4[0],
+                str(port),
+                "0",
+            ],
+            env,
+        )
+        for r in range(2)
+    ]
+    try:
+        for r in ranks:
+            assert r.event()["event"] == "ready"
+        time.sleep(0.5 if scenario == "stream" else 2 * LINK_PEER_TIMEOUT)
+        gone = time.time()
+        hosts.link(1, up=False)
+        events = {}
+        while "error" not in events:
+            e = ranks[0].event(timeout=LINK_PEER_TIMEOUT + LINK_SLACK + 10)
+            events[str(e["event"])] = e
+        error = events["error"]
+        assert error["type"] == "DistNetworkError", events
+        assert "lost connection to rank 1: its host stopped answering" in str(error["msg"]), events
+        assert float(error["t"]) - gone < LINK_PEER_TIMEOUT + LINK_SLACK, float(error["t"]) - gone
+    finally:
+        for r in ranks:
+            r.close()
+
+
+@pytest.mark.multiprocess
+def test_a_busy_rank_with_its_window_closed_is_not_gone() -> None:
+    # Rank 1 holds the GIL for three times the peer timeout while 8 MiB of rank 0's wait
+    # unread: rank 0's kernel sees rank 1's window closed and probes it, and rank 1's kernel
+    # answers. (TCP_USER_TIMEOUT would drop the connection here: Linux counts a closed
+    # window against it however the probes are answered.)
+    ranks = _two_local(
+        "unread", AIODIST_PEER_TIMEOUT=f"{LINK_PEER_TIMEOUT:g}", VANISH_BUSY="6", AIODIST_SHM="0"
+    )
+    try:
+        for r in ranks:
+            assert r.event()["event"] == "ready"
+        for r in ranks:
+            done = r.event(timeout=30)
+            assert done["event"] == "done" and done["value"] == 4.0, done
+    finally:
+        for r in ranks:
+            r.close()
+
+
 def _two_local(scenario: str, **env: str) -> list[Rank]:
     port = free_port()
     return [

@@ -166,6 +166,36 @@ async def test_disconnect_mid_request_is_cleaned_up(server: aiodist.TCPStoreServ
     await store.aclose()
 
 
+async def test_every_lost_lease_is_recorded_in_the_order_the_connections_ended(
+    server: aiodist.TCPStoreServer,
+) -> None:
+    watcher = await _client(server)
+    clients = {name: await _client(server) for name in "abcd"}
+    for name, client in clients.items():
+        assert await client.lease("departed", f"{name} is gone")
+    await clients["d"].lease("departed", None)  # withdrawn: never recorded
+    # The first lost lease takes the key; each later one the next free key/<n>. A reader
+    # parked on the next record learns of every one.
+    next_record = asyncio.ensure_future(watcher.get("departed/1"))
+    for ended, name in enumerate("bca", 1):
+        await clients[name].aclose()
+        await _until(lambda ended=ended: server.num_clients == 5 - ended)
+    assert await watcher.get("departed") == b"b is gone"
+    assert await next_record == b"c is gone"
+    assert await watcher.get("departed/2") == b"a is gone"
+    await clients["d"].aclose()
+    await _until(lambda: server.num_clients == 1)
+    assert not await watcher.check(["departed/3"])
+    # A key set by hand is not overwritten either: the lease takes the next free key.
+    await watcher.set("left", "by hand")
+    late = await _client(server)
+    await late.lease("left", "lost")
+    await late.aclose()
+    assert await watcher.get("left/1") == b"lost"
+    assert await watcher.get("left") == b"by hand"
+    await watcher.aclose()
+
+
 @pytest.mark.both_loops
 async def test_a_client_reset_is_not_news_at_info_level(
     server: aiodist.TCPStoreServer, caplog: pytest.LogCaptureFixture

@@ -6,6 +6,14 @@ first all_reduce every rank prints ``ready``; then:
     wait      rank 0 waits in an all_reduce, the others sleep: the test takes a link down
     busy      rank 1 holds the GIL in pure Python for BUSY seconds before its all_reduce
     stopped   rank 1 is stopped by the test (SIGSTOP) for a while, then all_reduce
+    unread    rank 0 sends rank 1 8 MiB (more than the kernels' buffers hold), then
+              all_reduce; rank 1 holds the GIL for BUSY seconds first (so nothing reads
+              rank 0's data: rank 0 sees a closed window), then receives it and all_reduces
+    stream    rank 0 sends rank 1 1 MiB messages until one fails (data of its own is always
+              unacknowledged), rank 1 receives them: the test takes a link down
+
+With STORE_PEER_TIMEOUT set, the store's connections use that peer timeout (the lease of a
+vanished rank then tells nobody sooner than it): the ranks' own connections must notice.
 
 Events are JSON lines: ``ready``, ``aborted`` (when the group learns of a failure, with the
 cause), ``done`` (the all_reduce completed), ``error`` (what it raised: type, msg); ``t`` is
@@ -47,8 +55,14 @@ def spin(seconds: float) -> int:
 
 
 async def main() -> None:
+    store_peer = os.environ.get("STORE_PEER_TIMEOUT")
     store = await aiodist.TCPStore.create(
-        addr, port, world_size=2, is_master=rank == host_rank, timeout=60
+        addr,
+        port,
+        world_size=2,
+        is_master=rank == host_rank,
+        timeout=60,
+        peer_timeout=None if store_peer is None else float(store_peer),
     )
     await aiodist.init_process_group(store=store, rank=rank, world_size=2, timeout=120)
     x = np.ones(4)
@@ -65,6 +79,19 @@ async def main() -> None:
             await asyncio.sleep(60)
         if scenario == "busy" and rank == 1:
             spin(BUSY)
+        if scenario == "unread":
+            data = np.arange(1 << 20, dtype=np.float64)  # 8 MiB
+            if rank == 0:
+                await aiodist.send(data, 1)
+            else:
+                spin(BUSY)
+                got = np.zeros_like(data)
+                await aiodist.recv(got, 0)
+                assert np.array_equal(got, data)
+        if scenario == "stream":
+            chunk = np.ones(1 << 17)  # 1 MiB
+            for _ in range(1 << 30):
+                await (aiodist.send(chunk, 1) if rank == 0 else aiodist.recv(chunk, 0))
         await aiodist.all_reduce(x)
         emit("done", value=float(x[0]))
     except aiodist.DistError as exc:

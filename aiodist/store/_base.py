@@ -65,13 +65,16 @@ class Store(abc.ABC):
 
         A lease is how the server tells the other users of the store that this one went
         away without saying goodbye (its process died, or its host became unreachable): the
-        server sets ``key`` (unless it is already set) when the connection ends. With
-        ``append``, the server appends ``value`` to ``key`` instead (creating it), so that
-        one key collects the value of every client that went: a reader learns who went in
-        one request, however many clients there are. ``None`` withdraws the lease on
-        ``key``, of either kind; a client holds one lease per key. Returns whether the
-        store holds leases: an aiodist TCPStore client and an EtcdStore do; in-process and
-        file stores have no connection to lose.
+        server sets ``key`` when the connection ends. A lease never overwrites: if ``key``
+        holds a value already (another client's lease, say), an aiodist TCPStore server
+        records this one under the first free key of ``key/1``, ``key/2``, ..., so that the
+        leases of many clients on one key are all recorded, in order (an etcd store keeps
+        the first). With ``append``, the server appends ``value`` to ``key`` instead
+        (creating it), so that one key collects the value of every client that went: a
+        reader learns who went in one request, however many clients there are. ``None``
+        withdraws the lease on ``key``, of either kind; a client holds one lease per key.
+        Returns whether the store holds leases: an aiodist TCPStore client and an EtcdStore
+        do; in-process and file stores have no connection to lose.
 
         Raises:
             DistNetworkError: the server went away.

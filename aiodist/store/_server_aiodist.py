@@ -153,11 +153,19 @@ class AiodistWire(ServerConnection):
     def _aiodist_lost(self) -> None:
         """Carry out the leases and abandon the waits of a connection that ended."""
         # A client that goes away without withdrawing its leases (its process died, or its
-        # host can no longer be reached) has them carried out: the first setter wins; an
+        # host can no longer be reached) has them carried out, each one recorded: a lease
+        # whose key holds a value already (another client's lease came first) takes the next
+        # free key of ``key/1``, ``key/2``, ... So when several clients lease one key (every
+        # rank of a world its departure key), each departure is there, in the order the
+        # connections ended, and a reader that waits on the next key learns of every one. An
         # appended value is added to the others' (within the server's value limit).
         for key, (value, append) in self._leases.items():
             if not append:
-                self._state.compare_set(key, b"", value)
+                slot, n = key, 0
+                while self._state.get(slot):
+                    n += 1
+                    slot = b"%s/%d" % (key, n)
+                self._state.set(slot, value)
             elif len(self._state.get(key) or b"") + len(value) <= self._max_value:
                 self._state.append(key, value)
             else:

@@ -30,10 +30,12 @@ announcement or a clearance is not held up behind megabytes of data.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
 import struct
+import sys
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
@@ -53,6 +55,7 @@ __all__ = [
     "ABORT_LINGER_SECONDS",
     "DONE",
     "HANDSHAKING",
+    "LIVENESS_PERIOD",
     "OPEN",
     "READ_BUDGET",
     "WRITE_BUDGET",
@@ -102,12 +105,42 @@ _JOIN_MAX = 64 << 10
 HANDSHAKING, OPEN, DONE = 0, 1, 2
 
 
+# -- liveness -----------------------------------------------------------------------------
+# A peer whose host vanishes (power lost, a cut link) sends neither FIN nor RST. Two cases:
+#
+# * Nothing of ours is unacknowledged (this rank waits for a message): keepalive probes
+#   start after a moment of silence, and the kernel drops the connection when they go
+#   unanswered for the peer timeout.
+# * Data of ours is unacknowledged: keepalive never probes then, and TCP retransmits for
+#   about 15 minutes. ``TCP_USER_TIMEOUT`` is no answer here: Linux also drops a connection
+#   whose peer kept its window closed for that long, though its kernel answers every window
+#   probe, and a peer busy in its own code with our data unread (its event loop blocked by
+#   a long computation) is not gone. So the connection asks its kernel instead
+#   (``TCP_INFO``), about once a second while it waits for an acknowledgement: a peer
+#   whose kernel acknowledges nothing, neither data nor window probes, for the peer
+#   timeout is gone; a busy one keeps answering the probes.
+#
+# Where the kernel has it (Linux 6.15), ``TCP_RTO_MAX_MS`` keeps window probes (and
+# retransmissions) at most a quarter of the peer timeout apart: otherwise they back off
+# up to two minutes apart, and a host that vanishes while its window is closed is noticed
+# at the next probe (its store lease tells every rank sooner: see aiodist._world).
+
+#: ``struct tcp_info`` (Linux) up to ``tcpi_last_ack_recv``: the unanswered probes (byte 3),
+#: the segments in flight (``tcpi_unacked``, byte 24) and the milliseconds since the peer
+#: last acknowledged anything (byte 56).
+_TCP_INFO = struct.Struct("<3xB20xI28xI")
+_HAS_TCP_INFO = sys.platform == "linux" and hasattr(socket, "TCP_INFO")
+#: The socket option that bounds the retransmission timeout (Linux 6.15; not yet a name in
+#: every Python's socket module).
+_TCP_RTO_MAX_MS = getattr(socket, "TCP_RTO_MAX_MS", 44)
+#: Seconds between two liveness checks of a connection that waits for an acknowledgement
+#: (at most; a quarter of the peer timeout when that is shorter).
+LIVENESS_PERIOD = 1.0
+
+
 def _enable_keepalive(sock: socket.socket, peer_timeout: float) -> None:
-    # A peer whose host vanishes sends neither FIN nor RST: probe idle connections (a rank
-    # waiting for a message) so that its loss is noticed within the peer timeout. Unlike the
-    # store's connections these get no TCP_USER_TIMEOUT: a peer busy for longer than that with
-    # our data unread in its buffers (a zero window) is not gone. The store's lease of every
-    # rank tells everyone else when a host vanishes (see aiodist._world).
+    # Keepalive for a silent peer while nothing of ours is unacknowledged, and a bounded
+    # probe interval for the liveness check (see above).
     idle = 2 if peer_timeout >= 3 else 1
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
@@ -118,6 +151,10 @@ def _enable_keepalive(sock: socket.socket, peer_timeout: float) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, probes)
     except OSError as exc:
         logger.debug("could not enable TCP keepalive: %s", exc)
+    if _HAS_TCP_INFO:
+        with contextlib.suppress(OSError):  # an older kernel: probes back off further
+            rto_max = min(120_000, max(1000, int(peer_timeout * 250)))
+            sock.setsockopt(socket.IPPROTO_TCP, _TCP_RTO_MAX_MS, rto_max)
 
 
 def _auth_mismatch(peer: int, peer_auth: bool) -> DistNetworkError:
@@ -187,6 +224,11 @@ class TCPConnection(asyncio.BufferedProtocol):
         self._direct = False
         self._turn_bytes = 0
         self._read_paused = False
+        # Liveness (see above): the socket asked, the next check, and since when (loop
+        # time) the kernel has waited for an acknowledgement that has not come.
+        self._sock: socket.socket | None = None
+        self._liveness: asyncio.TimerHandle | None = None
+        self._silent_since: float | None = None
 
     def __repr__(self) -> str:
         return f"<TCPConnection rank {self.owner.rank} <-> {self.peer} state={self.state}>"
@@ -209,6 +251,8 @@ class TCPConnection(asyncio.BufferedProtocol):
             # IPPROTO_TCP; accepted ones inherit protocol 0 and would keep Nagle's delay.
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             _enable_keepalive(sock, self.owner._peer_timeout)
+            if _HAS_TCP_INFO and sock.family in (socket.AF_INET, socket.AF_INET6):
+                self._sock = sock
         self.owner._live.add(self)
         if self.owner._closed is not None:
             self._drop_unopened(transport.abort)
@@ -422,6 +466,9 @@ class TCPConnection(asyncio.BufferedProtocol):
             owner._settled(self)
         if self._timer is not None:
             self._timer.cancel()
+        if self._liveness is not None:
+            self._liveness.cancel()
+            self._liveness = None
         if not self.lost.done():
             self.lost.set_result(None)
         state, self.state = self.state, DONE
@@ -474,6 +521,8 @@ class TCPConnection(asyncio.BufferedProtocol):
         """Write a frame: ``header``, then ``data``; ``fut`` resolves once the transport
         holds none of ``data``. ``bulk``: a piece of the payload of a cleared message, which
         frames sent later may overtake (it waits until no other frame is queued)."""
+        if self._liveness is None and self._sock is not None:
+            self._watch_liveness()
         if bulk and (self.queue or self.bulk):
             # Behind every other payload (they leave in order: a payload's last piece
             # stands for all of it), and behind the other frames queued now.
@@ -503,6 +552,44 @@ class TCPConnection(asyncio.BufferedProtocol):
             transport.write(header)
             transport.write(data)
         self._after_write(fut)
+
+    def _watch_liveness(self) -> None:
+        period = min(LIVENESS_PERIOD, self.owner._peer_timeout / 4)
+        self._liveness = self.loop.call_later(period, self._check_liveness)
+
+    def _check_liveness(self) -> None:
+        """Drop the connection if the peer's kernel has acknowledged nothing, neither data
+        nor window probes, for the peer timeout while it owed an acknowledgement; check
+        again later while anything of ours is unacknowledged or unsent."""
+        self._liveness = None
+        sock = self._sock
+        if self.state != OPEN or sock is None:
+            return
+        try:
+            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO.size)
+            probes, unacked, last_ack_ms = _TCP_INFO.unpack(info)
+        except (OSError, struct.error) as exc:
+            logger.debug("rank %d: cannot read TCP_INFO: %s", self.owner.rank, exc)
+            return
+        now = self.loop.time()
+        if unacked or probes:
+            if self._silent_since is None or now - last_ack_ms / 1000 > self._silent_since:
+                self._silent_since = now  # (an acknowledgement came since the last check)
+            elif now - self._silent_since >= self.owner._peer_timeout:
+                assert self.peer is not None
+                self.owner._lose(
+                    self.peer,
+                    "its host stopped answering: nothing this rank sent it was acknowledged "
+                    f"for {now - self._silent_since:.1f} s (the peer timeout, "
+                    "$AIODIST_PEER_TIMEOUT; its kernel would answer if it were only busy)",
+                    departure=Departure.GONE,
+                )
+                return
+        else:
+            self._silent_since = None
+            if not (self.queue or self.bulk or self._write_paused):
+                return  # nothing owed: the next send watches again
+        self._watch_liveness()
 
     def _enqueue(self, header: bytes, data: memoryview, fut: asyncio.Future[None]) -> None:
         self.queue.append((memoryview(header), None if data else fut))
