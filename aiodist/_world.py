@@ -525,6 +525,7 @@ class FailureDomain:
         waiting = [r for r, there in enumerate(found) if not there]
         return f"ranks {waiting} have not left yet"
 
+
 def departure_record(who: int | str, why: str) -> str:
     """The record that ``who`` left, and why, appended to a key that lists departures (see
     :func:`_parse_departures`)."""

@@ -130,7 +130,9 @@ def main() -> None:
         w -= LR * grad / SAMPLES
         step += 1
         if dist.get_rank() == 0:  # (one line a step: the world's size shows its changes)
-            say(f"{name}: step {step} of {args.steps} by {dist.get_world_size()} ranks: loss {loss:.6f}")
+            say(
+                f"{name}: step {step} of {args.steps} by {dist.get_world_size()} ranks: loss {loss:.6f}"
+            )
         if args.log_steps:  # (every worker: a test follows each one)
             say(f"{name}: step {step} done as rank {dist.get_rank()} of {dist.get_world_size()}")
         if step % ADMIT_EVERY == 0 and step < args.steps:
