@@ -71,7 +71,7 @@ from ._api import (
     supports_complex,
     zeros,
 )
-from ._ops import PremulSum, ReduceOp, make_premul_sum, reduce_op
+from ._arrays._reduce import PremulSum, ReduceOp, make_premul_sum, reduce_op
 from .backends import Backend, register_backend
 from .device_mesh import DeviceMesh, init_device_mesh
 from .errors import (

@@ -9,7 +9,7 @@ import importlib.util
 import re
 from pathlib import Path
 
-from aiodist._environment import VARIABLES
+from aiodist._util._environment import VARIABLES
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "aiodist"

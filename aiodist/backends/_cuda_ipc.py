@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from .. import collectives
-from .._ops import ReduceOp
+from .._arrays._reduce import ReduceOp
 from ..transport.base import OpComm
 from ._cuda_staged import StepComm, chunks
 

@@ -36,7 +36,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .. import collectives
-from .._ops import ReduceOp
+from .._arrays._reduce import ReduceOp
 from ..transport.base import OpComm
 from ._cuda_tables import reduce_many
 

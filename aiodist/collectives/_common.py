@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .._wait import may_stay_awake
+from .._util._wait import may_stay_awake
 from ..errors import DistError
 from ..transport.base import OpComm
 
@@ -340,7 +340,7 @@ class Dataflow:
 
     def stay_awake(self, comm: OpComm, nbytes: int) -> None:
         """Keep the loop from sleeping while :meth:`wait` waits, if this rank sends or
-        receives ``nbytes``, as :func:`aiodist._wait.may_stay_awake` decides."""
+        receives ``nbytes``, as :func:`aiodist._util._wait.may_stay_awake` decides."""
         if may_stay_awake(comm.size, nbytes):
             self._awake = True
 

@@ -8,8 +8,8 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from .._arrays import byte_view
-from .._ops import ReduceOp, finish_into, reduce_into
+from .._arrays._intake import byte_view
+from .._arrays._reduce import ReduceOp, finish_into, reduce_into
 from ..transport.base import OpComm
 from ._common import (
     SCRATCH,
@@ -51,7 +51,7 @@ async def all_reduce(
     Args:
         comm: This operation's view of the group.
         x: C-contiguous array, same shape and dtype on every rank; reduced in place.
-        op: A reduction that ``x.dtype`` can take (see :func:`aiodist._ops.check_reduce_op`).
+        op: A reduction that ``x.dtype`` can take (see :func:`aiodist._arrays._reduce.check_reduce_op`).
         algorithm: ``"auto"`` chooses by size; the others force one (for tests and tuning).
 
     Raises:

@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy.typing as npt
 
-from .._arrays import byte_view
-from .._ops import ReduceOp, finish_into, reduce_into
+from .._arrays._intake import byte_view
+from .._arrays._reduce import ReduceOp, finish_into, reduce_into
 from ..transport.base import OpComm
 from ._common import SCRATCH, Dataflow, chunk_size, copy_into, num_chunks, split, typed
 

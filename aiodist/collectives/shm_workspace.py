@@ -49,10 +49,9 @@ from typing import Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from .. import _shared_array
-from .._fingerprint import mismatch_error
-from .._timeouts import DEFAULT_SETUP_TIMEOUT, Timeout, to_seconds
-from .._wait import OVERSUBSCRIBED_SPIN_SECONDS, SPIN_SECONDS, ranks_fit, spin_until
+from .._arrays._fingerprint import mismatch_error
+from .._util._timeouts import DEFAULT_SETUP_TIMEOUT, Timeout, to_seconds
+from .._util._wait import OVERSUBSCRIBED_SPIN_SECONDS, SPIN_SECONDS, ranks_fit, spin_until
 from ..errors import DistNetworkError, DistProtocolError, DistUsageError
 from ..store import Store
 from ..transport import _shm_setup
@@ -79,6 +78,7 @@ from ..transport.base import (
     peer_aborted_error,
 )
 from ..transport.shm import default_job_key
+from . import _shared_array
 
 __all__ = [
     "DEFAULT_BLOCK_BYTES",
@@ -306,7 +306,7 @@ class NodeWorkspace:
                 ``None``: 1 MiB.
             spin: seconds a barrier polls before sleeping; ``None``: 50 µs when the
                 host's ranks fit on this process's CPUs, else 200 µs giving the CPU away
-                at each round (:data:`~aiodist._wait.OVERSUBSCRIBED_SPIN_SECONDS`); 0 (never poll) when
+                at each round (:data:`~aiodist._util._wait.OVERSUBSCRIBED_SPIN_SECONDS`); 0 (never poll) when
                 another rank shares this process.
             local_world_size: how many ranks run on this host, of every group (for the
                 polling decision); ``None``: ``$LOCAL_WORLD_SIZE``, else ``size``.

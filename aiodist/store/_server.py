@@ -47,7 +47,7 @@ import time
 from types import TracebackType
 from typing import Any, Literal, Self, cast
 
-from .._auth import resolve_token
+from .._util._auth import resolve_token
 from ..errors import DistNetworkError, DistStoreError, DistStoreTimeoutError, DistUsageError
 from ._server_aiodist import AiodistWire
 from ._server_connection import (

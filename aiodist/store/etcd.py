@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._timeouts import DEFAULT_STORE_TIMEOUT, Timeout, to_seconds
+from .._util._timeouts import DEFAULT_STORE_TIMEOUT, Timeout, to_seconds
 from ..errors import (
     DistNetworkError,
     DistStoreError,

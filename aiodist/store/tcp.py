@@ -25,9 +25,9 @@ import time
 from collections.abc import Sequence
 from typing import Literal
 
-from .._auth import resolve_token
-from .._speaking import speaking
-from .._timeouts import DEFAULT_STORE_TIMEOUT, Timeout, to_seconds
+from .._util._auth import resolve_token
+from .._util._speaking import speaking
+from .._util._timeouts import DEFAULT_STORE_TIMEOUT, Timeout, to_seconds
 from ..errors import DistNetworkError, DistProtocolError, DistTimeoutError, DistUsageError
 from ._base import Store, Value, check_lengths, check_world_size, encode_key, encode_value
 from ._client_aiodist import AiodistChannel, handshake_aiodist

@@ -16,8 +16,8 @@ import types
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import Any, Generic, Literal, TypeVar
 
-from .._loop import loop_factory
-from .._timeouts import Timeout, to_seconds
+from .._util._loop import loop_factory
+from .._util._timeouts import Timeout, to_seconds
 from ..errors import DistError, DistNetworkError, DistTimeoutError, DistUsageError
 
 __all__ = [
@@ -49,7 +49,7 @@ def _waited_in(exc: BaseException) -> _WaitedIn | None:
     Read from the world's flight recorder, before the world is destroyed; the earliest
     such operation is the one a caller awaiting its works in order saw fail.
     """
-    from .._default import peek_world
+    from ..group._default import peek_world
 
     world = peek_world()
     if world is None or not isinstance(exc, DistError):

@@ -43,7 +43,7 @@ import functools
 import os
 from collections.abc import Callable
 
-from .._fingerprint import NO_FINGERPRINT
+from .._arrays._fingerprint import NO_FINGERPRINT
 from ..errors import DistUsageError
 from ._frames import (
     CREDIT,

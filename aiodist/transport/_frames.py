@@ -34,7 +34,7 @@ import struct
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .._fingerprint import FINGERPRINT_SIZE, NO_FINGERPRINT
+from .._arrays._fingerprint import FINGERPRINT_SIZE, NO_FINGERPRINT
 from ..errors import DistProtocolError
 from ._mailbox import Inbound, Mailbox
 

@@ -30,7 +30,7 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from .._fingerprint import NO_FINGERPRINT, mismatch_error
+from .._arrays._fingerprint import NO_FINGERPRINT, mismatch_error
 from ..errors import DistNetworkError, DistUsageError
 
 __all__ = [

@@ -40,7 +40,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
-from .._auth import AUTH_MAC_SIZE, NONCE_SIZE, auth_mac, verify_mac
+from .._util._auth import AUTH_MAC_SIZE, NONCE_SIZE, auth_mac, verify_mac
 from ..errors import DistNetworkError, DistProtocolError
 from ..store._sockets import plain_host
 from ._frames import BYE, HEADER, MAX_MESSAGE, ControlText, is_control, open_message
@@ -123,7 +123,7 @@ HANDSHAKING, OPEN, DONE = 0, 1, 2
 # Where the kernel has it (Linux 6.15), ``TCP_RTO_MAX_MS`` keeps window probes (and
 # retransmissions) at most a quarter of the peer timeout apart: otherwise they back off
 # up to two minutes apart, and a host that vanishes while its window is closed is noticed
-# at the next probe (its store lease tells every rank sooner: see aiodist._world).
+# at the next probe (its store lease tells every rank sooner: see aiodist.group._world).
 
 #: ``struct tcp_info`` (Linux) up to ``tcpi_last_ack_recv``: the unanswered probes (byte 3),
 #: the segments in flight (``tcpi_unacked``, byte 24) and the milliseconds since the peer

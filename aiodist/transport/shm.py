@@ -9,7 +9,7 @@ module sets the links up and runs them: at most ``TURN_BYTES`` are moved per loo
 
 Waiting. See ``_shm_signal`` for the doorbell, the sleeping flag and why they cannot lose a
 wake-up. A rank whose receive is not satisfied polls its rings after the posting task has
-yielded, as :mod:`aiodist._wait`'s policy says (when no peer shares this process), then
+yielded, as :mod:`aiodist._util._wait`'s policy says (when no peer shares this process), then
 sleeps on its doorbell; while it polls, or while a
 pass over its rings is already scheduled, its flag tells peers not to ring. Peer processes
 are watched through pidfds, so a peer that dies fails everything that depends on it at
@@ -29,8 +29,8 @@ import time
 from collections.abc import Collection
 from typing import Any
 
-from .._timeouts import DEFAULT_SETUP_TIMEOUT, Timeout, to_seconds
-from .._wait import HOT_SPIN_SECONDS, SPIN_SECONDS, Backoff, ranks_fit
+from .._util._timeouts import DEFAULT_SETUP_TIMEOUT, Timeout, to_seconds
+from .._util._wait import HOT_SPIN_SECONDS, SPIN_SECONDS, Backoff, ranks_fit
 from ..errors import DistNetworkError, DistProtocolError, DistUsageError
 from ..store import Store
 from . import _shm_setup
@@ -752,7 +752,7 @@ class ShmTransport(Transport):
         start = now()
         hot, deadline = start + HOT_SPIN_SECONDS, start + self._spin
         try:
-            # The policy of aiodist._wait.spin_until, save that a poll that moves data goes
+            # The policy of aiodist._util._wait.spin_until, save that a poll that moves data goes
             # on for another full spin: data flows, and polling keeps up with it.
             while self._closed is None:
                 moved = self._pump(TURN_BYTES)

@@ -52,9 +52,9 @@ import time
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, TypeVar
 
-from .._auth import resolve_token
-from .._timeouts import DEFAULT_SETUP_TIMEOUT, Timeout, to_seconds
-from .._wait import SPIN_SECONDS, Backoff, local_ranks, ranks_fit, spin_until
+from .._util._auth import resolve_token
+from .._util._timeouts import DEFAULT_SETUP_TIMEOUT, Timeout, to_seconds
+from .._util._wait import SPIN_SECONDS, Backoff, local_ranks, ranks_fit, spin_until
 from ..errors import (
     DistError,
     DistNetworkError,
