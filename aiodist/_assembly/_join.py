@@ -14,13 +14,12 @@ import contextlib
 import ipaddress
 import logging
 import os
-from collections.abc import Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from .. import backends as _backends, group as _group
 from .._util._auth import resolve_token
-from ..debug._status import register_status, status_enabled
 from ..errors import DistError, DistNetworkError, DistUsageError
 from ..group import Connect, Membership, ProcessGroup, World, start_world
 from ..store import PrefixStore, Store
@@ -29,6 +28,8 @@ from ..transport.base import Transport
 from ._forming import Forming
 
 __all__ = [
+    "Observer",
+    "observe_worlds",
     "CURRENT",
     "RANK_QUEUE",
     "announce",
@@ -42,6 +43,26 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+
+class Observer(Protocol):
+    """What watches the worlds this process joins (:mod:`aiodist.debug`'s flight-recorder
+    dumps and live view; the package sets it, see :func:`observe_worlds`)."""
+
+    def joining(self) -> None:
+        """A world is about to start on this process."""
+
+    async def joined(self, lobby: Store, rank: int, token: Callable[[], bytes | None]) -> None:
+        """The world of ``lobby`` leased this process's ``rank``; ``token`` reads the job's
+        secret (read only when needed: it may raise)."""
+
+
+_observers: list[Observer] = []
+
+
+def observe_worlds(observer: Observer) -> None:
+    """Have ``observer`` told of each world this process joins from now on."""
+    _observers.append(observer)
 
 
 async def join_world(
@@ -121,11 +142,8 @@ async def open_world(
     """Build the world of a connected ``transport``, make it the default here, let the
     backends set up its default group and announce it to the processes waiting to join;
     return its default group (the world is closed again if a step fails)."""
-    if os.environ.get("AIODIST_FR_DUMP_DIR"):
-        # Opted in through the environment (aiodist-run passes it on to its workers).
-        from ..debug import install_signal_handler
-
-        install_signal_handler()
+    for observer in _observers:
+        observer.joining()
     pg = start_world(
         transport,
         store,
@@ -137,10 +155,13 @@ async def open_world(
     )
     try:
         await pg.world.domain.leased()
-        if status_enabled():
-            connect = membership.connect
-            token = connect.token if isinstance(connect, _Connector) else resolve_token(None)
-            await register_status(membership.lobby, pg.rank, token)
+        connect = membership.connect
+        for observer in _observers:
+            await observer.joined(
+                membership.lobby,
+                pg.rank,
+                lambda: connect.token if isinstance(connect, _Connector) else resolve_token(None),
+            )
         await _backends.setup(pg)  # (the last step that needs the store on every rank)
         await announce(pg.world)
     except BaseException:

@@ -38,8 +38,7 @@ from typing import Any, TypeVar
 
 from .. import backends as _backends
 from ..errors import DistError, DistNetworkError, DistTimeoutError, DistUsageError
-from ..group import Membership, ProcessGroup, World, check_int
-from ..group._default import peek_world, set_current_world
+from ..group import Membership, ProcessGroup, World, check_int, peek_world, set_current_world
 from ..group._world import FailureDomain, departure_record, read_departures
 from ..store import PrefixStore, Store
 from ._join import CURRENT, announce, connect_members, leave_forming, open_world

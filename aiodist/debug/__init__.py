@@ -30,7 +30,7 @@ import signal
 import sys
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -83,6 +83,25 @@ def dump(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     if path is not None:
         recorder.write(path)
     return data
+
+
+class _WorldWatch:
+    """Watches each world this process joins (see
+    :func:`aiodist._assembly._join.observe_worlds`): the dump on ``SIGUSR1`` when
+    ``AIODIST_FR_DUMP_DIR`` asks for it, the live view's endpoint when it is on."""
+
+    def joining(self) -> None:
+        if os.environ.get(DUMP_DIR_ENV):
+            # Opted in through the environment (aiodist-run passes it on to its workers).
+            install_signal_handler()
+
+    async def joined(self, lobby: Store, rank: int, token: Callable[[], bytes | None]) -> None:
+        if _status.status_enabled():
+            await _status.register_status(lobby, rank, token())
+
+
+#: The watcher the package has told of every world this process joins.
+WORLD_WATCH = _WorldWatch()
 
 
 def install_signal_handler(directory: str | os.PathLike[str] | None = None) -> bool:

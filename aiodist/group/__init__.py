@@ -73,13 +73,7 @@ from ..transport.base import (
     rejection_text,
 )
 from . import _recorder
-from ._default import (
-    current_world,
-    isolate_context,
-    peek_world,
-    set_current_world,
-    warn_not_in_group,
-)
+from ._default import DefaultWorld
 from ._recorder import FlightRecorder, payload_nbytes
 from ._work import (
     ANY_TAG,
@@ -118,6 +112,15 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+#: This process's default world (the process's, or a context's own: see
+#: :mod:`aiodist.group._default`), and its accessors.
+_DEFAULT: DefaultWorld[World] = DefaultWorld()
+isolate_context = _DEFAULT.isolate_context
+peek_world = _DEFAULT.peek
+set_current_world = _DEFAULT.set
+current_world = _DEFAULT.current
+warn_not_in_group = _DEFAULT.warn_not_in_group
 
 T = TypeVar("T")
 
@@ -467,7 +470,7 @@ class World:
         """
         if failure is not None:
             self.abort(failure)
-        pending = [op.work._future for g in self.groups.values() for op in g._inflight]
+        pending = [op.ended for g in self.groups.values() for op in g._inflight]
         if pending and not self.closed:
             await asyncio.wait(pending, timeout=self.timeout)
         self.domain.hosting = self.domain.hosting or _hosts_server(self.store)
@@ -994,7 +997,7 @@ class ProcessGroup:
             for i in range(op.nseq):
                 mailbox.end(self.group_id, op.seq + i)
                 self._by_seq.pop(op.seq + i, None)
-        if not op.work._future.done() and op not in self._expiring:
+        if not op.ended.done() and op not in self._expiring:
             # (An expiring operation is settled with its timeout.)
             op.settle(DistError(f"{op.name} ({op.label}) ended without a result"))
 
@@ -1007,7 +1010,7 @@ class ProcessGroup:
 
     def _fail(self, op: Operation, exc: BaseException) -> None:
         """Fail ``op`` with a real failure: the world is aborted, every rank is told."""
-        if op.work._future.done():
+        if op.ended.done():
             return
         if not isinstance(exc, DistError):
             wrapped = DistError(f"{op.name} ({op.label}) failed: {type(exc).__name__}: {exc}")
@@ -1157,7 +1160,7 @@ class ProcessGroup:
 
     async def drain(self) -> None:
         """Wait until the operations in flight have ended (each by its deadline at the latest)."""
-        pending = [op.work._future for op in self._inflight]
+        pending = [op.ended for op in self._inflight]
         if pending:
             await asyncio.wait(pending)
 

@@ -12,7 +12,7 @@ import enum
 from collections.abc import Awaitable, Callable, Coroutine, Generator
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from .._arrays._fingerprint import NO_FINGERPRINT
 from .._util._timeouts import Timeout, to_seconds
@@ -20,10 +20,8 @@ from ..errors import DistUsageError
 from ..transport.base import OpComm, fails_alone, rejection_text
 from ._recorder import OpRecord
 
-if TYPE_CHECKING:
-    from . import ProcessGroup
-
 __all__ = [
+    "Issuer",
     "ANY_TAG",
     "MAX_TAG",
     "P2P_GROUP_BIT",
@@ -235,6 +233,29 @@ async def _join(future: asyncio.Future[Any]) -> None:
         future.remove_done_callback(wake)
 
 
+class Issuer(Protocol):
+    """What an operation asks of the group that issued it
+    (:class:`aiodist.group.ProcessGroup`)."""
+
+    @property
+    def rank(self) -> int:
+        """This rank's rank in the group."""
+
+    @property
+    def group_id(self) -> int:
+        """The group's number, the same on every member."""
+
+    @property
+    def timeout(self) -> float | None:
+        """Seconds an operation may run unless it has a deadline of its own."""
+
+    def wait_expired(self, op: Operation, seconds: float) -> None:
+        """Fail ``op``: a caller's ``work.wait(seconds)`` gave up on it."""
+
+    async def waits_for(self, op: Operation, within: float) -> str:
+        """Say for whom ``op``, which has run long, waits."""
+
+
 class Operation:
     """One call on a process group, from the reservation of its number to its end.
 
@@ -265,7 +286,7 @@ class Operation:
 
     def __init__(
         self,
-        group: ProcessGroup,
+        group: Issuer,
         name: str,
         kind: OpKind,
         seq: int,
@@ -314,6 +335,11 @@ class Operation:
         return f"{'tag' if self.kind is OpKind.P2P else 'seq'} {self.seq}"
 
     @property
+    def ended(self) -> asyncio.Future[Any]:
+        """Resolves when the operation has ended, whatever its outcome (its work's future)."""
+        return self.work._future
+
+    @property
     def wire_group(self) -> int:
         """The group id its messages travel under."""
         gid = self.group.group_id
@@ -336,7 +362,7 @@ class Operation:
 
 
 def rejected_on_transport(
-    group: ProcessGroup, algorithm: str | None, error: BaseException, tell: bool
+    group: Issuer, algorithm: str | None, error: BaseException, tell: bool
 ) -> Plan:
     """The rejection plan of a path that keeps no order of its own (see
     :func:`aiodist.backends.reject`): the operation's place is its sequence numbers, which the

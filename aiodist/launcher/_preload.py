@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import functools
 import importlib
 import itertools
@@ -43,9 +44,35 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import DistUsageError
-from ._workers import die_with_parent
 
-__all__ = ["ForkedProcess", "Starter"]
+__all__ = ["ForkedProcess", "Starter", "die_with_parent"]
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _load_prctl() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+# Looked up once in the parent: the child between fork and exec must not load libraries.
+_PRCTL = _load_prctl()
+
+
+def die_with_parent(parent: int) -> None:
+    """Runs in a new worker (or the starter of ``--preload``): get SIGKILL when the process
+    that started it, ``parent``, dies."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    # The launcher may have died between fork and prctl; the death signal would never come.
+    if os.getppid() != parent:
+        os._exit(1)
+
 
 _MAX_MESSAGE = 1 << 20
 _STREAMS = 2

@@ -16,23 +16,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import enum
 import functools
 import json
 import logging
 import os
 import signal
-import sys
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import BinaryIO
 
-if TYPE_CHECKING:
-    from ._preload import ForkedProcess, Starter
+from ._preload import ForkedProcess, Starter, die_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +38,6 @@ __all__ = ["Std", "WorkerFailure", "WorkerGroup", "WorkerSpec", "describe_exit"]
 #: How many stderr lines of each worker the failure summary can show.
 TAIL_LINES = 40
 _READ_CHUNK = 1 << 16
-_PR_SET_PDEATHSIG = 1
 
 
 class Std(enum.IntFlag):
@@ -134,29 +130,6 @@ def describe_exit(exitcode: int) -> str:
     except ValueError:
         name = "unknown signal"
     return f"signal {name} ({signum})"
-
-
-def _load_prctl() -> Any:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-# Looked up once in the parent: the child between fork and exec must not load libraries.
-_PRCTL = _load_prctl()
-
-
-def die_with_parent(parent: int) -> None:
-    """Runs in a new worker (or the starter of ``--preload``): get SIGKILL when the process
-    that started it, ``parent``, dies."""
-    if _PRCTL is not None:
-        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    # The launcher may have died between fork and prctl; the death signal would never come.
-    if os.getppid() != parent:
-        os._exit(1)
 
 
 class _Worker:

@@ -49,7 +49,8 @@ from .._util._asyncio_internals import (
 from .._util._loop import loop_factory
 from .._util._wait import SPIN_SECONDS, local_ranks, ranks_fit, spin_until
 from ..errors import DistError, DistTimeoutError, DistUsageError
-from ..group._default import blocking_loops, peek_world
+from ..group import peek_world
+from ..group._default import blocking_loops
 
 __all__ = [
     "SHUTDOWN_TIMEOUT",

@@ -49,7 +49,7 @@ def _waited_in(exc: BaseException) -> _WaitedIn | None:
     Read from the world's flight recorder, before the world is destroyed; the earliest
     such operation is the one a caller awaiting its works in order saw fail.
     """
-    from ..group._default import peek_world
+    from ..group import peek_world
 
     world = peek_world()
     if world is None or not isinstance(exc, DistError):

@@ -259,6 +259,19 @@ class OpComm:
             self._transport, ranks, members.index(self.rank), self._group_id, self._seq, base=base
         )
 
+    def from_step(self, base: int) -> OpComm:
+        """The view of this operation whose step ``s`` is this view's step ``base + s``: a
+        part of an algorithm (one chunk, one round) whose messages are numbered apart from
+        the rest's."""
+        return OpComm(
+            self._transport,
+            self._ranks,
+            self.rank,
+            self._group_id,
+            self._seq,
+            base=self._base + base,
+        )
+
     def cleared_by(self, peer: int) -> None:
         """Group rank ``peer`` said that its receives for this view's messages to it are
         posted: they go at once from now on, without the transport's own handshake."""

@@ -252,22 +252,22 @@ class ShmTransport(Transport):
         staging: int,
     ) -> None:
         super().__init__(rank, world_size, mailbox)
-        self._staging = staging
+        self.staging = staging
         self.local_ranks = local_ranks
-        self._loop = asyncio.get_running_loop()
-        self._seg = seg
+        self.loop = asyncio.get_running_loop()
+        self.seg = seg
         self._doorbell = doorbell
         self._spin = spin
         self._links: list[ShmLink] = []
         self._by_peer: dict[int, ShmLink] = {}
-        self._closed: BaseException | None = None
+        self.closed: BaseException | None = None
         self._scheduled = False
         self._timer: asyncio.TimerHandle | None = None
         self._recheck = _RECHECK_FIRST
         # Receives posted through this transport that were not satisfied at once.
         self._awaited: list[asyncio.Future[int]] = []
         # Messages received and sends finished so far: a poll stops when this moves.
-        self._completions = 0
+        self.completions = 0
         # When receives skip polling for a while (polls ran out of time in a row).
         self._backoff = Backoff()
 
@@ -509,10 +509,10 @@ class ShmTransport(Transport):
                 link.flow.granted(staged[r])  # the first credit: its bound
                 self._links.append(link)
                 self._by_peer[r] = link
-            doorbell.listen(self._loop, self._on_bell)
+            doorbell.listen(self.loop, self._on_bell)
             for link in self._links:
                 link.watch = PeerWatch(
-                    self._loop, link.proc, functools.partial(self._peer_exited, link)
+                    self.loop, link.proc, functools.partial(self.peer_exited, link)
                 )
             seg.words[W_STATE] = OPEN
         except BaseException:
@@ -534,7 +534,7 @@ class ShmTransport(Transport):
         return self
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed is not None else "open"
+        state = "closed" if self.closed is not None else "open"
         return (
             f"<ShmTransport rank={self.rank}/{self.world_size} local={list(self.local_ranks)} "
             f"{state} {self.mailbox!r}>"
@@ -559,8 +559,8 @@ class ShmTransport(Transport):
         """
         data = as_bytes(data, writable=False)
         link = self._link_for(peer)
-        fut: asyncio.Future[None] = self._loop.create_future()
-        if link is not None and link.error is None and self._closed is None:
+        fut: asyncio.Future[None] = self.loop.create_future()
+        if link is not None and link.error is None and self.closed is None:
             # The common case, kept short: packing the header checks the tag.
             try:
                 fp = self.mailbox.fingerprint_of(tag[0], tag[1])
@@ -574,8 +574,8 @@ class ShmTransport(Transport):
                 link.write(header, data, fut)
             return fut
         check_tag(tag)
-        if self._closed is not None:
-            fail_future(fut, self._closed)
+        if self.closed is not None:
+            fail_future(fut, self.closed)
         elif link is not None:
             assert link.error is not None  # (an open link took the common case)
             fail_future(fut, link.error)
@@ -599,7 +599,7 @@ class ShmTransport(Transport):
         link = None if peer is None else self._link_for(peer)
         check_tag(tag)
         fut = self.mailbox.post(peer, tag, as_bytes(out, writable=True))
-        if not fut.done() and self._closed is None:
+        if not fut.done() and self.closed is None:
             # The message may already wait in the ring.
             if link is not None:
                 if link.error is None:
@@ -610,7 +610,7 @@ class ShmTransport(Transport):
                         lk.rx(TURN_BYTES)
             if not fut.done() and (link is not None or (peer is None and self._links)):
                 self._awaited.append(fut)
-                self._schedule()
+                self.schedule()
         return fut
 
     def send_reject(self, peer: int, group: int, seq: int, reason: str) -> None:
@@ -638,7 +638,7 @@ class ShmTransport(Transport):
 
     def abort(self, exc: BaseException) -> None:
         """Fail every pending send and receive with ``exc``; peers see this rank as lost."""
-        if self._closed is None:
+        if self.closed is None:
             self._shutdown(exc, ABORTED)
 
     async def aclose(self, reason: str | None = None) -> None:
@@ -649,28 +649,28 @@ class ShmTransport(Transport):
         ``reason``; their any-source receives keep waiting for others). Closing twice is
         harmless.
         """
-        if self._closed is None:
+        if self.closed is None:
             queued = [s.fut for link in self._links for s in (*link.queue, *link.bulk)]
             queued += [f for link in self._links for f in link.flow.waiting()]
             if queued:
                 await asyncio.wait(queued, timeout=CLOSE_DRAIN_SECONDS)
-            if self._closed is None:
+            if self.closed is None:
                 exc = DistNetworkError(f"the transport of rank {self.rank} was closed")
                 self._shutdown(exc, CLOSED, control_frame(BYE, 0, 0, reason or CLOSED_REASON))
 
     def _shutdown(self, exc: BaseException, state: int, last: bytes | None = None) -> None:
-        self._closed = exc
+        self.closed = exc
         if last is not None:
             # The peers read this before they see our state change: the goodbye reaches them.
             for link in self._links:
                 if link.error is None and not link.queue:
-                    link.queue.append(control_send(last, self._loop.create_future()))
+                    link.queue.append(control_send(last, self.loop.create_future()))
                     link.tx(len(last))
-        if self._seg is not None:
+        if self.seg is not None:
             if state == ABORTED:
-                leave_cause(self._seg.buf, abort_text(exc))
+                leave_cause(self.seg.buf, abort_text(exc))
                 fence()
-            self._seg.words[W_STATE] = state
+            self.seg.words[W_STATE] = state
             fence()
         for link in self._links:
             if link.error is None:
@@ -692,20 +692,20 @@ class ShmTransport(Transport):
             link.close()
         if self._doorbell is not None:
             self._doorbell.close()
-        if self._seg is not None:
-            self._seg.close()
+        if self.seg is not None:
+            self.seg.close()
 
     # -- moving bytes ----------------------------------------------------------------------
 
-    def _schedule(self) -> None:
-        if not self._scheduled and self._closed is None:
+    def schedule(self) -> None:
+        if not self._scheduled and self.closed is None:
             self._scheduled = True
             # The service pass will look at every ring, and it ends in _sleep, which sets
             # the flag again and looks once more: until then peers need not ring (in a
             # 2-rank exchange both would, each while the other is about to look anyway).
-            if self._seg is not None:
-                self._seg.words[W_SLEEP] = 0
-            self._loop.call_soon(self._service)
+            if self.seg is not None:
+                self.seg.words[W_SLEEP] = 0
+            self.loop.call_soon(self._service)
 
     def _pump(self, budget: int) -> int:
         moved = 0
@@ -727,7 +727,7 @@ class ShmTransport(Transport):
         # Move bytes until nothing moves or this turn's budget is spent; then poll for a
         # while, or sleep on the doorbell, if something is still awaited.
         self._scheduled = False
-        if self._closed is not None:
+        if self.closed is not None:
             return
         budget = TURN_BYTES
         while budget > 0:
@@ -737,16 +737,16 @@ class ShmTransport(Transport):
             budget -= moved
             self._recheck = _RECHECK_FIRST
         if budget <= 0:
-            self._schedule()
+            self.schedule()
         elif self._spin and self._has_work() and not self._backoff.skips():
             self._poll()
         else:
             self._sleep()
 
     def _poll(self) -> None:
-        words = self._seg.words  # type: ignore[union-attr]
+        words = self.seg.words  # type: ignore[union-attr]
         words[W_SLEEP] = 0  # peers need not ring while we look ourselves
-        completions = self._completions
+        completions = self.completions
         moved_total = 0
         now = time.perf_counter
         start = now()
@@ -754,15 +754,15 @@ class ShmTransport(Transport):
         try:
             # The policy of aiodist._util._wait.spin_until, save that a poll that moves data goes
             # on for another full spin: data flows, and polling keeps up with it.
-            while self._closed is None:
+            while self.closed is None:
                 moved = self._pump(TURN_BYTES)
-                if self._completions != completions:
+                if self.completions != completions:
                     self._backoff.polled(True)
                     break
                 if moved:
                     moved_total += moved
                     if moved_total >= TURN_BYTES:
-                        self._schedule()  # more next turn; the flag stays clear till then
+                        self.schedule()  # more next turn; the flag stays clear till then
                         return
                     deadline = now() + self._spin
                     continue
@@ -775,7 +775,7 @@ class ShmTransport(Transport):
                 if t >= hot:
                     os.sched_yield()
         except BaseException:
-            if self._closed is None:
+            if self.closed is None:
                 words[W_SLEEP] = 1  # never leave peers believing we look
             raise
         self._sleep()
@@ -783,15 +783,15 @@ class ShmTransport(Transport):
     def _sleep(self) -> None:
         # Store the sleeping flag (and any ring's want flag was stored); after a barrier,
         # look once more before relying on the doorbell (see _shm_signal).
-        if self._seg is None or self._closed is not None:
+        if self.seg is None or self.closed is not None:
             return
-        self._seg.words[W_SLEEP] = 1
+        self.seg.words[W_SLEEP] = 1
         fence()
         if self._pump(TURN_BYTES):
             self._recheck = _RECHECK_FIRST
-            self._schedule()
+            self.schedule()
         elif self._timer is None and self._has_work():
-            self._timer = self._loop.call_later(self._recheck, self._on_timer)
+            self._timer = self.loop.call_later(self._recheck, self._on_timer)
 
     def _on_timer(self) -> None:
         self._timer = None
@@ -800,7 +800,7 @@ class ShmTransport(Transport):
         self._service()
 
     def _on_bell(self) -> None:
-        if self._doorbell is None or self._closed is not None:
+        if self._doorbell is None or self.closed is not None:
             return
         self._doorbell.drain()
         self._check_peers()
@@ -811,20 +811,20 @@ class ShmTransport(Transport):
     def _check_peers(self) -> None:
         for link in self._links:
             if link.error is None and link.peer_state() in (CLOSED, ABORTED):
-                self._peer_exited(link)
+                self.peer_exited(link)
 
     def peer_gone(self, peer: int, exc: BaseException) -> None:
         """``peer`` went away without a goodbye (the store says so): take what it wrote,
         then fail what still needs it."""
         for link in self._links:
-            if link.peer == peer and link.error is None and self._closed is None:
+            if link.peer == peer and link.error is None and self.closed is None:
                 link.drain()
-                self._lose(link, exc)
+                self.lose(link, exc)
 
-    def _peer_exited(self, link: ShmLink) -> None:
+    def peer_exited(self, link: ShmLink) -> None:
         """The peer closed, aborted or its process ended: deliver what it wrote, then fail
         what depends on it."""
-        if link.error is not None or self._closed is not None:
+        if link.error is not None or self.closed is not None:
             return
         link.drain()  # (its goodbye, if it said one, is the last thing it wrote)
         state = link.peer_state()
@@ -835,10 +835,10 @@ class ShmTransport(Transport):
         else:
             reason = f"its process (pid {link.proc.pid}) exited"
             error = lost_peer_error(link.peer, reason, Departure.GONE)
-        self._lose(link, error)
+        self.lose(link, error)
 
-    def _lose(self, link: ShmLink, exc: BaseException) -> None:
-        if link.error is not None or self._closed is not None:
+    def lose(self, link: ShmLink, exc: BaseException) -> None:
+        if link.error is not None or self.closed is not None:
             return
         link.error = exc
         if link.watch is not None:
