@@ -54,7 +54,7 @@ MAX_FUNCTION_LINES = 100
 LONG_MODULES = {
     "aiodist.group",  # World and ProcessGroup: the operation's life on a rank
     "aiodist.collectives.shm_workspace",  # the node workspace: layout, turns, leaving
-    "aiodist.transport._mailbox",  # matching, staging and fingerprints of messages
+    "aiodist.store.etcd",  # EtcdStore: every store operation as etcd transactions
 }
 MAX_MODULE_LINES = 900
 

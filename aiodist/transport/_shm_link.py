@@ -42,9 +42,10 @@ from collections import deque
 from typing import Protocol
 
 from ..errors import DistProtocolError
+from ._failures import fail_future
 from ._flow import PeerFlow
 from ._frames import BYE, HEADER, MAX_MESSAGE, ControlText, is_control, open_message
-from ._mailbox import Inbound, Mailbox, fail_future
+from ._mailbox import Inbound, Mailbox
 from ._shm_segment import ProcessId, Segment
 from ._shm_signal import Bell, PeerWatch, fence
 

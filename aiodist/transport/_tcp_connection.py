@@ -43,8 +43,9 @@ from typing import TYPE_CHECKING, Protocol, cast
 from .._util._auth import AUTH_MAC_SIZE, NONCE_SIZE, auth_mac, verify_mac
 from ..errors import DistNetworkError, DistProtocolError
 from ..store._sockets import plain_host
+from ._failures import fail_future
 from ._frames import BYE, HEADER, MAX_MESSAGE, ControlText, is_control, open_message
-from ._mailbox import Inbound, Mailbox, fail_future
+from ._mailbox import Inbound, Mailbox
 from .base import Departure, lost_peer_error
 
 if TYPE_CHECKING:
@@ -171,46 +172,31 @@ def _auth_mismatch(peer: int, peer_auth: bool) -> DistNetworkError:
 
 class ConnectionOwner(Protocol):
     """What a connection asks of the transport that owns it
-    (:class:`aiodist.transport.tcp.TCPTransport`)."""
+    (:class:`aiodist.transport.tcp.TCPTransport`): the rank's place and settings
+    (``timeout`` for a handshake, ``peer_timeout`` for a silent peer, ``staging``: the bytes
+    staged per peer at most, ``token``: the secret a handshake proves), why it closed, the
+    connections whose socket is open (``live``), and what it does as a connection arrives,
+    settles, is established or lost; ``accepts``/``holds``: whether a connection from a
+    peer is kept (one per pair of ranks) and whether this rank has one to it already."""
 
     rank: int
     world_size: int
     mailbox: Mailbox
     loop: asyncio.AbstractEventLoop
-    #: Seconds a connection may take to make its handshake.
     timeout: float | None
-    #: Seconds of silence after which a peer is taken for lost.
     peer_timeout: float
-    #: The staging bound per peer (bytes), for the connection's flow control.
     staging: int
-    #: The shared secret a handshake proves (``None``: none asked).
     token: bytes | None
-    #: Why the transport closed, once it has.
     closed: BaseException | None
-    #: Connections whose socket is open.
     live: set[TCPConnection]
 
-    def accepts(self, peer: int) -> bool:
-        """Whether a connection from ``peer`` is to be kept (one per pair of ranks)."""
-
-    def holds(self, peer: int) -> bool:
-        """Whether this rank is connected to ``peer`` already."""
-
-    def arrived(self, conn: TCPConnection) -> None:
-        """An accepted connection starts its handshake."""
-
-    def settled(self, conn: TCPConnection) -> None:
-        """An accepted connection is established, dropped or gone."""
-
-    def establish(self, conn: TCPConnection) -> None:
-        """``conn`` made its handshake: it carries its peer's messages now."""
-
-    def say(self, message: str) -> None:
-        """Warn about a connection refused or dropped before its handshake."""
-
-    def peer_aborted(self, peer: int, cause: str) -> None:
-        """``peer`` said it is aborting, and why."""
-
+    def accepts(self, peer: int) -> bool: ...
+    def holds(self, peer: int) -> bool: ...
+    def arrived(self, conn: TCPConnection) -> None: ...
+    def settled(self, conn: TCPConnection) -> None: ...
+    def establish(self, conn: TCPConnection) -> None: ...
+    def say(self, message: str) -> None: ...
+    def peer_aborted(self, peer: int, cause: str) -> None: ...
     def lose(
         self,
         peer: int,
@@ -218,8 +204,7 @@ class ConnectionOwner(Protocol):
         exc: BaseException | None = None,
         *,
         departure: Departure | None = None,
-    ) -> None:
-        """Drop the connection to ``peer`` and fail everything that depends on it."""
+    ) -> None: ...
 
 
 class TCPConnection(asyncio.BufferedProtocol):

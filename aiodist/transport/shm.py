@@ -34,9 +34,10 @@ from .._util._wait import HOT_SPIN_SECONDS, SPIN_SECONDS, Backoff, ranks_fit
 from ..errors import DistNetworkError, DistProtocolError, DistUsageError
 from ..store import Store
 from . import _shm_setup
+from ._failures import fail_future
 from ._flow import resolve_staging_bytes
 from ._frames import BYE, HEADER, REJECTION, control_frame
-from ._mailbox import Mailbox, as_bytes, check_tag, fail_future
+from ._mailbox import Mailbox, as_bytes, check_tag
 from ._shm_link import (
     ABORTED,
     CHUNK_BYTES as CHUNK_BYTES,  # the link's now; still importable from here

@@ -64,9 +64,10 @@ from ..errors import (
     map_exceptions,
 )
 from ..store._sockets import resolve_peer_timeout
+from ._failures import fail_future
 from ._flow import PeerFlow, resolve_staging_bytes
 from ._frames import ABORTING, BYE, REJECTION, control_frame
-from ._mailbox import Mailbox, as_bytes, check_tag, fail_future
+from ._mailbox import Mailbox, as_bytes, check_tag
 from ._tcp_connection import (
     ABORT_LINGER_SECONDS as ABORT_LINGER_SECONDS,  # the connection's now; still importable here
     DONE,
