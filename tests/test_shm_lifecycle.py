@@ -153,7 +153,7 @@ _FULL_SHM = textwrap.dedent(
     """
     import asyncio, json, os
     import numpy as np
-    from aiodist import _shared_array
+    from aiodist.collectives import _shared_array
     from aiodist.collectives.shm import NodeWorkspace
     from aiodist.store import HashStore
     from aiodist.transport._shm_segment import SharedMemoryError

@@ -344,6 +344,22 @@ class Dataflow:
         if may_stay_awake(comm.size, nbytes):
             self._awake = True
 
+    async def run(
+        self, start: Callable[[], None], scratch: Iterable[npt.NDArray[np.uint8]] = ()
+    ) -> None:
+        """Call ``start`` (it posts the receives and starts the sends), then :meth:`wait`,
+        then give ``scratch`` back to :data:`SCRATCH`. What is in flight is abandoned if
+        ``start`` fails; the scratch is not reused if the work fails (a cancelled receive
+        may still fill it)."""
+        try:
+            start()
+        except BaseException:
+            self.flight.abandon()
+            raise
+        await self.wait()
+        for buf in scratch:
+            SCRATCH.put(buf)
+
     async def wait(self) -> None:
         """Wait for all the work and every tracked send; on failure clean up and raise."""
         try:

@@ -539,6 +539,57 @@ def _parse_signals(text: str) -> tuple[signal.Signals, ...]:
     return tuple(result)
 
 
+def _check_supervision(ns: argparse.Namespace) -> None:
+    """Check the flags that say how workers are supervised (restarts, intervals, status).
+
+    Raises:
+        DistUsageError: naming the first flag with an invalid value.
+    """
+    if int(ns.max_restarts) < 0:
+        raise DistUsageError(f"--max-restarts={ns.max_restarts} must not be negative")
+    if ns.restart_policy not in ("all", "failed"):
+        raise DistUsageError(
+            f"--restart-policy={ns.restart_policy!r} is not valid: expected all or failed"
+        )
+    if float(ns.monitor_interval) <= 0:
+        raise DistUsageError(f"--monitor-interval={ns.monitor_interval} must be positive")
+    if float(ns.shutdown_timeout) < 0:
+        raise DistUsageError(f"--shutdown-grace={ns.shutdown_timeout} must not be negative")
+    if ns.status_port is not None and not 0 <= int(ns.status_port) < 65536:
+        raise DistUsageError(f"--status-port={ns.status_port} is not a port number")
+
+
+def _parse_ranks_filter(value: str, nproc: int) -> frozenset[int] | None:
+    """``--local-ranks-filter``: the local ranks whose output is shown (``None``: all).
+
+    Raises:
+        DistUsageError: not comma-separated local ranks of this node.
+    """
+    if not value.strip():
+        return None
+    try:
+        filt = frozenset(int(r) for r in value.split(","))
+    except ValueError:
+        raise DistUsageError(
+            f"--local-ranks-filter={value!r} is not valid: expected "
+            "comma-separated local ranks like 0,2"
+        ) from None
+    if not filt <= set(range(nproc)):
+        raise DistUsageError(f"--local-ranks-filter={value!r} names ranks outside 0..{nproc - 1}")
+    return filt
+
+
+def _worker_command(ns: argparse.Namespace) -> list[str]:
+    """The command that starts a worker, before its script's arguments."""
+    if ns.run_path:
+        return [sys.executable, "-u", ns.training_script]
+    if ns.no_python:
+        return [ns.training_script]
+    if ns.module:
+        return [sys.executable, "-u", "-m", ns.training_script]
+    return [sys.executable, "-u", ns.training_script]
+
+
 def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
     """Parse and validate an ``aiodist-run`` command line.
 
@@ -584,18 +635,7 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
             f"--master-port={master_port} is not valid"
             + (": several nodes need a fixed port" if master_port == 0 else "")
         )
-    if int(ns.max_restarts) < 0:
-        raise DistUsageError(f"--max-restarts={ns.max_restarts} must not be negative")
-    if ns.restart_policy not in ("all", "failed"):
-        raise DistUsageError(
-            f"--restart-policy={ns.restart_policy!r} is not valid: expected all or failed"
-        )
-    if float(ns.monitor_interval) <= 0:
-        raise DistUsageError(f"--monitor-interval={ns.monitor_interval} must be positive")
-    if float(ns.shutdown_timeout) < 0:
-        raise DistUsageError(f"--shutdown-grace={ns.shutdown_timeout} must not be negative")
-    if ns.status_port is not None and not 0 <= int(ns.status_port) < 65536:
-        raise DistUsageError(f"--status-port={ns.status_port} is not a port number")
+    _check_supervision(ns)
     if ns.module and ns.no_python and not ns.run_path:
         raise DistUsageError("--module and --no-python cannot be used together")
     preload = tuple(name.strip() for name in str(ns.preload).split(",") if name.strip())
@@ -603,27 +643,8 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         raise DistUsageError(
             f"--preload={ns.preload} needs Python workers: --no-python runs an executable"
         )
-    filt: frozenset[int] | None = None
-    if str(ns.local_ranks_filter).strip():
-        try:
-            filt = frozenset(int(r) for r in str(ns.local_ranks_filter).split(","))
-        except ValueError:
-            raise DistUsageError(
-                f"--local-ranks-filter={ns.local_ranks_filter!r} is not valid: expected "
-                "comma-separated local ranks like 0,2"
-            ) from None
-        if not filt <= set(range(nproc)):
-            raise DistUsageError(
-                f"--local-ranks-filter={ns.local_ranks_filter!r} names ranks outside 0..{nproc - 1}"
-            )
-    if ns.run_path:
-        cmd = [sys.executable, "-u", ns.training_script]
-    elif ns.no_python:
-        cmd = [ns.training_script]
-    elif ns.module:
-        cmd = [sys.executable, "-u", "-m", ns.training_script]
-    else:
-        cmd = [sys.executable, "-u", ns.training_script]
+    filt = _parse_ranks_filter(str(ns.local_ranks_filter), nproc)
+    cmd = _worker_command(ns)
     return LaunchConfig(
         nnodes=nnodes,
         nproc_per_node=nproc,

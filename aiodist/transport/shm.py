@@ -54,6 +54,7 @@ from ._shm_link import (
     leave_cause,
 )
 from ._shm_segment import (
+    ProcessId,
     Segment,
     SharedMemoryError,
     host_key,
@@ -180,32 +181,13 @@ async def plan_hosts(
     if len(local) == world_size:
         return (tuple(local),)
     if rank == local[0]:
-        await store.append("shm/plan", _ranges(local) + ";")
+        await store.append("shm/plan", _shm_setup.ranks_text(local) + ";")
     await store.barrier("shm/planned", world_size, to_seconds(timeout, store.timeout))
     text = (await store.get("shm/plan")).decode()
-    hosts = sorted(tuple(_unranges(entry)) for entry in text.split(";") if entry)
+    hosts = sorted(tuple(_shm_setup.ranks_of(entry)) for entry in text.split(";") if entry)
     if sorted(r for host in hosts for r in host) != list(range(world_size)):
         raise DistProtocolError(f"the hosts' rank lists {text!r} do not cover the world once")
     return tuple(hosts)
-
-
-def _ranges(ranks: list[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``"0-2,5"`` (``ranks`` sorted)."""
-    runs: list[list[int]] = []
-    for r in ranks:
-        if runs and runs[-1][1] == r - 1:
-            runs[-1][1] = r
-        else:
-            runs.append([r, r])
-    return ",".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in runs)
-
-
-def _unranges(text: str) -> list[int]:
-    ranks: list[int] = []
-    for run in text.split(","):
-        lo, _, hi = run.partition("-")
-        ranks.extend(range(int(lo), int(hi or lo) + 1))
-    return ranks
 
 
 def bytes_needed(local_count: int) -> int:
@@ -220,6 +202,101 @@ def _default_ring_bytes(peers: int) -> int:
     while size > (256 << 10) and peers * size > (64 << 20):
         size >>= 1
     return size
+
+
+def _checked_arguments(
+    rank: int,
+    world_size: int,
+    local_ranks: Collection[int] | None,
+    ring_bytes: int | None,
+    spin: float | None,
+) -> tuple[tuple[int, ...], int, float]:
+    """:meth:`ShmTransport.create`'s arguments, checked: the ranks on this host (sorted),
+    the ring size (``None``: the default for their number) and the spin in seconds (-1:
+    decided once the peers' processes are known).
+
+    Raises:
+        DistUsageError: naming the first invalid argument.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise DistUsageError(f"world_size must be a positive integer, got {world_size!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise DistUsageError(f"rank must be in [0, {world_size}), got {rank!r}")
+    local = tuple(sorted(set(range(world_size) if local_ranks is None else local_ranks)))
+    if any(isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world_size for r in local):
+        raise DistUsageError(f"local_ranks must be ranks in [0, {world_size}), got {local}")
+    if rank not in local:
+        raise DistUsageError(f"local_ranks {list(local)} must include this rank ({rank})")
+    if ring_bytes is None:
+        ring_bytes = _default_ring_bytes(len(local) - 1)
+    elif (
+        isinstance(ring_bytes, bool)
+        or not isinstance(ring_bytes, int)
+        or ring_bytes < _MIN_RING_BYTES
+        or ring_bytes & (ring_bytes - 1)
+    ):
+        raise DistUsageError(
+            f"ring_bytes must be a power of two of at least {_MIN_RING_BYTES}, got {ring_bytes!r}"
+        )
+    if spin is None:
+        return local, ring_bytes, -1.0
+    if isinstance(spin, bool) or not isinstance(spin, int | float) or spin < 0:
+        raise DistUsageError(f"spin must be a non-negative number of seconds, got {spin!r}")
+    return local, ring_bytes, float(spin)
+
+
+def _check_records(
+    records: dict[int, dict[str, Any]], host: str, rank: int, local: tuple[int, ...], cap: int
+) -> None:
+    """Check that every local rank's record (``records``) is of this host (``host``) and
+    this version, and names the same local ranks and ring size as this rank.
+
+    Raises:
+        DistUsageError: naming the first rank that differs.
+    """
+    for r, rec in records.items():
+        if rec.get("v") != _VERSION or rec.get("host") != host:
+            raise DistUsageError(
+                f"rank {r} cannot share memory with rank {rank}: it is on another "
+                f"host (its host key {rec.get('host')!r}, ours {host!r}) "
+                "or runs another aiodist version"
+            )
+        if rec.get("ranks") != list(local) or rec.get("ring") != cap:
+            raise DistUsageError(
+                f"rank {r} set up shared memory with local ranks {rec.get('ranks')} "
+                f"and {rec.get('ring')}-byte rings, rank {rank} with {list(local)} "
+                f"and {cap}-byte rings; every local rank must pass the same"
+            )
+
+
+def _map_peers(
+    records: dict[int, dict[str, Any]],
+    peers: list[int],
+    procs: dict[int, ProcessId],
+    job: str,
+    size: int,
+    attached: list[Segment],
+    bells: list[Bell],
+) -> str | None:
+    """Map each peer's segment (into ``attached``) and open its doorbell (into ``bells``);
+    return why that failed (``None``: it did not), for the barrier to tell every rank."""
+    try:
+        for r in peers:
+            # Whoever can write the store wrote the record: only a file that rank's
+            # process could have made is opened, and only as large as its rings.
+            path = peer_path(records[r]["seg"], job, "t", r, procs[r])
+            peer_seg = Segment.attach(path, size)
+            attached.append(peer_seg)
+            if peer_seg.words[W_MAGIC] != _MAGIC:
+                raise DistProtocolError(
+                    f"rank {r}'s shared-memory segment {peer_seg.path} is not an aiodist one"
+                )
+            bells.append(Bell(peer_path(records[r]["bell"], job, "tb", r, procs[r])))
+    except (SharedMemoryError, OSError) as exc:
+        # (A peer's files are gone if it exited and was swept away as leftovers: the
+        # barrier then names it.)
+        return str(exc)
+    return None
 
 
 class ShmTransport(Transport):
@@ -337,36 +414,10 @@ class ShmTransport(Transport):
             DistTimeoutError: a local rank did not arrive in time (the ranks are named).
             DistNetworkError: a local rank exited during setup.
         """
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise DistUsageError(f"world_size must be a positive integer, got {world_size!r}")
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-            raise DistUsageError(f"rank must be in [0, {world_size}), got {rank!r}")
-        local = tuple(sorted(set(range(world_size) if local_ranks is None else local_ranks)))
-        if any(
-            isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world_size for r in local
-        ):
-            raise DistUsageError(f"local_ranks must be ranks in [0, {world_size}), got {local}")
-        if rank not in local:
-            raise DistUsageError(f"local_ranks {list(local)} must include this rank ({rank})")
+        local, ring_bytes, spin_s = _checked_arguments(
+            rank, world_size, local_ranks, ring_bytes, spin
+        )
         peers = [r for r in local if r != rank]
-        if ring_bytes is None:
-            ring_bytes = _default_ring_bytes(len(peers))
-        elif (
-            isinstance(ring_bytes, bool)
-            or not isinstance(ring_bytes, int)
-            or ring_bytes < _MIN_RING_BYTES
-            or ring_bytes & (ring_bytes - 1)
-        ):
-            raise DistUsageError(
-                f"ring_bytes must be a power of two of at least {_MIN_RING_BYTES}, "
-                f"got {ring_bytes!r}"
-            )
-        if spin is None:
-            spin_s = -1.0  # decided once the peers' processes are known
-        elif isinstance(spin, bool) or not isinstance(spin, int | float) or spin < 0:
-            raise DistUsageError(f"spin must be a non-negative number of seconds, got {spin!r}")
-        else:
-            spin_s = float(spin)
         seconds = to_seconds(timeout, DEFAULT_SETUP_TIMEOUT)
         staging = resolve_staging_bytes(staging_bytes)
         reason = unavailable_reason()
@@ -457,39 +508,10 @@ class ShmTransport(Transport):
             failed = [str(records[r]["failed"]) for r in sorted(records) if "failed" in records[r]]
             if failed:
                 raise SharedMemoryError(failed[0])
-            for r, rec in records.items():
-                if rec.get("v") != _VERSION or rec.get("host") != record["host"]:
-                    raise DistUsageError(
-                        f"rank {r} cannot share memory with rank {rank}: it is on another "
-                        f"host (its host key {rec.get('host')!r}, ours {record['host']!r}) "
-                        "or runs another aiodist version"
-                    )
-                if rec.get("ranks") != list(local) or rec.get("ring") != cap:
-                    raise DistUsageError(
-                        f"rank {r} set up shared memory with local ranks {rec.get('ranks')} "
-                        f"and {rec.get('ring')}-byte rings, rank {rank} with {list(local)} "
-                        f"and {cap}-byte rings; every local rank must pass the same"
-                    )
+            _check_records(records, record["host"], rank, local, cap)
             procs = {r: _shm_setup.process_of(r, rec, what) for r, rec in records.items()}
             staged = {r: _shm_setup.count_of(r, rec, "staging", what) for r, rec in records.items()}
-            failure = None
-            try:
-                for r in peers:
-                    # Whoever can write the store wrote the record: only a file that rank's
-                    # process could have made is opened, and only as large as its rings.
-                    path = peer_path(records[r]["seg"], job, "t", r, procs[r])
-                    peer_seg = Segment.attach(path, size)
-                    attached.append(peer_seg)
-                    if peer_seg.words[W_MAGIC] != _MAGIC:
-                        raise DistProtocolError(
-                            f"rank {r}'s shared-memory segment {peer_seg.path} is not an "
-                            "aiodist one"
-                        )
-                    bells.append(Bell(peer_path(records[r]["bell"], job, "tb", r, procs[r])))
-            except (SharedMemoryError, OSError) as exc:
-                # (A peer's files are gone if it exited and was swept away as leftovers: the
-                # barrier then names it.)
-                failure = str(exc)
+            failure = _map_peers(records, peers, procs, job, size, attached, bells)
             failure = await _shm_setup.barrier(
                 store, "shm/t/mapped", rank, local, deadline, procs, what, failure
             )
@@ -502,14 +524,7 @@ class ShmTransport(Transport):
                 same_process = any(p.pid == me.pid for p in procs.values())
                 spin = SPIN_SECONDS if ranks_fit(len(local)) and not same_process else 0.0
             self = cls(rank, world_size, local, mailbox, seg, doorbell, spin, staging)
-            for i, r in enumerate(peers):
-                senders_of_r = [s for s in local if s != r]
-                out_ring = CTRL_BYTES + senders_of_r.index(rank) * (RING_HDR_BYTES + cap)
-                in_ring = CTRL_BYTES + i * (RING_HDR_BYTES + cap)
-                link = ShmLink(self, r, procs[r], attached[i], out_ring, in_ring, cap, bells[i])
-                link.flow.granted(staged[r])  # the first credit: its bound
-                self._links.append(link)
-                self._by_peer[r] = link
+            self._link(peers, procs, attached, bells, cap, staged)
             doorbell.listen(self.loop, self._on_bell)
             for link in self._links:
                 link.watch = PeerWatch(
@@ -533,6 +548,26 @@ class ShmTransport(Transport):
             raise
         logger.debug("rank %d: shared memory with ranks %s, %d-byte rings", rank, peers, cap)
         return self
+
+    def _link(
+        self,
+        peers: list[int],
+        procs: dict[int, ProcessId],
+        attached: list[Segment],
+        bells: list[Bell],
+        cap: int,
+        staged: dict[int, int],
+    ) -> None:
+        """Make the link to each peer, over its ring in the peer's segment (out) and its
+        ring in this rank's (in), with its first credit: the peer's staging bound."""
+        for i, r in enumerate(peers):
+            senders_of_r = [s for s in self.local_ranks if s != r]
+            out_ring = CTRL_BYTES + senders_of_r.index(self.rank) * (RING_HDR_BYTES + cap)
+            in_ring = CTRL_BYTES + i * (RING_HDR_BYTES + cap)
+            link = ShmLink(self, r, procs[r], attached[i], out_ring, in_ring, cap, bells[i])
+            link.flow.granted(staged[r])  # the first credit: its bound
+            self._links.append(link)
+            self._by_peer[r] = link
 
     def __repr__(self) -> str:
         state = "closed" if self.closed is not None else "open"

@@ -192,6 +192,26 @@ class _Peer:
             self.transport._connect_soon(self)
 
 
+async def _bind(host: str) -> tuple[socket.socket, tuple[str, int]]:
+    """A socket bound on ``host`` (a free port), and the address peers reach it at."""
+    loop = asyncio.get_running_loop()
+    wildcard = host in ("", "0.0.0.0", "::")
+    infos = await loop.getaddrinfo(
+        host or None, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )
+    family, _, _, _, sockaddr = infos[0]
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        if family == socket.AF_INET6 and wildcard:
+            listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        listener.bind(sockaddr)
+        public = socket.gethostname() if wildcard else host
+        return listener, (public, int(listener.getsockname()[1]))
+    except BaseException:
+        listener.close()
+        raise
+
+
 class TCPTransport(Transport):
     """A transport over TCP, one connection per pair of ranks that talk.
 
@@ -330,21 +350,8 @@ class TCPTransport(Transport):
         elif not isinstance(spin, int | float) or spin < 0:
             raise DistUsageError(f"spin must be a non-negative number of seconds, got {spin!r}")
         loop = asyncio.get_running_loop()
-        wildcard = host in ("", "0.0.0.0", "::")
-        infos = await loop.getaddrinfo(
-            host or None, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )
-        family, _, _, _, sockaddr = infos[0]
-        listener = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            if family == socket.AF_INET6 and wildcard:
-                listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-            listener.bind(sockaddr)
-            public = socket.gethostname() if wildcard else host
-            address = (public, int(listener.getsockname()[1]))
-        except BaseException:
-            listener.close()
-            raise
+        listener, address = await _bind(host)
+        public = address[0]
         self = cls(
             directory,
             rank,
