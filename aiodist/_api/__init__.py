@@ -20,6 +20,12 @@ at once; a server then rebuilds the group. That differs from stopping to wait:
 ``asyncio.timeout`` (or ``wait_for``) around ``await work`` ends only the caller's wait,
 and the operation keeps its place and completes or fails on its own. ``Work.wait(timeout)``
 is torch's: a deadline counted from the wait, failing the operation and aborting the group.
+
+The package is the async API that :mod:`aiodist` re-exports: this module (setting up,
+joining, changing and tearing down groups), ``_queries`` (what a group is: rank, size,
+backend; timeouts, the debug level) and ``_collectives`` (every operation). It may import
+everything below it (:mod:`aiodist._assembly`, the backends, the group core, the
+rendezvous, the stores); never the observation package beside it or the facades above.
 """
 
 from __future__ import annotations

@@ -10,6 +10,9 @@ argument rules written once above the backends. A process group holds the name o
 (``{"cpu": "cpu"}`` for ``backend="gloo"``); :func:`plan` finds where a call's arrays live and
 hands the call to that backend. A backend plugs in with :func:`register_backend` (or is built
 in: ``"cpu"``, and ``"cuda"`` loaded on first use), without touching the public API.
+
+May import: the group core, the collectives, the transports, the stores,
+:mod:`aiodist._arrays`, :mod:`aiodist._util` and :mod:`aiodist.errors`.
 """
 
 from __future__ import annotations

@@ -18,6 +18,9 @@ Choices (details and measured crossovers in ``docs/architecture.md``):
 * :func:`barrier`: dissemination; :func:`monitored_barrier`: through rank 0.
 
 Object collectives (pickled objects) are in :mod:`aiodist.collectives.objects`.
+
+May import: the transports, the stores, :mod:`aiodist._arrays`, :mod:`aiodist._util` and
+:mod:`aiodist.errors`.
 """
 
 from .all_reduce import (

@@ -17,6 +17,12 @@ environment (``aiodist-run --status-port`` sets it), ``python -m aiodist.debug s
 asks every rank of the running job, through the store, what it is doing now: its operation
 in flight and on whom it waits, its last operations and error, and the stacks of the ranks
 the others wait for (see :func:`gather_status`).
+
+The package is observation: this module (dumps, their analysis, the live view's
+gathering; ``python -m aiodist.debug`` runs :func:`main`) and ``_status`` (each process's
+status endpoint). It learns of each world this process joins through
+:func:`aiodist._assembly._join.observe_worlds`. It may import :mod:`aiodist._assembly` and
+everything below; never the API beside it or the facades above.
 """
 
 from __future__ import annotations

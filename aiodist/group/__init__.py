@@ -34,6 +34,14 @@ The operation's own objects (:class:`Operation`, :class:`Plan`, :class:`Work`) a
 :mod:`aiodist.group._work`, the default world (process-wide, or a context's own) in
 :mod:`aiodist.group._default`, and the vote that makes a subgroup in :mod:`aiodist._assembly._subgroups`;
 this module re-exports what they offer.
+
+The package is the process-group core: this module (``World``, ``ProcessGroup``,
+``start_world``, the default world's accessors) and its parts, ``_work`` (an operation's
+life: ``Operation``, ``Plan``, ``Work``), ``_operations`` (every operation declared once),
+``_world`` (the failure domain), ``_default`` (the default world) and ``_recorder`` (the
+flight recorder's ring). It may import the collectives, the transports, the stores,
+:mod:`aiodist._arrays`, :mod:`aiodist._util` and :mod:`aiodist.errors`; the backends and
+everything above them talk to it, never the other way.
 """
 
 from __future__ import annotations

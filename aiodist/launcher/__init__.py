@@ -23,6 +23,12 @@ up; the store requires it and the workers get it in their environment, so their 
 connections prove it. torch workers cannot: the store lets torch clients in from the job's
 hosts only, as the job's user. A job on several nodes needs the same secret on each, from
 the environment; without one it runs open, with a warning.
+
+The package is ``aiodist-run``: this module (the node's agent), ``_cli`` (the command
+line), ``_coordinator`` (the nodes' agreement), ``_workers`` (worker processes and their
+output), ``_preload`` (workers forked from a preloaded starter) and ``__main__``. It may
+import :mod:`aiodist.debug` and everything below it; never the async API or the other
+facades.
 """
 
 from __future__ import annotations

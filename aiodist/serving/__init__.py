@@ -43,6 +43,10 @@ with the reason), is rebuilt in-process after a failure (a lost worker that its 
 restarts joins the new group), and is closed in order on shutdown, after the calls in
 flight. ``aiodist.contrib.aiohttp`` and ``aiodist.contrib.fastapi`` put a Controller into a
 web application.
+
+The package is serving: this module (``Controller``, ``run_worker``), ``_channel``
+(the Channel of calls from a controller to its workers) and ``_wire`` (the format of calls
+and replies). It may import the async API and everything below it.
 """
 
 from __future__ import annotations

@@ -21,6 +21,11 @@ it lets its operations in flight finish, then leaves as ``destroy_process_group`
 telling its peers that it exited; a rank hosting the store keeps it up until the others
 have left. A process that ends on an exception aborts the group instead, so that its peers
 fail at once, naming it, rather than wait for it.
+
+The package is the blocking facade: this module (the twins), ``_loop_thread`` (the
+event-loop thread and the hand-offs to it) and ``_stores`` (the blocking stores). It may
+import the async API, :mod:`aiodist.debug`, :mod:`aiodist.device_mesh` and everything
+below them.
 """
 
 from __future__ import annotations
