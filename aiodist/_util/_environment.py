@@ -137,7 +137,7 @@ VARIABLES: tuple[Variable, ...] = (
         "Directory where each rank writes its flight recorder (`rank<N>.json`) when an "
         "operation times out, and on `SIGUSR1` (`init_process_group` installs the handler).",
         "`init_process_group`, `aiodist.debug`",
-        ("aiodist.group._recorder", "aiodist._assembly._join"),
+        ("aiodist.group._recorder", "aiodist.debug"),
     ),
     Variable(
         "AIODIST_STATUS",
