@@ -1099,7 +1099,7 @@ class ProcessGroup:
 
     async def waits_for(self, op: Operation, within: float) -> str:
         """Say for whom ``op``, which has run long, waits: the members that have not
-        recorded their arrival (collectives, see :meth:`World._speak_while_slow`; asking
+        recorded their arrival (collectives, see ``World._speak_while_slow``; asking
         the store for up to ``within`` seconds), and those whose messages it lacks."""
         text = ""
         if op.kind is OpKind.COLLECTIVE:
