@@ -2,10 +2,20 @@
 
 The async API lives here (``import aiodist``); the blocking, ``torch.distributed``-shaped
 API lives in :mod:`aiodist.sync`.
+
+The package is laid out by concern, bottom to top (``docs/architecture.md`` draws it):
+``errors`` and ``_util`` (shared utilities), ``_arrays`` (intake, reductions,
+fingerprints), ``store``, ``rendezvous``, ``transport``, ``collectives``, ``group`` (the
+process-group core), ``backends``, ``_assembly`` (how worlds form and change), ``_api`` (the
+async API) beside ``debug`` (observation), then the facades: ``sync``, ``serving``,
+``launcher``, ``multiprocessing``, ``metrics``, ``testing``, ``contrib``. Each imports only
+from those below it. This module, the index, may import any of them; it also tells the
+world assembly about the observation package (which sits above it).
 """
 
 import logging
 
+from . import debug
 from ._api import (
     NON_GROUP_MEMBER,
     SHRINK_ABORT,
@@ -71,7 +81,8 @@ from ._api import (
     supports_complex,
     zeros,
 )
-from ._ops import PremulSum, ReduceOp, make_premul_sum, reduce_op
+from ._arrays._reduce import PremulSum, ReduceOp, make_premul_sum, reduce_op
+from ._assembly import _join
 from .backends import Backend, register_backend
 from .device_mesh import DeviceMesh, init_device_mesh
 from .errors import (
@@ -97,6 +108,7 @@ from .store import (
 )
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
+_join.observe_worlds(debug.WORLD_WATCH)
 
 __version__ = "0.1.0"
 

@@ -40,9 +40,9 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from . import _recorder
-from ._recorder import OpRecord
 from .errors import DistUsageError
+from .group import _recorder
+from .group._recorder import OpRecord
 
 __all__ = ["BUCKETS", "enable"]
 

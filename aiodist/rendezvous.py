@@ -7,7 +7,7 @@ Schemes, with torch's rules:
   variables of the launcher that started the process: Open MPI's ``mpirun``, MPICH's and
   Intel MPI's hydra, SLURM's ``srun``, Kubeflow's ``PET_*`` and Kubernetes Indexed Jobs;
   under SLURM and single-node MPI the master is derived too (the first host of the node
-  list, a port from the job id). ``aiodist._cluster`` holds the rules; a derived master is
+  list, a port from the job id). ``aiodist._util._cluster`` holds the rules; a derived master is
   exported as ``MASTER_ADDR``/``MASTER_PORT`` for the rest of the process to see.
 * ``tcp://host:port?rank=R&world_size=W``.
 * ``file:///abs/path?rank=R&world_size=W``: a :class:`~aiodist.FileStore` on that path.
@@ -35,9 +35,9 @@ from importlib.metadata import entry_points
 from typing import Protocol
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
-from ._auth import resolve_token
-from ._cluster import LOCAL_RANK_VARS, read_cluster_env, read_rank_and_world_size
-from ._timeouts import Timeout, to_seconds
+from ._util._auth import resolve_token
+from ._util._cluster import LOCAL_RANK_VARS, read_cluster_env, read_rank_and_world_size
+from ._util._timeouts import Timeout, to_seconds
 from .errors import DistUsageError
 from .store import EtcdStore, FileStore, Store
 from .store._etcd_client import parse_endpoints

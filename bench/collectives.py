@@ -241,7 +241,7 @@ async def rank_main(
 def rank_entry(
     rank: int, n: int, ports: tuple[int, int], args: argparse.Namespace, queue: Any
 ) -> None:
-    from aiodist._loop import loop_factory
+    from aiodist._util._loop import loop_factory
 
     try:
         with asyncio.Runner(loop_factory=loop_factory("auto")) as runner:

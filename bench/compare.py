@@ -23,7 +23,7 @@ times them batch after batch in turn, so a change in the machine's load hits all
 * ``no-shm``: the same with ``AIODIST_SHM=0`` (TCP over loopback only): a second aiodist
   world in the same processes, set up with the variable set;
 * ``shared`` (all_reduce only): arrays allocated in shared memory (``aiodist.empty`` when
-  the package has it, else ``aiodist._shared_array`` with a workspace of the rank's own),
+  the package has it, else ``aiodist.collectives._shared_array`` with a workspace of the rank's own),
   reduced in place;
 * ``gloo``: ``torch.distributed`` with gloo, on tensors that share the numpy arrays' memory;
 * ``MPI``: mpi4py over Open MPI (its shared-memory transport between ranks of one host); the
@@ -446,9 +446,8 @@ class SharedArrays:
                 lambda x: Lib(lambda: aiodist.all_reduce(x, group=pg), barrier, is_async=True),
                 "`aiodist.empty` arrays through `aiodist.all_reduce`",
             )
-        from aiodist import _shared_array
-        from aiodist._ops import ReduceOp
-        from aiodist.collectives import shm
+        from aiodist._arrays._reduce import ReduceOp
+        from aiodist.collectives import _shared_array, shm
         from aiodist.collectives.shm import NodeWorkspace
         from aiodist.store import FileStore, PrefixStore
 
@@ -463,7 +462,7 @@ class SharedArrays:
                 lambda: shm.barrier(ws),
                 is_async=True,
             ),
-            "`aiodist._shared_array` arrays through `aiodist.collectives.shm.all_reduce` on a "
+            "`aiodist.collectives._shared_array` arrays through `aiodist.collectives.shm.all_reduce` on a "
             "workspace of their own (`aiodist.empty` does not exist yet)",
         )
         self.closers.append(ws.aclose)
@@ -612,7 +611,7 @@ def sync_phase(rank: int, n: int, tmp: str, cfg: dict[str, Any]) -> dict[Any, li
 
 def worker(tmp: str) -> None:
     """One rank: started by mpirun (OMPI_COMM_WORLD_RANK) or by this script (RANK)."""
-    from aiodist._loop import loop_factory
+    from aiodist._util._loop import loop_factory
 
     with open(os.path.join(tmp, "config.json")) as f:
         cfg = json.load(f)

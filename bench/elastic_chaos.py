@@ -82,7 +82,7 @@ def workers(launcher: int) -> set[int]:
     for pid, ppid in parents.items():
         if ppid == launcher:
             with contextlib.suppress(OSError):
-                if b"aiodist._preload" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                if b"aiodist.launcher._preload" in Path(f"/proc/{pid}/cmdline").read_bytes():
                     starters.add(pid)
     return {pid for pid, ppid in parents.items() if ppid in {launcher, *starters}} - starters
 

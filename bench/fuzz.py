@@ -78,7 +78,7 @@ SHM_DIR = Path("/dev/shm")
 # -- workers -------------------------------------------------------------------------------
 def _async_worker(conn: multiprocessing.connection.Connection, loop: str) -> None:
     """Run programs with the async API on one loop that lives as long as the process."""
-    from aiodist._loop import loop_factory
+    from aiodist._util._loop import loop_factory
 
     caught: list[dict[str, Any]] = []
     with asyncio.Runner(loop_factory=loop_factory(loop)) as runner:

@@ -438,7 +438,7 @@ def ceilings(dry: bool) -> list[str]:
     h2d = bandwidth(lambda: d.set(h), h.nbytes)
     d2h = bandwidth(lambda: d.get(out=h), h.nbytes)
     # Pre-compile the reduction kernels the ranks use (the kernel cache is shared).
-    from aiodist._ops import ReduceOp
+    from aiodist._arrays._reduce import ReduceOp
     from aiodist.backends._cuda_tables import reduce_many
 
     for dt in ["float32", "float16", "int64", "int32", "int16", "uint16"]:

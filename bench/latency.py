@@ -201,8 +201,8 @@ def worker(tmp: str) -> None:
     """One rank, started by mpirun, or by this script (``RANK``, ``WORLD_SIZE``) without MPI."""
     import aiodist
     from aiodist import sync
-    from aiodist._default import isolate_context
-    from aiodist._loop import loop_factory
+    from aiodist._util._loop import loop_factory
+    from aiodist.group._default import isolate_context
 
     cfg = json.loads(Path(tmp, "config.json").read_text())
     libs: list[str] = cfg["libs"]

@@ -317,7 +317,7 @@ async def rank_main(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def worker(cfg_path: str) -> None:
-    from aiodist._loop import loop_factory
+    from aiodist._util._loop import loop_factory
 
     cfg = json.loads(Path(cfg_path).read_text())
     rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("RANK", "-1")))

@@ -52,7 +52,7 @@ async def _world_of_one(iters: int, repeat: int) -> list[float]:
 
 def _rank(rank: int, port: int, iters: int, out: Any) -> None:
     import aiodist
-    from aiodist._loop import loop_factory
+    from aiodist._util._loop import loop_factory
 
     os.environ.update(
         RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
@@ -107,7 +107,7 @@ def main() -> None:
             else Path(tempfile.mkdtemp(prefix="aiodist-bench-"), "op_layer.md")
         )
     import aiodist
-    from aiodist._loop import loop_factory
+    from aiodist._util._loop import loop_factory
 
     with asyncio.Runner(loop_factory=loop_factory("auto")) as runner:
         one = runner.run(_world_of_one(args.iters, args.repeat))

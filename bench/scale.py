@@ -23,14 +23,14 @@ grows.
 
 A second table, ``shrink`` (aiodist's server and clients), times the store's part of a shrink
 after a loss: each rank holds its failure domain's leases in the world's namespace
-(``aiodist._world.FailureDomain``, as every rank of a world does); the last rank's connection
+(``aiodist.group._world.FailureDomain``, as every rank of a world does); the last rank's connection
 ends without a goodbye (as when its process is killed), and the time runs
 
 1. told: from that until every survivor's domain has heard of it (the store's ``departed``
    key, which every rank watches);
 2. agreement: from the start signal until the last survivor is through what
    ``shrink_group(lost_ranks())`` asks of the store: which ranks are gone
-   (``aiodist._membership.gone_for_good``), the vote on the ranks to exclude (``vote``) and
+   (``aiodist._assembly._membership.gone_for_good``), the vote on the ranks to exclude (``vote``) and
    whether the new world stands once every survivor formed it (``stands``); the new world's
    connections are left out (they are a rendezvous, timed above). Target: 0.5 s at 1024
    ranks. It also counts the store requests each survivor made. Needs torch for the torch configurations (``pip install torch==2.13.0``; without it
@@ -68,7 +68,7 @@ from pathlib import Path
 from typing import Any
 
 from aiodist import PrefixStore
-from aiodist._timeouts import Timeout
+from aiodist._util._timeouts import Timeout
 from aiodist.store import Value
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,7 +78,7 @@ STORE_TIMEOUT = 600.0
 _AIODIST_SERVER = """
 import asyncio, sys
 import aiodist
-from aiodist._loop import loop_factory
+from aiodist._util._loop import loop_factory
 
 async def main():
     server = await aiodist.TCPStoreServer(expected_clients=int(sys.argv[1])).start("127.0.0.1", 0)
@@ -305,7 +305,7 @@ class _ShrinkRanks:
 
     async def connect(self) -> None:
         import aiodist
-        from aiodist._world import FailureDomain
+        from aiodist.group._world import FailureDomain
 
         self.clients = await asyncio.gather(
             *(
@@ -343,8 +343,8 @@ class _ShrinkRanks:
     async def agree(self) -> tuple[float, list[int]]:
         """Every survivor here through the store's part of ``shrink_group(lost_ranks())``;
         return when the last was, and the requests each made."""
-        from aiodist._membership import gone_for_good, stands, vote
-        from aiodist._world import FailureDomain
+        from aiodist._assembly._membership import gone_for_good, stands, vote
+        from aiodist.group._world import FailureDomain
 
         world = self.world
         survivors = self._survivors()
@@ -432,7 +432,7 @@ async def _worker_job(job: dict[str, Any]) -> dict[str, Any]:
 def _worker_main() -> None:
     import logging
 
-    from aiodist._loop import loop_factory
+    from aiodist._util._loop import loop_factory
 
     # (A shrink's survivors each say that a rank went, and the lost rank that it lost the
     # store: thousands of warnings.)

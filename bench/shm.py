@@ -14,7 +14,7 @@ them alike:
 * ``tcp``: the transport algorithms (``aiodist.collectives``) over loopback TCP;
 * ``shm``: the same algorithms over the shared-memory transport;
 * ``direct``: ``aiodist.collectives.shm`` on private arrays (copied in and out);
-* ``shared``: ``aiodist.collectives.shm`` on arrays from ``aiodist._shared_array.empty``
+* ``shared``: ``aiodist.collectives.shm`` on arrays from ``aiodist.collectives._shared_array.empty``
   (read and written in place).
 
 A measurement is a batch of back-to-back operations after a barrier, divided by the batch
@@ -123,9 +123,9 @@ async def max_stall(op: Callable[[], Awaitable[Any]], times: int) -> tuple[float
 
 
 async def rank_main(rank: int, n: int, tmp: str, args: argparse.Namespace) -> dict[Any, Any]:
-    from aiodist import _shared_array, collectives
-    from aiodist._ops import ReduceOp
-    from aiodist.collectives import shm
+    from aiodist import collectives
+    from aiodist._arrays._reduce import ReduceOp
+    from aiodist.collectives import _shared_array, shm
     from aiodist.collectives.shm import NodeWorkspace
     from aiodist.store import FileStore, PrefixStore
     from aiodist.transport.base import OpComm, PeerDirectory
@@ -220,7 +220,7 @@ async def rank_main(rank: int, n: int, tmp: str, args: argparse.Namespace) -> di
 
 
 def rank_entry(rank: int, n: int, tmp: str, args: argparse.Namespace, queue: Any) -> None:
-    from aiodist._loop import loop_factory
+    from aiodist._util._loop import loop_factory
 
     try:
         with asyncio.Runner(loop_factory=loop_factory("auto")) as runner:

@@ -45,7 +45,7 @@ from typing import Any
 _AIODIST_SERVER = """
 import asyncio, sys
 import aiodist
-from aiodist._loop import loop_factory
+from aiodist._util._loop import loop_factory
 
 async def main(thread):
     server = await aiodist.TCPStoreServer().start("127.0.0.1", 0, thread=thread)
@@ -164,7 +164,7 @@ async def _worker_job(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def _worker_main() -> None:
-    from aiodist._loop import loop_factory
+    from aiodist._util._loop import loop_factory
 
     for line in sys.stdin:
         job = json.loads(line)

@@ -87,7 +87,7 @@ def _rank(rank: int, size: int, ports: list[int], iters: int, use_torch: bool, q
     x = np.ones(2, dtype=np.float32)  # 8 bytes
 
     import aiodist
-    from aiodist._loop import loop_factory
+    from aiodist._util._loop import loop_factory
 
     async def async_part() -> None:
         os.environ["MASTER_PORT"] = str(ports[0])
@@ -147,7 +147,7 @@ def _rank(rank: int, size: int, ports: list[int], iters: int, use_torch: bool, q
 def _store_table(iters: int) -> list[tuple[str, float, float]]:
     import aiodist
     import aiodist.sync as dist
-    from aiodist._loop import loop_factory
+    from aiodist._util._loop import loop_factory
 
     rows = []
     with dist.TCPStore("127.0.0.1", 0, is_master=True) as server:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from aiodist._loop import loop_factory
+from aiodist._util._loop import loop_factory
 from aiodist.store import FileStore
 from aiodist.transport.base import PeerDirectory
 from aiodist.transport.tcp import TCPTransport

@@ -59,7 +59,7 @@ nitpick_ignore_regex = [
         r"(_?asyncio|abc|argparse|collections\.abc|concurrent\.futures|contextvars|datetime"
         r"|enum|multiprocessing|os|pathlib|signal|np|numpy|aiohttp|fastapi|ray)\..+",
     ),
-    # Names in private modules (aiodist._work, aiodist.store._state, ...) and type
+    # Names in private modules (aiodist.group._work, aiodist.store._state, ...) and type
     # variables: implementation details that have no entry of their own.
     (r"py:.*", r"aiodist(\.\w+)*\._\w+(\.\w+)*"),
     (r"py:.*", r"aiodist(\.\w+)*\.T"),

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from cluster_worker import contribution
 
-from aiodist._cluster import VARIABLES
+from aiodist._util._cluster import VARIABLES
 
 WORKER = str(Path(__file__).parent / "cluster_worker.py")
 #: Variables of launchers and clusters that a test's child must not inherit from outside.

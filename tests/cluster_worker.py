@@ -14,7 +14,7 @@ import sys
 import numpy as np
 
 import aiodist.sync as dist
-from aiodist._cluster import VARIABLES, read_cluster_env
+from aiodist._util._cluster import VARIABLES, read_cluster_env
 
 N = 1000
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from aiodist._ops import ReduceOp
+from aiodist._arrays._reduce import ReduceOp
 from aiodist.store import HashStore
 from aiodist.transport.base import OpComm, PeerDirectory, Transport
 from aiodist.transport.local import LocalTransport

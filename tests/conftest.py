@@ -9,7 +9,7 @@ from typing import Any
 import proc_helpers
 import pytest
 
-from aiodist._loop import loop_factory
+from aiodist._util._loop import loop_factory
 
 #: Fixtures shared by several test files (``hosts``: two network namespaces).
 pytest_plugins = ["netns_helpers"]

@@ -175,7 +175,7 @@ def main() -> None:
         elif lib == "aiodist-sync":
             run_sync()
         else:
-            from aiodist._loop import loop_factory
+            from aiodist._util._loop import loop_factory
 
             with asyncio.Runner(loop_factory=loop_factory("auto")) as runner:
                 runner.run(run_aiodist())

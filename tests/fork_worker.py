@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 import aiodist.sync as dist
-from aiodist._progress import progress_thread
+from aiodist.backends._progress import progress_thread
 from aiodist.testing import free_port
 
 

@@ -174,8 +174,8 @@ def main() -> None:
             if attempt == 0 and rank == int(args[0]):
                 if args[1] == "before":
                     os.kill(os.getpid(), signal.SIGKILL)
-                import aiodist._assembly as assembly
-                import aiodist._world as world
+                import aiodist._assembly._join as assembly
+                import aiodist.group._world as world
 
                 async def die(*_: object, **__: object) -> None:
                     os.kill(os.getpid(), signal.SIGKILL)

@@ -57,7 +57,7 @@ import numpy as np
 import aiodist
 import aiodist.sync as dist
 from aiodist import DistError, DistTimeoutError, DistUsageError
-from aiodist._loop import loop_factory
+from aiodist._util._loop import loop_factory
 from aiodist.testing import run_world, run_world_processes
 
 #: Seconds an operation may take before its group times out (a hang, for the model).

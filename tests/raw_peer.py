@@ -11,7 +11,7 @@ import os
 import struct
 from typing import Any
 
-from aiodist._auth import auth_mac
+from aiodist._util._auth import auth_mac
 
 MAGIC = b"AIOD"
 VERSION = 6

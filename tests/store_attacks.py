@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-from aiodist._loop import loop_factory
+from aiodist._util._loop import loop_factory
 from aiodist.store._server import TCPStoreServer
 from aiodist.store._wire import I64, U8, U32, U64, TorchOp
 

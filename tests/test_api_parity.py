@@ -20,7 +20,7 @@ import pytest
 
 import aiodist
 import aiodist.sync as dist
-from aiodist._launch_cli import _cuda_devices
+from aiodist.launcher._cli import _cuda_devices
 from aiodist.testing import run_world, run_world_processes
 
 pytestmark = pytest.mark.both_loops

@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 import aiodist
-from aiodist._loop import loop_factory
+from aiodist._util._loop import loop_factory
 from aiodist.testing import run_world
 
 DTYPES = ["int8", "int64", "uint16", "float32", "float64", "complex64"]

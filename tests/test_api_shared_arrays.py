@@ -10,7 +10,7 @@ import pytest
 
 import aiodist
 import aiodist.sync
-from aiodist import _shared_array
+from aiodist.collectives import _shared_array
 from aiodist.collectives.shm import NodeWorkspace
 from aiodist.group import ProcessGroup
 from aiodist.testing import run_world

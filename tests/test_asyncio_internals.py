@@ -1,4 +1,4 @@
-"""The asyncio internals of ``aiodist._asyncio_internals`` still mean what aiodist assumes.
+"""The asyncio internals of ``aiodist._util._asyncio_internals`` still mean what aiodist assumes.
 
 Run on every Python version aiodist supports (the README's test command runs this module on
 each): a new asyncio that renames or changes one of them fails here, by name, instead of
@@ -18,14 +18,14 @@ from typing import Any
 
 import pytest
 
-from aiodist._asyncio_internals import (
+from aiodist._util._asyncio_internals import (
     loop_on_this_thread,
     pending_work,
     release_yielded,
     set_loop_on_this_thread,
     wake,
 )
-from aiodist._loop_thread import HandOverLoop, TurnSelector
+from aiodist.sync._loop_thread import HandOverLoop, TurnSelector
 
 
 def test_the_loop_on_this_thread_is_the_running_loop() -> None:

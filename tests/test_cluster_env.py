@@ -28,7 +28,7 @@ from cluster_helpers import (
 )
 
 import aiodist
-from aiodist._cluster import (
+from aiodist._util._cluster import (
     VARIABLES,
     expand_hostlist,
     first_host,
@@ -465,7 +465,7 @@ def test_launcher_node_rank_from_the_pod_name(
         pytest.skip("needs root and unshare -u to give a process its own host name")
     code = (
         "import os, socket; socket.sethostname(os.environ['POD']); "
-        "from aiodist._cluster import launcher_default; print(launcher_default('node_rank'))"
+        "from aiodist._util._cluster import launcher_default; print(launcher_default('node_rank'))"
     )
     env = {
         **os.environ,

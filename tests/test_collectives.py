@@ -12,7 +12,7 @@ import pytest
 from collective_helpers import RUNNERS, Wrapped, make_world, numpy_reduce, run_on, sample
 
 from aiodist import collectives as coll
-from aiodist._ops import ReduceOp
+from aiodist._arrays._reduce import ReduceOp
 from aiodist.collectives._common import READY_STEP
 from aiodist.errors import DistNetworkError, DistUsageError
 from aiodist.transport.base import OpComm

@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 from collective_helpers import RUNNERS, Wrapped, run_on
 
-from aiodist import _wait, collectives as coll
-from aiodist._ops import ReduceOp
+from aiodist import collectives as coll
+from aiodist._arrays._reduce import ReduceOp
+from aiodist._util import _wait
 from aiodist.collectives._common import READY_STEP, YIELD_BYTES, Dataflow, _tick_until
 from aiodist.transport.base import OpComm
 from aiodist.transport.local import LocalTransport

@@ -10,7 +10,7 @@ from collective_helpers import RUNNERS, numpy_reduce, sample
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from aiodist import collectives as coll
-from aiodist._ops import ReduceOp, check_reduce_op
+from aiodist._arrays._reduce import ReduceOp, check_reduce_op
 from aiodist.errors import DistUsageError
 from aiodist.transport.base import OpComm
 

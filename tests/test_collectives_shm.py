@@ -15,9 +15,8 @@ from collective_helpers import numpy_reduce, sample
 from shm_helpers import leftovers, new_job
 
 import aiodist
-from aiodist import _shared_array
-from aiodist._ops import ReduceOp, check_reduce_op
-from aiodist.collectives import shm
+from aiodist._arrays._reduce import ReduceOp, check_reduce_op
+from aiodist.collectives import _shared_array, shm
 from aiodist.collectives.shm import NodeWorkspace
 from aiodist.store import FileStore, HashStore
 from aiodist.testing import start_world_processes

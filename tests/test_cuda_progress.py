@@ -10,7 +10,7 @@ import weakref
 
 import pytest
 
-from aiodist._progress import ProgressThread, progress_thread
+from aiodist.backends._progress import ProgressThread, progress_thread
 from aiodist.errors import DistBackendError, DistTimeoutError, DistUsageError
 
 pytestmark = pytest.mark.both_loops  # the standard loop (asyncio.run, uvicorn) too

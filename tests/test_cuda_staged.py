@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import aiodist
-from aiodist._fingerprint import fingerprint
-from aiodist._ops import ReduceOp
+from aiodist._arrays._fingerprint import fingerprint
+from aiodist._arrays._reduce import ReduceOp
 from aiodist.backends import _cuda_staged as staged
 from aiodist.group import Plan, ProcessGroup, current_world
 

@@ -12,7 +12,7 @@ import pytest
 from collective_helpers import numpy_reduce
 
 import aiodist
-from aiodist._ops import ReduceOp, check_reduce_op
+from aiodist._arrays._reduce import ReduceOp, check_reduce_op
 from aiodist.backends._cuda_path import (
     PATH_ENV,
     RankInfo,

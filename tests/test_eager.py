@@ -12,7 +12,7 @@ import pytest
 
 import aiodist
 import aiodist.sync as dist
-from aiodist import _loop_thread
+from aiodist.sync import _loop_thread
 from aiodist.testing import run_world, run_world_processes
 
 pytestmark = pytest.mark.both_loops  # the standard loop (asyncio.run, uvicorn) too

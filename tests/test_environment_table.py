@@ -1,4 +1,4 @@
-"""The table of environment variables (``aiodist/_environment.py``) keeps up with the code:
+"""The table of environment variables (``aiodist/_util/_environment.py``) keeps up with the code:
 every ``AIODIST_*`` variable the package names is in it, and every row's modules still
 name its variable. ``docs/environment.md`` renders the table."""
 
@@ -9,7 +9,7 @@ import importlib.util
 import re
 from pathlib import Path
 
-from aiodist._environment import VARIABLES
+from aiodist._util._environment import VARIABLES
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "aiodist"
@@ -61,7 +61,7 @@ def test_every_aiodist_variable_the_code_names_is_in_the_table() -> None:
         for name in sorted(_variables_named(tree) - bound - listed):
             missing.setdefault(name, []).append(path)
     assert not missing, (
-        f"environment variables missing from aiodist/_environment.py's VARIABLES: {missing}"
+        f"environment variables missing from aiodist/_util/_environment.py's VARIABLES: {missing}"
     )
 
 

@@ -21,8 +21,8 @@ import pytest
 
 import aiodist
 from aiodist import debug
-from aiodist._assembly import job_store
-from aiodist._forming import forming_worlds
+from aiodist._assembly._forming import forming_worlds
+from aiodist._assembly._join import job_store
 from aiodist.backends import cpu
 from aiodist.group import isolate_context
 from aiodist.testing import free_port, run_world

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import aiodist
-from aiodist._world import FailureDomain
+from aiodist.group._world import FailureDomain
 from aiodist.testing import run_world, run_world_processes
 
 pytestmark = pytest.mark.both_loops

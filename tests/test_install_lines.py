@@ -8,7 +8,7 @@ import shlex
 import tomllib
 from pathlib import Path
 
-from aiodist._arrays import CUDA_INSTALL_HINT
+from aiodist._arrays._intake import CUDA_INSTALL_HINT
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -30,7 +30,7 @@ def _install_lines() -> list[tuple[str, str]]:
     ]
     hint = _PIP.search(CUDA_INSTALL_HINT)
     assert hint is not None
-    return [*found, ("aiodist._arrays.CUDA_INSTALL_HINT", hint.group(1))]
+    return [*found, ("aiodist._arrays._intake.CUDA_INSTALL_HINT", hint.group(1))]
 
 
 def test_every_install_line_names_the_checkout_and_real_extras() -> None:

@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 from cluster_helpers import clean_env
 
-from aiodist._workers import Std
 from aiodist.errors import DistUsageError
 from aiodist.launcher import get_args_parser, parse_args
+from aiodist.launcher._workers import Std
 from aiodist.testing import free_port
 
 pytestmark = pytest.mark.multiprocess

@@ -20,9 +20,9 @@ import pytest
 from cluster_helpers import clean_env
 from proc_helpers import track
 
-from aiodist._preload import Starter
 from aiodist.errors import DistUsageError
 from aiodist.launcher import parse_args
+from aiodist.launcher._preload import Starter
 
 pytestmark = pytest.mark.multiprocess
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import leave_worker
 import pytest
 
-from aiodist._world import LEAVE_WAIT
+from aiodist.group._world import LEAVE_WAIT
 from aiodist.testing import free_port
 
 pytestmark = pytest.mark.multiprocess

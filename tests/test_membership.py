@@ -387,7 +387,7 @@ class _CountingStore(aiodist.PrefixStore):
 
 
 async def test_who_left_a_world_is_one_store_request_however_large_the_world() -> None:
-    from aiodist._world import FailureDomain
+    from aiodist.group._world import FailureDomain
 
     size = 64
     master = await aiodist.TCPStore.create("127.0.0.1", 0, is_master=True, timeout=30)
@@ -528,7 +528,7 @@ if rank == 2:  # dies after it voted with the others to exclude rank 0
     def die(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
     if where == "before connecting":
-        import aiodist._membership as membership
+        import aiodist._assembly._membership as membership
         membership._successor = die
     else:  # in the new world's setup, connected to the others
         import aiodist.collectives.shm as shm
@@ -582,7 +582,7 @@ else:
     while not store.check(["aiodist/default_pg/waiting"]):  # the joiner registered
         time.sleep(0.01)
     if rank == 2:  # dies once the members decided to admit the joiner, or as they send
-        import aiodist._api as api, aiodist._membership as membership
+        import aiodist._api as api, aiodist._assembly._membership as membership
         def die(*args, **kwargs):
             os.kill(os.getpid(), signal.SIGKILL)
         if where == "forming":
@@ -645,7 +645,7 @@ import aiodist.sync as dist
 role, port, when = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
 if role == "joiner":
-    import aiodist._membership as membership, aiodist.backends as backends
+    import aiodist._assembly._membership as membership, aiodist.backends as backends
     async def die(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
     if when == "setting up":  # connected to the members, before its leases in the grown world

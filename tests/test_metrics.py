@@ -13,7 +13,8 @@ import pytest
 
 import aiodist
 import aiodist.metrics
-from aiodist import _recorder, serving
+from aiodist import serving
+from aiodist.group import _recorder
 from aiodist.serving import STATES, Controller, Unavailable
 from aiodist.testing import run_world
 

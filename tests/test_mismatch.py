@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import aiodist
-from aiodist._fingerprint import NO_FINGERPRINT, describe, fingerprint
+from aiodist._arrays._fingerprint import NO_FINGERPRINT, describe, fingerprint
 from aiodist.errors import DistError, DistUsageError
 from aiodist.testing import run_world
 

@@ -1,4 +1,4 @@
-"""Every operation is declared once (``aiodist._operations``): the public API, its blocking
+"""Every operation is declared once (``aiodist.group._operations``): the public API, its blocking
 twins, the backends' tables and the fingerprint table agree with the declarations; the
 operations added through them (``all_gather_single``, ``reduce_scatter_single``) and
 ``record_comm`` work end to end."""
@@ -14,9 +14,9 @@ import pytest
 import aiodist
 import aiodist.debug
 import aiodist.sync as dist
-from aiodist import _fingerprint
-from aiodist._operations import ALGORITHMS, OPERATIONS
+from aiodist._arrays import _fingerprint
 from aiodist.backends import cpu
+from aiodist.group._operations import ALGORITHMS, OPERATIONS
 from aiodist.testing import run_world, run_world_processes
 
 pytestmark = pytest.mark.both_loops

@@ -7,8 +7,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aiodist._arrays import SUPPORTED_DTYPES, as_array, byte_view, check_dtype
-from aiodist._ops import ReduceOp, check_reduce_op, finish_into, reduce_into
+from aiodist._arrays._intake import SUPPORTED_DTYPES, as_array, byte_view, check_dtype
+from aiodist._arrays._reduce import ReduceOp, check_reduce_op, finish_into, reduce_into
 from aiodist.errors import DistUsageError
 
 ml_dtypes = pytest.importorskip("ml_dtypes", reason="bfloat16 needs ml_dtypes")

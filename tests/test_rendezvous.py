@@ -12,7 +12,7 @@ import pytest
 
 import aiodist
 from aiodist import rendezvous as rdzv
-from aiodist._cluster import VARIABLES, read_rank_and_world_size
+from aiodist._util._cluster import VARIABLES, read_rank_and_world_size
 from aiodist.rendezvous import get_node_local_rank, register_rendezvous_handler, rendezvous
 from aiodist.testing import free_port
 

@@ -37,12 +37,13 @@ from store_attacks import (
 from transport_attacks import MESSAGE, TAG as ATTACK_TAG, RankProcess
 
 import aiodist
-import aiodist._assembly
-from aiodist import _serving_wire as serving_wire, collectives
-from aiodist._auth import auth_mac, derive_key
+import aiodist._assembly._join
+from aiodist import collectives
+from aiodist._util._auth import auth_mac, derive_key
 from aiodist.collectives.shm_workspace import NodeWorkspace
 from aiodist.debug import gather_status
 from aiodist.group import Plan, resolve_group
+from aiodist.serving import _wire as serving_wire
 from aiodist.store import _server as store_server
 from aiodist.store._wire import (
     AIODIST_MAGIC,
@@ -1040,7 +1041,7 @@ async def test_a_rank_listening_beyond_loopback_without_a_secret_is_told(
 ) -> None:
     monkeypatch.setenv("AIODIST_HOST", "")  # every interface
     monkeypatch.delenv("AIODIST_RUN_ID", raising=False)
-    monkeypatch.setattr(aiodist._assembly, "_warned_open", False)
+    monkeypatch.setattr(aiodist._assembly._join, "_warned_open", False)
 
     async def world(token: str | None) -> None:
         store = aiodist.HashStore(timeout=10)
@@ -1330,7 +1331,7 @@ async def test_a_forged_transport_record_maps_and_rings_nothing(forged: str) -> 
 # -- the status endpoints ----------------------------------------------------------------------
 _ENDPOINT = """
 import asyncio, json, sys, urllib.error, urllib.request
-from aiodist._status import STATUS_KEY, register_status
+from aiodist.debug._status import STATUS_KEY, register_status
 from aiodist.store import HashStore
 
 async def main():
@@ -1374,7 +1375,7 @@ def test_a_status_endpoint_listens_on_loopback_and_wants_the_key() -> None:
 
 async def _job_with_entries(entries: str, size: int) -> aiodist.Store:
     store = aiodist.HashStore(timeout=5)
-    job = aiodist._assembly.job_store(store, "")
+    job = aiodist._assembly._join.job_store(store, "")
     await job.set("current", f"somewhere|{size}")
     await job.set("status", entries)
     return store

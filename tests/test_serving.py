@@ -19,8 +19,8 @@ import pytest
 from serving_helpers import joins
 
 import aiodist
-from aiodist import _serving_wire as wire, serving
-from aiodist.serving import Channel, Controller, RemoteError, Unavailable
+from aiodist import serving
+from aiodist.serving import Channel, Controller, RemoteError, Unavailable, _wire as wire
 from aiodist.testing import run_world
 
 pytestmark = pytest.mark.both_loops

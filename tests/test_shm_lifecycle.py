@@ -20,9 +20,8 @@ import pytest
 from shm_helpers import leftovers, new_job, shm_world
 
 import aiodist
-from aiodist import _shared_array
-from aiodist._ops import ReduceOp
-from aiodist.collectives import shm
+from aiodist._arrays._reduce import ReduceOp
+from aiodist.collectives import _shared_array, shm
 from aiodist.collectives.shm import NodeWorkspace
 from aiodist.collectives.shm_workspace import workspace_bytes
 from aiodist.store import FileStore, HashStore
@@ -154,7 +153,7 @@ _FULL_SHM = textwrap.dedent(
     """
     import asyncio, json, os
     import numpy as np
-    from aiodist import _shared_array
+    from aiodist.collectives import _shared_array
     from aiodist.collectives.shm import NodeWorkspace
     from aiodist.store import HashStore
     from aiodist.transport._shm_segment import SharedMemoryError

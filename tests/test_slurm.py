@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from cluster_helpers import HOSTLISTS, WORKER, clean_env, expected_sum
 
-from aiodist._cluster import expand_hostlist
+from aiodist._util._cluster import expand_hostlist
 
 pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess]
 

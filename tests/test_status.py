@@ -202,7 +202,7 @@ def test_the_launcher_serves_the_view(tmp_path: Path) -> None:
 
 _WILDCARD = """
 import asyncio, json, socket, urllib.request
-from aiodist._status import STATUS_KEY, register_status
+from aiodist.debug._status import STATUS_KEY, register_status
 from aiodist.store import HashStore
 
 async def main():

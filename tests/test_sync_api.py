@@ -19,7 +19,7 @@ import pytest
 
 import aiodist
 import aiodist.sync as dist
-from aiodist._loop_thread import run
+from aiodist.sync._loop_thread import run
 from aiodist.testing import free_port
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -17,7 +17,7 @@ import pytest
 
 import aiodist
 import aiodist.sync as dist
-from aiodist._loop_thread import HandOverLoop, loop_thread as _loop_thread, run as _run
+from aiodist.sync._loop_thread import HandOverLoop, loop_thread as _loop_thread, run as _run
 from aiodist.testing import check_sync_store, free_port
 
 _counter = itertools.count()
@@ -181,7 +181,7 @@ def test_ctrl_c_cancels_a_blocking_call() -> None:
         """
         import os, signal, threading, time
         import aiodist.sync as dist
-        from aiodist._loop_thread import run as _run
+        from aiodist.sync._loop_thread import run as _run
 
         store = dist.HashStore()
         threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
@@ -270,14 +270,17 @@ def test_loop_kind_from_the_environment() -> None:
     code = """
 import asyncio
 import aiodist.sync as dist
-from aiodist._loop_thread import run as _run
+from aiodist.sync._loop_thread import run as _run
 async def kind():
     loop = type(asyncio.get_running_loop())
     return f"{loop.__module__}.{loop.__name__}"
 dist.HashStore().set("k", b"v")
 print(_run(kind()))
 """
-    for kind, module in (("asyncio", "aiodist._loop_thread.HandOverLoop"), ("uvloop", "uvloop")):
+    for kind, module in (
+        ("asyncio", "aiodist.sync._loop_thread.HandOverLoop"),
+        ("uvloop", "uvloop"),
+    ):
         result = subprocess.run(
             [sys.executable, "-c", code],
             capture_output=True,

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 import aiodist.sync as dist
-from aiodist import _loop_thread, _wait
+from aiodist._util import _wait
 from aiodist.errors import DistError, DistUsageError
+from aiodist.sync import _loop_thread
 
 
 def _resolve_later(delay: float, fn: object) -> threading.Thread:

@@ -17,8 +17,8 @@ from shm_helpers import leftovers, new_job, shm_world
 
 import aiodist
 from aiodist import collectives
-from aiodist._fingerprint import fingerprint
-from aiodist._ops import ReduceOp
+from aiodist._arrays._fingerprint import fingerprint
+from aiodist._arrays._reduce import ReduceOp
 from aiodist.store import FileStore, HashStore
 from aiodist.testing import start_world_processes
 from aiodist.transport._mailbox import Mailbox

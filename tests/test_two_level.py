@@ -18,7 +18,7 @@ from collective_helpers import RUNNERS, numpy_reduce, sample
 from netns_helpers import Hosts
 from two_level_cases import CASES, expected
 
-from aiodist._ops import ReduceOp
+from aiodist._arrays._reduce import ReduceOp
 from aiodist.collectives import RING_THRESHOLD_BYTES, two_level
 from aiodist.collectives.two_level import HostPlan
 from aiodist.store import HashStore

@@ -17,7 +17,7 @@ import sys
 
 from store_attacks import ServerProcess
 
-from aiodist._loop import loop_factory
+from aiodist._util._loop import loop_factory
 from aiodist.store import FileStore
 from aiodist.transport.base import PeerDirectory
 from aiodist.transport.tcp import TCPTransport

@@ -13,7 +13,7 @@ from collective_helpers import numpy_reduce, sample
 
 import aiodist
 import aiodist.sync
-from aiodist._ops import ReduceOp
+from aiodist._arrays._reduce import ReduceOp
 
 T = TypeVar("T")
 

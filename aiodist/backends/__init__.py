@@ -5,11 +5,14 @@ A :class:`Backend` maps each operation name to its *validate function*,
 returns the :class:`~aiodist.group.Plan` to run (the algorithm, its checked arguments and the
 call's fingerprint). The built-in backends are made with :meth:`Backend.from_paths`: an
 array intake, and a data path per algorithm; every operation of
-:data:`aiodist._operations.OPERATIONS` whose algorithm has a path is then in the table, its
+:data:`aiodist.group._operations.OPERATIONS` whose algorithm has a path is then in the table, its
 argument rules written once above the backends. A process group holds the name of the backend serving each device kind
 (``{"cpu": "cpu"}`` for ``backend="gloo"``); :func:`plan` finds where a call's arrays live and
 hands the call to that backend. A backend plugs in with :func:`register_backend` (or is built
 in: ``"cpu"``, and ``"cuda"`` loaded on first use), without touching the public API.
+
+May import: the group core, the collectives, the transports, the stores,
+:mod:`aiodist._arrays`, :mod:`aiodist._util` and :mod:`aiodist.errors`.
 """
 
 from __future__ import annotations
@@ -22,11 +25,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._arrays import CUDA_INSTALL_HINT
-from .._operations import OPERATIONS, Call, Intake
-from .._shared_array import check as check_shape_and_dtype
-from .._work import Plan, rejected_on_transport
+from .._arrays._intake import CUDA_INSTALL_HINT
+from ..collectives._shared_array import check as check_shape_and_dtype
 from ..errors import DistUsageError
+from ..group._operations import OPERATIONS, Call, Intake
+from ..group._work import Plan, rejected_on_transport
 
 if TYPE_CHECKING:
     from ..group import ProcessGroup

@@ -16,7 +16,7 @@ Per device, made on first use and shared by every group of the process:
   thread ever blocks for it.
 
 Completions are :class:`EventDone` objects (``cudaEventQuery``: 0 done, 600 pending, any
-other status a CUDA error), watched by :mod:`aiodist._progress`.
+other status a CUDA error), watched by :mod:`aiodist.backends._progress`.
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ import cupy
 import numpy as np
 from cupy.cuda import runtime
 
-from .._arrays import check_dtype
-from .._ops import ReduceOp
-from .._progress import progress_thread
+from .._arrays._intake import check_dtype
+from .._arrays._reduce import ReduceOp
 from ..errors import DistBackendError, DistError, DistUsageError
 from ._cuda_tables import reduce_many
+from ._progress import progress_thread
 
 __all__ = [
     "CudaMover",
@@ -78,7 +78,7 @@ def backend_error(exc: BaseException, what: str) -> DistError:
 
 
 class EventDone:
-    """A completion: a recorded CUDA event (see :mod:`aiodist._progress`)."""
+    """A completion: a recorded CUDA event (see :mod:`aiodist.backends._progress`)."""
 
     __slots__ = ("event", "what")
 

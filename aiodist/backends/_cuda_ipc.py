@@ -32,9 +32,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from .. import collectives
-from .._ops import ReduceOp
+from .._arrays._reduce import ReduceOp
 from ..transport.base import OpComm
-from ._cuda_staged import StepComm, chunks
+from ._cuda_staged import chunks
 
 __all__ = [
     "SlabMover",
@@ -68,7 +68,7 @@ class SlabMover(Protocol):
 
 
 async def _barrier(comm: OpComm, round_: int, i: int) -> None:
-    await collectives.barrier(StepComm(comm, (round_ * _BARRIERS + i + 1) << 32))
+    await collectives.barrier(comm.from_step((round_ * _BARRIERS + i + 1) << 32))
 
 
 def _blocks(size: int, itemsize: int, n: int) -> list[tuple[int, int]]:

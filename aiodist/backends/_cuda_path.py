@@ -26,7 +26,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
-from .._timeouts import Timeout
+from .._util._timeouts import Timeout
 from ..errors import DistBackendError, DistUsageError
 from ..store import Store
 

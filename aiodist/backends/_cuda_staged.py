@@ -15,7 +15,7 @@ host buffers; reductions happen on the device, never on the host:
 
 Arrays are processed in chunks of :data:`CHUNK_BYTES` (``reduce``-ing ops: a whole number
 of elements), up to :data:`WINDOW` chunks at once, so one chunk's copies overlap another's
-transfer. Each chunk's messages travel under steps of their own (:class:`StepComm`). Every
+transfer. Each chunk's messages travel under steps of their own (:meth:`OpComm.from_step`). Every
 rank cuts the same chunks, since the sizes agree across ranks (the fingerprint checks it);
 ``all_to_all``, whose blocks may differ in size between ranks, moves in one round.
 
@@ -36,7 +36,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .. import collectives
-from .._ops import ReduceOp
+from .._arrays._reduce import ReduceOp
 from ..transport.base import OpComm
 from ._cuda_tables import reduce_many
 
@@ -45,7 +45,6 @@ __all__ = [
     "WINDOW",
     "HostMover",
     "Mover",
-    "StepComm",
     "chunks",
     "staged_all_gather",
     "staged_all_reduce",
@@ -135,26 +134,9 @@ class HostMover:
         reduce_many(np, op, dtype, out, ins, factor=factor)
 
 
-class StepComm(OpComm):
-    """An :class:`OpComm` whose steps start at ``base``: one chunk's (or phase's) messages."""
-
-    __slots__ = ("_base",)
-
-    def __init__(self, comm: OpComm, base: int) -> None:
-        super().__init__(comm._transport, comm._ranks, comm.rank, comm._group_id, comm._seq)
-        self._base = base
-
-    def send(self, peer: int, step: int, data: memoryview) -> asyncio.Future[None]:
-        """Send step ``base + step``."""
-        return super().send(peer, self._base + step, data)
-
-    def recv_into(self, peer: int | None, step: int, out: memoryview) -> asyncio.Future[int]:
-        """Receive step ``base + step``."""
-        return super().recv_into(peer, self._base + step, out)
-
-
-def _sub(comm: OpComm, chunk: int, phase: int = 0) -> StepComm:
-    return StepComm(comm, (chunk * _PHASES + phase + 1) << _STEP_BITS)
+def _sub(comm: OpComm, chunk: int, phase: int = 0) -> OpComm:
+    # One chunk's (or phase's) messages: steps numbered apart from every other chunk's.
+    return comm.from_step((chunk * _PHASES + phase + 1) << _STEP_BITS)
 
 
 def chunks(nbytes: int, itemsize: int = 1, chunk_bytes: int = CHUNK_BYTES) -> list[tuple[int, int]]:

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from .._ops import ReduceOp
+from .._arrays._reduce import ReduceOp
 
 __all__ = [
     "NCCL_DTYPES",
@@ -97,7 +97,7 @@ def wire_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
 def nccl_plan(dtype: np.dtype[Any], op: ReduceOp) -> NcclCall | str:
     """How NCCL reduces ``dtype`` with ``op``, or the reason it cannot (a string).
 
-    ``op`` has passed :func:`aiodist._ops.check_reduce_op` for ``dtype``.
+    ``op`` has passed :func:`aiodist._arrays._reduce.check_reduce_op` for ``dtype``.
     """
     name = dtype.name
     if name == "bool":

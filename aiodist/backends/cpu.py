@@ -1,8 +1,8 @@
 """The CPU backend: numpy arrays (and CPU DLPack tensors) over the group's transport.
 
-Its intake (:func:`aiodist._arrays.as_array`) turns each array argument into the C-contiguous
+Its intake (:func:`aiodist._arrays._intake.as_array`) turns each array argument into the C-contiguous
 numpy array the algorithms of :mod:`aiodist.collectives` take, or refuses it naming the
-argument; the operations' argument rules are in :mod:`aiodist._operations`. Its data paths:
+argument; the operations' argument rules are in :mod:`aiodist.group._operations`. Its data paths:
 the transport algorithms (:mod:`aiodist.collectives`); for a group whose ranks all share
 this host, the direct algorithms of a shared-memory workspace (:mod:`aiodist.collectives.shm`);
 for a group spread over hosts with several of its ranks on some, the two-level algorithms
@@ -22,13 +22,11 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from .. import _shared_array, collectives
-from .._arrays import as_array, byte_view
-from .._environment import turned_off
-from .._operations import Call
-from .._ops import ReduceOp
-from .._work import rejected_on_transport
-from ..collectives import objects, shm, two_level
+from .. import collectives
+from .._arrays._intake import as_array, byte_view
+from .._arrays._reduce import ReduceOp
+from .._util._environment import turned_off
+from ..collectives import _shared_array, objects, shm, two_level
 from ..collectives.two_level import HostPlan
 from ..errors import (
     DistError,
@@ -38,6 +36,8 @@ from ..errors import (
     DistUsageError,
 )
 from ..group import Plan, ProcessGroup
+from ..group._operations import Call
+from ..group._work import rejected_on_transport
 from ..store import PrefixStore
 from ..transport._shm_segment import SharedMemoryError
 from ..transport.base import OpComm, fails_alone, rejection_text

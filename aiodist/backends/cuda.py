@@ -1,7 +1,7 @@
 """The CUDA backend: cupy arrays (and CUDA DLPack tensors) over CUDA streams.
 
 Its intake (:func:`~aiodist.backends._cuda_device.as_device_array`) takes device arrays;
-the operations' argument rules are in :mod:`aiodist._operations`. For each algorithm's
+the operations' argument rules are in :mod:`aiodist.group._operations`. For each algorithm's
 checked call, its path records a *ready* event on the caller's current stream (the
 operation starts after the work queued there, as in torch) and returns a
 :class:`~aiodist.group.Plan` that runs it on the group's data path:
@@ -18,7 +18,7 @@ to point) takes the staged path whatever the group's path is; what the IPC path 
 cover (all_to_all, point to point) too.
 
 The operation's task ends when its device work is done, as the progress thread observes
-(:mod:`aiodist._progress`); ``work.wait_stream(stream)`` makes a stream wait for it with no
+(:mod:`aiodist.backends._progress`); ``work.wait_stream(stream)`` makes a stream wait for it with no
 host block, before or after the work is issued (:class:`~._cuda_device.OpEnd`). The arrays
 stay referenced until then (and, for an operation cancelled part-way, until its last device
 step is done). A CUDA or NCCL error (an asynchronous NCCL error included, checked every
@@ -47,11 +47,10 @@ from typing import Any
 import cupy
 from cupy.cuda import runtime
 
-from .._operations import HOST_ALGORITHMS, Call
-from .._ops import ReduceOp
-from .._progress import progress_thread
+from .._arrays._reduce import ReduceOp
 from ..errors import DistBackendError, DistTimeoutError, DistUsageError
 from ..group import Plan, ProcessGroup
+from ..group._operations import HOST_ALGORITHMS, Call
 from ..transport.base import OpComm
 from . import Backend, cpu
 from ._cuda_device import (
@@ -90,6 +89,7 @@ from ._cuda_staged import (
     staged_send,
 )
 from ._cuda_tables import NcclCall, nccl_plan, reduce_many
+from ._progress import progress_thread
 
 __all__ = ["BACKEND", "IPC_SLAB_BYTES", "data_path", "group_state", "take"]
 
@@ -457,7 +457,7 @@ def _issue_nccl(state: GroupState, call: _Call) -> EventDone:
 
 # -- data paths: each algorithm's checked call, as NCCL, IPC and staged steps -----------------
 def take(x: object, *, writable: bool, name: str) -> Any:
-    """The CUDA backend's intake (:class:`aiodist._operations.Intake`): device arrays (always
+    """The CUDA backend's intake (:class:`aiodist.group._operations.Intake`): device arrays (always
     writable)."""
     return as_device_array(x, name)
 

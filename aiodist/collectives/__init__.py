@@ -3,7 +3,7 @@
 Every function here is a coroutine taking the operation's ``OpComm`` first. Arguments are
 already validated by the caller (the process group): arrays are C-contiguous numpy arrays
 of a supported dtype, sizes agree across ranks as each function states, and ``op`` passed
-:func:`aiodist._ops.check_reduce_op`. A function returns once this rank's part is done
+:func:`aiodist._arrays._reduce.check_reduce_op`. A function returns once this rank's part is done
 and no send refers to a caller's array any more. World size 1 sends no messages.
 
 Choices (details and measured crossovers in ``docs/architecture.md``):
@@ -18,6 +18,9 @@ Choices (details and measured crossovers in ``docs/architecture.md``):
 * :func:`barrier`: dissemination; :func:`monitored_barrier`: through rank 0.
 
 Object collectives (pickled objects) are in :mod:`aiodist.collectives.objects`.
+
+May import: the transports, the stores, :mod:`aiodist._arrays`, :mod:`aiodist._util` and
+:mod:`aiodist.errors`.
 """
 
 from .all_reduce import (

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .._wait import may_stay_awake
+from .._util._wait import may_stay_awake
 from ..errors import DistError
 from ..transport.base import OpComm
 
@@ -340,9 +340,25 @@ class Dataflow:
 
     def stay_awake(self, comm: OpComm, nbytes: int) -> None:
         """Keep the loop from sleeping while :meth:`wait` waits, if this rank sends or
-        receives ``nbytes``, as :func:`aiodist._wait.may_stay_awake` decides."""
+        receives ``nbytes``, as :func:`aiodist._util._wait.may_stay_awake` decides."""
         if may_stay_awake(comm.size, nbytes):
             self._awake = True
+
+    async def run(
+        self, start: Callable[[], None], scratch: Iterable[npt.NDArray[np.uint8]] = ()
+    ) -> None:
+        """Call ``start`` (it posts the receives and starts the sends), then :meth:`wait`,
+        then give ``scratch`` back to :data:`SCRATCH`. What is in flight is abandoned if
+        ``start`` fails; the scratch is not reused if the work fails (a cancelled receive
+        may still fill it)."""
+        try:
+            start()
+        except BaseException:
+            self.flight.abandon()
+            raise
+        await self.wait()
+        for buf in scratch:
+            SCRATCH.put(buf)
 
     async def wait(self) -> None:
         """Wait for all the work and every tracked send; on failure clean up and raise."""

@@ -8,8 +8,8 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from .._arrays import byte_view
-from .._ops import ReduceOp, finish_into, reduce_into
+from .._arrays._intake import byte_view
+from .._arrays._reduce import ReduceOp, finish_into, reduce_into
 from ..transport.base import OpComm
 from ._common import (
     SCRATCH,
@@ -51,7 +51,7 @@ async def all_reduce(
     Args:
         comm: This operation's view of the group.
         x: C-contiguous array, same shape and dtype on every rank; reduced in place.
-        op: A reduction that ``x.dtype`` can take (see :func:`aiodist._ops.check_reduce_op`).
+        op: A reduction that ``x.dtype`` can take (see :func:`aiodist._arrays._reduce.check_reduce_op`).
         algorithm: ``"auto"`` chooses by size; the others force one (for tests and tuning).
 
     Raises:
@@ -214,6 +214,20 @@ async def _recursive_doubling(comm: OpComm, x: npt.NDArray[Any], op: ReduceOp) -
         raise
 
 
+# The ring all_reduce. The message is cut into ``n`` segments and each segment into the
+# same number of chunks. There are ``2(n-1)`` steps: in step ``k`` rank ``r`` sends segment
+# ``(r-k) % n`` to its right neighbour and receives segment ``(r-k-1) % n`` from its left
+# one. In the first ``n-1`` steps (reduce-scatter) a received chunk lands in a scratch
+# slot and is reduced into ``x``; in the last ``n-1`` (all-gather) it lands in ``x``
+# directly. Every chunk is handled the moment it arrives (future callbacks, no fixed
+# order) and sent on at once, so all steps and chunks overlap.
+#
+# Receives are posted before the matching data can exist, so nothing is staged by the
+# transport: all-gather receives are posted up front (their data is final, produced only
+# after everything this rank contributes to it was delivered, so landing in ``x`` early
+# cannot overwrite anything still needed); a reduce-scatter chunk travels through all its
+# steps in one of ``slots`` scratch slots, and the receive of its next step is posted
+# when its previous step is reduced, exactly when the neighbour sends it.
 async def ring_all_reduce(
     comm: OpComm,
     x: npt.NDArray[Any],
@@ -222,22 +236,8 @@ async def ring_all_reduce(
     chunk_bytes: int | None = None,
     slots: int = RING_SLOTS,
 ) -> None:
-    """The ring all_reduce, callable directly with a chosen chunk size (tests, tuning).
-
-    The message is cut into ``n`` segments and each segment into the same number of
-    chunks. There are ``2(n-1)`` steps: in step ``k`` rank ``r`` sends segment
-    ``(r-k) % n`` to its right neighbour and receives segment ``(r-k-1) % n`` from its left
-    one. In the first ``n-1`` steps (reduce-scatter) a received chunk lands in a scratch
-    slot and is reduced into ``x``; in the last ``n-1`` (all-gather) it lands in ``x``
-    directly. Every chunk is handled the moment it arrives (future callbacks, no fixed
-    order) and sent on at once, so all steps and chunks overlap.
-
-    Receives are posted before the matching data can exist, so nothing is staged by the
-    transport: all-gather receives are posted up front (their data is final, produced only
-    after everything this rank contributes to it was delivered, so landing in ``x`` early
-    cannot overwrite anything still needed); a reduce-scatter chunk travels through all its
-    steps in one of ``slots`` scratch slots, and the receive of its next step is posted
-    when its previous step is reduced, exactly when the neighbour sends it.
+    """The ring all_reduce, callable directly with a chosen chunk size (tests, tuning):
+    see the schedule above.
 
     Args:
         comm: This operation's view of the group.
@@ -314,7 +314,7 @@ async def ring_all_reduce(
             )
         flow.finish_one()
 
-    try:
+    def start() -> None:
         for k in range(last_rs + 1, last + 1):
             for c in range(nchunks):
                 lo, hi = chunk(k, c)
@@ -323,10 +323,5 @@ async def ring_all_reduce(
         for c in range(nslots):
             post_rs(0, c)
         flow.start_sends(comm, seg_bytes, left, right, send_first)
-    except BaseException:
-        flow.flight.abandon()
-        raise
-    # On failure a cancelled receive may still be filled: the scratch is not reused then.
-    await flow.wait()
-    for slot in scratch:
-        SCRATCH.put(slot)
+
+    await flow.run(start, scratch)

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy.typing as npt
 
-from .._arrays import byte_view
+from .._arrays._intake import byte_view
 from ..transport.base import OpComm
 from ._common import Dataflow
 

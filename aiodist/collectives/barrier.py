@@ -7,7 +7,7 @@ import logging
 
 import numpy as np
 
-from .._arrays import byte_view
+from .._arrays._intake import byte_view
 from ..errors import DistTimeoutError
 from ..transport.base import OpComm, fails_alone
 from ._common import EMPTY, Flight

@@ -1,7 +1,7 @@
 """Object collectives: pickled Python objects between the ranks, sizes first.
 
 Each algorithm takes two ``OpComm`` (one per sequence number: the sizes, then the bytes) and
-the arguments :mod:`aiodist._operations` checked; it runs on the CPU, whatever devices the
+the arguments :mod:`aiodist.group._operations` checked; it runs on the CPU, whatever devices the
 group's arrays live on. A peer's announced sizes are checked before anything is allocated
 (:data:`MAX_OBJECT_SIZE`), and received bytes are unpickled, which trusts the peers (as
 torch does), or with ``weights_only`` as data only: builtin values, containers and numpy
@@ -32,7 +32,7 @@ except ImportError:  # numpy 1
         scalar as _scalar,
     )
 
-from .._arrays import byte_view
+from .._arrays._intake import byte_view
 from ..errors import DistError, DistProtocolError
 from ..transport.base import OpComm
 from ._common import ResultError

@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy.typing as npt
 
-from .._arrays import byte_view
-from .._ops import ReduceOp, finish_into, reduce_into
+from .._arrays._intake import byte_view
+from .._arrays._reduce import ReduceOp, finish_into, reduce_into
 from ..transport.base import OpComm
 from ._common import SCRATCH, Dataflow, chunk_size, copy_into, num_chunks, split, typed
 
@@ -21,6 +21,17 @@ logger = logging.getLogger(__name__)
 SLOTS = 8
 
 
+# The ring reduce_scatter: ``n-1`` steps. In step ``k`` rank ``r`` receives from the left
+# the partial result for block ``(r-k-2) % n``, combines its own ``ins`` block into it and
+# sends it to the right as step ``k+1``; step 0 sends block ``(r-1) % n`` of ``ins`` as it
+# is, and the last step's block is our own, received straight into ``out``. Blocks are cut
+# into chunks handled the moment they land (future callbacks), so steps overlap.
+#
+# Partial results live in scratch (``ins`` is never written): each chunk travels through
+# its intermediate steps in one of ``slots`` slots of two buffers, one being received
+# into while the other is sent from. A receive is posted as soon as its buffer is free,
+# before the neighbour can send into it, and every receive into ``out`` is posted up
+# front, so the transport never has to stage a message.
 async def reduce_scatter(
     comm: OpComm,
     out: npt.NDArray[Any],
@@ -30,19 +41,7 @@ async def reduce_scatter(
     chunk_bytes: int | None = None,
     slots: int = SLOTS,
 ) -> None:
-    """Reduce block ``i`` of every rank's ``ins`` into ``out`` of rank ``i``.
-
-    A ring of ``n-1`` steps: in step ``k`` rank ``r`` receives from the left the partial
-    result for block ``(r-k-2) % n``, combines its own ``ins`` block into it and sends it
-    to the right as step ``k+1``; step 0 sends block ``(r-1) % n`` of ``ins`` as it is,
-    and the last step's block is our own, received straight into ``out``. Blocks are cut
-    into chunks handled the moment they land (future callbacks), so steps overlap.
-
-    Partial results live in scratch (``ins`` is never written): each chunk travels through
-    its intermediate steps in one of ``slots`` slots of two buffers, one being received
-    into while the other is sent from. A receive is posted as soon as its buffer is free,
-    before the neighbour can send into it, and every receive into ``out`` is posted up
-    front, so the transport never has to stage a message.
+    """Reduce block ``i`` of every rank's ``ins`` into ``out`` of rank ``i`` (a ring: above).
 
     Args:
         comm: This operation's view of the group.
@@ -124,18 +123,12 @@ async def reduce_scatter(
         finish_into(op, part, n)
         flow.finish_one()
 
-    try:
+    def begin() -> None:
         for c, (lo, hi) in enumerate(pieces):
             buf = outb[lo * itemsize : hi * itemsize]
             flow.on(comm.recv_into(left, final * nchunks + c, buf), on_final, c)
         for c in range(nslots):
             post_first(c)
         flow.start_sends(comm, out.nbytes, left, right, send_all_first)
-    except BaseException:
-        flow.flight.abandon()
-        raise
-    # On failure a cancelled receive may still be filled: the scratch is not reused then.
-    await flow.wait()
-    for pair in bufs:
-        for slot in pair:
-            SCRATCH.put(slot)
+
+    await flow.run(begin, [slot for pair in bufs for slot in pair])

@@ -12,7 +12,7 @@ array; barrier; each rank copies the other slices of the result out. Up to
 ``SMALL_BYTES`` one round does: every rank copies its array in and, after one barrier,
 reduces all slots itself, in rank order, so results are bitwise equal everywhere.
 
-Inputs allocated with :func:`aiodist._shared_array.empty` for this workspace (from
+Inputs allocated with :func:`aiodist.collectives._shared_array.empty` for this workspace (from
 ``DIRECT_MIN_BYTES``) are not copied in: peers map them and read them in place. When every
 rank's ``all_reduce`` input is shared, rank ``k`` writes its reduced slice straight into
 every rank's array: no copy out either, and two barriers for the whole operation.
@@ -34,8 +34,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from .._fingerprint import fingerprint as _fingerprint
-from .._ops import UFUNCS, ReduceOp, finish_into
+from .._arrays._fingerprint import fingerprint as _fingerprint
+from .._arrays._reduce import UFUNCS, ReduceOp, finish_into
 from ..errors import DistUsageError
 from ._common import split
 from .shm_workspace import (

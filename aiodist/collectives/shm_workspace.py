@@ -43,16 +43,15 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
-from .. import _shared_array
-from .._fingerprint import mismatch_error
-from .._timeouts import DEFAULT_SETUP_TIMEOUT, Timeout, to_seconds
-from .._wait import OVERSUBSCRIBED_SPIN_SECONDS, SPIN_SECONDS, ranks_fit, spin_until
+from .._arrays._fingerprint import mismatch_error
+from .._util._timeouts import DEFAULT_SETUP_TIMEOUT, Timeout, to_seconds
+from .._util._wait import OVERSUBSCRIBED_SPIN_SECONDS, SPIN_SECONDS, ranks_fit, spin_until
 from ..errors import DistNetworkError, DistProtocolError, DistUsageError
 from ..store import Store
 from ..transport import _shm_setup
@@ -79,6 +78,7 @@ from ..transport.base import (
     peer_aborted_error,
 )
 from ..transport.shm import default_job_key
+from . import _shared_array
 
 __all__ = [
     "DEFAULT_BLOCK_BYTES",
@@ -180,6 +180,56 @@ def workspace_bytes(size: int) -> int:
 
 def _default_block_bytes(size: int) -> int:
     return max(DEFAULT_BLOCK_BYTES, -(-64 * size // mmap.PAGESIZE) * mmap.PAGESIZE)
+
+
+def _check_records(
+    records: dict[int, dict[str, Any]], record: dict[str, Any], rank: int, block: int, total: int
+) -> None:
+    """Check that every rank's record is of this host and version (this rank's: ``record``)
+    and asks for the same workspace.
+
+    Raises:
+        DistUsageError: naming the first rank that differs.
+    """
+    for r, rec in records.items():
+        if rec.get("v") != _VERSION or rec.get("host") != record["host"]:
+            raise DistUsageError(
+                f"group rank {r} cannot share a workspace with group rank {rank}: it "
+                f"is on another host (its host key {rec.get('host')!r}, ours "
+                f"{record['host']!r}) or runs another aiodist version"
+            )
+        if rec.get("block") != block or rec.get("size") != total:
+            raise DistUsageError(
+                f"group rank {r} asked for {rec.get('block')}-byte workspace blocks, "
+                f"group rank {rank} for {block}; every rank must pass the same"
+            )
+
+
+def _open_bells(
+    records: dict[int, dict[str, Any]],
+    procs: dict[int, ProcessId],
+    job: str,
+    bells: dict[int, Bell],
+    gone: Callable[[int, Exception], Exception],
+) -> bool:
+    """Open every rank's doorbell (into ``bells``) through ``/proc/<pid>/fd/<fd>``, as
+    peers' shared arrays are mapped, else by its name; return whether the first way worked
+    for every rank.
+
+    Raises:
+        Exception: ``gone(r, exc)``: rank ``r``'s doorbell would not open either way.
+    """
+    can_map = True
+    for r, rec in records.items():
+        try:
+            bells[r] = Bell(peer_fd_path(procs[r], rec["bell_fd"]))
+        except OSError:
+            can_map = False
+            try:
+                bells[r] = Bell(peer_path(rec["bell"], job, "wb", r, procs[r]))
+            except OSError as exc:
+                raise gone(r, exc) from exc
+    return can_map
 
 
 class NodeWorkspace:
@@ -306,7 +356,7 @@ class NodeWorkspace:
                 ``None``: 1 MiB.
             spin: seconds a barrier polls before sleeping; ``None``: 50 µs when the
                 host's ranks fit on this process's CPUs, else 200 µs giving the CPU away
-                at each round (:data:`~aiodist._wait.OVERSUBSCRIBED_SPIN_SECONDS`); 0 (never poll) when
+                at each round (:data:`~aiodist._util._wait.OVERSUBSCRIBED_SPIN_SECONDS`); 0 (never poll) when
                 another rank shares this process.
             local_world_size: how many ranks run on this host, of every group (for the
                 polling decision); ``None``: ``$LOCAL_WORLD_SIZE``, else ``size``.
@@ -411,18 +461,7 @@ class NodeWorkspace:
             records = await _shm_setup.exchange(
                 store, "shm/ws", rank, range(size), record, deadline, what
             )
-            for r, rec in records.items():
-                if rec.get("v") != _VERSION or rec.get("host") != record["host"]:
-                    raise DistUsageError(
-                        f"group rank {r} cannot share a workspace with group rank {rank}: it "
-                        f"is on another host (its host key {rec.get('host')!r}, ours "
-                        f"{record['host']!r}) or runs another aiodist version"
-                    )
-                if rec.get("block") != block or rec.get("size") != total:
-                    raise DistUsageError(
-                        f"group rank {r} asked for {rec.get('block')}-byte workspace blocks, "
-                        f"group rank {rank} for {block}; every rank must pass the same"
-                    )
+            _check_records(records, record, rank, block, total)
             procs = {r: _shm_setup.process_of(r, rec, what) for r, rec in records.items()}
 
             def gone(r: int, exc: Exception) -> Exception:
@@ -442,16 +481,7 @@ class NodeWorkspace:
                     raise DistProtocolError(f"{seg.path} is not an aiodist workspace")
             # Peers' shared arrays are mapped through /proc/<pid>/fd/<fd>: check that this
             # works by opening their doorbells that way.
-            can_map = True
-            for r, rec in records.items():
-                try:
-                    bells[r] = Bell(peer_fd_path(procs[r], rec["bell_fd"]))
-                except OSError:
-                    can_map = False
-                    try:
-                        bells[r] = Bell(peer_path(rec["bell"], job, "wb", r, procs[r]))
-                    except OSError as exc:
-                        raise gone(r, exc) from exc
+            can_map = _open_bells(records, procs, job, bells, gone)
             seg.words[(rank * ctrl + _C_CANMAP) // 8] = 1 + int(can_map)
             seg.words[(rank * ctrl + _C_SLEEP) // 8] = 1
             await _shm_setup.barrier(

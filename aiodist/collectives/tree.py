@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy.typing as npt
 
-from .._arrays import byte_view
-from .._ops import ReduceOp, finish_into, reduce_into
+from .._arrays._intake import byte_view
+from .._arrays._reduce import ReduceOp, finish_into, reduce_into
 from ..transport.base import OpComm
 from ._common import (
     READY_BYTES,
@@ -138,27 +138,7 @@ async def reduce(
     handshake = x.nbytes >= READY_BYTES
     if not sources:
         assert parent is not None
-        dst = (parent + root) % n
-        leaf = Dataflow(0)
-
-        def send_all() -> None:
-            for c, (lo, hi) in enumerate(pieces):
-                leaf.flight.add(comm.send(dst, c, xb[lo * itemsize : hi * itemsize]))
-
-        def on_ready() -> None:
-            if handshake:
-                send_all()
-
-        try:
-            # Small messages go at once; the signal is taken either way (see READY_BYTES).
-            if not handshake:
-                send_all()
-            leaf.after_ready(comm, dst, on_ready)
-            leaf.stay_awake(comm, x.nbytes)
-        except BaseException:
-            leaf.flight.abandon()
-            raise
-        await leaf.wait()
+        await _reduce_leaf(comm, x, pieces, (parent + root) % n, handshake)
         return
     nsrc = len(sources)
     # Every child's whole message has a receive posted up front (children send at once;
@@ -203,7 +183,7 @@ async def reduce(
             send_up(c)
         flow.finish_one()
 
-    try:
+    def start() -> None:
         for c, (lo, hi) in enumerate(pieces):
             for peer, buf in zip(sources, recv_bufs, strict=True):
                 view = buf[lo * itemsize : hi * itemsize].data
@@ -214,12 +194,32 @@ async def reduce(
         if upward is not None:
             # Taken whatever the size (see READY_BYTES); waited for only when large.
             flow.after_ready(comm, upward, on_parent_ready)
-    except BaseException:
-        flow.flight.abandon()
-        raise
-    # On failure a cancelled receive may still be filled: the scratch is not reused then.
-    await flow.wait()
-    for buf in recv_bufs:
-        SCRATCH.put(buf)
-    if acc_buf is not None:
-        SCRATCH.put(acc_buf)
+
+    await flow.run(start, recv_bufs if acc_buf is None else [*recv_bufs, acc_buf])
+
+
+async def _reduce_leaf(
+    comm: OpComm, x: npt.NDArray[Any], pieces: list[tuple[int, int]], dst: int, handshake: bool
+) -> None:
+    """A leaf's part of :func:`reduce`: send ``x`` to its parent ``dst`` chunk by chunk,
+    once the parent said it is ready when ``handshake`` (a large message)."""
+    xb = byte_view(x)
+    itemsize = x.itemsize
+    leaf = Dataflow(0)
+
+    def send_all() -> None:
+        for c, (lo, hi) in enumerate(pieces):
+            leaf.flight.add(comm.send(dst, c, xb[lo * itemsize : hi * itemsize]))
+
+    def on_ready() -> None:
+        if handshake:
+            send_all()
+
+    def start() -> None:
+        # Small messages go at once; the signal is taken either way (see READY_BYTES).
+        if not handshake:
+            send_all()
+        leaf.after_ready(comm, dst, on_ready)
+        leaf.stay_awake(comm, x.nbytes)
+
+    await leaf.run(start)

@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .._arrays import byte_view
-from .._ops import ReduceOp, finish_into, reduce_into
+from .._arrays._intake import byte_view
+from .._arrays._reduce import ReduceOp, finish_into, reduce_into
 from ..transport.base import PHASES, OpComm
 from ._common import (
     EMPTY,

@@ -6,6 +6,8 @@ of the same name installs it: ``pip install -e '/path/to/aiodist[ray]'``).
   cluster.
 * :mod:`aiodist.contrib.aiohttp` and :mod:`aiodist.contrib.fastapi`: a serving controller (:mod:`aiodist.serving`) in a web
   application.
+
+May import anything but the package index.
 """
 
 __all__: list[str] = []

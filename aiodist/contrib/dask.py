@@ -73,9 +73,9 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
     raise ImportError("aiodist.contrib.dask needs Dask: pip install distributed") from exc
 
 from .. import _api, group
-from .._loop_thread import run as _run_on_loop_thread
 from ..errors import DistError, DistNetworkError, DistTimeoutError, DistUsageError
 from ..store import TCPStore
+from ..sync._loop_thread import run as _run_on_loop_thread
 
 __all__ = ["run", "run_async"]
 

@@ -49,7 +49,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
     raise ImportError("aiodist.contrib.ray needs Ray: pip install ray") from exc
 
 from .. import _api, group
-from .._timeouts import Timeout, to_seconds
+from .._util._timeouts import Timeout, to_seconds
 from ..errors import DistUsageError
 from ..store import TCPStore
 

@@ -1,4 +1,7 @@
-"""Key/value stores: the bootstrap layer every process group stands on."""
+"""Key/value stores: the bootstrap layer every process group stands on.
+
+May import: :mod:`aiodist._util` and :mod:`aiodist.errors` only.
+"""
 
 from ._base import Store, Value
 from .etcd import EtcdStore

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, Self
 
-from .._timeouts import DEFAULT_STORE_TIMEOUT, Timeout, to_seconds
+from .._util._timeouts import DEFAULT_STORE_TIMEOUT, Timeout, to_seconds
 from ..errors import DistStoreError, DistUsageError
 from ._state import barrier_timeout_error, format_keys
 

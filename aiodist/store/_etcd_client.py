@@ -27,7 +27,21 @@ from typing import Any
 from ..errors import DistNetworkError, DistStoreError, DistUsageError
 from ._sockets import configure_stream
 
-__all__ = ["EtcdClient", "EtcdError", "Endpoint", "b64", "unb64", "parse_endpoints"]
+__all__ = [
+    "Compacted",
+    "EtcdClient",
+    "EtcdError",
+    "Endpoint",
+    "Watch",
+    "b64",
+    "compare",
+    "key_range",
+    "kvs_of",
+    "parse_endpoints",
+    "prefix_end",
+    "revision_of",
+    "unb64",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -448,3 +462,82 @@ async def next_or_lost(stream: EtcdStream) -> dict[str, Any]:
         return await stream.next()
     except _Lost as exc:
         raise DistNetworkError(f"etcd at {stream.where}: {exc}") from None
+
+
+def prefix_end(key: bytes) -> bytes:
+    """The end of the etcd range of every key that starts with ``key``."""
+    stripped = key.rstrip(b"\xff")
+    return stripped[:-1] + bytes([stripped[-1] + 1]) if stripped else b"\0"
+
+
+def key_range(key: bytes, *, prefix: bool = False, **options: Any) -> dict[str, Any]:
+    request: dict[str, Any] = {"key": b64(key), **options}
+    if prefix:
+        request["range_end"] = b64(prefix_end(key))
+    return request
+
+
+def compare(key: bytes, target: str, value: int) -> dict[str, Any]:
+    field_name = {"MOD": "mod_revision", "VERSION": "version"}[target]
+    return {"key": b64(key), "target": target, "result": "EQUAL", field_name: str(value)}
+
+
+def kvs_of(response: dict[str, Any]) -> list[dict[str, Any]]:
+    """The key/values of a range answer (a transaction's item or a plain range)."""
+    kvs: list[dict[str, Any]] = response.get("response_range", response).get("kvs", [])
+    return kvs
+
+
+def revision_of(answer: dict[str, Any]) -> int:
+    return int(answer.get("header", {}).get("revision", 0))
+
+
+class Compacted(Exception):
+    """The history a watch needed was compacted: read the state again."""
+
+
+class Watch:
+    """An etcd watch of one key or range from a revision on, resumed across member failures."""
+
+    def __init__(self, client: EtcdClient, key: bytes, end: bytes | None, after: int) -> None:
+        self._client = client
+        self._request: dict[str, Any] = {"key": b64(key)}
+        if end is not None:
+            self._request["range_end"] = b64(end)
+        self._next = after + 1
+        self._stream: EtcdStream | None = None
+
+    async def events(self) -> list[dict[str, Any]]:
+        """The next events (each ``{"type": "PUT"|"DELETE", "kv": {...}}``).
+
+        Raises:
+            Compacted: the revisions to resume from are gone.
+            DistNetworkError: no member can be reached.
+        """
+        while True:
+            if self._stream is None:
+                request = {"create_request": {**self._request, "start_revision": str(self._next)}}
+                self._stream = await self._client.open_stream("/v3/watch", request)
+                self._check(self._stream.first)
+            try:
+                result = await next_or_lost(self._stream)
+            except DistNetworkError as exc:
+                # The member failed: resume on another one where this watch stopped.
+                logger.debug("etcd watch interrupted (%s): resuming", exc)
+                self.close()
+                continue
+            self._check(result)
+            events: list[dict[str, Any]] = result.get("events", [])
+            if events:
+                self._next = int(events[-1]["kv"].get("mod_revision", 0)) + 1
+                return events
+
+    def _check(self, result: dict[str, Any]) -> None:
+        if int(result.get("compact_revision", 0)) > 0 or result.get("canceled"):
+            self.close()
+            raise Compacted(result.get("cancel_reason", "compacted"))
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None

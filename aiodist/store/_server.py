@@ -47,7 +47,7 @@ import time
 from types import TracebackType
 from typing import Any, Literal, Self, cast
 
-from .._auth import resolve_token
+from .._util._auth import resolve_token
 from ..errors import DistNetworkError, DistStoreError, DistStoreTimeoutError, DistUsageError
 from ._server_aiodist import AiodistWire
 from ._server_connection import (
@@ -139,14 +139,14 @@ class _Connection(AiodistWire, TorchWire):
         self._transport = cast(asyncio.Transport, transport)
         self._peer_host = plain_host(transport.get_extra_info("peername"))
         self._deadline = self._loop.call_later(HANDSHAKE_TIMEOUT, self._expired)
-        self._server._arrived(self)
+        self._server.arrived(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._mode = MODE_CLOSED
         if self._deadline is not None:
             self._deadline.cancel()
             self._deadline = None
-        self._server._gone(self)
+        self._server.gone(self)
         if exc is not None and self._admitted:
             # A reset is what a client's process that ended (killed, say) leaves: its leases
             # tell whom that concerns, so it is not news at every kill. Anything else (a
@@ -215,11 +215,11 @@ class _Connection(AiodistWire, TorchWire):
             pos = self._process(buf)
         except CloseConnection as exc:
             self._flush()
-            self._refuse(str(exc), graceful=True)
+            self.refuse(str(exc), graceful=True)
             return
         except Exception:
             logger.exception("store server: internal error serving %s; closing it", self.peer)
-            self._abort()
+            self.abort()
             return
         if buf is data:
             if pos < len(data):
@@ -261,14 +261,14 @@ class _Connection(AiodistWire, TorchWire):
         if not self._admitted:
             if size - pos > UNADMITTED_BYTES:
                 raise CloseConnection(f"{size - pos} bytes sent before authenticating")
-        elif size - pos > _HIGH_WATER + self._server._max_request and not self._paused:
+        elif size - pos > _HIGH_WATER + self._server.max_request and not self._paused:
             raise CloseConnection(f"{size - pos} bytes buffered without a complete request")
         return pos
 
     def _expired(self) -> None:
         self._deadline = None
         if not self._admitted and self._mode != MODE_CLOSED:
-            self._refuse(f"no authentication within {HANDSHAKE_TIMEOUT:g} s")
+            self.refuse(f"no authentication within {HANDSHAKE_TIMEOUT:g} s")
 
     def _detect(self, buf: bytes | bytearray, pos: int) -> int:
         if buf[pos] == 0:
@@ -351,13 +351,13 @@ class TCPStoreServer:
                 "allow_unauthenticated_torch must be False, True or 'job_hosts', got "
                 f"{allow_unauthenticated_torch!r}"
             )
-        self._token = resolve_token(auth_token)
+        self.token = resolve_token(auth_token)
         self.allow_unauthenticated_torch = allow_unauthenticated_torch
         self.max_key_size = max_key_size
         self.max_value_size = max_value_size
         self.peer_timeout = resolve_peer_timeout(peer_timeout)
         self.expected_clients = expected_clients
-        self._max_request = max_request_size(max_key_size, max_value_size)
+        self.max_request = max_request_size(max_key_size, max_value_size)
         self.state = state if state is not None else KeyValueState()
         self._listener: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -383,7 +383,7 @@ class TCPStoreServer:
         return (
             f"<TCPStoreServer {where} clients={len(self._connections)} "
             f"keys={self.state.num_keys()} waiters={self.state.waiter_count} "
-            f"auth={'on' if self._token is not None else 'off'}>"
+            f"auth={'on' if self.token is not None else 'off'}>"
         )
 
     @property
@@ -529,12 +529,12 @@ class TCPStoreServer:
         self._loop.remove_reader(self._listener.fileno())
         crowd = max(self._handshaking.values(), key=len, default=None)
         if exc.errno in _OUT_OF_FILES and crowd:
-            next(iter(crowd))._refuse(f"out of file descriptors ({exc.strerror})")
+            next(iter(crowd)).refuse(f"out of file descriptors ({exc.strerror})")
             delay = _RETRY_AFTER_CLOSING
         elif exc.errno in _OUT_OF_FILES and self._opening:
             delay = _RETRY_AFTER_CLOSING  # (connections accepted just now, counted soon)
         else:
-            self._say(
+            self.say(
                 f"store server: cannot accept clients ({exc.strerror or exc}) with "
                 f"{len(self._connections)} connected: trying again in "
                 f"{_RETRY_AFTER_NOTHING:g} s"
@@ -548,19 +548,19 @@ class TCPStoreServer:
         if self._listener is not None and self._loop is not None:
             self._loop.add_reader(self._listener.fileno(), self._accept)
 
-    def _arrived(self, conn: ServerConnection) -> None:
+    def arrived(self, conn: ServerConnection) -> None:
         if self._listener is None:
-            conn._abort()  # opened as the server closed
+            conn.abort()  # opened as the server closed
             return
         self._connections.add(conn)
         mine = self._handshaking.setdefault(conn._peer_host, {})
         mine[conn] = None
         if len(mine) > self._per_host:
-            next(iter(mine))._refuse(
+            next(iter(mine)).refuse(
                 f"more than {self._per_host} connections from {conn._peer_host} in their handshake"
             )
 
-    def _settled(self, conn: ServerConnection) -> None:
+    def settled(self, conn: ServerConnection) -> None:
         """``conn`` was admitted, refused or is gone: it is no longer in its handshake."""
         mine = self._handshaking.get(conn._peer_host)
         if mine is not None:
@@ -568,11 +568,11 @@ class TCPStoreServer:
             if not mine:
                 del self._handshaking[conn._peer_host]
 
-    def _gone(self, conn: ServerConnection) -> None:
+    def gone(self, conn: ServerConnection) -> None:
         self._connections.discard(conn)
-        self._settled(conn)
+        self.settled(conn)
 
-    def _say(self, message: str) -> None:
+    def say(self, message: str) -> None:
         """Log a warning about refused clients, at most every ``_LOG_INTERVAL`` seconds
         (with the number of those not said since): an attacker cannot flood the log."""
         self._refusals += 1
@@ -587,15 +587,15 @@ class TCPStoreServer:
         logger.warning("%s", message)
 
     # -- torch clients --------------------------------------------------------------------
-    def _trust_host(self, host: str) -> None:
+    def trust_host(self, host: str) -> None:
         """Record that a client holding the token connected from ``host``."""
         self._job_hosts.add(host)
 
-    def _admits_torch(self, transport: asyncio.BaseTransport | None) -> bool:
+    def admits_torch(self, transport: asyncio.BaseTransport | None) -> bool:
         """Whether the torch-wire client at the other end of ``transport`` may use the
         store (see ``allow_unauthenticated_torch``)."""
         policy = self.allow_unauthenticated_torch
-        if self._token is None or policy is True:
+        if self.token is None or policy is True:
             return True
         if policy is False or transport is None:
             return False
@@ -605,7 +605,7 @@ class TCPStoreServer:
         uid = local_peer_uid(transport.get_extra_info("sockname"), client)
         return uid is None or uid == os.geteuid()
 
-    def _torch_refusal(self) -> str:
+    def torch_refusal(self) -> str:
         """Why a torch-wire client is not let in, as the log says."""
         if self.allow_unauthenticated_torch == "job_hosts":
             return (
@@ -671,7 +671,7 @@ class TCPStoreServer:
         for task in list(self._opening):
             task.cancel()
         for conn in list(self._connections):
-            conn._abort()
+            conn.abort()
         await asyncio.gather(*self._opening, return_exceptions=True)
 
     async def __aenter__(self) -> Self:

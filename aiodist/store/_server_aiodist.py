@@ -24,7 +24,6 @@ import math
 import os
 import struct
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 from ..errors import DistProtocolError, DistStoreError, DistUsageError
 from ._server_connection import (
@@ -32,6 +31,7 @@ from ._server_connection import (
     MODE_AUTH,
     MODE_FRAMES,
     CloseConnection,
+    ConnectionServer,
     ServerConnection,
 )
 from ._state import format_keys
@@ -56,9 +56,6 @@ from ._wire import (
     blob32,
     encode_frame,
 )
-
-if TYPE_CHECKING:
-    from ._server import TCPStoreServer
 
 __all__ = ["AiodistWire"]
 
@@ -137,7 +134,7 @@ class AiodistWire(ServerConnection):
 
     __slots__ = ()
 
-    def __init__(self, server: TCPStoreServer, max_waiting: int) -> None:
+    def __init__(self, server: ConnectionServer, max_waiting: int) -> None:
         super().__init__(server)
         # Requests waiting on the state, by request id, and those whose wait is over but
         # whose reply waits for the client to read (while paused).
@@ -271,7 +268,7 @@ class AiodistWire(ServerConnection):
             raise Incomplete
         _magic, version, client_nonce = CLIENT_HELLO.unpack_from(buf, pos)
         server = self._server
-        flags = FLAG_AUTH if server._token is not None else 0
+        flags = FLAG_AUTH if server.token is not None else 0
         # The nonce only matters to the auth exchange: spare the system call without it.
         self._nonce = os.urandom(NONCE_SIZE) if flags else bytes(NONCE_SIZE)
         self._client_nonce = client_nonce
@@ -301,7 +298,7 @@ class AiodistWire(ServerConnection):
     def _auth(self, buf: bytes | bytearray, pos: int) -> int:
         if len(buf) - pos < AUTH_MAC_SIZE:
             raise Incomplete
-        token = self._server._token
+        token = self._server.token
         assert token is not None
         got = bytes(buf[pos : pos + AUTH_MAC_SIZE])
         want = auth_mac(token, b"store/client", self._nonce, self._client_nonce)
@@ -312,7 +309,7 @@ class AiodistWire(ServerConnection):
             U8.pack(0) + auth_mac(token, b"store/server", self._client_nonce, self._nonce)
         )
         self._mode = MODE_FRAMES
-        self._server._trust_host(self._peer_host)
+        self._server.trust_host(self._peer_host)
         self._admit()
         return pos + AUTH_MAC_SIZE
 
@@ -323,7 +320,7 @@ class AiodistWire(ServerConnection):
             raise Incomplete
         length, rid, op = FRAME_HEAD.unpack_from(buf, pos)
         server = self._server
-        limit = server._max_request
+        limit = server.max_request
         if length > limit:
             # Answer at once and skip the body without buffering it: the connection stays
             # usable, and a huge length costs the server nothing.

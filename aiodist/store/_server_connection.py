@@ -11,19 +11,19 @@ the rest) live here because both wires and the server move a connection between 
 Until a connection is *admitted* (its client proved the token, or needed none, or it is a
 torch client the server lets in) it may hold only :data:`UNADMITTED_BYTES` of unread input
 and must finish its handshake within the server's deadline; the server keeps count of such
-connections per address (see ``TCPStoreServer``).
+connections per address (see ``ConnectionServer``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from ._server import TCPStoreServer
+from ._state import KeyValueState
 
 __all__ = [
+    "ConnectionServer",
     "FLUSH_BYTES",
     "UNADMITTED_BYTES",
     "MODE_AUTH",
@@ -62,6 +62,42 @@ UNADMITTED_BYTES = 4096
 
 
 logger = logging.getLogger(__name__)
+
+
+class ConnectionServer(Protocol):
+    """What a client's connection asks of the server that accepted it
+    (:class:`aiodist.store._server.TCPStoreServer`)."""
+
+    state: KeyValueState
+    max_key_size: int
+    max_value_size: int
+    #: The largest aiodist request body the limits allow.
+    max_request: int
+    #: Seconds of silence after which a client is taken for gone.
+    peer_timeout: float
+    #: The shared secret a client proves (``None``: none asked).
+    token: bytes | None
+
+    def arrived(self, conn: ServerConnection) -> None:
+        """``conn`` was accepted: it starts its handshake."""
+
+    def gone(self, conn: ServerConnection) -> None:
+        """``conn``'s socket closed."""
+
+    def settled(self, conn: ServerConnection) -> None:
+        """``conn`` was admitted, refused or is gone: it is no longer in its handshake."""
+
+    def say(self, message: str) -> None:
+        """Log a warning about refused clients (at a bounded rate)."""
+
+    def trust_host(self, host: str) -> None:
+        """Record that a client holding the token connected from ``host``."""
+
+    def admits_torch(self, transport: asyncio.BaseTransport | None) -> bool:
+        """Whether the torch-wire client at the other end of ``transport`` may use the store."""
+
+    def torch_refusal(self) -> str:
+        """Why a torch-wire client is not let in, as the log says."""
 
 
 class CloseConnection(Exception):
@@ -106,7 +142,7 @@ class ServerConnection(asyncio.Protocol):
         "_transport",
     )
 
-    def __init__(self, server: TCPStoreServer) -> None:
+    def __init__(self, server: ConnectionServer) -> None:
         self._server = server
         self._state = server.state
         self._max_key = server.max_key_size
@@ -148,20 +184,20 @@ class ServerConnection(asyncio.Protocol):
             if self._deadline is not None:
                 self._deadline.cancel()
                 self._deadline = None
-            self._server._settled(self)
+            self._server.settled(self)
 
-    def _refuse(self, why: str, *, graceful: bool = False) -> None:
+    def refuse(self, why: str, *, graceful: bool = False) -> None:
         """Close this connection and say why (refusals before admission are counted, not
         each logged). ``graceful``: after the replies written so far."""
         if self._admitted:
             logger.warning("store server: closing connection from %s: %s", self.peer, why)
         else:
-            self._server._say(f"store server: closing connection from {self.peer}: {why}")
-            self._server._settled(self)  # (so that it is not picked to be closed again)
+            self._server.say(f"store server: closing connection from {self.peer}: {why}")
+            self._server.settled(self)  # (so that it is not picked to be closed again)
         if graceful:
             self._shutdown()
         else:
-            self._abort()
+            self.abort()
 
     def pause_writing(self) -> None:
         # The client is not reading its replies: stop reading its requests until it does.
@@ -191,7 +227,8 @@ class ServerConnection(asyncio.Protocol):
             else:
                 transport.close()
 
-    def _abort(self) -> None:
+    def abort(self) -> None:
+        """Close this connection at once, dropping what is not written."""
         self._mode = MODE_CLOSED
         if self._transport is not None:
             self._transport.abort()

@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from .._loop import loop_factory
+from .._util._loop import loop_factory
 
 __all__ = ["ServerThread"]
 

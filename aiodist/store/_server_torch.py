@@ -27,7 +27,7 @@ import socket
 import stat
 import struct
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import DistProtocolError, DistStoreError
 from ._server_connection import (
@@ -36,6 +36,7 @@ from ._server_connection import (
     MODE_PROBE,
     MODE_TORCH_READY,
     CloseConnection,
+    ConnectionServer,
     ServerConnection,
 )
 from ._wire import (
@@ -56,9 +57,6 @@ from ._wire import (
     blob64,
     parse_torch_request,
 )
-
-if TYPE_CHECKING:
-    from ._server import TCPStoreServer
 
 __all__ = ["TorchWire"]
 
@@ -129,7 +127,7 @@ class TorchWire(ServerConnection):
 
     __slots__ = ()
 
-    def __init__(self, server: TCPStoreServer) -> None:
+    def __init__(self, server: ConnectionServer) -> None:
         super().__init__(server)
         # The one outstanding WAIT/BARRIER of this connection.
         self._torch_wait: asyncio.Future[None] | None = None
@@ -234,7 +232,7 @@ class TorchWire(ServerConnection):
         if self._torch_requests == 1:
             if op != TorchOp.VALIDATE or args[0] != TORCH_VALIDATE_MAGIC:
                 raise CloseConnection("torch protocol: the first request is not VALIDATE")
-            if server._admits_torch(self._transport):
+            if server.admits_torch(self._transport):
                 self._admit()
             else:
                 self._mode = MODE_PROBE
@@ -259,7 +257,7 @@ class TorchWire(ServerConnection):
         the connection (nothing of a torch request is ever buffered)."""
         got = bytes(buf[pos : pos + len(_UPGRADE_PROBE)])
         if not _UPGRADE_PROBE.startswith(got):
-            why = self._server._torch_refusal()
+            why = self._server.torch_refusal()
             raise CloseConnection(f"refusing a torch-protocol client: {why}")
         if len(got) < len(_UPGRADE_PROBE):
             raise Incomplete

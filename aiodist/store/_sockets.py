@@ -18,7 +18,7 @@ import resource
 import socket
 import struct
 
-from .._timeouts import DEFAULT_PEER_TIMEOUT
+from .._util._timeouts import DEFAULT_PEER_TIMEOUT
 from ..errors import DistUsageError
 
 __all__ = [

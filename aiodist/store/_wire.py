@@ -25,7 +25,7 @@ import enum
 import struct
 from collections.abc import Sequence
 
-from .._auth import AUTH_MAC_SIZE, NONCE_SIZE, auth_mac
+from .._util._auth import AUTH_MAC_SIZE, NONCE_SIZE, auth_mac
 from ..errors import DistProtocolError
 
 __all__ = [

@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._timeouts import DEFAULT_STORE_TIMEOUT, Timeout, to_seconds
+from .._util._timeouts import DEFAULT_STORE_TIMEOUT, Timeout, to_seconds
 from ..errors import (
     DistNetworkError,
     DistStoreError,
@@ -51,13 +51,18 @@ from ._base import (
     settled,
 )
 from ._etcd_client import (
+    Compacted,
     Endpoint,
     EtcdClient,
     EtcdError,
-    EtcdStream,
+    Watch,
     b64,
-    next_or_lost,
+    compare,
+    key_range,
+    kvs_of,
     parse_endpoints,
+    prefix_end,
+    revision_of,
     unb64,
 )
 from ._etcd_keepalive import keep_alive
@@ -92,44 +97,12 @@ _LAPSE_NOTICED = 4.0
 _SET, _APPEND = b"=", b"+"
 
 
-def _prefix_end(key: bytes) -> bytes:
-    """The end of the etcd range of every key that starts with ``key``."""
-    stripped = key.rstrip(b"\xff")
-    return stripped[:-1] + bytes([stripped[-1] + 1]) if stripped else b"\0"
-
-
-def _range(key: bytes, *, prefix: bool = False, **options: Any) -> dict[str, Any]:
-    request: dict[str, Any] = {"key": b64(key), **options}
-    if prefix:
-        request["range_end"] = b64(_prefix_end(key))
-    return request
-
-
-def _compare(key: bytes, target: str, value: int) -> dict[str, Any]:
-    field_name = {"MOD": "mod_revision", "VERSION": "version"}[target]
-    return {"key": b64(key), "target": target, "result": "EQUAL", field_name: str(value)}
-
-
-def _kvs(response: dict[str, Any]) -> list[dict[str, Any]]:
-    """The key/values of a range answer (a transaction's item or a plain range)."""
-    kvs: list[dict[str, Any]] = response.get("response_range", response).get("kvs", [])
-    return kvs
-
-
-def _revision(answer: dict[str, Any]) -> int:
-    return int(answer.get("header", {}).get("revision", 0))
-
-
 #: What starts the names of the items that cancelled pops gave back (client ids, which
 #: start the names of pushed items, are hexadecimal): they sort before every pushed item.
 _GIVEN_BACK = b"\x00"
 #: What follows it in the names of the items put first (``queue_push_front``): they sort
 #: before those that pops gave back.
 _FIRST = b"\x00"
-
-
-class _Compacted(Exception):
-    """The history a watch needed was compacted: read the state again."""
 
 
 @dataclass
@@ -148,53 +121,6 @@ class _Session:
     lease: int
     ttl: int
     stop: Callable[[], None] = field(default=lambda: None)
-
-
-class _Watch:
-    """An etcd watch of one key or range from a revision on, resumed across member failures."""
-
-    def __init__(self, client: EtcdClient, key: bytes, end: bytes | None, after: int) -> None:
-        self._client = client
-        self._request: dict[str, Any] = {"key": b64(key)}
-        if end is not None:
-            self._request["range_end"] = b64(end)
-        self._next = after + 1
-        self._stream: EtcdStream | None = None
-
-    async def events(self) -> list[dict[str, Any]]:
-        """The next events (each ``{"type": "PUT"|"DELETE", "kv": {...}}``).
-
-        Raises:
-            _Compacted: the revisions to resume from are gone.
-            DistNetworkError: no member can be reached.
-        """
-        while True:
-            if self._stream is None:
-                request = {"create_request": {**self._request, "start_revision": str(self._next)}}
-                self._stream = await self._client.open_stream("/v3/watch", request)
-                self._check(self._stream.first)
-            try:
-                result = await next_or_lost(self._stream)
-            except DistNetworkError as exc:
-                # The member failed: resume on another one where this watch stopped.
-                logger.debug("etcd watch interrupted (%s): resuming", exc)
-                self.close()
-                continue
-            self._check(result)
-            events: list[dict[str, Any]] = result.get("events", [])
-            if events:
-                self._next = int(events[-1]["kv"].get("mod_revision", 0)) + 1
-                return events
-
-    def _check(self, result: dict[str, Any]) -> None:
-        if int(result.get("compact_revision", 0)) > 0 or result.get("canceled"):
-            self.close()
-            raise _Compacted(result.get("cancel_reason", "compacted"))
-
-    def close(self) -> None:
-        if self._stream is not None:
-            self._stream.close()
-            self._stream = None
 
 
 class EtcdStore(Store):
@@ -246,7 +172,7 @@ class EtcdStore(Store):
         self._inflight: set[int] = set()
         self._pruned = 0
         self._keeper: asyncio.Task[None] | None = None
-        self._watches: set[_Watch] = set()
+        self._watches: set[Watch] = set()
         self._lost: str | None = None
         self._closed = False
 
@@ -410,7 +336,7 @@ class EtcdStore(Store):
     async def _read(self, ranges: list[dict[str, Any]]) -> tuple[int, list[dict[str, Any]]]:
         """Read several ranges at one revision: (revision, one answer per range)."""
         answer = await self._txn([], [{"request_range": r} for r in ranges])
-        return _revision(answer), answer.get("responses", [])
+        return revision_of(answer), answer.get("responses", [])
 
     async def _transact(
         self,
@@ -441,17 +367,17 @@ class EtcdStore(Store):
                 compares, ops = list(write.compares), list(write.ops)
                 failure = [{"request_range": r} for r in reads]
                 if once:
-                    compares.append(_compare(record, "VERSION", 0))
+                    compares.append(compare(record, "VERSION", 0))
                     ops.append(self._put(record, write.result, lease=True))
                     ops.extend(self._prune())
-                    failure.insert(0, {"request_range": _range(record)})
+                    failure.insert(0, {"request_range": key_range(record)})
                 answer = await self._txn(compares, ops, failure)
-                revision = _revision(answer)
+                revision = revision_of(answer)
                 if answer.get("succeeded"):
                     return write.result, revision
                 responses = answer.get("responses", [])
                 if once:
-                    recorded = _kvs(responses.pop(0))
+                    recorded = kvs_of(responses.pop(0))
                     if recorded:  # an earlier try of this write went through
                         return unb64(recorded[0].get("value")), revision
                 ranges = responses
@@ -467,7 +393,7 @@ class EtcdStore(Store):
 
     @staticmethod
     def _delete(key: bytes, *, prefix: bool = False) -> dict[str, Any]:
-        return {"request_delete_range": _range(key, prefix=prefix)}
+        return {"request_delete_range": key_range(key, prefix=prefix)}
 
     def _prune(self) -> list[dict[str, Any]]:
         """Delete the records of writes that were answered (every one below the lowest
@@ -491,14 +417,14 @@ class EtcdStore(Store):
         """Wait for an event on ``key`` (or its prefix) after revision ``after`` that
         ``match``-es; ``False`` if the deadline (``time.monotonic()``) passed first or the
         history was compacted (the caller reads again either way)."""
-        watch = _Watch(self._client, key, _prefix_end(key) if prefix else None, after)
+        watch = Watch(self._client, key, prefix_end(key) if prefix else None, after)
         self._watches.add(watch)
         try:
             async with asyncio.timeout_at(self._loop_deadline(deadline)):
                 while True:
                     if any(match(e) for e in await watch.events()):
                         return True
-        except (TimeoutError, _Compacted):
+        except (TimeoutError, Compacted):
             return False
         finally:
             watch.close()
@@ -552,8 +478,8 @@ class EtcdStore(Store):
         start = time.monotonic()
         deadline = self._deadline(seconds)
         while True:
-            revision, answers = await self._read([_range(self._data(k)) for k in keys])
-            found = [_kvs(a) for a in answers]
+            revision, answers = await self._read([key_range(self._data(k)) for k in keys])
+            found = [kvs_of(a) for a in answers]
             missing = [k for k, kv in zip(keys, found, strict=True) if not kv]
             if not missing:
                 return [unb64(kv[0].get("value")) for kv in found]
@@ -605,7 +531,7 @@ class EtcdStore(Store):
 
     async def _exist(self, keys: list[bytes]) -> tuple[int, list[bool]]:
         revision, answers = await self._read(
-            [_range(self._data(k), prefix=True, count_only=True) for k in keys]
+            [key_range(self._data(k), prefix=True, count_only=True) for k in keys]
         )
         return revision, [int(a.get("response_range", {}).get("count", 0)) > 0 for a in answers]
 
@@ -639,7 +565,7 @@ class EtcdStore(Store):
         target = self._data(key)
 
         def plan(ranges: list[dict[str, Any]]) -> _Write:
-            kvs = _kvs(ranges[0])
+            kvs = kvs_of(ranges[0])
             old = parse_counter(key, unb64(kvs[0].get("value")), op) if kvs else 0
             new = old + amount
             if not I64_MIN <= new <= I64_MAX:
@@ -649,9 +575,9 @@ class EtcdStore(Store):
                 )
             mod = int(kvs[0].get("mod_revision", 0)) if kvs else 0
             value = b"%d" % new
-            return _Write([_compare(target, "MOD", mod)], [self._put(target, value)], value)
+            return _Write([compare(target, "MOD", mod)], [self._put(target, value)], value)
 
-        result, revision = await self._transact([_range(target)], plan)
+        result, revision = await self._transact([key_range(target)], plan)
         assert result is not None
         return int(result), revision
 
@@ -667,18 +593,18 @@ class EtcdStore(Store):
         old, new = self._value(expected), self._value(desired)
 
         def plan(ranges: list[dict[str, Any]]) -> _Write | bytes:
-            kvs = _kvs(ranges[0])
+            kvs = kvs_of(ranges[0])
             if not kvs:
                 if old:
                     return old
-                return _Write([_compare(target, "MOD", 0)], [self._put(target, new)], new)
+                return _Write([compare(target, "MOD", 0)], [self._put(target, new)], new)
             current = unb64(kvs[0].get("value"))
             if current != old:
                 return current
             mod = int(kvs[0]["mod_revision"])
-            return _Write([_compare(target, "MOD", mod)], [self._put(target, new)], new)
+            return _Write([compare(target, "MOD", mod)], [self._put(target, new)], new)
 
-        result, _ = await self._transact([_range(target)], plan)
+        result, _ = await self._transact([key_range(target)], plan)
         assert result is not None
         return result
 
@@ -694,13 +620,13 @@ class EtcdStore(Store):
         tail = self._value(value)
 
         def plan(ranges: list[dict[str, Any]]) -> _Write:
-            kvs = _kvs(ranges[0])
+            kvs = kvs_of(ranges[0])
             old = unb64(kvs[0].get("value")) if kvs else b""
             mod = int(kvs[0].get("mod_revision", 0)) if kvs else 0
             new = self._value(old + tail)
-            return _Write([_compare(target, "MOD", mod)], [self._put(target, new)], b"")
+            return _Write([compare(target, "MOD", mod)], [self._put(target, new)], b"")
 
-        await self._transact([_range(target)], plan)
+        await self._transact([key_range(target)], plan)
 
     async def delete_key(self, key: str) -> bool:
         """Delete ``key``; return whether it existed.
@@ -712,19 +638,19 @@ class EtcdStore(Store):
         target = self._data(encode_key(key))
 
         def plan(ranges: list[dict[str, Any]]) -> _Write | bytes:
-            kvs = _kvs(ranges[0])
+            kvs = kvs_of(ranges[0])
             if not kvs:
                 return b"0"
             mod = int(kvs[0]["mod_revision"])
-            return _Write([_compare(target, "MOD", mod)], [self._delete(target)], b"1")
+            return _Write([compare(target, "MOD", mod)], [self._delete(target)], b"1")
 
-        result, _ = await self._transact([_range(target, keys_only=True)], plan)
+        result, _ = await self._transact([key_range(target, keys_only=True)], plan)
         return result == b"1"
 
     async def _keys(self) -> list[bytes]:
-        answer = await self._call("/v3/kv/range", _range(self._root + b"k/", prefix=True,
+        answer = await self._call("/v3/kv/range", key_range(self._root + b"k/", prefix=True,
                                                           keys_only=True))  # fmt: skip
-        keys = (self._user_key(unb64(kv["key"])) for kv in _kvs(answer))
+        keys = (self._user_key(unb64(kv["key"])) for kv in kvs_of(answer))
         return [k for k in keys if k is not None]
 
     async def num_keys(self) -> int:
@@ -847,7 +773,7 @@ class EtcdStore(Store):
         given back under if its pop is cancelled) and the revision read."""
 
         def plan(ranges: list[dict[str, Any]]) -> _Write | None:
-            kvs = _kvs(ranges[0]) or _kvs(ranges[1])
+            kvs = kvs_of(ranges[0]) or kvs_of(ranges[1])
             if not kvs:
                 return None
             item = unb64(kvs[0]["key"])
@@ -861,10 +787,10 @@ class EtcdStore(Store):
             )
             value = unb64(kvs[0].get("value"))
             result = bytes([len(order)]) + order + value
-            return _Write([_compare(item, "MOD", mod)], [self._delete(item)], result)
+            return _Write([compare(item, "MOD", mod)], [self._delete(item)], result)
 
-        given_back = _range(items + _GIVEN_BACK, prefix=True, sort_target="KEY", limit="1")
-        oldest = _range(items, prefix=True, sort_target="CREATE", sort_order="ASCEND", limit="1")
+        given_back = key_range(items + _GIVEN_BACK, prefix=True, sort_target="KEY", limit="1")
+        oldest = key_range(items, prefix=True, sort_target="CREATE", sort_order="ASCEND", limit="1")
         result, revision = await self._transact([given_back, oldest], plan)
         if result is None:
             return None, b"", revision
@@ -885,7 +811,7 @@ class EtcdStore(Store):
         """
         self._check_open()
         answer = await self._call(
-            "/v3/kv/range", _range(self._queue(encode_key(key)), prefix=True, count_only=True)
+            "/v3/kv/range", key_range(self._queue(encode_key(key)), prefix=True, count_only=True)
         )
         return int(answer.get("count", 0))
 
@@ -929,8 +855,8 @@ class EtcdStore(Store):
             if deadline is not None and time.monotonic() >= deadline:
                 raise barrier_timeout_error(raw, reached[0], world, time.monotonic() - start)
             # (The history was compacted: read the counter again.)
-            revision, answers = await self._read([_range(target)])
-            kvs = _kvs(answers[0])
+            revision, answers = await self._read([key_range(target)])
+            kvs = kvs_of(answers[0])
             value = unb64(kvs[0].get("value")) if kvs else b"0"
             reached[0] = int(value) if value.lstrip(b"-").isdigit() else None
 
@@ -954,7 +880,7 @@ class EtcdStore(Store):
         data = b"" if value is None else self._value(value)
         marker = self._marker(self._me, raw)
         if not data:
-            await self._call("/v3/kv/deleterange", _range(marker))
+            await self._call("/v3/kv/deleterange", key_range(marker))
             return True
         if self._keeper is None:
             put = self._put(self._alive(self._me), b"", lease=True)["request_put"]
@@ -963,7 +889,7 @@ class EtcdStore(Store):
         # Only while this client is alive: a marker written after its lease lapsed would
         # never be carried out.
         answer = await self._txn(
-            [{**_compare(self._alive(self._me), "VERSION", 0), "result": "GREATER"}],
+            [{**compare(self._alive(self._me), "VERSION", 0), "result": "GREATER"}],
             [self._put(marker, (_APPEND if append else _SET) + data)],
         )
         if not answer.get("succeeded"):
@@ -979,16 +905,16 @@ class EtcdStore(Store):
             try:
                 revision, (alive, markers) = await self._read(
                     [
-                        _range(alive_prefix, prefix=True, keys_only=True),
-                        _range(self._root + b"l/", prefix=True, keys_only=True),
+                        key_range(alive_prefix, prefix=True, keys_only=True),
+                        key_range(self._root + b"l/", prefix=True, keys_only=True),
                     ]
                 )
-                living = {unb64(kv["key"])[len(alive_prefix) :] for kv in _kvs(alive)}
+                living = {unb64(kv["key"])[len(alive_prefix) :] for kv in kvs_of(alive)}
                 start = len(self._root) + 2
-                owners = {unb64(kv["key"])[start : start + 16] for kv in _kvs(markers)}
+                owners = {unb64(kv["key"])[start : start + 16] for kv in kvs_of(markers)}
                 for owner in owners - living:
                     await self._carry_out(owner)
-                watch = _Watch(self._client, alive_prefix, _prefix_end(alive_prefix), revision)
+                watch = Watch(self._client, alive_prefix, prefix_end(alive_prefix), revision)
                 try:
                     while True:
                         for event in await watch.events():
@@ -998,7 +924,7 @@ class EtcdStore(Store):
                                 )
                 finally:
                     watch.close()
-            except _Compacted:
+            except Compacted:
                 continue
             except (DistNetworkError, DistStoreError) as exc:
                 logger.warning("etcd store: carrying out leases failed (%s): retrying", exc)
@@ -1006,8 +932,8 @@ class EtcdStore(Store):
 
     async def _carry_out(self, owner: bytes) -> None:
         """Set the keys of the leases of ``owner``, a client whose lease lapsed."""
-        answer = await self._call("/v3/kv/range", _range(self._marker(owner), prefix=True))
-        for kv in _kvs(answer):
+        answer = await self._call("/v3/kv/range", key_range(self._marker(owner), prefix=True))
+        for kv in kvs_of(answer):
             await self._carry_out_one(owner, kv)
 
     async def _carry_out_one(self, owner: bytes, kv: dict[str, Any]) -> None:
@@ -1020,14 +946,14 @@ class EtcdStore(Store):
         kind, value = marked[:1], marked[1:]
         # (Only while the owner's lease is gone and the marker is the one read.)
         checks = [
-            _compare(self._alive(owner), "VERSION", 0),
-            _compare(marker, "MOD", int(kv["mod_revision"])),
+            compare(self._alive(owner), "VERSION", 0),
+            compare(marker, "MOD", int(kv["mod_revision"])),
         ]
 
         def plan(ranges: list[dict[str, Any]]) -> _Write | None:
-            if not _kvs(ranges[1]):
+            if not kvs_of(ranges[1]):
                 return None  # another client carried it out
-            kvs = _kvs(ranges[0])
+            kvs = kvs_of(ranges[0])
             old = unb64(kvs[0].get("value")) if kvs else b""
             if kind == _APPEND and len(old) + len(value) > self._max_value:
                 logger.warning(
@@ -1043,9 +969,11 @@ class EtcdStore(Store):
                 self._delete(marker),
                 self._put(target, old + value if kind == _APPEND else value),
             ]
-            return _Write([*checks, _compare(target, "MOD", mod)], ops, b"")
+            return _Write([*checks, compare(target, "MOD", mod)], ops, b"")
 
-        await self._transact([_range(target), _range(marker, keys_only=True)], plan, once=False)
+        await self._transact(
+            [key_range(target), key_range(marker, keys_only=True)], plan, once=False
+        )
         logger.debug("carried out the lease on %r of a lapsed client", target)
 
     def _on_lease_lost(self, reason: str) -> None:

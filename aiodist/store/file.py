@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from typing import TypeVar
 
-from .._timeouts import Timeout, to_seconds
+from .._util._timeouts import Timeout, to_seconds
 from ..errors import DistStoreError, DistUsageError, QueueEmptyError
 from ._base import Store, Value, check_lengths, encode_key, encode_value, settled
 from ._state import KeyValueState, format_keys, timeout_error

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .._timeouts import Timeout, to_seconds
+from .._util._timeouts import Timeout, to_seconds
 from ..errors import QueueEmptyError
 from ._base import Store, Value, check_lengths, check_world_size, encode_key, encode_value
 from ._state import KeyValueState

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .._timeouts import Timeout
+from .._util._timeouts import Timeout
 from ..errors import DistUsageError
 from ._base import Store, Value
 

@@ -25,9 +25,9 @@ import time
 from collections.abc import Sequence
 from typing import Literal
 
-from .._auth import resolve_token
-from .._speaking import speaking
-from .._timeouts import DEFAULT_STORE_TIMEOUT, Timeout, to_seconds
+from .._util._auth import resolve_token
+from .._util._speaking import speaking
+from .._util._timeouts import DEFAULT_STORE_TIMEOUT, Timeout, to_seconds
 from ..errors import DistNetworkError, DistProtocolError, DistTimeoutError, DistUsageError
 from ._base import Store, Value, check_lengths, check_world_size, encode_key, encode_value
 from ._client_aiodist import AiodistChannel, handshake_aiodist
@@ -134,6 +134,54 @@ async def _handshake(
     except BaseException:
         conn.close()
         raise
+
+
+def _check_world_size(world_size: int | None) -> None:
+    """Check ``TCPStore.create``'s ``world_size``.
+
+    Raises:
+        DistUsageError: not a positive integer (in torch's words for 0).
+    """
+    if world_size is not None and (
+        isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1
+    ):
+        zero = "TCPStore world size cannot be 0: " if world_size == 0 else ""  # torch's
+        raise DistUsageError(
+            f"{zero}TCPStore world_size must be a positive int, got {world_size!r}"
+        )
+
+
+async def _serve(
+    server: TCPStoreServer, host_name: str, port: int, listen_fd: int | None
+) -> tuple[int, str]:
+    """Start the master's ``server``; return its port and the host its clients on this
+    host connect to."""
+    # On a loop and thread of its own: it answers while this process's loop is
+    # blocked (user code, a long step), which would otherwise stall the whole job.
+    await server.start(host_name, port, listen_fd, thread=True)
+    if server.host in ("0.0.0.0", "::"):
+        return server.port, "127.0.0.1" if server.host == "0.0.0.0" else "::1"
+    return server.port, host_name
+
+
+async def _join(
+    channel: Channel,
+    server: TCPStoreServer | None,
+    world_size: int,
+    seconds: float | None,
+    where: str,
+) -> None:
+    """Add this instance to torch's ``init/`` counter; with ``server`` (the master's, when
+    it waits for its workers), wait until ``world_size`` instances joined."""
+    await channel.add(_JOIN_KEY, 1)
+    if server is not None:
+        joined = server.wait_for_count(_JOIN_KEY, world_size, seconds)
+        await speaking(
+            joined,
+            functools.partial(_joined, server, world_size),
+            f"TCPStore: the store at {where} waits for its "
+            f"{world_size} clients (world_size) to join",
+        )
 
 
 class TCPStore(Store):
@@ -251,13 +299,7 @@ class TCPStore(Store):
         """
         if wire not in ("auto", "aiodist", "torch"):
             raise DistUsageError(f"wire must be 'auto', 'aiodist' or 'torch', got {wire!r}")
-        if world_size is not None and (
-            isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1
-        ):
-            zero = "TCPStore world size cannot be 0: " if world_size == 0 else ""  # torch's
-            raise DistUsageError(
-                f"{zero}TCPStore world_size must be a positive int, got {world_size!r}"
-            )
+        _check_world_size(world_size)
         seconds = to_seconds(timeout, DEFAULT_STORE_TIMEOUT)
         token = resolve_token(auth_token)
         peer = resolve_peer_timeout(peer_timeout)
@@ -272,12 +314,7 @@ class TCPStore(Store):
                 peer_timeout=peer,
                 expected_clients=world_size,
             )
-            # On a loop and thread of its own: it answers while this process's loop is
-            # blocked (user code, a long step), which would otherwise stall the whole job.
-            await server.start(host_name, port, master_listen_fd, thread=True)
-            port = server.port
-            if server.host in ("0.0.0.0", "::"):
-                connect_host = "127.0.0.1" if server.host == "0.0.0.0" else "::1"
+            port, connect_host = await _serve(server, host_name, port, master_listen_fd)
         channel: Channel | None = None
         try:
             channel = await speaking(
@@ -291,15 +328,8 @@ class TCPStore(Store):
             )
             store = cls(channel, host_name, port, seconds, server=server, token=token)
             if world_size is not None:
-                await channel.add(_JOIN_KEY, 1)
-                if server is not None and wait_for_workers:
-                    joined = server.wait_for_count(_JOIN_KEY, world_size, seconds)
-                    await speaking(
-                        joined,
-                        functools.partial(_joined, server, world_size),
-                        f"TCPStore: the store at {host_name}:{port} waits for its "
-                        f"{world_size} clients (world_size) to join",
-                    )
+                waiter = server if wait_for_workers else None
+                await _join(channel, waiter, world_size, seconds, f"{host_name}:{port}")
         except BaseException:
             if channel is not None:
                 channel.close()

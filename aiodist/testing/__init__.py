@@ -1,4 +1,7 @@
-"""Helpers for testing code that uses aiodist (and for aiodist's own tests)."""
+"""Helpers for testing code that uses aiodist (and for aiodist's own tests).
+
+May import anything but the package index (it sits above the facades).
+"""
 
 from __future__ import annotations
 

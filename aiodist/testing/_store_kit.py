@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any, Protocol
 
-from .._timeouts import Timeout
+from .._util._timeouts import Timeout
 from ..errors import DistStoreError, DistTimeoutError, DistUsageError, QueueEmptyError
 from ..store._base import Store, Value
 

@@ -14,11 +14,15 @@ import time
 import traceback
 import types
 from collections.abc import Awaitable, Callable, Collection, Sequence
-from typing import Any, Generic, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
-from .._loop import loop_factory
-from .._timeouts import Timeout, to_seconds
+from .._util._loop import loop_factory
+from .._util._timeouts import Timeout, to_seconds
 from ..errors import DistError, DistNetworkError, DistTimeoutError, DistUsageError
+
+if TYPE_CHECKING:  # (imported only when a world runs, as the functions below do)
+    from ..store import Store
+    from ..transport.local import LocalTransport
 
 __all__ = [
     "WorldProcessError",
@@ -49,7 +53,7 @@ def _waited_in(exc: BaseException) -> _WaitedIn | None:
     Read from the world's flight recorder, before the world is destroyed; the earliest
     such operation is the one a caller awaiting its works in order saw fail.
     """
-    from .._default import peek_world
+    from ..group import peek_world
 
     world = peek_world()
     if world is None or not isinstance(exc, DistError):
@@ -133,8 +137,7 @@ async def run_world(
             every other rank that failed too (their exceptions are retrieved, so the loop
             reports none of them as never retrieved); the other ranks are cancelled.
     """
-    from .. import _api, group
-    from ..backends import parse_backend
+    from .. import _api
     from ..store import HashStore
     from ..transport.local import LocalTransport
 
@@ -148,21 +151,7 @@ async def run_world(
 
     async def one(rank: int) -> T:
         try:
-            group.isolate_context()  # this task's context gets a world of its own
-            if local is not None:
-                name, devices = parse_backend(backend)
-                group.start_world(
-                    local[rank], store, backend=name, backends=devices, timeout=seconds
-                )
-            else:
-                await _api.init_process_group(
-                    backend,
-                    store=store,
-                    rank=rank,
-                    world_size=world_size,
-                    timeout=seconds,
-                    shared_memory=None if transport == "shm" else False,
-                )
+            await _join(rank, world_size, backend, store, seconds, transport, local)
             try:
                 result = await fn(rank, world_size)
             except BaseException as exc:
@@ -197,6 +186,43 @@ async def run_world(
     # was cancelled).
     raised: dict[int, BaseException] = {}
     tasks = [asyncio.create_task(one(r), name=f"aiodist-rank-{r}") for r in range(world_size)]
+    await _wait_for_ranks(tasks, seconds, failed_at)
+    return await _outcome(tasks, seconds, failed_at, returned_at, raised)
+
+
+async def _join(
+    rank: int,
+    world_size: int,
+    backend: str | None,
+    store: Store,
+    seconds: float | None,
+    transport: str,
+    local: list[LocalTransport] | None,
+) -> None:
+    """Give this task's context a world of its own and join it as ``rank`` (over the
+    in-process transports ``local``, else through ``init_process_group``)."""
+    from .. import _api, group
+    from ..backends import parse_backend
+
+    group.isolate_context()  # this task's context gets a world of its own
+    if local is not None:
+        name, devices = parse_backend(backend)
+        group.start_world(local[rank], store, backend=name, backends=devices, timeout=seconds)
+    else:
+        await _api.init_process_group(
+            backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=seconds,
+            shared_memory=None if transport == "shm" else False,
+        )
+
+
+async def _wait_for_ranks(
+    tasks: list[asyncio.Task[T]], seconds: float | None, failed_at: dict[int, float]
+) -> None:
+    """Wait until every rank's task ended, one failed, or ``seconds`` passed."""
     try:
         _, pending = await asyncio.wait(tasks, timeout=seconds, return_when=asyncio.FIRST_EXCEPTION)
         # The others get a grace period to end: a rank that failed too (usually because its
@@ -207,6 +233,23 @@ async def run_world(
     except BaseException:
         await _cancel(tasks)
         raise
+
+
+async def _outcome(
+    tasks: list[asyncio.Task[T]],
+    seconds: float | None,
+    failed_at: dict[int, float],
+    returned_at: dict[int, float],
+    raised: dict[int, BaseException],
+) -> list[T]:
+    """The ranks' results, once :func:`_wait_for_ranks` returned; the ranks still running
+    are cancelled.
+
+    Raises:
+        BaseException: the earliest failure, with notes naming the other failed ranks.
+        DistTimeoutError: some ranks were still running (named).
+    """
+    world_size = len(tasks)
     pending = {t for t in tasks if not t.done()}
     if pending:
         await _cancel(tasks)

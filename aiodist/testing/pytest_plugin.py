@@ -86,7 +86,7 @@ def loop_factories(*kinds: str) -> dict[str, Callable[[], asyncio.AbstractEventL
     Raises:
         DistUsageError: a kind is unknown, or ``"uvloop"`` is asked for and not installed.
     """
-    from .._loop import loop_factory
+    from .._util._loop import loop_factory
 
     return {kind: loop_factory(kind) for kind in kinds or ("uvloop", "asyncio")}
 

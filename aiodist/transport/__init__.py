@@ -1,4 +1,8 @@
-"""Byte movement between ranks: the Transport interface and its implementations."""
+"""Byte movement between ranks: the Transport interface and its implementations.
+
+May import: the stores (the peer directory), :mod:`aiodist._arrays`, :mod:`aiodist._util`
+and :mod:`aiodist.errors`.
+"""
 
 from .base import OpComm, Tag, Transport
 from .local import LocalTransport

@@ -43,8 +43,9 @@ import functools
 import os
 from collections.abc import Callable
 
-from .._fingerprint import NO_FINGERPRINT
+from .._arrays._fingerprint import NO_FINGERPRINT
 from ..errors import DistUsageError
+from ._failures import fail_future
 from ._frames import (
     CREDIT,
     CTS,
@@ -58,7 +59,7 @@ from ._frames import (
     WITHDRAW,
     control_frame,
 )
-from ._mailbox import Tag, fail_future
+from ._mailbox import Tag
 
 __all__ = [
     "DEFAULT_STAGING_BYTES",

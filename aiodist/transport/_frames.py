@@ -32,16 +32,14 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from .._fingerprint import FINGERPRINT_SIZE, NO_FINGERPRINT
+from .._arrays._fingerprint import FINGERPRINT_SIZE, NO_FINGERPRINT
 from ..errors import DistProtocolError
-from ._mailbox import Inbound, Mailbox
-
-if TYPE_CHECKING:
-    from ._flow import PeerFlow
+from ._mailbox import Flow, Inbound, Mailbox
 
 __all__ = [
+    "LinkFlow",
     "ABORTING",
     "BYE",
     "CONTROL",
@@ -89,6 +87,25 @@ PIECE = 1 << 20
 MAX_REASON = 16 << 10
 
 
+class LinkFlow(Flow, Protocol):
+    """What a link's reader asks of the flow control of its peer
+    (:class:`aiodist.transport._flow.PeerFlow`), besides what the mailbox asks."""
+
+    limit: int
+
+    def arrive(self, nbytes: int) -> bool:
+        """Count a message of ``nbytes`` sent eagerly: false when it oversteps the bound."""
+
+    def cleared(self, ticket: int) -> None:
+        """The receiver asked for the payload of this rank's announced message ``ticket``."""
+
+    def granted(self, nbytes: int) -> None:
+        """The receiver gave back ``nbytes`` of credit."""
+
+    def refused(self, ticket: int, reason: str) -> None:
+        """The receiver took this rank's announced message ``ticket`` without its payload."""
+
+
 def control_frame(kind: int, group: int, seq: int = 0, text: str = "") -> bytes:
     """Return a whole control message: header and text."""
     data = text.encode(errors="replace")[:MAX_REASON]
@@ -102,7 +119,7 @@ def is_control(word: int, step: int) -> bool:
 
 def open_message(
     mailbox: Mailbox,
-    flow: PeerFlow,
+    flow: LinkFlow,
     peer: int,
     group: int,
     seq: int,
@@ -169,7 +186,7 @@ class ControlText:
         nbytes: int,
         peer: int,
         mailbox: Mailbox,
-        flow: PeerFlow,
+        flow: LinkFlow,
         said: Callable[[int, str], None],
     ) -> None:
         self.kind = kind

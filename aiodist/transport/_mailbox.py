@@ -22,19 +22,23 @@ takes it asks the sender to send the payload, which then lands in that receive's
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import struct
 from collections import deque
-from typing import Any, Protocol, TypeVar
+from typing import Protocol
 
 import numpy as np
 
-from .._fingerprint import NO_FINGERPRINT, mismatch_error
-from ..errors import DistNetworkError, DistUsageError
+from .._arrays._fingerprint import NO_FINGERPRINT, mismatch_error
+from ..errors import DistUsageError
+from ._failures import (
+    Departure,
+    departure_of,
+    fail_future,
+    fails_alone,
+)
 
 __all__ = [
-    "Departure",
     "Flow",
     "Inbound",
     "Mailbox",
@@ -42,16 +46,9 @@ __all__ = [
     "Tag",
     "as_bytes",
     "check_tag",
-    "departure_of",
-    "fail_future",
-    "fails_alone",
-    "lost_peer_error",
-    "only_this_operation",
 ]
 
 logger = logging.getLogger(__name__)
-
-E = TypeVar("E", bound=BaseException)
 
 #: ``(group id, sequence number, step)``: the identity of one message of one operation.
 Tag = tuple[int, int, int]
@@ -88,16 +85,6 @@ class Flow(Protocol):
 
     def refuse(self, ticket: int, reason: str) -> None:
         """Tell the sender announced message ``ticket`` was taken without its payload."""
-
-
-class Departure(enum.Enum):
-    """How a peer went away when it did not fail: see :func:`lost_peer_error`."""
-
-    #: It closed in order and said why (``destroy_process_group``, or its process exiting).
-    LEFT = "left"
-    #: Its connection or its process ended without a goodbye: it exited without leaving,
-    #: was killed, or its host can no longer be reached. What it sent before still counts.
-    GONE = "gone"
 
 
 # Tags travel as three unsigned 64-bit integers on every transport, so every transport
@@ -138,20 +125,6 @@ def as_bytes(view: memoryview, *, writable: bool) -> memoryview:
             f"and strides {view.strides}"
         )
     return view.cast("B")
-
-
-def fail_future(fut: asyncio.Future[Any], exc: BaseException) -> bool:
-    """Fail ``fut`` with ``exc`` unless it is done already; return whether it was failed.
-
-    The exception is marked as retrieved: one lost peer fails many futures at once and the
-    caller stops awaiting after the first error, so the rest must not be reported by the
-    loop as "never retrieved".
-    """
-    if fut.done():
-        return False
-    fut.set_exception(exc)
-    fut.exception()
-    return True
 
 
 def _mismatch(peer: int, tag: Tag, expected: int, received: int) -> DistUsageError:
@@ -915,53 +888,3 @@ class Mailbox:
         self._posted_any.clear()
         self._cleared.clear()
         self._staged.clear()
-
-
-def lost_peer_error(peer: int, reason: str, departure: Departure | None = None) -> DistNetworkError:
-    """Return the error for receives and sends that depended on a lost ``peer``.
-
-    ``departure`` says how it went, when it went without failing (``None``: it failed, or
-    the connection to it did); :func:`departure_of` reads it back. ``peer`` is kept as the
-    error's ``peer`` attribute.
-    """
-    error = DistNetworkError(f"lost connection to rank {peer}: {reason}")
-    error.departure = departure  # type: ignore[attr-defined]
-    error.peer = peer  # type: ignore[attr-defined]
-    return error
-
-
-def fails_alone(exc: E) -> E:
-    """Mark ``exc`` as the failure of one operation only, which every rank that takes part
-    in it learns alike (a rejection, a mismatch found before any result was written, a
-    member that left in order): the group and its other operations go on. Returns ``exc``."""
-    exc.alone = True  # type: ignore[attr-defined]
-    return exc
-
-
-def only_this_operation(exc: BaseException) -> bool:
-    """Whether ``exc`` fails its operation only (see :func:`fails_alone`)."""
-    return getattr(exc, "alone", False) is True
-
-
-def departure_of(exc: BaseException) -> Departure | None:
-    """How the peer named by a :func:`lost_peer_error` went away (``None``: it failed)."""
-    departure: Departure | None = getattr(exc, "departure", None)
-    return departure
-
-
-def abort_text(exc: BaseException) -> str:
-    """What a rank aborting because of ``exc`` tells its peers: the failure that started it.
-
-    A rank that aborts because a peer did passes that peer's text on unchanged (the
-    ``origin`` :func:`peer_aborted_error` and the world layer attach), so the chain of aborts
-    across a whole world names the first failure and stays short.
-    """
-    origin: str | None = getattr(exc, "origin", None)
-    return origin if origin is not None else f"{type(exc).__name__}: {exc}"
-
-
-def peer_aborted_error(peer: int, text: str) -> DistNetworkError:
-    """Return the error for what depended on ``peer``, which aborted and said ``text``."""
-    error = lost_peer_error(peer, f"it aborted: {text}")
-    error.origin = text  # type: ignore[attr-defined]
-    return error

@@ -39,19 +39,18 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ..errors import DistProtocolError
+from ._failures import fail_future
 from ._flow import PeerFlow
 from ._frames import BYE, HEADER, MAX_MESSAGE, ControlText, is_control, open_message
-from ._mailbox import Inbound, fail_future
+from ._mailbox import Inbound, Mailbox
 from ._shm_segment import ProcessId, Segment
 from ._shm_signal import Bell, PeerWatch, fence
 
-if TYPE_CHECKING:
-    from .shm import ShmTransport
-
 __all__ = [
+    "LinkOwner",
     "ABORTED",
     "CHUNK_BYTES",
     "CLOSED",
@@ -124,12 +123,38 @@ def control_send(frame: bytes, fut: asyncio.Future[None]) -> QueuedSend:
     return QueuedSend(frame[:_HDR], memoryview(frame)[_HDR:], fut)
 
 
+class LinkOwner(Protocol):
+    """What a link asks of the transport that owns it
+    (:class:`aiodist.transport.shm.ShmTransport`)."""
+
+    rank: int
+    mailbox: Mailbox
+    #: The staging bound per peer (bytes), for the link's flow control.
+    staging: int
+    #: The node segment the rings live in.
+    seg: Segment | None
+    loop: asyncio.AbstractEventLoop
+    #: Why the transport closed, once it has.
+    closed: BaseException | None
+    #: Counts the completions links made; the poller sees it move.
+    completions: int
+
+    def schedule(self) -> None:
+        """Make sure the poller runs soon."""
+
+    def peer_exited(self, link: ShmLink) -> None:
+        """``link``'s peer closed, aborted or ended."""
+
+    def lose(self, link: ShmLink, exc: BaseException) -> None:
+        """``link`` failed with ``exc``: fail what waits on its peer."""
+
+
 class ShmLink:
     """Everything between this rank and one local peer: both rings, its doorbell, its pid."""
 
     def __init__(
         self,
-        owner: ShmTransport,
+        owner: LinkOwner,
         peer: int,
         proc: ProcessId,
         peer_seg: Segment,
@@ -140,7 +165,7 @@ class ShmLink:
     ) -> None:
         self.owner = owner
         self.peer = peer
-        self.flow = PeerFlow(peer, owner._staging, self.write)
+        self.flow = PeerFlow(peer, owner.staging, self.write)
         self.proc = proc
         self.peer_seg = peer_seg
         self.cap = cap
@@ -163,7 +188,7 @@ class ShmLink:
         self.queue: deque[QueuedSend] = deque()
         self.bulk: deque[QueuedSend] = deque()
         # Receiving: the peer's ring in our own segment.
-        seg = owner._seg
+        seg = owner.seg
         assert seg is not None
         self.rx_buf = seg.buf
         self.rx_words = seg.words
@@ -206,10 +231,10 @@ class ShmLink:
         owner = self.owner
         if fut is None:
             # Nobody waits for a control message: a peer that is gone needs none.
-            fut = owner._loop.create_future()
+            fut = owner.loop.create_future()
             fut.add_done_callback(_retrieve)
-        if owner._closed is not None:
-            fail_future(fut, owner._closed)
+        if owner.closed is not None:
+            fail_future(fut, owner.closed)
             return
         if self.error is not None:
             fail_future(fut, self.error)
@@ -225,7 +250,7 @@ class ShmLink:
             self.queue.append(send)
             self.tx(TURN_BYTES)
         if self.queue or self.bulk:
-            owner._schedule()
+            owner.schedule()
 
     def tx(self, budget: int) -> int:
         """Copy queued sends into the ring; return the bytes moved (at most ``budget``)."""
@@ -287,7 +312,7 @@ class ShmLink:
             queue.popleft()
             if not s.fut.done():
                 s.fut.set_result(None)
-            self.owner._completions += 1
+            self.owner.completions += 1
         if moved:
             self.head = head
             words[self.tx_head_w] = head
@@ -308,7 +333,7 @@ class ShmLink:
         # Our store of head, a barrier, then the load of the peer's flag (see _shm_signal).
         fence()
         if self.tx_words[W_SLEEP] and not self.bell.ring():
-            self.owner._loop.call_soon(self.owner._peer_exited, self)
+            self.owner.loop.call_soon(self.owner.peer_exited, self)
 
     # -- receiving -------------------------------------------------------------------------
 
@@ -345,11 +370,11 @@ class ShmLink:
                     )
                 except DistProtocolError as exc:
                     self._publish_tail(tail)
-                    self.owner._lose(self, exc)
+                    self.owner.lose(self, exc)
                     return moved
                 except MemoryError:
                     self._publish_tail(tail)
-                    self.owner._lose(
+                    self.owner.lose(
                         self,
                         DistProtocolError(
                             f"rank {self.peer} sent a message of {word & (MAX_MESSAGE - 1)} "
@@ -386,7 +411,7 @@ class ShmLink:
                     done.append(arrived)
         self._publish_tail(tail)
         if done:
-            self.owner._completions += len(done)
+            self.owner.completions += len(done)
             for arrived in done:
                 arrived.done()
         return moved
@@ -395,7 +420,7 @@ class ShmLink:
         # Handed on at once, before the next message is matched: a peer's rejection of a
         # send takes the place of that message, and the message after it must not take the
         # receive that was waiting for it.
-        self.owner._completions += 1
+        self.owner.completions += 1
         text.done()
 
     def _publish_tail(self, tail: int) -> None:
@@ -405,7 +430,7 @@ class ShmLink:
         # Our store of tail, a barrier, then the loads of the sender's flags.
         fence()
         if words[self.rx_want_w] and self.tx_words[W_SLEEP] and not self.bell.ring():
-            self.owner._loop.call_soon(self.owner._peer_exited, self)
+            self.owner.loop.call_soon(self.owner.peer_exited, self)
 
     def _said(self, kind: int, text: str) -> None:
         # A goodbye: the peer's state says closed next.

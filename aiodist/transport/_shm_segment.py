@@ -42,7 +42,7 @@ import socket
 import stat
 from typing import NamedTuple
 
-from .._environment import turned_off
+from .._util._environment import turned_off
 from ..errors import DistError
 
 __all__ = [

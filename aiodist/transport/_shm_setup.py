@@ -17,7 +17,7 @@ from ..errors import DistNetworkError, DistProtocolError, DistTimeoutError
 from ..store import Store
 from ._shm_segment import ProcessId, is_alive
 
-__all__ = ["barrier", "count_of", "exchange", "process_of", "publish"]
+__all__ = ["barrier", "count_of", "exchange", "process_of", "publish", "ranks_of", "ranks_text"]
 
 logger = logging.getLogger(__name__)
 
@@ -139,3 +139,23 @@ async def barrier(
     said[rank] = b"" if failure is None else failure.encode()
     failed = [r for r in sorted(said) if said[r]]
     return f"rank {failed[0]}: {said[failed[0]].decode()}" if failed else None
+
+
+def ranks_text(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"`` (``ranks`` sorted)."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and runs[-1][1] == r - 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ",".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in runs)
+
+
+def ranks_of(text: str) -> list[int]:
+    """``"0-2,5"`` -> ``[0, 1, 2, 5]`` (the inverse of :func:`ranks_text`)."""
+    ranks: list[int] = []
+    for run in text.split(","):
+        lo, _, hi = run.partition("-")
+        ranks.extend(range(int(lo), int(hi or lo) + 1))
+    return ranks

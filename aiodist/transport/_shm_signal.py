@@ -7,7 +7,7 @@ it, but only when the rank has said, through a *sleeping flag* in shared memory,
 is not polling. A FIFO works between any processes that share ``/dev/shm``, including
 processes started independently and in different network namespaces (an abstract unix
 socket for passing an eventfd would not). When to poll instead of sleeping is
-:mod:`aiodist._wait`'s policy, the same for every layer.
+:mod:`aiodist._util._wait`'s policy, the same for every layer.
 
 Memory ordering. Shared words are written by exactly one process each; x86-64 is TSO:
 

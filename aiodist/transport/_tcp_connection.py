@@ -2,7 +2,7 @@
 
 A :class:`TCPConnection` is the asyncio ``BufferedProtocol`` of one socket and speaks the
 wire format that :mod:`aiodist.transport.tcp` describes. It belongs to a
-:class:`~aiodist.transport.tcp.TCPTransport`, which decides which connections to keep, routes
+:class:`~aiodist.transport.tcp.ConnectionOwner`, which decides which connections to keep, routes
 sends to them and fails what depends on a peer that is lost; a connection reports to it what
 it learns (a peer established, lost, or aborting) and delivers what it reads into the
 transport's mailbox.
@@ -38,20 +38,21 @@ import struct
 import sys
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
-from .._auth import AUTH_MAC_SIZE, NONCE_SIZE, auth_mac, verify_mac
+from .._util._auth import AUTH_MAC_SIZE, NONCE_SIZE, auth_mac, verify_mac
 from ..errors import DistNetworkError, DistProtocolError
 from ..store._sockets import plain_host
+from ._failures import fail_future
 from ._frames import BYE, HEADER, MAX_MESSAGE, ControlText, is_control, open_message
-from ._mailbox import Inbound, fail_future
+from ._mailbox import Inbound, Mailbox
 from .base import Departure, lost_peer_error
 
 if TYPE_CHECKING:
     from ._flow import PeerFlow
-    from .tcp import TCPTransport
 
 __all__ = [
+    "ConnectionOwner",
     "ABORT_LINGER_SECONDS",
     "DONE",
     "HANDSHAKING",
@@ -123,7 +124,7 @@ HANDSHAKING, OPEN, DONE = 0, 1, 2
 # Where the kernel has it (Linux 6.15), ``TCP_RTO_MAX_MS`` keeps window probes (and
 # retransmissions) at most a quarter of the peer timeout apart: otherwise they back off
 # up to two minutes apart, and a host that vanishes while its window is closed is noticed
-# at the next probe (its store lease tells every rank sooner: see aiodist._world).
+# at the next probe (its store lease tells every rank sooner: see aiodist.group._world).
 
 #: ``struct tcp_info`` (Linux) up to ``tcpi_last_ack_recv``: the unanswered probes (byte 3),
 #: the segments in flight (``tcpi_unacked``, byte 24) and the milliseconds since the peer
@@ -169,12 +170,49 @@ def _auth_mismatch(peer: int, peer_auth: bool) -> DistNetworkError:
     )
 
 
+class ConnectionOwner(Protocol):
+    """What a connection asks of the transport that owns it
+    (:class:`aiodist.transport.tcp.TCPTransport`): the rank's place and settings
+    (``timeout`` for a handshake, ``peer_timeout`` for a silent peer, ``staging``: the bytes
+    staged per peer at most, ``token``: the secret a handshake proves), why it closed, the
+    connections whose socket is open (``live``), and what it does as a connection arrives,
+    settles, is established or lost; ``accepts``/``holds``: whether a connection from a
+    peer is kept (one per pair of ranks) and whether this rank has one to it already."""
+
+    rank: int
+    world_size: int
+    mailbox: Mailbox
+    loop: asyncio.AbstractEventLoop
+    timeout: float | None
+    peer_timeout: float
+    staging: int
+    token: bytes | None
+    closed: BaseException | None
+    live: set[TCPConnection]
+
+    def accepts(self, peer: int) -> bool: ...
+    def holds(self, peer: int) -> bool: ...
+    def arrived(self, conn: TCPConnection) -> None: ...
+    def settled(self, conn: TCPConnection) -> None: ...
+    def establish(self, conn: TCPConnection) -> None: ...
+    def say(self, message: str) -> None: ...
+    def peer_aborted(self, peer: int, cause: str) -> None: ...
+    def lose(
+        self,
+        peer: int,
+        reason: str,
+        exc: BaseException | None = None,
+        *,
+        departure: Departure | None = None,
+    ) -> None: ...
+
+
 class TCPConnection(asyncio.BufferedProtocol):
     """One connection: the handshake, then the frame reader and the send queue."""
 
-    def __init__(self, owner: TCPTransport, peer: int | None) -> None:
+    def __init__(self, owner: ConnectionOwner, peer: int | None) -> None:
         self.owner = owner
-        self.loop = owner._loop
+        self.loop = owner.loop
         self.mailbox = owner.mailbox
         # Known when we connect; learned from the hello when we accept.
         self.peer = peer
@@ -250,24 +288,24 @@ class TCPConnection(asyncio.BufferedProtocol):
             # The standard loop sets TCP_NODELAY only on sockets it creates with protocol
             # IPPROTO_TCP; accepted ones inherit protocol 0 and would keep Nagle's delay.
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            _enable_keepalive(sock, self.owner._peer_timeout)
+            _enable_keepalive(sock, self.owner.peer_timeout)
             if _HAS_TCP_INFO and sock.family in (socket.AF_INET, socket.AF_INET6):
                 self._sock = sock
-        self.owner._live.add(self)
-        if self.owner._closed is not None:
+        self.owner.live.add(self)
+        if self.owner.closed is not None:
             self._drop_unopened(transport.abort)
             return
         if self.peer is not None:
             transport.write(self._handshake_message(_HELLO, _NO_PROOF))
             return
         self.host = plain_host(transport.get_extra_info("peername"))
-        if self.owner._timeout is not None:
-            self._timer = self.loop.call_later(self.owner._timeout, self._handshake_timeout)
-        self.owner._arrived(self)
+        if self.owner.timeout is not None:
+            self._timer = self.loop.call_later(self.owner.timeout, self._handshake_timeout)
+        self.owner.arrived(self)
 
     def _handshake_message(self, kind: int, proof: bytes, flags: int = 0) -> bytes:
         owner = self.owner
-        if owner._token is not None:
+        if owner.token is not None:
             flags |= _FLAG_AUTH
         return _HANDSHAKE.pack(
             _MAGIC,
@@ -278,14 +316,14 @@ class TCPConnection(asyncio.BufferedProtocol):
             owner.world_size,
             self._nonce,
             proof,
-            owner._staging,
+            owner.staging,
         )
 
     def _proof(self, role: bytes, first: bytes, second: bytes, connector: int) -> bytes:
         # Bound to both nonces (no replay), the role (no reflection), both ranks and the
         # world size (no splicing of one pair's exchange into another's).
         owner = self.owner
-        token = owner._token
+        token = owner.token
         assert token is not None and self.peer is not None
         acceptor = self.peer if connector == owner.rank else owner.rank
         ids = _IDS.pack(connector, acceptor, owner.world_size)
@@ -299,7 +337,7 @@ class TCPConnection(asyncio.BufferedProtocol):
     def evict(self, why: str) -> None:
         """Drop this accepted connection, still in its handshake, to make room (``why``)."""
         assert self.transport is not None
-        self.owner._say(f"rank {self.owner.rank} dropped a connection from {self.host}: {why}")
+        self.owner.say(f"rank {self.owner.rank} dropped a connection from {self.host}: {why}")
         self._drop_unopened(self.transport.abort)
 
     def _handshake_failed(self, exc: BaseException) -> None:
@@ -308,7 +346,7 @@ class TCPConnection(asyncio.BufferedProtocol):
             self.handshake.exception()  # the connecting task reads it, or has gone
         if self.accepted:
             # Whoever connects can cause this: said at most every few seconds.
-            self.owner._say(f"rank {self.owner.rank} dropped a connection from {self.host}: {exc}")
+            self.owner.say(f"rank {self.owner.rank} dropped a connection from {self.host}: {exc}")
         elif not isinstance(exc, DistNetworkError):
             logger.warning("rank %d dropped a connection: %s", self.owner.rank, exc)
         assert self.transport is not None
@@ -318,7 +356,7 @@ class TCPConnection(asyncio.BufferedProtocol):
         """Close (or abort) a connection dropped before it opened, and stop counting it as
         live at once: uvloop may never call ``connection_lost`` for a transport closed from
         its own read callback or accepted by a server that has closed, and
-        :meth:`TCPTransport.aclose` would wait for it in vain."""
+        :meth:`ConnectionOwner.aclose` would wait for it in vain."""
         self.state = DONE
         close()
         self.orphaned()
@@ -358,11 +396,11 @@ class TCPConnection(asyncio.BufferedProtocol):
                     f"the address published for rank {self.peer} belongs to rank {rank}"
                 )
             )
-        if kind == _REFUSED or peer_auth != (owner._token is not None):
+        if kind == _REFUSED or peer_auth != (owner.token is not None):
             return self._handshake_failed(_auth_mismatch(self.peer, peer_auth))
         if kind not in (_ACCEPT, _REJECT):
             return self._handshake_failed(DistProtocolError(f"{who} answered a hello with a hello"))
-        if owner._token is not None:
+        if owner.token is not None:
             want = self._proof(_ROLE_ACCEPT, self._nonce, nonce, owner.rank)
             if not verify_mac(proof, want):
                 return self._handshake_failed(
@@ -378,7 +416,7 @@ class TCPConnection(asyncio.BufferedProtocol):
             self.handshake.set_result(False)
             self._drop_unopened(self.transport.close)
             return None
-        if owner._token is not None:
+        if owner.token is not None:
             self.transport.write(self._proof(_ROLE_CONNECT, nonce, self._nonce, owner.rank))
         return self._open()
 
@@ -395,31 +433,31 @@ class TCPConnection(asyncio.BufferedProtocol):
             return self._handshake_failed(
                 DistProtocolError("a connecting peer did not start with a hello")
             )
-        if peer_auth != (owner._token is not None):
+        if peer_auth != (owner.token is not None):
             # Tell the peer why, so that it fails with a clear message; then drop it.
             self.transport.write(self._handshake_message(_REFUSED, _NO_PROOF))
-            owner._say(
+            owner.say(
                 f"rank {owner.rank} refused a connection from {self.host} claiming rank "
                 f"{rank}: "
-                + ("it has no auth token" if owner._token is not None else "it has an auth token")
+                + ("it has no auth token" if owner.token is not None else "it has an auth token")
             )
             self._drop_unopened(self.transport.close)
             return None
         self.peer = rank
-        keep = owner._accepts(rank)
+        keep = owner.accepts(rank)
         # A claimant of a rank this rank is connected to is refused, and the connection
         # held stays: a stranger can be turned away, never take a connection over or break it.
-        held = not keep and owner._holds(rank)
+        held = not keep and owner.holds(rank)
         proof = _NO_PROOF
-        if owner._token is not None:
+        if owner.token is not None:
             proof = self._proof(_ROLE_ACCEPT, self._peer_nonce, self._nonce, rank)
         self.transport.write(
             self._handshake_message(_ACCEPT if keep else _REJECT, proof, _FLAG_HELD if held else 0)
         )
-        if held and owner._token is None:
+        if held and owner.token is None:
             # (With a token, it may be that rank itself, still checking the proof of the
             # connection this rank opened to it and holds.)
-            owner._say(
+            owner.say(
                 f"rank {owner.rank} refused a connection from {self.host} claiming rank {rank}, "
                 f"which it is connected to already: without a secret, another process may "
                 f"have posed as rank {rank}"
@@ -427,7 +465,7 @@ class TCPConnection(asyncio.BufferedProtocol):
         if not keep:
             self._drop_unopened(self.transport.close)
             return None
-        if owner._token is not None:
+        if owner.token is not None:
             # Not one frame is read before the peer has proven that it holds the token.
             self._want_proof = self._proof(_ROLE_CONNECT, self._nonce, self._peer_nonce, rank)
             self._hs = bytearray(AUTH_MAC_SIZE)
@@ -454,16 +492,16 @@ class TCPConnection(asyncio.BufferedProtocol):
         self._rx = bytearray(_RX_BUFFER)
         self._rxv = memoryview(self._rx)
         if self.accepted:
-            self.owner._settled(self)
+            self.owner.settled(self)
         if not self.handshake.done():
             self.handshake.set_result(True)
-        self.owner._establish(self)
+        self.owner.establish(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
         owner = self.owner
-        owner._live.discard(self)
+        owner.live.discard(self)
         if self.accepted:
-            owner._settled(self)
+            owner.settled(self)
         if self._timer is not None:
             self._timer.cancel()
         if self._liveness is not None:
@@ -484,7 +522,7 @@ class TCPConnection(asyncio.BufferedProtocol):
             assert peer is not None
             if self.bye is not None and self._inbound is None:
                 reason = f"it {self.bye}"
-                owner._lose(peer, reason, departure=Departure.LEFT)
+                owner.lose(peer, reason, departure=Departure.LEFT)
             else:
                 # Whatever the peer sent before is read by now: only what it did not send
                 # fails.
@@ -494,7 +532,7 @@ class TCPConnection(asyncio.BufferedProtocol):
                     else "it went away without a goodbye (its process ended without leaving "
                     "the process group, or was killed)"
                 )
-                owner._lose(peer, reason, departure=Departure.GONE)
+                owner.lose(peer, reason, departure=Departure.GONE)
             self.fail_sends(lost_peer_error(peer, reason))  # if the peer had failed before
 
     def orphaned(self) -> None:
@@ -503,9 +541,9 @@ class TCPConnection(asyncio.BufferedProtocol):
         may have called ``connection_made`` first and then never calls ``connection_lost``),
         or it was dropped before it opened.
         """
-        self.owner._live.discard(self)
+        self.owner.live.discard(self)
         if self.accepted:
-            self.owner._settled(self)
+            self.owner.settled(self)
         self.state = DONE
         if not self.lost.done():
             self.lost.set_result(None)
@@ -554,7 +592,7 @@ class TCPConnection(asyncio.BufferedProtocol):
         self._after_write(fut)
 
     def _watch_liveness(self) -> None:
-        period = min(LIVENESS_PERIOD, self.owner._peer_timeout / 4)
+        period = min(LIVENESS_PERIOD, self.owner.peer_timeout / 4)
         self._liveness = self.loop.call_later(period, self._check_liveness)
 
     def _check_liveness(self) -> None:
@@ -575,9 +613,9 @@ class TCPConnection(asyncio.BufferedProtocol):
         if unacked or probes:
             if self._silent_since is None or now - last_ack_ms / 1000 > self._silent_since:
                 self._silent_since = now  # (an acknowledgement came since the last check)
-            elif now - self._silent_since >= self.owner._peer_timeout:
+            elif now - self._silent_since >= self.owner.peer_timeout:
                 assert self.peer is not None
-                self.owner._lose(
+                self.owner.lose(
                     self.peer,
                     "its host stopped answering: nothing this rank sent it was acknowledged "
                     f"for {now - self._silent_since:.1f} s (the peer timeout, "
@@ -772,7 +810,7 @@ class TCPConnection(asyncio.BufferedProtocol):
             self.transport.resume_reading()
 
     def poll(self) -> None:
-        """Read what the socket holds now, without waiting (see ``TCPTransport._poll``)."""
+        """Read what the socket holds now, without waiting (see ``ConnectionOwner._poll``)."""
         if self.state != OPEN or self._read_paused or self.fd < 0:
             return
         while True:
@@ -792,7 +830,7 @@ class TCPConnection(asyncio.BufferedProtocol):
             self.bye = text
         else:
             assert self.peer is not None
-            self.owner._peer_aborted(self.peer, text)
+            self.owner.peer_aborted(self.peer, text)
 
     def _finish_inbound(self) -> None:
         inbound = self._inbound
@@ -823,12 +861,12 @@ class TCPConnection(asyncio.BufferedProtocol):
                 try:
                     inbound = open_message(self.mailbox, flow, peer, group, seq, step, word, fp)
                 except DistProtocolError as exc:
-                    self.owner._lose(peer, "", exc)
+                    self.owner.lose(peer, "", exc)
                     return
                 except MemoryError:
                     # A message nobody posted a receive for yet is staged in memory of its
                     # own: a length no allocation can hold must fail this peer, not the loop.
-                    self.owner._lose(
+                    self.owner.lose(
                         peer,
                         "",
                         DistProtocolError(

@@ -21,10 +21,8 @@ from collections.abc import Sequence
 
 from ..errors import DistUsageError
 from ..store import Store
-from ._mailbox import (
+from ._failures import (
     Departure,
-    Mailbox,
-    Tag,
     abort_text,
     departure_of,
     fails_alone,
@@ -32,6 +30,7 @@ from ._mailbox import (
     only_this_operation,
     peer_aborted_error,
 )
+from ._mailbox import Mailbox, Tag
 
 __all__ = [
     "CLOSED_REASON",
@@ -184,7 +183,7 @@ class Transport(abc.ABC):
         """Close every connection and listener in order. Closing twice is harmless.
 
         Pending receives fail with ``DistNetworkError``. Peers see an orderly close (a
-        :attr:`~aiodist.transport._mailbox.Departure.LEFT` departure): messages this rank
+        :attr:`~aiodist.transport._failures.Departure.LEFT` departure): messages this rank
         sent before still reach them, their receives from this rank that nothing was sent
         for fail with ``"lost connection to rank N: it <reason>"``, and their any-source
         receives keep waiting for others. ``reason`` completes "rank N ..." (default
@@ -257,6 +256,19 @@ class OpComm:
         base = self._base + phase * _PHASE_STEPS
         return OpComm(
             self._transport, ranks, members.index(self.rank), self._group_id, self._seq, base=base
+        )
+
+    def from_step(self, base: int) -> OpComm:
+        """The view of this operation whose step ``s`` is this view's step ``base + s``: a
+        part of an algorithm (one chunk, one round) whose messages are numbered apart from
+        the rest's."""
+        return OpComm(
+            self._transport,
+            self._ranks,
+            self.rank,
+            self._group_id,
+            self._seq,
+            base=self._base + base,
         )
 
     def cleared_by(self, peer: int) -> None:

@@ -6,7 +6,8 @@ import asyncio
 import logging
 
 from ..errors import DistNetworkError, DistUsageError
-from ._mailbox import as_bytes, check_tag, fail_future
+from ._failures import fail_future
+from ._mailbox import as_bytes, check_tag
 from .base import (
     CLOSED_REASON,
     Departure,

@@ -9,7 +9,7 @@ module sets the links up and runs them: at most ``TURN_BYTES`` are moved per loo
 
 Waiting. See ``_shm_signal`` for the doorbell, the sleeping flag and why they cannot lose a
 wake-up. A rank whose receive is not satisfied polls its rings after the posting task has
-yielded, as :mod:`aiodist._wait`'s policy says (when no peer shares this process), then
+yielded, as :mod:`aiodist._util._wait`'s policy says (when no peer shares this process), then
 sleeps on its doorbell; while it polls, or while a
 pass over its rings is already scheduled, its flag tells peers not to ring. Peer processes
 are watched through pidfds, so a peer that dies fails everything that depends on it at
@@ -29,14 +29,15 @@ import time
 from collections.abc import Collection
 from typing import Any
 
-from .._timeouts import DEFAULT_SETUP_TIMEOUT, Timeout, to_seconds
-from .._wait import HOT_SPIN_SECONDS, SPIN_SECONDS, Backoff, ranks_fit
+from .._util._timeouts import DEFAULT_SETUP_TIMEOUT, Timeout, to_seconds
+from .._util._wait import HOT_SPIN_SECONDS, SPIN_SECONDS, Backoff, ranks_fit
 from ..errors import DistNetworkError, DistProtocolError, DistUsageError
 from ..store import Store
 from . import _shm_setup
+from ._failures import fail_future
 from ._flow import resolve_staging_bytes
 from ._frames import BYE, HEADER, REJECTION, control_frame
-from ._mailbox import Mailbox, as_bytes, check_tag, fail_future
+from ._mailbox import Mailbox, as_bytes, check_tag
 from ._shm_link import (
     ABORTED,
     CHUNK_BYTES as CHUNK_BYTES,  # the link's now; still importable from here
@@ -53,6 +54,7 @@ from ._shm_link import (
     leave_cause,
 )
 from ._shm_segment import (
+    ProcessId,
     Segment,
     SharedMemoryError,
     host_key,
@@ -179,32 +181,13 @@ async def plan_hosts(
     if len(local) == world_size:
         return (tuple(local),)
     if rank == local[0]:
-        await store.append("shm/plan", _ranges(local) + ";")
+        await store.append("shm/plan", _shm_setup.ranks_text(local) + ";")
     await store.barrier("shm/planned", world_size, to_seconds(timeout, store.timeout))
     text = (await store.get("shm/plan")).decode()
-    hosts = sorted(tuple(_unranges(entry)) for entry in text.split(";") if entry)
+    hosts = sorted(tuple(_shm_setup.ranks_of(entry)) for entry in text.split(";") if entry)
     if sorted(r for host in hosts for r in host) != list(range(world_size)):
         raise DistProtocolError(f"the hosts' rank lists {text!r} do not cover the world once")
     return tuple(hosts)
-
-
-def _ranges(ranks: list[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``"0-2,5"`` (``ranks`` sorted)."""
-    runs: list[list[int]] = []
-    for r in ranks:
-        if runs and runs[-1][1] == r - 1:
-            runs[-1][1] = r
-        else:
-            runs.append([r, r])
-    return ",".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in runs)
-
-
-def _unranges(text: str) -> list[int]:
-    ranks: list[int] = []
-    for run in text.split(","):
-        lo, _, hi = run.partition("-")
-        ranks.extend(range(int(lo), int(hi or lo) + 1))
-    return ranks
 
 
 def bytes_needed(local_count: int) -> int:
@@ -219,6 +202,101 @@ def _default_ring_bytes(peers: int) -> int:
     while size > (256 << 10) and peers * size > (64 << 20):
         size >>= 1
     return size
+
+
+def _checked_arguments(
+    rank: int,
+    world_size: int,
+    local_ranks: Collection[int] | None,
+    ring_bytes: int | None,
+    spin: float | None,
+) -> tuple[tuple[int, ...], int, float]:
+    """:meth:`ShmTransport.create`'s arguments, checked: the ranks on this host (sorted),
+    the ring size (``None``: the default for their number) and the spin in seconds (-1:
+    decided once the peers' processes are known).
+
+    Raises:
+        DistUsageError: naming the first invalid argument.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise DistUsageError(f"world_size must be a positive integer, got {world_size!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise DistUsageError(f"rank must be in [0, {world_size}), got {rank!r}")
+    local = tuple(sorted(set(range(world_size) if local_ranks is None else local_ranks)))
+    if any(isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world_size for r in local):
+        raise DistUsageError(f"local_ranks must be ranks in [0, {world_size}), got {local}")
+    if rank not in local:
+        raise DistUsageError(f"local_ranks {list(local)} must include this rank ({rank})")
+    if ring_bytes is None:
+        ring_bytes = _default_ring_bytes(len(local) - 1)
+    elif (
+        isinstance(ring_bytes, bool)
+        or not isinstance(ring_bytes, int)
+        or ring_bytes < _MIN_RING_BYTES
+        or ring_bytes & (ring_bytes - 1)
+    ):
+        raise DistUsageError(
+            f"ring_bytes must be a power of two of at least {_MIN_RING_BYTES}, got {ring_bytes!r}"
+        )
+    if spin is None:
+        return local, ring_bytes, -1.0
+    if isinstance(spin, bool) or not isinstance(spin, int | float) or spin < 0:
+        raise DistUsageError(f"spin must be a non-negative number of seconds, got {spin!r}")
+    return local, ring_bytes, float(spin)
+
+
+def _check_records(
+    records: dict[int, dict[str, Any]], host: str, rank: int, local: tuple[int, ...], cap: int
+) -> None:
+    """Check that every local rank's record (``records``) is of this host (``host``) and
+    this version, and names the same local ranks and ring size as this rank.
+
+    Raises:
+        DistUsageError: naming the first rank that differs.
+    """
+    for r, rec in records.items():
+        if rec.get("v") != _VERSION or rec.get("host") != host:
+            raise DistUsageError(
+                f"rank {r} cannot share memory with rank {rank}: it is on another "
+                f"host (its host key {rec.get('host')!r}, ours {host!r}) "
+                "or runs another aiodist version"
+            )
+        if rec.get("ranks") != list(local) or rec.get("ring") != cap:
+            raise DistUsageError(
+                f"rank {r} set up shared memory with local ranks {rec.get('ranks')} "
+                f"and {rec.get('ring')}-byte rings, rank {rank} with {list(local)} "
+                f"and {cap}-byte rings; every local rank must pass the same"
+            )
+
+
+def _map_peers(
+    records: dict[int, dict[str, Any]],
+    peers: list[int],
+    procs: dict[int, ProcessId],
+    job: str,
+    size: int,
+    attached: list[Segment],
+    bells: list[Bell],
+) -> str | None:
+    """Map each peer's segment (into ``attached``) and open its doorbell (into ``bells``);
+    return why that failed (``None``: it did not), for the barrier to tell every rank."""
+    try:
+        for r in peers:
+            # Whoever can write the store wrote the record: only a file that rank's
+            # process could have made is opened, and only as large as its rings.
+            path = peer_path(records[r]["seg"], job, "t", r, procs[r])
+            peer_seg = Segment.attach(path, size)
+            attached.append(peer_seg)
+            if peer_seg.words[W_MAGIC] != _MAGIC:
+                raise DistProtocolError(
+                    f"rank {r}'s shared-memory segment {peer_seg.path} is not an aiodist one"
+                )
+            bells.append(Bell(peer_path(records[r]["bell"], job, "tb", r, procs[r])))
+    except (SharedMemoryError, OSError) as exc:
+        # (A peer's files are gone if it exited and was swept away as leftovers: the
+        # barrier then names it.)
+        return str(exc)
+    return None
 
 
 class ShmTransport(Transport):
@@ -252,22 +330,22 @@ class ShmTransport(Transport):
         staging: int,
     ) -> None:
         super().__init__(rank, world_size, mailbox)
-        self._staging = staging
+        self.staging = staging
         self.local_ranks = local_ranks
-        self._loop = asyncio.get_running_loop()
-        self._seg = seg
+        self.loop = asyncio.get_running_loop()
+        self.seg = seg
         self._doorbell = doorbell
         self._spin = spin
         self._links: list[ShmLink] = []
         self._by_peer: dict[int, ShmLink] = {}
-        self._closed: BaseException | None = None
+        self.closed: BaseException | None = None
         self._scheduled = False
         self._timer: asyncio.TimerHandle | None = None
         self._recheck = _RECHECK_FIRST
         # Receives posted through this transport that were not satisfied at once.
         self._awaited: list[asyncio.Future[int]] = []
         # Messages received and sends finished so far: a poll stops when this moves.
-        self._completions = 0
+        self.completions = 0
         # When receives skip polling for a while (polls ran out of time in a row).
         self._backoff = Backoff()
 
@@ -336,36 +414,10 @@ class ShmTransport(Transport):
             DistTimeoutError: a local rank did not arrive in time (the ranks are named).
             DistNetworkError: a local rank exited during setup.
         """
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise DistUsageError(f"world_size must be a positive integer, got {world_size!r}")
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-            raise DistUsageError(f"rank must be in [0, {world_size}), got {rank!r}")
-        local = tuple(sorted(set(range(world_size) if local_ranks is None else local_ranks)))
-        if any(
-            isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world_size for r in local
-        ):
-            raise DistUsageError(f"local_ranks must be ranks in [0, {world_size}), got {local}")
-        if rank not in local:
-            raise DistUsageError(f"local_ranks {list(local)} must include this rank ({rank})")
+        local, ring_bytes, spin_s = _checked_arguments(
+            rank, world_size, local_ranks, ring_bytes, spin
+        )
         peers = [r for r in local if r != rank]
-        if ring_bytes is None:
-            ring_bytes = _default_ring_bytes(len(peers))
-        elif (
-            isinstance(ring_bytes, bool)
-            or not isinstance(ring_bytes, int)
-            or ring_bytes < _MIN_RING_BYTES
-            or ring_bytes & (ring_bytes - 1)
-        ):
-            raise DistUsageError(
-                f"ring_bytes must be a power of two of at least {_MIN_RING_BYTES}, "
-                f"got {ring_bytes!r}"
-            )
-        if spin is None:
-            spin_s = -1.0  # decided once the peers' processes are known
-        elif isinstance(spin, bool) or not isinstance(spin, int | float) or spin < 0:
-            raise DistUsageError(f"spin must be a non-negative number of seconds, got {spin!r}")
-        else:
-            spin_s = float(spin)
         seconds = to_seconds(timeout, DEFAULT_SETUP_TIMEOUT)
         staging = resolve_staging_bytes(staging_bytes)
         reason = unavailable_reason()
@@ -456,39 +508,10 @@ class ShmTransport(Transport):
             failed = [str(records[r]["failed"]) for r in sorted(records) if "failed" in records[r]]
             if failed:
                 raise SharedMemoryError(failed[0])
-            for r, rec in records.items():
-                if rec.get("v") != _VERSION or rec.get("host") != record["host"]:
-                    raise DistUsageError(
-                        f"rank {r} cannot share memory with rank {rank}: it is on another "
-                        f"host (its host key {rec.get('host')!r}, ours {record['host']!r}) "
-                        "or runs another aiodist version"
-                    )
-                if rec.get("ranks") != list(local) or rec.get("ring") != cap:
-                    raise DistUsageError(
-                        f"rank {r} set up shared memory with local ranks {rec.get('ranks')} "
-                        f"and {rec.get('ring')}-byte rings, rank {rank} with {list(local)} "
-                        f"and {cap}-byte rings; every local rank must pass the same"
-                    )
+            _check_records(records, record["host"], rank, local, cap)
             procs = {r: _shm_setup.process_of(r, rec, what) for r, rec in records.items()}
             staged = {r: _shm_setup.count_of(r, rec, "staging", what) for r, rec in records.items()}
-            failure = None
-            try:
-                for r in peers:
-                    # Whoever can write the store wrote the record: only a file that rank's
-                    # process could have made is opened, and only as large as its rings.
-                    path = peer_path(records[r]["seg"], job, "t", r, procs[r])
-                    peer_seg = Segment.attach(path, size)
-                    attached.append(peer_seg)
-                    if peer_seg.words[W_MAGIC] != _MAGIC:
-                        raise DistProtocolError(
-                            f"rank {r}'s shared-memory segment {peer_seg.path} is not an "
-                            "aiodist one"
-                        )
-                    bells.append(Bell(peer_path(records[r]["bell"], job, "tb", r, procs[r])))
-            except (SharedMemoryError, OSError) as exc:
-                # (A peer's files are gone if it exited and was swept away as leftovers: the
-                # barrier then names it.)
-                failure = str(exc)
+            failure = _map_peers(records, peers, procs, job, size, attached, bells)
             failure = await _shm_setup.barrier(
                 store, "shm/t/mapped", rank, local, deadline, procs, what, failure
             )
@@ -501,18 +524,11 @@ class ShmTransport(Transport):
                 same_process = any(p.pid == me.pid for p in procs.values())
                 spin = SPIN_SECONDS if ranks_fit(len(local)) and not same_process else 0.0
             self = cls(rank, world_size, local, mailbox, seg, doorbell, spin, staging)
-            for i, r in enumerate(peers):
-                senders_of_r = [s for s in local if s != r]
-                out_ring = CTRL_BYTES + senders_of_r.index(rank) * (RING_HDR_BYTES + cap)
-                in_ring = CTRL_BYTES + i * (RING_HDR_BYTES + cap)
-                link = ShmLink(self, r, procs[r], attached[i], out_ring, in_ring, cap, bells[i])
-                link.flow.granted(staged[r])  # the first credit: its bound
-                self._links.append(link)
-                self._by_peer[r] = link
-            doorbell.listen(self._loop, self._on_bell)
+            self._link(peers, procs, attached, bells, cap, staged)
+            doorbell.listen(self.loop, self._on_bell)
             for link in self._links:
                 link.watch = PeerWatch(
-                    self._loop, link.proc, functools.partial(self._peer_exited, link)
+                    self.loop, link.proc, functools.partial(self.peer_exited, link)
                 )
             seg.words[W_STATE] = OPEN
         except BaseException:
@@ -533,8 +549,28 @@ class ShmTransport(Transport):
         logger.debug("rank %d: shared memory with ranks %s, %d-byte rings", rank, peers, cap)
         return self
 
+    def _link(
+        self,
+        peers: list[int],
+        procs: dict[int, ProcessId],
+        attached: list[Segment],
+        bells: list[Bell],
+        cap: int,
+        staged: dict[int, int],
+    ) -> None:
+        """Make the link to each peer, over its ring in the peer's segment (out) and its
+        ring in this rank's (in), with its first credit: the peer's staging bound."""
+        for i, r in enumerate(peers):
+            senders_of_r = [s for s in self.local_ranks if s != r]
+            out_ring = CTRL_BYTES + senders_of_r.index(self.rank) * (RING_HDR_BYTES + cap)
+            in_ring = CTRL_BYTES + i * (RING_HDR_BYTES + cap)
+            link = ShmLink(self, r, procs[r], attached[i], out_ring, in_ring, cap, bells[i])
+            link.flow.granted(staged[r])  # the first credit: its bound
+            self._links.append(link)
+            self._by_peer[r] = link
+
     def __repr__(self) -> str:
-        state = "closed" if self._closed is not None else "open"
+        state = "closed" if self.closed is not None else "open"
         return (
             f"<ShmTransport rank={self.rank}/{self.world_size} local={list(self.local_ranks)} "
             f"{state} {self.mailbox!r}>"
@@ -559,8 +595,8 @@ class ShmTransport(Transport):
         """
         data = as_bytes(data, writable=False)
         link = self._link_for(peer)
-        fut: asyncio.Future[None] = self._loop.create_future()
-        if link is not None and link.error is None and self._closed is None:
+        fut: asyncio.Future[None] = self.loop.create_future()
+        if link is not None and link.error is None and self.closed is None:
             # The common case, kept short: packing the header checks the tag.
             try:
                 fp = self.mailbox.fingerprint_of(tag[0], tag[1])
@@ -574,8 +610,8 @@ class ShmTransport(Transport):
                 link.write(header, data, fut)
             return fut
         check_tag(tag)
-        if self._closed is not None:
-            fail_future(fut, self._closed)
+        if self.closed is not None:
+            fail_future(fut, self.closed)
         elif link is not None:
             assert link.error is not None  # (an open link took the common case)
             fail_future(fut, link.error)
@@ -599,7 +635,7 @@ class ShmTransport(Transport):
         link = None if peer is None else self._link_for(peer)
         check_tag(tag)
         fut = self.mailbox.post(peer, tag, as_bytes(out, writable=True))
-        if not fut.done() and self._closed is None:
+        if not fut.done() and self.closed is None:
             # The message may already wait in the ring.
             if link is not None:
                 if link.error is None:
@@ -610,7 +646,7 @@ class ShmTransport(Transport):
                         lk.rx(TURN_BYTES)
             if not fut.done() and (link is not None or (peer is None and self._links)):
                 self._awaited.append(fut)
-                self._schedule()
+                self.schedule()
         return fut
 
     def send_reject(self, peer: int, group: int, seq: int, reason: str) -> None:
@@ -638,7 +674,7 @@ class ShmTransport(Transport):
 
     def abort(self, exc: BaseException) -> None:
         """Fail every pending send and receive with ``exc``; peers see this rank as lost."""
-        if self._closed is None:
+        if self.closed is None:
             self._shutdown(exc, ABORTED)
 
     async def aclose(self, reason: str | None = None) -> None:
@@ -649,28 +685,28 @@ class ShmTransport(Transport):
         ``reason``; their any-source receives keep waiting for others). Closing twice is
         harmless.
         """
-        if self._closed is None:
+        if self.closed is None:
             queued = [s.fut for link in self._links for s in (*link.queue, *link.bulk)]
             queued += [f for link in self._links for f in link.flow.waiting()]
             if queued:
                 await asyncio.wait(queued, timeout=CLOSE_DRAIN_SECONDS)
-            if self._closed is None:
+            if self.closed is None:
                 exc = DistNetworkError(f"the transport of rank {self.rank} was closed")
                 self._shutdown(exc, CLOSED, control_frame(BYE, 0, 0, reason or CLOSED_REASON))
 
     def _shutdown(self, exc: BaseException, state: int, last: bytes | None = None) -> None:
-        self._closed = exc
+        self.closed = exc
         if last is not None:
             # The peers read this before they see our state change: the goodbye reaches them.
             for link in self._links:
                 if link.error is None and not link.queue:
-                    link.queue.append(control_send(last, self._loop.create_future()))
+                    link.queue.append(control_send(last, self.loop.create_future()))
                     link.tx(len(last))
-        if self._seg is not None:
+        if self.seg is not None:
             if state == ABORTED:
-                leave_cause(self._seg.buf, abort_text(exc))
+                leave_cause(self.seg.buf, abort_text(exc))
                 fence()
-            self._seg.words[W_STATE] = state
+            self.seg.words[W_STATE] = state
             fence()
         for link in self._links:
             if link.error is None:
@@ -692,20 +728,20 @@ class ShmTransport(Transport):
             link.close()
         if self._doorbell is not None:
             self._doorbell.close()
-        if self._seg is not None:
-            self._seg.close()
+        if self.seg is not None:
+            self.seg.close()
 
     # -- moving bytes ----------------------------------------------------------------------
 
-    def _schedule(self) -> None:
-        if not self._scheduled and self._closed is None:
+    def schedule(self) -> None:
+        if not self._scheduled and self.closed is None:
             self._scheduled = True
             # The service pass will look at every ring, and it ends in _sleep, which sets
             # the flag again and looks once more: until then peers need not ring (in a
             # 2-rank exchange both would, each while the other is about to look anyway).
-            if self._seg is not None:
-                self._seg.words[W_SLEEP] = 0
-            self._loop.call_soon(self._service)
+            if self.seg is not None:
+                self.seg.words[W_SLEEP] = 0
+            self.loop.call_soon(self._service)
 
     def _pump(self, budget: int) -> int:
         moved = 0
@@ -727,7 +763,7 @@ class ShmTransport(Transport):
         # Move bytes until nothing moves or this turn's budget is spent; then poll for a
         # while, or sleep on the doorbell, if something is still awaited.
         self._scheduled = False
-        if self._closed is not None:
+        if self.closed is not None:
             return
         budget = TURN_BYTES
         while budget > 0:
@@ -737,32 +773,32 @@ class ShmTransport(Transport):
             budget -= moved
             self._recheck = _RECHECK_FIRST
         if budget <= 0:
-            self._schedule()
+            self.schedule()
         elif self._spin and self._has_work() and not self._backoff.skips():
             self._poll()
         else:
             self._sleep()
 
     def _poll(self) -> None:
-        words = self._seg.words  # type: ignore[union-attr]
+        words = self.seg.words  # type: ignore[union-attr]
         words[W_SLEEP] = 0  # peers need not ring while we look ourselves
-        completions = self._completions
+        completions = self.completions
         moved_total = 0
         now = time.perf_counter
         start = now()
         hot, deadline = start + HOT_SPIN_SECONDS, start + self._spin
         try:
-            # The policy of aiodist._wait.spin_until, save that a poll that moves data goes
+            # The policy of aiodist._util._wait.spin_until, save that a poll that moves data goes
             # on for another full spin: data flows, and polling keeps up with it.
-            while self._closed is None:
+            while self.closed is None:
                 moved = self._pump(TURN_BYTES)
-                if self._completions != completions:
+                if self.completions != completions:
                     self._backoff.polled(True)
                     break
                 if moved:
                     moved_total += moved
                     if moved_total >= TURN_BYTES:
-                        self._schedule()  # more next turn; the flag stays clear till then
+                        self.schedule()  # more next turn; the flag stays clear till then
                         return
                     deadline = now() + self._spin
                     continue
@@ -775,7 +811,7 @@ class ShmTransport(Transport):
                 if t >= hot:
                     os.sched_yield()
         except BaseException:
-            if self._closed is None:
+            if self.closed is None:
                 words[W_SLEEP] = 1  # never leave peers believing we look
             raise
         self._sleep()
@@ -783,15 +819,15 @@ class ShmTransport(Transport):
     def _sleep(self) -> None:
         # Store the sleeping flag (and any ring's want flag was stored); after a barrier,
         # look once more before relying on the doorbell (see _shm_signal).
-        if self._seg is None or self._closed is not None:
+        if self.seg is None or self.closed is not None:
             return
-        self._seg.words[W_SLEEP] = 1
+        self.seg.words[W_SLEEP] = 1
         fence()
         if self._pump(TURN_BYTES):
             self._recheck = _RECHECK_FIRST
-            self._schedule()
+            self.schedule()
         elif self._timer is None and self._has_work():
-            self._timer = self._loop.call_later(self._recheck, self._on_timer)
+            self._timer = self.loop.call_later(self._recheck, self._on_timer)
 
     def _on_timer(self) -> None:
         self._timer = None
@@ -800,7 +836,7 @@ class ShmTransport(Transport):
         self._service()
 
     def _on_bell(self) -> None:
-        if self._doorbell is None or self._closed is not None:
+        if self._doorbell is None or self.closed is not None:
             return
         self._doorbell.drain()
         self._check_peers()
@@ -811,20 +847,20 @@ class ShmTransport(Transport):
     def _check_peers(self) -> None:
         for link in self._links:
             if link.error is None and link.peer_state() in (CLOSED, ABORTED):
-                self._peer_exited(link)
+                self.peer_exited(link)
 
     def peer_gone(self, peer: int, exc: BaseException) -> None:
         """``peer`` went away without a goodbye (the store says so): take what it wrote,
         then fail what still needs it."""
         for link in self._links:
-            if link.peer == peer and link.error is None and self._closed is None:
+            if link.peer == peer and link.error is None and self.closed is None:
                 link.drain()
-                self._lose(link, exc)
+                self.lose(link, exc)
 
-    def _peer_exited(self, link: ShmLink) -> None:
+    def peer_exited(self, link: ShmLink) -> None:
         """The peer closed, aborted or its process ended: deliver what it wrote, then fail
         what depends on it."""
-        if link.error is not None or self._closed is not None:
+        if link.error is not None or self.closed is not None:
             return
         link.drain()  # (its goodbye, if it said one, is the last thing it wrote)
         state = link.peer_state()
@@ -835,10 +871,10 @@ class ShmTransport(Transport):
         else:
             reason = f"its process (pid {link.proc.pid}) exited"
             error = lost_peer_error(link.peer, reason, Departure.GONE)
-        self._lose(link, error)
+        self.lose(link, error)
 
-    def _lose(self, link: ShmLink, exc: BaseException) -> None:
-        if link.error is not None or self._closed is not None:
+    def lose(self, link: ShmLink, exc: BaseException) -> None:
+        if link.error is not None or self.closed is not None:
             return
         link.error = exc
         if link.watch is not None:

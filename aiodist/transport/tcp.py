@@ -52,9 +52,9 @@ import time
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, TypeVar
 
-from .._auth import resolve_token
-from .._timeouts import DEFAULT_SETUP_TIMEOUT, Timeout, to_seconds
-from .._wait import SPIN_SECONDS, Backoff, local_ranks, ranks_fit, spin_until
+from .._util._auth import resolve_token
+from .._util._timeouts import DEFAULT_SETUP_TIMEOUT, Timeout, to_seconds
+from .._util._wait import SPIN_SECONDS, Backoff, local_ranks, ranks_fit, spin_until
 from ..errors import (
     DistError,
     DistNetworkError,
@@ -64,9 +64,10 @@ from ..errors import (
     map_exceptions,
 )
 from ..store._sockets import resolve_peer_timeout
+from ._failures import fail_future
 from ._flow import PeerFlow, resolve_staging_bytes
 from ._frames import ABORTING, BYE, REJECTION, control_frame
-from ._mailbox import Mailbox, as_bytes, check_tag, fail_future
+from ._mailbox import Mailbox, as_bytes, check_tag
 from ._tcp_connection import (
     ABORT_LINGER_SECONDS as ABORT_LINGER_SECONDS,  # the connection's now; still importable here
     DONE,
@@ -177,18 +178,38 @@ class _Peer:
         """Write a frame to this peer (see :data:`aiodist.transport._flow.Write`)."""
         if fut is None:
             # Nobody waits for a control frame: a peer that is gone needs none.
-            fut = self.transport._loop.create_future()
+            fut = self.transport.loop.create_future()
             fut.add_done_callback(_retrieve)
         conn = self.conn
         if conn is not None:
             conn.send(header, data, fut, bulk)
-        elif self.transport._closed is not None:
-            fail_future(fut, self.transport._closed)
+        elif self.transport.closed is not None:
+            fail_future(fut, self.transport.closed)
         elif self.error is not None:
             fail_future(fut, self.error)
         else:
             self.pending.append((functools.partial(self.write, header, data, fut, bulk), fut))
             self.transport._connect_soon(self)
+
+
+async def _bind(host: str) -> tuple[socket.socket, tuple[str, int]]:
+    """A socket bound on ``host`` (a free port), and the address peers reach it at."""
+    loop = asyncio.get_running_loop()
+    wildcard = host in ("", "0.0.0.0", "::")
+    infos = await loop.getaddrinfo(
+        host or None, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )
+    family, _, _, _, sockaddr = infos[0]
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        if family == socket.AF_INET6 and wildcard:
+            listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        listener.bind(sockaddr)
+        public = socket.gethostname() if wildcard else host
+        return listener, (public, int(listener.getsockname()[1]))
+    except BaseException:
+        listener.close()
+        raise
 
 
 class TCPTransport(Transport):
@@ -233,26 +254,26 @@ class TCPTransport(Transport):
         super().__init__(rank, world_size, mailbox)
         self.address = address
         self._directory = directory
-        self._loop = asyncio.get_running_loop()
+        self.loop = asyncio.get_running_loop()
         # The listening socket, accepted from by _accept while the transport is open.
         self._listener: socket.socket | None = None
-        self._timeout = timeout
+        self.timeout = timeout
         self._spin = spin
         self._spin_auto = auto_spin
         self._spinning = False
         # When receives skip polling for a while (polls ran out of time in a row).
         self._backoff = Backoff()
-        self._staging = staging
+        self.staging = staging
         self._peers = [_Peer(self, r, staging) for r in range(world_size)]
         # Ranks another transport of this rank reaches: they never connect over TCP.
         self._elsewhere: frozenset[int] = frozenset()
         self._conns: list[TCPConnection] = []
         # Connections whose transport exists and has not reported connection_lost yet.
-        self._live: set[TCPConnection] = set()
+        self.live: set[TCPConnection] = set()
         self._tasks: set[asyncio.Task[None]] = set()
-        self._closed: BaseException | None = None
-        self._token = token
-        self._peer_timeout = resolve_peer_timeout()
+        self.closed: BaseException | None = None
+        self.token = token
+        self.peer_timeout = resolve_peer_timeout()
         # Accepted sockets whose connection is not made yet, and the accepted connections
         # still in their handshake by address (oldest first).
         self._adopting = 0
@@ -329,21 +350,8 @@ class TCPTransport(Transport):
         elif not isinstance(spin, int | float) or spin < 0:
             raise DistUsageError(f"spin must be a non-negative number of seconds, got {spin!r}")
         loop = asyncio.get_running_loop()
-        wildcard = host in ("", "0.0.0.0", "::")
-        infos = await loop.getaddrinfo(
-            host or None, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )
-        family, _, _, _, sockaddr = infos[0]
-        listener = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            if family == socket.AF_INET6 and wildcard:
-                listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-            listener.bind(sockaddr)
-            public = socket.gethostname() if wildcard else host
-            address = (public, int(listener.getsockname()[1]))
-        except BaseException:
-            listener.close()
-            raise
+        listener, address = await _bind(host)
+        public = address[0]
         self = cls(
             directory,
             rank,
@@ -369,12 +377,12 @@ class TCPTransport(Transport):
         return self
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed is not None else "open"
+        state = "closed" if self.closed is not None else "open"
         return (
             f"<TCPTransport rank={self.rank}/{self.world_size} "
             f"address={self.address[0]}:{self.address[1]} "
             f"connected={self.connected_peers()} "
-            f"auth={'on' if self._token is not None else 'off'} {state}>"
+            f"auth={'on' if self.token is not None else 'off'} {state}>"
         )
 
     def connected_peers(self) -> list[int]:
@@ -400,7 +408,7 @@ class TCPTransport(Transport):
         data = as_bytes(data, writable=False)
         if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < self.world_size:
             raise DistUsageError(f"peer must be a rank in [0, {self.world_size}), got {peer!r}")
-        fut: asyncio.Future[None] = self._loop.create_future()
+        fut: asyncio.Future[None] = self.loop.create_future()
         p = self._peers[peer]
         conn = p.conn
         if conn is not None:
@@ -418,11 +426,11 @@ class TCPTransport(Transport):
             return fut
         check_tag(tag)
         fp = self.mailbox.fingerprint_of(tag[0], tag[1])
-        if peer == self.rank and self._closed is None:
+        if peer == self.rank and self.closed is None:
             self.mailbox.deliver(peer, (tag[0], tag[1], tag[2]), data, fp)
             fut.set_result(None)
-        elif self._closed is not None:
-            fail_future(fut, self._closed)
+        elif self.closed is not None:
+            fail_future(fut, self.closed)
         elif p.error is not None:
             fail_future(fut, p.error)
         else:
@@ -459,19 +467,19 @@ class TCPTransport(Transport):
         if not fut.done():
             if peer is not None and peer != self.rank:
                 p = self._peers[peer]
-                if p.conn is None and p.error is None and self._closed is None:
+                if p.conn is None and p.error is None and self.closed is None:
                     # Connect now, so that a peer that is already gone is noticed.
                     self._connect_soon(p)
             if self._spin and not self._spinning and self._conns and not self._backoff.skips():
                 self._spinning = True
-                self._loop.call_soon(self._poll, fut)
+                self.loop.call_soon(self._poll, fut)
         return fut
 
     def abort(self, exc: BaseException) -> None:
         """Fail every pending send and receive with ``exc`` and drop every connection."""
-        if self._closed is not None:
+        if self.closed is not None:
             return
-        self._closed = exc
+        self.closed = exc
         TCPTransport._open_count -= 1
         self._stop_listening()
         for task in self._tasks:
@@ -486,7 +494,7 @@ class TCPTransport(Transport):
             p.conn = None
         # Connected peers learn why before their connection drops.
         frame = control_frame(ABORTING, 0, 0, abort_text(exc))
-        for conn in list(self._live):
+        for conn in list(self.live):
             conn.close_after(frame)
             conn.fail_sends(exc)
         self._conns.clear()
@@ -502,7 +510,7 @@ class TCPTransport(Transport):
         queued has left, it also replaces this rank's address in the directory, so that a
         peer that tries to connect later learns it at once. Closing twice is harmless.
         """
-        if self._closed is None:
+        if self.closed is None:
             queued = [f for c in self._conns for _, f in c.queue if f is not None]
             queued += [f for c in self._conns for f in c.handed]
             queued += [f for c in self._conns for _, _, f in c.bulk]
@@ -510,9 +518,9 @@ class TCPTransport(Transport):
             queued += [f for p in self._peers for f in p.flow.waiting()]
             if queued:
                 await asyncio.wait(queued, timeout=CLOSE_DRAIN_SECONDS)
-            if reason is not None and self._closed is None:
+            if reason is not None and self.closed is None:
                 await self._withdraw(reason)
-            if self._closed is None:
+            if self.closed is None:
                 bye = control_frame(BYE, 0, 0, reason or CLOSED_REASON)
                 for conn in self._conns:
                     conn.close_after(bye)
@@ -524,8 +532,8 @@ class TCPTransport(Transport):
             tasks = tuple(self._tasks)
             await asyncio.gather(*tasks, return_exceptions=True)
             self._tasks.difference_update(tasks)
-        if self._live:  # their sockets are closed once connection_lost has run
-            _, late = await asyncio.wait([c.lost for c in self._live], timeout=CLOSE_DRAIN_SECONDS)
+        if self.live:  # their sockets are closed once connection_lost has run
+            _, late = await asyncio.wait([c.lost for c in self.live], timeout=CLOSE_DRAIN_SECONDS)
             if late:
                 logger.warning(
                     "rank %d: %d connections did not report connection_lost within %g s",
@@ -551,7 +559,7 @@ class TCPTransport(Transport):
         self._spinning = False
         if (
             fut.done()
-            or self._closed is not None
+            or self.closed is not None
             # Several transports in one process: the peers likely share this loop, and
             # polling would only keep them from running.
             or (self._spin_auto and TCPTransport._open_count > 1)
@@ -562,7 +570,7 @@ class TCPTransport(Transport):
         def answered() -> bool:
             for conn in conns:
                 conn.poll()
-            return fut.done() or self._closed is not None
+            return fut.done() or self.closed is not None
 
         # An answer that does not come in time: the peer is slow, or the CPUs are busy
         # with other work and polling only takes one from the peer.
@@ -571,7 +579,7 @@ class TCPTransport(Transport):
     # -- connections -----------------------------------------------------------------------
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
-        task = self._loop.create_task(coro)
+        task = self.loop.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
@@ -606,7 +614,7 @@ class TCPTransport(Transport):
         descriptors, first close the oldest connection still in its handshake of the
         address that has the most such connections, and accept again soon after."""
         assert self._listener is not None
-        self._loop.remove_reader(self._listener)
+        self.loop.remove_reader(self._listener)
         crowd = max(self._handshaking.values(), key=len, default=None)
         out_of_files = exc.errno in _OUT_OF_FILES
         if out_of_files and crowd:
@@ -615,20 +623,20 @@ class TCPTransport(Transport):
         elif out_of_files and self._adopting:
             delay = _RETRY_AFTER_CLOSING  # (connections accepted just now, counted soon)
         else:
-            self._say(
+            self.say(
                 f"rank {self.rank} cannot accept connections ({exc.strerror or exc}): trying "
                 f"again in {ACCEPT_RETRY_SECONDS:g} s"
                 + (" (raise the open-file limit: ulimit -n)" if out_of_files else "")
             )
             delay = ACCEPT_RETRY_SECONDS
-        self._resume = self._loop.call_later(delay, self._resume_accepting)
+        self._resume = self.loop.call_later(delay, self._resume_accepting)
 
     def _resume_accepting(self) -> None:
         self._resume = None
-        if self._closed is None and self._listener is not None:
-            self._loop.add_reader(self._listener, self._accept)
+        if self.closed is None and self._listener is not None:
+            self.loop.add_reader(self._listener, self._accept)
 
-    def _arrived(self, conn: TCPConnection) -> None:
+    def arrived(self, conn: TCPConnection) -> None:
         """An accepted connection starts its handshake: past the cap of its address, that
         address's oldest connection in its handshake goes."""
         mine = self._handshaking.setdefault(conn.host, {})
@@ -638,7 +646,7 @@ class TCPTransport(Transport):
                 f"more than {self._per_host} connections from {conn.host} in their handshake"
             )
 
-    def _settled(self, conn: TCPConnection) -> None:
+    def settled(self, conn: TCPConnection) -> None:
         """``conn`` (accepted) is established, dropped or gone: not in its handshake."""
         mine = self._handshaking.get(conn.host)
         if mine is not None:
@@ -646,7 +654,7 @@ class TCPTransport(Transport):
             if not mine:
                 del self._handshaking[conn.host]
 
-    def _say(self, message: str) -> None:
+    def say(self, message: str) -> None:
         """Log a warning about a connection refused or dropped before its handshake
         finished, at most every ``_LOG_INTERVAL`` seconds (with the number of those not
         said since): whoever can connect can cause these, and must not flood the log."""
@@ -662,41 +670,41 @@ class TCPTransport(Transport):
         logger.warning("%s", message)
 
     async def _adopt(self, sock: socket.socket) -> None:
-        await self._loop.connect_accepted_socket(lambda: TCPConnection(self, None), sock)
+        await self.loop.connect_accepted_socket(lambda: TCPConnection(self, None), sock)
 
     def _stop_listening(self) -> None:
         if self._resume is not None:
             self._resume.cancel()
             self._resume = None
         if self._listener is not None:
-            self._loop.remove_reader(self._listener)
+            self.loop.remove_reader(self._listener)
             self._listener.close()
             self._listener = None
 
     def _connect_soon(self, p: _Peer) -> None:
         if p.connecting is None and p.waiter is None:
-            p.waiter = self._loop.create_future()
+            p.waiter = self.loop.create_future()
             p.connecting = self._spawn(self._connect(p, p.waiter))
 
     def reached_elsewhere(self, peers: Iterable[int]) -> None:
         """Refuse connections claiming one of ``peers``: another transport reaches them."""
         self._elsewhere = frozenset(peers)
 
-    def _accepts(self, peer: int) -> bool:
+    def accepts(self, peer: int) -> bool:
         # One connection per pair: if both ranks are connecting, the lower rank's wins;
         # a peer that is already connected, or failed, is refused.
         p = self._peers[peer]
-        if self._closed is not None or p.conn is not None or p.error is not None:
+        if self.closed is not None or p.conn is not None or p.error is not None:
             return False
         if peer in self._elsewhere:
-            self._say(
+            self.say(
                 f"rank {self.rank} refused a TCP connection from a peer claiming rank {peer}, "
                 "which it reaches through shared memory"
             )
             return False
         return p.connecting is None or peer < self.rank
 
-    def _holds(self, peer: int) -> bool:
+    def holds(self, peer: int) -> bool:
         """Whether this rank is connected to ``peer``: someone else claiming it is refused."""
         return self._peers[peer].conn is not None
 
@@ -710,7 +718,7 @@ class TCPTransport(Transport):
             return
         conn = TCPConnection(self, peer)
         try:
-            async with asyncio.timeout(self._timeout):
+            async with asyncio.timeout(self.timeout):
                 address = await self._directory.lookup(peer)
                 host, port = _parse_address(address)
                 try:
@@ -718,7 +726,7 @@ class TCPTransport(Transport):
                         {OSError: DistNetworkError},
                         f"lost connection to rank {peer}: cannot connect to {address}",
                     ):
-                        await self._loop.create_connection(lambda: conn, host, port)
+                        await self.loop.create_connection(lambda: conn, host, port)
                 except BaseException:
                     conn.orphaned()
                     raise
@@ -739,7 +747,7 @@ class TCPTransport(Transport):
             self._fail_peer(
                 p,
                 DistTimeoutError(
-                    f"connecting to rank {peer} took more than {self._timeout} s "
+                    f"connecting to rank {peer} took more than {self.timeout} s "
                     "(its address never appeared in the store, or it did not answer)"
                 ),
             )
@@ -769,12 +777,12 @@ class TCPTransport(Transport):
             DistNetworkError: the peer's connection did not come within the peer timeout.
         """
         try:
-            async with asyncio.timeout(self._peer_timeout):
+            async with asyncio.timeout(self.peer_timeout):
                 await self._unless_left(p.rank, waiter)
         except TimeoutError:
             hint = (
                 ""
-                if self._token is not None
+                if self.token is not None
                 else ": without a secret, anyone who can reach a rank's port can pose as a "
                 "rank (give every rank the same auth_token / AIODIST_AUTH_TOKEN)"
             )
@@ -817,11 +825,11 @@ class TCPTransport(Transport):
             pass
         return exc
 
-    def _establish(self, conn: TCPConnection) -> None:
+    def establish(self, conn: TCPConnection) -> None:
         peer = conn.peer
         assert peer is not None and conn.transport is not None
         p = self._peers[peer]
-        if self._closed is not None or p.conn is not None or p.error is not None:
+        if self.closed is not None or p.conn is not None or p.error is not None:
             # Closed meanwhile; a second connection cannot happen by the tie-break rule.
             conn.state = DONE
             conn.transport.abort()
@@ -842,18 +850,18 @@ class TCPTransport(Transport):
         """``peer`` went away without a goodbye (the store says so): read what it sent, then
         fail what still needs it, a connection still forming included."""
         p = self._peers[peer]
-        if p.error is not None or self._closed is not None or peer == self.rank:
+        if p.error is not None or self.closed is not None or peer == self.rank:
             return
         if p.conn is not None:
             p.conn.poll()  # its last frames may sit in the socket, unread
         if p.error is None:
             self._fail_peer(p, exc)
 
-    def _peer_aborted(self, peer: int, cause: str) -> None:
+    def peer_aborted(self, peer: int, cause: str) -> None:
         """``peer`` said it is aborting, and why: it is lost, with that cause."""
         self._fail_peer(self._peers[peer], peer_aborted_error(peer, cause))
 
-    def _lose(
+    def lose(
         self,
         peer: int,
         reason: str,
@@ -865,7 +873,7 @@ class TCPTransport(Transport):
         self._fail_peer(self._peers[peer], exc or lost_peer_error(peer, reason, departure))
 
     def _fail_peer(self, p: _Peer, exc: BaseException) -> None:
-        if p.error is not None or self._closed is not None:
+        if p.error is not None or self.closed is not None:
             return
         p.error = exc
         conn = p.conn

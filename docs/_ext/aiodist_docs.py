@@ -9,7 +9,7 @@
     supplies its default, and the help text.
 ``environment-variables``
     Renders the rows of one origin (``aiodist`` or ``torch``) of the table in
-    ``aiodist._environment``, each variable a target of the ``envvar`` role.
+    ``aiodist._util._environment``, each variable a target of the ``envvar`` role.
 
 They read the code being documented, so the pages cannot drift from it; a command that
 fails fails the build.
@@ -192,7 +192,7 @@ class EnvironmentVariables(SphinxDirective):
     required_arguments = 1
 
     def run(self) -> list[nodes.Node]:
-        module = importlib.import_module("aiodist._environment")
+        module = importlib.import_module("aiodist._util._environment")
         # The page shows the module's table: rebuild it when the module changes.
         self.env.note_dependency(str(module.__file__))
         origin = self.arguments[0]
