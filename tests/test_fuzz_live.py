@@ -270,7 +270,7 @@ async def test_ten_thousand_fuzzed_frames_then_a_correct_all_reduce() -> None:
         await until(lambda: server.state.waiter_count == waiters, "dropping fuzzed waiters")
         for target in (0, 1):
             t = info[target]["transport"]
-            await until(lambda t=t: len(t._live) == 1, "closing the transport's fuzz connections")
+            await until(lambda t=t: len(t.live) == 1, "closing the transport's fuzz connections")
             assert t.connected_peers() == [1 - target]
         go.set()
         await asyncio.wait_for(fuzzed.wait(), 30)

@@ -43,7 +43,7 @@ class Live:
         await self.t1.send(0, T, memoryview(payload))
         assert await fut == 1 and out == payload
         # Only the connection to rank 1 is left once the fuzzed one is closed.
-        await until(lambda: len(t0._live) == 1, "dropping the fuzzed connection")
+        await until(lambda: len(t0.live) == 1, "dropping the fuzzed connection")
         assert t0.connected_peers() == [1]
         assert t0.mailbox.num_staged() == 0
 
@@ -184,5 +184,5 @@ async def test_frames_are_delivered_intact_until_the_first_malformed_one(
             await t0.recv_into(1, (99, 0, 0), memoryview(bytearray(1)))
     finally:
         await t0.aclose()
-    assert not t0._live
+    assert not t0.live
     await asyncio.sleep(0)

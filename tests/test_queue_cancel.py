@@ -31,6 +31,7 @@ from etcd_helpers import etcd, needs_etcd
 import aiodist
 import aiodist.sync as dist
 from aiodist.errors import QueueEmptyError
+from aiodist.sync import _loop_thread
 
 __all__ = ["etcd"]  # (the fixture imported above, used by name)
 
@@ -185,14 +186,14 @@ class _Interrupted(BaseException):
     KeyboardInterrupt)."""
 
 
-_WAIT = (str(Path(aiodist.__file__).parent / "_loop_thread.py"), "wait")
+_WAIT = _loop_thread.wait.__code__
 
 
 def _waiting(frame: FrameType | None) -> bool:
     """Whether ``frame`` is a blocking call of aiodist waiting for its result (where Ctrl-C
     lands: the thread spends its time there, and a lock's wait is interrupted for it)."""
     while frame is not None:
-        if (frame.f_code.co_filename, frame.f_code.co_name) == _WAIT:
+        if frame.f_code is _WAIT:
             return True
         frame = frame.f_back
     return False

@@ -77,15 +77,19 @@ class _Blocking(Generic[P, T]):
 
 
 _live_stores: weakref.WeakSet[Store] = weakref.WeakSet()
-# The async stores whose blocking store was dropped without being closed: a process group
-# made on them may still use them (a store made inside a function and passed to
-# init_process_group), so they are closed only when the loop thread stops, not left open on
-# a stopped loop, where a server would hold its clients' connections without answering.
+# The async stores with connections on the loop whose blocking store was dropped without
+# being closed: a process group made on them may still use them (a store made inside a
+# function and passed to init_process_group), so they are closed only when the loop thread
+# stops, not left open on a stopped loop, where a server would hold its clients'
+# connections without answering.
 _orphans: list[_aio.Store] = []
 
 
 def _orphaned(store: _aio.Store) -> None:
-    _orphans.append(store)
+    # The others are the garbage collector's, once nothing uses them: a FileStore then counts
+    # itself out (the last of its world removes the file), as torch's does when destroyed.
+    if isinstance(store, (_aio.TCPStore, _aio.EtcdStore)):
+        _orphans.append(store)
 
 
 class Store:
