@@ -390,6 +390,41 @@ def test_output_lines_carry_the_rank_after_a_shrink(tmp_path: Path) -> None:
         "[rank1]: before: rank 1",
         "[rank2]: before: rank 2",
     ], result.stdout
+    # The marks are taken out of both streams, and stderr follows the rank too.
+    assert "aiodist-rank" not in result.stdout + result.stderr
+    assert "\x1b" not in result.stdout + result.stderr
+
+
+_MARKS = r"""
+import os, sys
+sys.stdout.write("unended ")
+sys.stdout.flush()
+os.write(1, b"\x1b]aiodist-rank;7\x07\n")
+print("as rank 7", flush=True)
+print("\x1b]aiodist-rank;not a mark", flush=True)
+print("on stderr, still rank 0", file=sys.stderr, flush=True)
+os.write(2, b"\x1b]aiodist-rank;5\x07\n")
+print("on stderr as rank 5", file=sys.stderr, flush=True)
+"""
+
+
+def test_a_worker_says_its_new_rank_in_its_own_streams(tmp_path: Path) -> None:
+    # What a worker writes as it joins a world under a new rank (_assembly._join.RANK_MARK):
+    # each stream takes the new prefix exactly after the lines before the mark; a line the
+    # script had not ended is printed as it was; anything else is left as written.
+    script = tmp_path / "marks.py"
+    script.write_text(_MARKS)
+    result = launch("--nproc-per-node=1", str(script))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "[rank0]: unended ",
+        "[rank7]: as rank 7",
+        "[rank7]: \x1b]aiodist-rank;not a mark",
+    ], result.stdout
+    assert [line for line in result.stderr.splitlines() if line.startswith("[rank")] == [
+        "[rank0]: on stderr, still rank 0",
+        "[rank5]: on stderr as rank 5",
+    ], result.stderr
 
 
 def test_master_port_and_rdzv_endpoint() -> None:

@@ -14,13 +14,14 @@ import contextlib
 import ipaddress
 import logging
 import os
+import sys
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .. import backends as _backends, group as _group
 from .._util._auth import resolve_token
-from ..errors import DistError, DistNetworkError, DistUsageError
+from ..errors import DistNetworkError, DistUsageError
 from ..group import Connect, Membership, ProcessGroup, World, start_world
 from ..store import PrefixStore, Store
 from ..transport._address import listen_host
@@ -31,7 +32,7 @@ __all__ = [
     "Observer",
     "observe_worlds",
     "CURRENT",
-    "RANK_QUEUE",
+    "RANK_MARK",
     "announce",
     "connect_members",
     "connector",
@@ -183,7 +184,7 @@ async def announce(world: World) -> None:
     membership = world.membership
     if membership is None:
         return
-    await _tell_launcher(membership.lobby, world.rank)
+    _tell_launcher(membership.lobby, world.rank)
     if world.rank != 0:
         return
     store, path = world.store, ""
@@ -194,25 +195,32 @@ async def announce(world: World) -> None:
     await membership.lobby.set(CURRENT, f"{path}|{world.size}")
 
 
-#: The queue, in the root of the job's store, where a worker of ``aiodist-run`` says its
-#: rank each time it joins a world (``{run id}``, ``{node}``, ``{local rank}``): the launcher
-#: prefixes the worker's output lines with it, also after a shrink or an admission.
-RANK_QUEUE = "aiodist-run/{run}/rank/{node}/{local}"
+#: What a worker of ``aiodist-run`` writes on a line of its own to its stdout and its stderr
+#: each time it joins a world, followed by its rank and BEL: the launcher takes the line out
+#: and prefixes the worker's later lines with that rank, also after a shrink or an admission.
+#: In the streams themselves, so the new prefix starts exactly after the lines written before
+#: (a message on another channel could overtake them or fall behind). An OSC escape: a
+#: terminal shows nothing should one reach it.
+RANK_MARK = b"\x1b]aiodist-rank;"
 
 
-async def _tell_launcher(job: Store, rank: int) -> None:
-    run, node, local = (os.environ.get(v) for v in ("AIODIST_RUN_ID", "GROUP_RANK", "LOCAL_RANK"))
-    if not (run and node and local):
+def _tell_launcher(job: Store, rank: int) -> None:
+    if not all(os.environ.get(v) for v in ("AIODIST_RUN_ID", "GROUP_RANK", "LOCAL_RANK")):
         return  # (not a worker of aiodist-run)
     # Only the job's world (its namespace right on the store the launcher gave): a world the
     # worker forms in a namespace of its own numbers its ranks as it pleases.
     root = job.underlying_store if isinstance(job, PrefixStore) else job
     if isinstance(root, PrefixStore):
         return
-    try:
-        await root.queue_push(RANK_QUEUE.format(run=run, node=node, local=local), str(rank))
-    except DistError as exc:
-        logger.debug("could not tell the launcher this rank (%d): %s", rank, exc)
+    mark = RANK_MARK + b"%d\x07\n" % rank
+    for stream, fd in ((sys.stdout, 1), (sys.stderr, 2)):
+        # What the script wrote before goes first (its buffered text, then the mark).
+        try:
+            if stream is not None:
+                stream.flush()
+            os.write(fd, mark)
+        except (OSError, ValueError) as exc:  # (a closed stream or descriptor)
+            logger.debug("could not tell the launcher this rank (%d): %s", rank, exc)
 
 
 def job_store(store: Store, name: str) -> PrefixStore:

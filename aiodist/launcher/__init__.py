@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import email.parser
+import functools
 import json
 import logging
 import os
@@ -52,12 +53,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from .._assembly._join import RANK_QUEUE
 from .._util._auth import derive_key, resolve_token
 from .._util._loop import loop_factory
 from ..debug import format_status, gather_status
 from ..debug._status import authorized
-from ..errors import DistError, DistTimeoutError, DistUsageError
+from ..errors import DistError, DistUsageError
 from ..store import Store, TCPStore
 
 # The command line and the agreement between nodes have modules of their own; their public
@@ -72,7 +72,7 @@ from ._coordinator import (
     route_to,
 )
 from ._preload import Starter
-from ._workers import WorkerFailure, WorkerGroup, WorkerSpec, describe_exit
+from ._workers import WorkerFailure, WorkerGroup, WorkerSpec, default_prefix, describe_exit
 
 logger = logging.getLogger(__name__)
 
@@ -504,23 +504,8 @@ class _Launcher:
             console=cfg.local_ranks_filter is None or local in cfg.local_ranks_filter,
             log_dir=attempt_dir / str(rank),
             error_file=attempt_dir / str(rank) / "error.json",
-            prefix=self._line_prefix(rank, local),
+            prefix=functools.partial(self._line_prefix, local=local),
         )
-
-    async def _renumber(self, group: WorkerGroup, local: int) -> None:
-        """Prefix the output of the worker of ``local`` with the rank it says it has, each
-        time it joins a world (``RANK_QUEUE``): a shrink or an admission renumbers ranks."""
-        assert self._store is not None
-        key = RANK_QUEUE.format(run=self._cfg.run_id, node=self._round.node_rank, local=local)
-        while True:
-            try:
-                rank = int(await self._store.queue_pop(key))
-            except DistTimeoutError:
-                continue  # (the store's own timeout: wait again)
-            except (DistError, ValueError) as exc:
-                logger.debug("the rank of local rank %d cannot be followed: %s", local, exc)
-                return
-            group.renumber(local, self._line_prefix(rank, local) or f"[rank{rank}]: ")
 
     def _environment(self) -> dict[str, str]:
         """What every worker's environment starts from (and the ``--preload`` starter's)."""
@@ -531,10 +516,11 @@ class _Launcher:
         return env
 
     def _line_prefix(self, rank: int, local: int) -> str:
-        """``--log-line-prefix-template`` for this worker (empty: the default prefix)."""
+        """What starts the console lines of the worker of ``local`` while it has ``rank``:
+        ``--log-line-prefix-template``, or the default prefix."""
         template = self._cfg.line_prefix
         if template is None:
-            return ""
+            return default_prefix(rank)
         fields = {
             "rank": rank,
             "local_rank": local,
@@ -570,10 +556,6 @@ class _Launcher:
         cfg = self._cfg
         group = WorkerGroup(self._round.node_rank, self._stdout, self._stderr, self._starter)
         self._group = group
-        renumbering = [
-            asyncio.create_task(self._renumber(group, local), name=f"aiodist-run rank of {local}")
-            for local in range(cfg.nproc_per_node)
-        ]
         self._finished, self._taken = False, 0
         # A node taken into a running attempt starts its workers as replacements are:
         # TORCHELASTIC_RESTART_COUNT above 0, so that they join the running world.
@@ -634,9 +616,6 @@ class _Launcher:
             raise
         finally:
             self._group = None
-            for task in renumbering:
-                task.cancel()
-            await asyncio.gather(*renumbering, return_exceptions=True)
         # This node is done; the job is done once every node is (every node that is left,
         # when the attempt goes on without lost nodes).
         self._finished = True

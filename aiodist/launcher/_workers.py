@@ -24,11 +24,12 @@ import os
 import signal
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
+from .._assembly._join import RANK_MARK
 from ._preload import ForkedProcess, Starter, die_with_parent
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,18 @@ class Std(enum.IntFlag):
     ALL = 3
 
 
+def default_prefix(rank: int) -> str:
+    """What starts a worker's console lines unless ``--log-line-prefix-template`` says."""
+    return f"[rank{rank}]: "
+
+
+def _marked_rank(rest: bytes) -> int | None:
+    """The rank in a mark's ``rest`` (what follows :data:`RANK_MARK`: digits, then BEL), or
+    ``None`` if it is no mark."""
+    digits, bel, _ = rest.partition(b"\x07")
+    return int(digits) if bel and digits.isdigit() else None
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
     """Everything needed to start one worker process.
@@ -63,7 +76,9 @@ class WorkerSpec:
         console: whether the console shows this worker at all (``--local-ranks-filter``).
         log_dir: where ``stdout.log``/``stderr.log`` go when ``redirect | tee`` asks for them.
         error_file: the path given as ``TORCHELASTIC_ERROR_FILE``.
-        prefix: what starts each of its lines on the console (``[rankN]: ``).
+        prefix: what starts each of its lines on the console, given its rank (by default
+            ``[rankN]: ``); a worker that says it has a new rank (:data:`RANK_MARK`) has its
+            later lines start with the new rank's.
     """
 
     rank: int
@@ -75,7 +90,7 @@ class WorkerSpec:
     console: bool
     log_dir: Path
     error_file: Path
-    prefix: str = ""
+    prefix: Callable[[int], str] = default_prefix
 
 
 @dataclass
@@ -148,8 +163,6 @@ class _Worker:
         #: Why the launcher sent SIGKILL, if it did.
         self.killed: str | None = None
         self.exited_at: float | None = None
-        #: What starts each of its lines on the console (its rank changes after a shrink).
-        self.prefix = (spec.prefix or f"[rank{spec.rank}]: ").encode()
 
     def __repr__(self) -> str:
         state = "running" if self.exitcode is None else describe_exit(self.exitcode)
@@ -219,13 +232,6 @@ class WorkerGroup:
                 return failure
             finished.append(worker.spec.rank)
         return None
-
-    def renumber(self, local_rank: int, prefix: str) -> None:
-        """Start the console lines of the running worker of ``local_rank`` with ``prefix``
-        from now on (its world changed its rank: a shrink or an admission)."""
-        for worker in self._workers:
-            if worker.spec.local_rank == local_rank and worker.exitcode is None:
-                worker.prefix = prefix.encode()
 
     async def start(self, specs: Sequence[WorkerSpec]) -> None:
         """Start one process per spec.
@@ -319,6 +325,8 @@ class WorkerGroup:
         file: BinaryIO | None,
         keep_tail: bool,
     ) -> None:
+        # (Each stream follows the worker's rank by the marks in it: see RANK_MARK.)
+        prefix = worker.spec.prefix(worker.spec.rank).encode()
         pending = b""
         while True:
             chunk = await reader.read(_READ_CHUNK)
@@ -327,14 +335,43 @@ class WorkerGroup:
             data = pending + chunk
             lines = data.split(b"\n")
             pending = lines.pop()
-            self._emit(worker, lines, console, file, keep_tail)
+            prefix = self._emit_marked(worker, lines, prefix, console, file, keep_tail)
         if pending:
-            self._emit(worker, [pending], console, file, keep_tail)
+            self._emit_marked(worker, [pending], prefix, console, file, keep_tail)
+
+    def _emit_marked(
+        self,
+        worker: _Worker,
+        lines: list[bytes],
+        prefix: bytes,
+        console: BinaryIO | None,
+        file: BinaryIO | None,
+        keep_tail: bool,
+    ) -> bytes:
+        """Emit ``lines`` of ``worker``, taking out the marks of its new ranks; return the
+        prefix its next lines get."""
+        start = 0
+        for i, line in enumerate(lines):
+            at = line.find(RANK_MARK)
+            if at < 0:
+                continue
+            rank = _marked_rank(line[at + len(RANK_MARK) :])
+            if rank is None:
+                continue  # (not a mark after all: the line stays as it is)
+            before = lines[start:i]
+            if at:
+                before.append(line[:at])  # (a line the script had not ended)
+            self._emit(worker, before, prefix, console, file, keep_tail)
+            prefix = worker.spec.prefix(rank).encode()
+            start = i + 1
+        self._emit(worker, lines[start:], prefix, console, file, keep_tail)
+        return prefix
 
     def _emit(
         self,
         worker: _Worker,
         lines: list[bytes],
+        prefix: bytes,
         console: BinaryIO | None,
         file: BinaryIO | None,
         keep_tail: bool,
@@ -349,7 +386,6 @@ class WorkerGroup:
         if console is not None:
             # A worker's partial line is only printed once complete, so lines of different
             # ranks never interleave mid-line.
-            prefix = worker.prefix
             console.write(b"".join(prefix + line + b"\n" for line in lines))
             console.flush()
 
