@@ -19,7 +19,6 @@ arrives) is shown apart from the rest.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextvars
 import cProfile
 import json
