@@ -9,11 +9,13 @@ For each kind of call (``async``: ``await aiodist.all_reduce(x)``; ``sync``:
 ``--calls`` calls back to back (after a barrier; the slowest rank's average), then runs as
 many again under cProfile (rank 0; for ``sync`` the loop thread too) and counts the Python
 function calls per operation, by layer. Call counts are deterministic where the time is not
-(the machine is shared): a layer's count is what it costs per call whatever the load, the
-time share says how heavy its calls are (cProfile inflates every call alike, so shares, not
-times). Calls of C functions (numpy, struct, ``perf_counter``) count in the layer of the
-Python function that made them. The polling of a wait (its rounds depend on when the peer
-arrives) is shown apart from the rest.
+(the machine is shared): a layer's count is what it costs per call whatever the load. The
+profile's clock is each thread's CPU time, so a rank is not charged for the time it waited
+for a CPU or slept; a layer's share of it times rank 0's CPU time per call, measured without
+the profiler, estimates the layer's cost (cProfile inflates every call about alike).
+Calls of C functions (numpy, struct, ``perf_counter``) count in the layer of the Python
+function that made them. The polling of a wait (its rounds depend on when the peer arrives)
+is shown apart from the rest.
 """
 
 from __future__ import annotations
@@ -172,17 +174,21 @@ def worker(tmp: str) -> None:
     out: dict[str, Any] = {}
     for kind in cfg["kinds"]:
         is_async, fn = kinds[kind]
-        times = []
+        times, cpu = [], []
         for _ in range(cfg["rounds"] + 1):  # (the first round warms up)
             sync.barrier()
+            used = time.process_time()
             if is_async:
                 times.append(run(_loop_async(fn, cfg["calls"])))
             else:
                 times.append(_loop_sync(fn, cfg["calls"]))
-        out[kind] = {"times": times[1:]}
+            cpu.append((time.process_time() - used) / cfg["calls"])
+        out[kind] = {"times": times[1:], "cpu": cpu[1:]}
         if not cfg["profile"]:
             continue
-        prof, on_loop = cProfile.Profile(), cProfile.Profile()
+        # CPU time, not wall time: a rank that waits for a CPU (the machine is shared) or
+        # sleeps on its doorbell is not charged; one that polls is (its polls are "waiting").
+        prof, on_loop = cProfile.Profile(time.thread_time), cProfile.Profile(time.thread_time)
         sync.barrier()
         if rank == 0:
             if not is_async:
@@ -254,17 +260,19 @@ def main() -> None:
     for kind in cfg["kinds"]:
         rounds = [max(r[kind]["times"][i] for r in ranks) for i in range(args.rounds)]
         shown = ", ".join(f"{1e6 * t:.1f}" for t in rounds)
+        cpu = min(ranks[0][kind]["cpu"])
         print(f"\n{kind}: µs per call (slowest rank, each round): {shown}")
+        print(f"{kind}: CPU µs per call of rank 0 (its best round, every thread): {1e6 * cpu:.1f}")
         layers = ranks[0][kind].get("layers")
         if layers:
-            print("| layer | calls per op | share of profiled time |")
-            print("| --- | ---: | ---: |")
+            print("| layer | calls per op | share of CPU time | CPU µs per op (est.) |")
+            print("| --- | ---: | ---: | ---: |")
             for layer in ORDER:
                 if layer in layers:
                     c, share = layers[layer]
-                    print(f"| {layer} | {c:.1f} | {100 * share:.0f} % |")
+                    print(f"| {layer} | {c:.1f} | {100 * share:.0f} % | {1e6 * cpu * share:.1f} |")
             total = sum(c for layer, (c, _) in layers.items() if layer != "waiting (polls)")
-            print(f"| all but polls | {total:.1f} | |")
+            print(f"| all but polls | {total:.1f} | | |")
 
 
 if __name__ == "__main__":
