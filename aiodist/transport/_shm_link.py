@@ -19,7 +19,9 @@ header never wraps around the end of the ring.
 Data path. ``ShmTransport.send`` queues a message on its link, which copies the header and
 payload into the ring at once when there is room (a small send's future is resolved before
 ``send`` returns); a large payload is streamed in ``CHUNK_BYTES`` pieces, ``head`` published
-after each, so the receiver copies out while the sender copies in. The receiver asks the
+after each, so the receiver copies out while the sender copies in. A receiver that sleeps is
+rung after each piece when the host's ranks fit its CPUs, else once per turn: there each ring
+is a trip through the scheduler for both, and the receiver has no CPU to copy out meanwhile. The receiver asks the
 mailbox where a message goes when its header arrives (``Mailbox.incoming``): the posted
 receive's own memory, or a staging buffer, and copies straight there. What the receiver
 stages is bounded by flow control (``_flow``, the same messages as TCP's): a message that
