@@ -21,9 +21,10 @@ payload into the ring at once when there is room (a small send's future is resol
 ``send`` returns); a large payload is streamed in ``CHUNK_BYTES`` pieces, ``head`` published
 after each, so the receiver copies out while the sender copies in. A receiver that sleeps is
 rung after each piece when the host's ranks fit its CPUs, else once per turn: there each ring
-is a trip through the scheduler for both, and the receiver has no CPU to copy out meanwhile. The receiver asks the
-mailbox where a message goes when its header arrives (``Mailbox.incoming``): the posted
-receive's own memory, or a staging buffer, and copies straight there. What the receiver
+is a trip through the scheduler for both, and the receiver has no CPU to copy out meanwhile.
+The receiver asks the mailbox where a message goes when its header arrives
+(``Mailbox.incoming``): the posted receive's own memory, or a staging buffer, and copies
+straight there. What the receiver
 stages is bounded by flow control (``_flow``, the same messages as TCP's): a message that
 does not fit the peer's credit is announced and its payload waits for the receive. Messages
 leave in order, except the pieces of the payloads of cleared messages (``bulk``): each waits
