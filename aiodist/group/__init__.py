@@ -995,7 +995,7 @@ class ProcessGroup:
             op.settle(None, output if result is None else result)
 
     def _finished(self, op: Operation, started: object = None, _task: object = None) -> None:
-        if isinstance(started, Coroutine):
+        if started is not None and isinstance(started, Coroutine):
             # A task cancelled before its first step never awaited it (a group destroyed
             # at once): closed, it is not reported as never awaited.
             started.close()

@@ -279,10 +279,32 @@ def _all_reduce_op(op: object, dtype: Any) -> ReduceOp:
 
 @_operation("all_reduce")
 def _all_reduce(intake: Intake, pg: ProcessGroup, tensor: object, op: object) -> Call:
+    # A program repeats the same few calls: a numpy array that the intake takes as it is
+    # (writable, C-contiguous) and a plain ReduceOp pass the checks exactly as the last call
+    # with the same intake, dtype, shape and op did, so what that one found is reused.
+    key = None
+    if type(tensor) is np.ndarray and type(op) is ReduceOp:
+        flags = tensor.flags
+        if flags.writeable and flags.c_contiguous:
+            key = (intake, tensor.dtype, tensor.shape, op)
+            known = _checked_all_reduce.get(key)
+            if known is not None:
+                return Call((tensor, *known[0]), known[1], tensor)
     x = intake(tensor, writable=True, name="tensor")
     rop = _all_reduce_op(op, x.dtype)
     fp = fingerprint("all_reduce", dtype=x.dtype, shape=x.shape, reduce_op=rop)
-    return Call((x, rop, _factor(op)), fp, tensor)
+    call = Call((x, rop, _factor(op)), fp, tensor)
+    if key is not None and x is tensor:
+        if len(_checked_all_reduce) >= _CHECKED_SIZE:  # a few call shapes; never unbounded
+            _checked_all_reduce.clear()
+        _checked_all_reduce[key] = (call.args[1:], fp)
+    return call
+
+
+#: What the checks of an all_reduce found, by (intake, dtype, shape, op): the algorithm's
+#: arguments after the array, and the fingerprint (see ``_all_reduce``).
+_checked_all_reduce: dict[tuple[object, ...], tuple[tuple[Any, ...], bytes]] = {}
+_CHECKED_SIZE = 1024
 
 
 #: The reductions that reduce a complex array as the pairs of reals it is made of.

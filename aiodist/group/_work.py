@@ -140,7 +140,10 @@ class Work(Generic[T]):
         return f"<Work {op.name} {key} group={op.group.group_id} {state}>"
 
     def __await__(self) -> Generator[Any, None, T]:
-        return self.wait().__await__()
+        fut = self._future
+        if fut.done():  # (most small operations: no coroutine for the wait)
+            return fut.result()
+        return (yield from self.wait().__await__())
 
     async def wait(self, timeout: Timeout = None) -> T:
         """Wait for the operation to finish and return its result.

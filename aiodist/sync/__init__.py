@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import functools
 import inspect
 import logging
 import multiprocessing
@@ -67,7 +68,7 @@ from ..group import NON_GROUP_MEMBER, NonGroupMember, ProcessGroup
 from ..group._operations import OPERATIONS
 from ..group._recorder import DUMP_DIR_ENV, comm_name, record_comm
 from ..rendezvous import get_node_local_rank
-from ._loop_thread import block, loop_thread, on_loop, run, start_on_loop, wait
+from ._loop_thread import Outcome, loop_thread, on_loop, run, start_operation, wait
 from ._stores import (
     EtcdStore,
     FileStore,
@@ -369,7 +370,7 @@ def _twin(name: str) -> Callable[..., Any]:
         # Made on the loop thread, which is where the async work's callbacks may be added.
         if mode == "work" or async_op:
             return on_loop(lambda: Work(start()))
-        result = block(name, start_on_loop(start, Work))
+        result = start_operation(name, start, _track)
         return result if mode == "result" else None
 
     twin.__name__ = twin.__qualname__ = name
@@ -388,6 +389,23 @@ def _twin(name: str) -> Callable[..., Any]:
 
 
 _POSITIONAL = inspect.Parameter.POSITIONAL_OR_KEYWORD
+
+
+def _track(work: _group.Work[T], done: Outcome[T]) -> None:
+    # On the loop thread (or standing in for it): settle ``done`` with the operation's
+    # outcome, at once when it ended as it started.
+    if work.is_completed():
+        _settle(work, done)
+    else:
+        work.add_done_callback(functools.partial(_settle, done=done))
+
+
+def _settle(work: _group.Work[T], done: Outcome[T]) -> None:
+    exc = work.exception()
+    if exc is not None:
+        done.set_exception(exc)
+    else:
+        done.set_result(work.result())
 
 
 class Backend(str):

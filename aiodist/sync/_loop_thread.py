@@ -19,9 +19,10 @@ What this module offers the rest of the package:
 * :func:`run`: run a coroutine there and block for its result (with a timeout, cancelling it
   on Ctrl-C);
 * :func:`on_loop`: call a function there, or standing in for it, and return its result;
-* :func:`start_on_loop` and :func:`block`: start an operation there (or standing in for it),
-  then block for its end,
-  aborting the default group if Ctrl-C interrupts the wait;
+* :func:`start_operation`: start an operation there (or standing in for it), then block for
+  its end (:class:`Outcome`), aborting the default group if Ctrl-C interrupts the wait;
+* :func:`start_on_loop`: start work there (or standing in for it); return a future of its
+  end at once;
 * :func:`wait`: ``future.result()`` with a short poll first (:mod:`aiodist._util._wait`'s policy,
   when :func:`may_spin`), which spares the loop thread a wake-up of the caller.
 
@@ -38,7 +39,7 @@ import os
 import selectors
 import threading
 from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from .._util._asyncio_internals import (
     loop_on_this_thread,
@@ -54,12 +55,13 @@ from ..group._default import blocking_loops
 
 __all__ = [
     "SHUTDOWN_TIMEOUT",
-    "block",
+    "Outcome",
     "loop_thread",
     "may_spin",
     "on_loop",
     "run",
     "start_on_loop",
+    "start_operation",
     "wait",
 ]
 
@@ -374,15 +376,84 @@ def start_on_loop(
     return done
 
 
-def block(op: str, future: concurrent.futures.Future[T]) -> T:
-    """Wait for ``future`` (operation ``op``'s); on Ctrl-C abort the default group, re-raise.
+class Outcome(Generic[T]):
+    """The outcome of one operation, handed from the loop thread to the one thread that
+    blocks on it: what :func:`start_operation` needs of ``concurrent.futures.Future``
+    (settle once, ``done()``, ``result()``), without its condition variable, whose Python
+    code cost a small operation more than the rest of the hand-over. A lock taken at birth
+    and released when the outcome is set is what a waiter that finds it not done sleeps on.
+    """
+
+    __slots__ = ("_done", "_error", "_lock", "_value")
+
+    def __init__(self) -> None:
+        self._done = False
+        self._value: T | None = None
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._lock.acquire()
+
+    def set_result(self, value: T) -> None:
+        """Settle with ``value`` (the first outcome stays)."""
+        if not self._done:
+            self._value = value
+            self._done = True
+            self._lock.release()
+
+    def set_exception(self, exc: BaseException) -> None:
+        """Settle with ``exc`` (the first outcome stays)."""
+        if not self._done:
+            self._error = exc
+            self._done = True
+            self._lock.release()
+
+    def done(self) -> bool:
+        """Whether the outcome is set."""
+        return self._done
+
+    def result(self) -> T:
+        """Block until the outcome is set; return its value.
+
+        Raises:
+            BaseException: the exception it was set with.
+        """
+        if not self._done:
+            self._lock.acquire()  # (interruptible: Ctrl-C raises KeyboardInterrupt here)
+            self._lock.release()
+        if self._error is not None:
+            raise self._error
+        return self._value  # type: ignore[return-value]
+
+
+def start_operation(op: str, start: Callable[[], W], track: Callable[[W, Outcome[T]], object]) -> T:
+    """Start operation ``op`` on the loop thread, or standing in for it, and block for its
+    outcome; on Ctrl-C abort the default group and re-raise.
+
+    Args:
+        op: the operation's name (for the abort's reason).
+        start: starts the operation on the loop thread and returns its async work.
+        track: called there with that work and the outcome to settle with the operation's
+            (at once when the work is born done, the common case of a small operation).
 
     Raises:
+        DistUsageError: called from the loop thread.
         KeyboardInterrupt: Ctrl-C while waiting; the peers fail at once, naming ``op``.
-        BaseException: the operation's failure.
+        BaseException: what ``start`` raised, or the operation's failure.
     """
+    _not_on_the_loop_thread()
+    done: Outcome[T] = Outcome()
+
+    def call() -> None:
+        try:
+            track(start(), done)
+        except BaseException as exc:
+            done.set_exception(exc)
+
+    _call_soon(call)
     try:
-        return wait(future)
+        if not done.done() and may_spin():
+            spin_until(done.done, SPIN_SECONDS)
+        return done.result()
     except KeyboardInterrupt:
         _abort_on_interrupt(op)
         raise

@@ -733,6 +733,12 @@ class ShmTransport(Transport):
 
     # -- moving bytes ----------------------------------------------------------------------
 
+    @property
+    def polls(self) -> bool:
+        """Whether this transport polls for its peers' writes (each rank of the host has a
+        CPU of its own) rather than sleeping on its doorbell."""
+        return bool(self._spin)
+
     def schedule(self) -> None:
         if not self._scheduled and self.closed is None:
             self._scheduled = True
