@@ -23,7 +23,7 @@ from ._auth import resolve_token
 from ._forming import Forming
 from ._status import register_status, status_enabled
 from .errors import DistError, DistNetworkError, DistUsageError
-from .group import Connect, Membership, ProcessGroup, World, start_world
+from .group import CURRENT, Connect, Membership, ProcessGroup, World, start_world
 from .store import PrefixStore, Store
 from .transport._address import listen_host
 from .transport.base import Transport
@@ -95,7 +95,7 @@ async def join_world(
         raise
     logger.debug("rank %d/%d joined generation %d", rank, world_size, generation)
     try:
-        return await open_world(
+        pg = await open_world(
             transport,
             prefixed,
             backend=backend,
@@ -106,6 +106,13 @@ async def join_world(
         )
     finally:
         await forming.leave()
+    if generation and rank == 0:
+        # Every rank formed this generation, so none forms the one before any more: the
+        # note that its ranks joined a later one (above) did its work. (Written after that
+        # generation's last rank left and swept it, it would stay.)
+        with contextlib.suppress(DistError):
+            await earlier.delete_key(_LEFT)
+    return pg
 
 
 async def open_world(
@@ -150,11 +157,6 @@ async def open_world(
     return pg
 
 
-#: The key, in a job's namespace, naming its world of the moment: where it is in the store
-#: and how many ranks it has (``"<namespace>|<size>"``).
-CURRENT = "current"
-
-
 async def announce(world: World) -> None:
     """Record in the job's namespace that ``world`` is its world now, for the processes
     that wait to join it (they give up when every rank of it has left); and tell the
@@ -165,12 +167,7 @@ async def announce(world: World) -> None:
     await _tell_launcher(membership.lobby, world.rank)
     if world.rank != 0:
         return
-    store, path = world.store, ""
-    while store is not membership.lobby:
-        assert isinstance(store, PrefixStore)  # a world's store is a namespace of the job's
-        path = store.prefix + path
-        store = store.underlying_store
-    await membership.lobby.set(CURRENT, f"{path}|{world.size}")
+    await membership.lobby.set(CURRENT, f"{membership.path_of(world.store)}|{world.size}")
 
 
 #: The queue, in the root of the job's store, where a worker of ``aiodist-run`` says its

@@ -21,7 +21,10 @@ together, over the world's store:
   so the error can name the ranks that did not;
 * **leaving**: a rank records why it left under ``left/<rank>`` (its lease writes there too
   if it goes without a goodbye); a rank that hosts the store keeps it up until every rank
-  has left or gone, so that late address lookups and the abort reason stay readable.
+  has left or gone, so that late address lookups and the abort reason stay readable. The
+  last rank to leave sweeps the world's keys (``sweep``: a world whose store is a namespace
+  made for it deletes that namespace), so that a store that outlives the world keeps
+  nothing of it.
 
 Two ways to break. :meth:`FailureDomain.abort` (a real failure: an operation that failed
 part-way, a timeout, a mismatch, the store lost) drops the world's connections at once, and
@@ -112,6 +115,11 @@ class FailureDomain:
         hosting: whether this rank hosts the store (then it waits for every rank to leave).
         timeout: the world's operation timeout, also how long a host waits for the others
             to leave.
+        sweep: what the last rank to leave does, once every rank has left or gone, to
+            delete the world's keys (its namespace, where the store is one made for it);
+            ``None``: it deletes the records of timed-out operations (:meth:`missing`), the
+            only keys that grow while the world runs, and leaves the rest to the store's
+            owner.
 
     Attributes:
         broken: the first cause this domain broke for (an abort or a departure), or ``None``.
@@ -129,6 +137,7 @@ class FailureDomain:
         on_gone: Callable[[int, BaseException], None],
         hosting: bool,
         timeout: float | None,
+        sweep: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.store = store
         self.rank = rank
@@ -138,6 +147,7 @@ class FailureDomain:
         #: Whether this rank hosts the store (then it waits for every rank to leave).
         self.hosting = hosting
         self._timeout = timeout
+        self._sweep = sweep
         self.broken: BaseException | None = None
         self.aborted = False
         self.closed = False
@@ -359,7 +369,8 @@ class FailureDomain:
         """
         key = f"arrived/{prefix}"
         await self.store.append(key, f"{me},")
-        # Listed for the last rank to leave the world, which deletes them.
+        # Listed for the last rank to leave the world, which deletes them (unless it sweeps
+        # the world's whole namespace).
         await self.store.append(_ARRIVALS_KEY, f"{key};")
 
     async def arrived(self, prefix: str) -> set[int]:
@@ -483,15 +494,18 @@ class FailureDomain:
             async with asyncio.timeout(LEAVE_WAIT):
                 # The goodbye first: a request a stopped server has received is carried out
                 # when it runs again, and until the leases are withdrawn the end of this
-                # connection still says that this rank went.
-                await self.store.set(f"left/{self.rank}", reason)
+                # connection still says that this rank went. ``left/<rank>`` is the last key
+                # this rank writes here: once every rank's is there, nothing more comes, and
+                # the last to leave can delete the world's keys.
                 await self.store.append(_DEPARTURES_KEY, departure_record(self.rank, reason))
+                await self.store.set(f"left/{self.rank}", reason)
                 # Nothing more for the server to tell the others.
                 await self.store.lease(f"left/{self.rank}", None)
                 await self.store.lease(_DEPARTED_KEY, None)
                 await self.store.lease(_DEPARTURES_KEY, None)
                 if await self.store.check(keys):
-                    await self._forget_arrivals()  # (the last to leave: nobody counts any more)
+                    # The last to leave: nobody reads the world's keys any more.
+                    await (self._forget_arrivals() if self._sweep is None else self._sweep())
                     return
         except TimeoutError:
             logger.warning(

@@ -126,9 +126,18 @@ T = TypeVar("T")
 Connect = Callable[[Store, int, int], Coroutine[Any, Any, Transport]]
 
 
+#: The key, in a job's namespace, naming its world of the moment: where it is in the store
+#: and how many ranks it has (``"<namespace>|<size>"``), with ``"|ended"`` after them once
+#: every rank has left it for good.
+CURRENT = "current"
+
+
 @dataclasses.dataclass
 class Membership:
     """What a world needs to change its members (``shrink_group``, ``admit``).
+
+    A world with one has a namespace of the job's to itself (``init_process_group``'s
+    generation, a shrunk or grown world's): its last rank to leave deletes it.
 
     Attributes:
         connect: how its ranks connect, to connect the new set of ranks the same way.
@@ -140,6 +149,22 @@ class Membership:
     connect: Connect
     lobby: Store
     seen: int = 0
+
+    def path_of(self, store: Store) -> str:
+        """Where ``store``, a namespace in the job's (a world's), is in it: its prefix there."""
+        path = ""
+        while store is not self.lobby:
+            assert isinstance(store, PrefixStore)  # a world's store is a namespace of the job's
+            path = store.prefix + path
+            store = store.underlying_store
+        return path
+
+    async def ended(self, world: World) -> None:
+        """Record that ``world``, which every rank has left, ended: if the job still names it
+        its world of the moment (:data:`CURRENT`; a world its ranks moved on from names its
+        successor), processes waiting to join it learn that nobody will admit them."""
+        named = f"{self.path_of(world.store)}|{world.size}"
+        await self.lobby.compare_set(CURRENT, named, f"{named}|ended")
 
 
 #: Why a second ``init_process_group`` where a default group exists is refused, and what to
@@ -257,6 +282,7 @@ class World:
             on_gone=self._gone,
             hosting=False,
             timeout=timeout,
+            sweep=None if membership is None else self._sweep,
         )
         self.keep_stores(owned)
         self._next_group_id = 1
@@ -299,6 +325,13 @@ class World:
             for path in group.paths.values():
                 path.abort(failure)
         self.transport.abort(failure)
+
+    async def _sweep(self) -> None:
+        # Every rank has left: nobody reads the world's keys any more (a successor forms in
+        # a namespace beside this one), so its namespace goes, and the job stops naming it.
+        assert self.membership is not None
+        await self.store.delete_prefix("")
+        await self.membership.ended(self)
 
     def hand_over_stores(self, successor: World) -> None:
         """Give the stores this world made to ``successor``, the world that replaces it
