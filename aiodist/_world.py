@@ -90,6 +90,10 @@ _ARRIVAL_POLL = 0.02
 #: read the cause and leave.
 BROKEN_LEAVE_WAIT = 2.0
 
+#: Seconds a rank hosting the store waits for every rank to leave before it looks whether
+#: the last of them swept the world's keys already (see FailureDomain._all_left).
+_SWEPT_POLL = 0.5
+
 #: Seconds a leaving rank waits for the store to record its goodbye: the store's host may
 #: have left already, its process alive with its event loop stopped (a worker pool, a
 #: notebook), and a store that never answers must not hold ``destroy_process_group``.
@@ -524,15 +528,29 @@ class FailureDomain:
         logger.info("rank %d: keeping the store up until every rank left", self.rank)
         try:
             await speaking(
-                self.store.wait(keys, limit),
+                self._all_left(keys, limit),
                 lambda: self._not_left(keys),
                 f"rank {self.rank} keeps the store it hosts up until every rank has left "
                 "(destroy_process_group or exit)",
             )
-        except DistTimeoutError as exc:
-            logger.info("rank %d: not every rank left the store: %s", self.rank, exc)
+        except TimeoutError:
+            logger.info("rank %d: not every rank left the store within %s s", self.rank, limit)
         except DistError as exc:
             logger.warning("rank %d: leaving the store: %s", self.rank, exc)
+
+    async def _all_left(self, keys: list[str], limit: float | None) -> None:
+        # Until every rank's ``left/<rank>`` is there, or they are gone: the last rank to
+        # leave may have found them all and swept the world's keys between this rank's look
+        # and its wait, which then would never end. Its own goodbye, which only a sweep
+        # deletes, says which (looked at between slices of the wait).
+        async with asyncio.timeout(limit):
+            while True:
+                try:
+                    await self.store.wait(keys, _SWEPT_POLL)
+                    return
+                except DistTimeoutError:
+                    if not await self.store.check([f"left/{self.rank}"]):
+                        return
 
     async def _not_left(self, keys: list[str]) -> str:
         found = await asyncio.gather(*(self.store.check([k]) for k in keys))

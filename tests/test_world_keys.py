@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
+from collections.abc import Awaitable, Callable, Sequence
 
 import numpy as np
 import pytest
 
 import aiodist
-from aiodist import DistError, DistTimeoutError, DistUsageError
+from aiodist import DistError, DistTimeoutError, DistUsageError, PrefixStore, Store
+from aiodist._world import FailureDomain
 from aiodist.store.tcp import TCPStore
 
 pytestmark = pytest.mark.both_loops
@@ -142,4 +145,66 @@ async def test_every_world_of_a_job_leaves_no_key_once_its_ranks_left() -> None:
         )
         assert await master.get(f"aiodist/{JOB}/current") == f"{SIZE}/1/|{SIZE}|ended".encode()
     finally:
+        await master.aclose()
+
+
+class _LeavingMeanwhile(PrefixStore):
+    """A world's namespace where, the first time this rank looks whether every rank has
+    left, ``meanwhile`` runs before the answer comes back (another rank leaving then)."""
+
+    def __init__(self, prefix: str, store: Store, meanwhile: Callable[[], Awaitable[None]]):
+        super().__init__(prefix, store)
+        self._meanwhile: Callable[[], Awaitable[None]] | None = meanwhile
+
+    async def check(self, keys: Sequence[str]) -> bool:
+        found = await super().check(keys)
+        if len(keys) > 1 and self._meanwhile is not None:
+            meanwhile, self._meanwhile = self._meanwhile, None
+            await meanwhile()
+        return found
+
+
+async def test_a_store_host_is_not_kept_waiting_by_the_last_rank_sweeping_first() -> None:
+    # The host rank finds that rank 1 has not left; rank 1 then leaves, finds every rank
+    # gone and sweeps the world's keys, before the host waits for them: the host must see
+    # that every rank left, not wait for keys that will never come back.
+    master = await TCPStore.create("127.0.0.1", 0, is_master=True, timeout=30)
+    clients = [await master.clone() for _ in range(2)]
+    domains: list[FailureDomain] = []
+
+    def domain(rank: int, store: PrefixStore) -> FailureDomain:
+        async def sweep() -> None:
+            await store.delete_prefix("")
+
+        return FailureDomain(
+            store,
+            rank,
+            2,
+            on_abort=lambda cause: None,
+            on_gone=lambda rank, cause: None,
+            hosting=rank == 0,
+            timeout=TIMEOUT,
+            sweep=sweep,
+        )
+
+    async def rank_1_leaves() -> None:
+        await domains[1].aclose()
+
+    domains.append(domain(0, _LeavingMeanwhile("world", clients[0], rank_1_leaves)))
+    domains.append(domain(1, PrefixStore("world", clients[1])))
+    try:
+        for d in domains:
+            d.start()
+        await asyncio.gather(*(d.leased() for d in domains))
+        started = time.monotonic()
+        await domains[0].aclose()
+        # (Before, it waited out the world's timeout.)
+        assert time.monotonic() - started < TIMEOUT / 2
+        assert domains[1].closed
+        assert await master.list_keys() == []
+    finally:
+        for d in domains:
+            await d.aclose()
+        for client in clients:
+            await client.aclose()
         await master.aclose()
