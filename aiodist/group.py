@@ -187,6 +187,9 @@ EAGER_SECONDS = 0.5e-3
 #: Seconds a rank that destroys its world waits for the calls it rejected to take their places
 #: on their data paths (a workspace's turn needs the peers there), so that the peers hear why.
 REJECTION_GRACE = 2.0
+#: Seconds an operation that a member left in order waits for another member's rejection of
+#: it before it fails for the member that left (see ProcessGroup._rejected_meanwhile).
+LEFT_REJECTION_WAIT = 0.5
 #: What they are told when its event loop ended with the group open.
 LOOP_ENDED_REASON = "left the process group as its event loop ended (no destroy_process_group)"
 
@@ -1004,7 +1007,9 @@ class ProcessGroup:
                     exc = self._rejection(op, peer, getattr(exc, "reason", ""))
                 op.settle(exc)
             elif departure_of(exc) is Departure.LEFT:
-                self._fail_alone(op, exc)
+                await self._rejected_meanwhile(op)
+                if not op.work._future.done():
+                    self._fail_alone(op, exc)
             elif departure_of(exc) is Departure.GONE and op not in self._expiring:
                 # Gone without a word: dead, or aborted in the middle of a message to this
                 # rank. The store says which (and why it aborted) within moments.
@@ -1051,6 +1056,16 @@ class ProcessGroup:
         op.settle(exc)
         self._world.abort(exc)
         self._cancel_task(op)
+
+    async def _rejected_meanwhile(self, op: Operation) -> None:
+        """Give a rejection of ``op`` a moment to arrive, a member it needs having left in
+        order (:data:`LEFT_REJECTION_WAIT`): that member may have given up its part because
+        another member rejected the operation, whose word, the real cause, can still be on
+        its way here over another connection, or unread, as the goodbye is read. The
+        rejection settles ``op`` (and cancels its task: see :meth:`World.on_reject`)."""
+        if op in self._inflight:
+            self._inflight[op] = math.inf  # (failing already: no timeout of its own)
+        await asyncio.wait([op.work._future], timeout=LEFT_REJECTION_WAIT)
 
     def _fail_alone(self, op: Operation, exc: BaseException) -> None:
         """Fail ``op`` because a rank it needs left in order, which breaks nothing else.
