@@ -16,8 +16,9 @@ replays it: ``--seed`` its seed, one value of each of the four options, ``--prog
 The programs run in worker processes that stay up from one program to the next, so that
 what a program leaves behind adds up: for the async API one process that runs every rank;
 for the blocking API one process per rank, each joining a new default group for each
-program (``group_name`` its seed) through a TCPStore that this process hosts. A program is
-counted
+program through a TCPStore that this process hosts, as a job that destroys its default group
+and makes another does (one ``group_name`` per worker set: each program is the job's next
+generation). A program is counted
 
 - **wrong value**: a result differs from the model;
 - **hang**: an operation timed out (``OP_TIMEOUT``, 5 s), or its workers did not answer
@@ -30,8 +31,10 @@ counted
 A worker set whose program found a problem is started again before the next program. After
 each program the bench reads each worker's resident memory, the keys left in the store (by
 the blocking API's worlds, which are destroyed), and the files left in ``/dev/shm`` by the
-workers. The growth of resident memory is counted from the end of the ``--warmup``-th
-program of a worker set to its last.
+workers. The first program of a worker set makes its job's own keys, which its later
+programs reuse (a generation counter and a forming record per rank, the job's current
+world): counted apart from the keys each later program leaves. The growth of resident
+memory is counted from the end of the ``--warmup``-th program of a worker set to its last.
 
 The results go to ``fuzz.md`` in a fresh temporary folder, or with ``--write`` to
 ``bench/results/fuzz.md`` (``--out``: another path), with every failing program's report.
@@ -99,9 +102,10 @@ def _async_worker(conn: multiprocessing.connection.Connection, loop: str) -> Non
 
 
 def _sync_worker(
-    conn: multiprocessing.connection.Connection, rank: int, port: int, loop: str
+    conn: multiprocessing.connection.Connection, rank: int, port: int, loop: str, name: str
 ) -> None:
-    """Run rank ``rank`` of programs with the blocking API, a new default group for each."""
+    """Run rank ``rank`` of programs with the blocking API, a new default group of the job
+    ``name`` (``group_name``) for each."""
     os.environ["AIODIST_LOOP"] = loop
     import aiodist.sync as dist
 
@@ -116,7 +120,7 @@ def _sync_worker(
                 rank=rank,
                 world_size=ranks,
                 timeout=program_fuzz.RUN_LIMIT,
-                group_name=f"fuzz-{seed}",
+                group_name=name,
                 shared_memory=transport == "shm",
             )
             try:
@@ -168,7 +172,9 @@ class WorkerSet:
         if config.api == "async":
             targets = [(_async_worker, (config.loop,))]
         else:
-            targets = [(_sync_worker, (r, port, config.loop)) for r in range(config.ranks)]
+            # (A job of its own: workers started again after a problem begin afresh.)
+            job = f"fuzz-{config.seed}"
+            targets = [(_sync_worker, (r, port, config.loop, job)) for r in range(config.ranks)]
         for target, args in targets:
             ours, theirs = ctx.Pipe()
             proc = ctx.Process(target=target, args=(theirs, *args), daemon=True)
@@ -248,6 +254,7 @@ class Totals:
     reports: list[Report] = field(default_factory=list)
     lifetimes: list[Lifetime] = field(default_factory=list)
     keys_left: list[int] = field(default_factory=list)  # per passing blocking-API program
+    job_keys: int = 0  # the most keys the first program of a blocking-API worker set made
     shm_left: int = 0  # the most files found after a passing program
     shm_names: list[str] = field(default_factory=list)
 
@@ -296,7 +303,9 @@ def run(args: argparse.Namespace) -> Totals:
                 totals.retire(workers, kill=kind == HANG or not done)
                 workers = None
                 continue
-            if api == "sync":
+            if api == "sync" and workers.programs == 1:
+                totals.job_keys = max(totals.job_keys, store.num_keys() - keys)
+            elif api == "sync":
                 totals.keys_left.append(store.num_keys() - keys)
             left = _shm_files(workers.pids)
             if len(left) > totals.shm_left:
@@ -395,12 +404,15 @@ def report_text(totals: Totals, args: argparse.Namespace, minutes: float) -> str
         "## Leaks",
         "",
         "Keys left in the store by the world of a passing blocking-API program, once "
-        "destroyed: "
+        "destroyed (every program but the first of its worker set): "
         + (
             f"{sum(keys)} in {len(keys)} programs (at most {max(keys)} by one)."
             if keys
             else "no such program."
         )
+        + " Keys made by the first program of a worker set, which the later ones reuse (its "
+        "job's generation counter and forming record of each rank, and its current world): "
+        f"at most {totals.job_keys}."
         + " Files left in `/dev/shm` by the workers after a passing program: at most "
         + f"{totals.shm_left}"
         + (f" ({', '.join(totals.shm_names)})." if totals.shm_names else "."),

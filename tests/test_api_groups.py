@@ -73,13 +73,14 @@ async def test_init_twice_and_destroy() -> None:
         aiodist.DistUsageError, match="all_reduce: the process group has been destroyed"
     ):
         aiodist.all_reduce(np.ones(3), group=pg)
-    # The same store can host the next world: keys are namespaced per generation.
+    # The same store can host the next world: keys are namespaced per generation, and a
+    # world's go as its last rank leaves.
     await aiodist.init_process_group(store=store, rank=0, world_size=1)
-    await aiodist.destroy_process_group()
     assert sorted(k for k in await store.list_keys() if "transport/" in k) == [
-        "aiodist/default_pg/1/0/transport/tcp/0",
-        "aiodist/default_pg/1/1/transport/tcp/0",
+        "aiodist/default_pg/1/1/transport/tcp/0"
     ]
+    await aiodist.destroy_process_group()
+    assert [k for k in await store.list_keys() if k.startswith("aiodist/default_pg/1/")] == []
 
 
 def test_parse_backend() -> None:

@@ -188,3 +188,32 @@ async def test_a_rank_that_rejects_and_destroys_at_once_still_tells_why(transpor
         assert (
             first == "lost connection to rank 1: it left the process group (destroy_process_group)"
         )
+
+
+async def test_a_rejection_slower_than_a_goodbye_still_names_the_rejecting_rank() -> None:
+    # Rank 0 rejects an all_reduce; rank 1 hears it and leaves, and its goodbye reaches rank 2
+    # before rank 0's word does (rank 0's connection to rank 2 is slow, or rank 2 reads the
+    # other one first): rank 2 still raises the rejection, the cause, not that rank 1 left.
+    async def fn(rank: int, size: int) -> str:
+        if rank == 0:
+            transport = aiodist.group.current_world().transport
+            send_reject, loop = transport.send_reject, asyncio.get_running_loop()
+
+            def slow_to_rank_2(peer: int, group: int, seq: int, reason: str) -> None:
+                if peer == 2:
+                    loop.call_later(0.3, send_reject, peer, group, seq, reason)
+                else:
+                    send_reject(peer, group, seq, reason)
+
+            transport.send_reject = slow_to_rank_2  # type: ignore[method-assign]
+        op = aiodist.ReduceOp.BAND if rank == 0 else aiodist.ReduceOp.SUM
+        with pytest.raises(aiodist.DistUsageError) as info:
+            await aiodist.all_reduce(np.ones(3, dtype=np.float32), op=op)
+        if rank == 0:
+            await asyncio.sleep(0.6)  # (until its word to rank 2 is out)
+        return str(info.value)
+
+    rejecter, first, second = await run_world(fn, 3, transport="tcp", timeout=20)
+    assert rejecter == "all_reduce: ReduceOp.BAND is not supported for dtype float32"
+    assert first.endswith(f"was rejected by rank 0: {rejecter}"), first
+    assert second.endswith(f"was rejected by rank 0: {rejecter}"), second

@@ -486,7 +486,7 @@ async def test_client_reports_a_server_of_another_protocol_version() -> None:
     try:
         with pytest.raises(
             aiodist.DistProtocolError,
-            match=r"speaks aiodist store protocol version 99, this client speaks version 4",
+            match=r"speaks aiodist store protocol version 99, this client speaks version 5",
         ):
             await aiodist.TCPStore.create("127.0.0.1", port, wire="aiodist", timeout=2)
     finally:

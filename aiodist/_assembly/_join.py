@@ -21,8 +21,8 @@ from typing import Any, Protocol
 
 from .. import backends as _backends, group as _group
 from .._util._auth import resolve_token
-from ..errors import DistNetworkError, DistUsageError
-from ..group import Connect, Membership, ProcessGroup, World, start_world
+from ..errors import DistError, DistNetworkError, DistUsageError
+from ..group import CURRENT, Connect, Membership, ProcessGroup, World, start_world
 from ..store import PrefixStore, Store
 from ..transport._address import listen_host
 from ..transport.base import Transport
@@ -117,7 +117,7 @@ async def join_world(
         raise
     logger.debug("rank %d/%d joined generation %d", rank, world_size, generation)
     try:
-        return await open_world(
+        pg = await open_world(
             transport,
             prefixed,
             backend=backend,
@@ -128,6 +128,13 @@ async def join_world(
         )
     finally:
         await forming.leave()
+    if generation and rank == 0:
+        # Every rank formed this generation, so none forms the one before any more: the
+        # note that its ranks joined a later one (above) did its work. (Written after that
+        # generation's last rank left and swept it, it would stay.)
+        with contextlib.suppress(DistError):
+            await earlier.delete_key(_LEFT)
+    return pg
 
 
 async def open_world(
@@ -172,11 +179,6 @@ async def open_world(
     return pg
 
 
-#: The key, in a job's namespace, naming its world of the moment: where it is in the store
-#: and how many ranks it has (``"<namespace>|<size>"``).
-CURRENT = "current"
-
-
 async def announce(world: World) -> None:
     """Record in the job's namespace that ``world`` is its world now, for the processes
     that wait to join it (they give up when every rank of it has left); and tell the
@@ -187,12 +189,7 @@ async def announce(world: World) -> None:
     _tell_launcher(membership.lobby, world.rank)
     if world.rank != 0:
         return
-    store, path = world.store, ""
-    while store is not membership.lobby:
-        assert isinstance(store, PrefixStore)  # a world's store is a namespace of the job's
-        path = store.prefix + path
-        store = store.underlying_store
-    await membership.lobby.set(CURRENT, f"{path}|{world.size}")
+    await membership.lobby.set(CURRENT, f"{membership.path_of(world.store)}|{world.size}")
 
 
 #: What a worker of ``aiodist-run`` writes on a line of its own to its stdout and its stderr

@@ -162,7 +162,7 @@ async def shrink(
     key = f"shrink/{group.group_id}/{group.membership_votes}"
     new_id = await vote(world.domain, key, excluded, remaining, group.timeout, group.group_rank)
     if default:
-        store = PrefixStore(f"{key}/world", world.store)
+        store = _beside(world.store, key)
         rank, size = remaining.index(world.rank), len(remaining)
         others = [r for r in remaining if r != world.rank]
         successor = await _successor(
@@ -175,6 +175,14 @@ async def shrink(
     await _backends.setup(shrunk)
     await group.destroy()
     return shrunk
+
+
+def _beside(store: Store, key: str) -> PrefixStore:
+    """The namespace where the world that the vote under ``key`` shrinks to forms, beside
+    the namespace ``store`` of the world it replaces, not in it: the old world's last rank to
+    leave deletes that world's namespace while the new one lives on."""
+    assert isinstance(store, PrefixStore)  # (a world that changes members has one of its own)
+    return PrefixStore(f"{store.prefix.rstrip('/')}+{key}", store.underlying_store)
 
 
 def _check(ranks_to_exclude: Sequence[int], shrink_flags: int, group: ProcessGroup) -> set[int]:
@@ -535,9 +543,13 @@ async def _admitted(
     while not await lobby.check([ticket]):
         current = await lobby.compare_set(CURRENT, "", "")
         if current:
-            path, size = current.decode().rsplit("|", 1)
-            left = await read_departures(PrefixStore(path.rstrip("/"), lobby))
-            if len(left) == int(size) and not any(w.startswith(_MOVED_ON) for w in left.values()):
+            path, size, *ended = current.decode().split("|")
+            # (Its last rank to leave marks it ended as it deletes its keys; until then, the
+            # departures say whether every rank left it.)
+            left = {} if ended else await read_departures(PrefixStore(path.rstrip("/"), lobby))
+            if ended or (
+                len(left) == int(size) and not any(w.startswith(_MOVED_ON) for w in left.values())
+            ):
                 raise DistNetworkError(
                     "join_process_group: the job's world ended before it admitted this "
                     f"process: every one of its {size} ranks left it"

@@ -275,7 +275,7 @@ async def gather_status(
     from .._assembly._join import CURRENT
 
     current = (await job.get(CURRENT)).decode()
-    size = int(current.rpartition("|")[2])
+    size = int(current.split("|")[1])
     recorded = (await job.get(STATUS_KEY)).decode() if await job.check([STATUS_KEY]) else ""
     endpoints = _endpoints(recorded, size, token)
     by_rank = {r: a for r, a in endpoints.items() if a is not None}

@@ -137,9 +137,18 @@ T = TypeVar("T")
 Connect = Callable[[Store, int, int], Coroutine[Any, Any, Transport]]
 
 
+#: The key, in a job's namespace, naming its world of the moment: where it is in the store
+#: and how many ranks it has (``"<namespace>|<size>"``), with ``"|ended"`` after them once
+#: every rank has left it for good.
+CURRENT = "current"
+
+
 @dataclasses.dataclass
 class Membership:
     """What a world needs to change its members (``shrink_group``, ``admit``).
+
+    A world with one has a namespace of the job's to itself (``init_process_group``'s
+    generation, a shrunk or grown world's): its last rank to leave deletes it.
 
     Attributes:
         connect: how its ranks connect, to connect the new set of ranks the same way.
@@ -151,6 +160,22 @@ class Membership:
     connect: Connect
     lobby: Store
     seen: int = 0
+
+    def path_of(self, store: Store) -> str:
+        """Where ``store``, a namespace in the job's (a world's), is in it: its prefix there."""
+        path = ""
+        while store is not self.lobby:
+            assert isinstance(store, PrefixStore)  # a world's store is a namespace of the job's
+            path = store.prefix + path
+            store = store.underlying_store
+        return path
+
+    async def ended(self, world: World) -> None:
+        """Record that ``world``, which every rank has left, ended: if the job still names it
+        its world of the moment (:data:`CURRENT`; a world its ranks moved on from names its
+        successor), processes waiting to join it learn that nobody will admit them."""
+        named = f"{self.path_of(world.store)}|{world.size}"
+        await self.lobby.compare_set(CURRENT, named, f"{named}|ended")
 
 
 #: Why a second ``init_process_group`` where a default group exists is refused, and what to
@@ -173,6 +198,9 @@ EAGER_SECONDS = 0.5e-3
 #: Seconds a rank that destroys its world waits for the calls it rejected to take their places
 #: on their data paths (a workspace's turn needs the peers there), so that the peers hear why.
 REJECTION_GRACE = 2.0
+#: Seconds an operation that a member left in order waits for another member's rejection of
+#: it before it fails for the member that left (see ProcessGroup._rejected_meanwhile).
+LEFT_REJECTION_WAIT = 0.5
 #: What they are told when its event loop ended with the group open.
 LOOP_ENDED_REASON = "left the process group as its event loop ended (no destroy_process_group)"
 
@@ -268,6 +296,7 @@ class World:
             on_gone=self._gone,
             hosting=False,
             timeout=timeout,
+            sweep=None if membership is None else self._sweep,
         )
         self.keep_stores(owned)
         self._next_group_id = 1
@@ -310,6 +339,13 @@ class World:
             for path in group.paths.values():
                 path.abort(failure)
         self.transport.abort(failure)
+
+    async def _sweep(self) -> None:
+        # Every rank has left: nobody reads the world's keys any more (a successor forms in
+        # a namespace beside this one), so its namespace goes, and the job stops naming it.
+        assert self.membership is not None
+        await self.store.delete_prefix("")
+        await self.membership.ended(self)
 
     def hand_over_stores(self, successor: World) -> None:
         """Give the stores this world made to ``successor``, the world that replaces it
@@ -982,7 +1018,9 @@ class ProcessGroup:
                     exc = self._rejection(op, peer, getattr(exc, "reason", ""))
                 op.settle(exc)
             elif departure_of(exc) is Departure.LEFT:
-                self._fail_alone(op, exc)
+                await self._rejected_meanwhile(op)
+                if not op.work._future.done():
+                    self._fail_alone(op, exc)
             elif departure_of(exc) is Departure.GONE and op not in self._expiring:
                 # Gone without a word: dead, or aborted in the middle of a message to this
                 # rank. The store says which (and why it aborted) within moments.
@@ -1029,6 +1067,16 @@ class ProcessGroup:
         op.settle(exc)
         self._world.abort(exc)
         self._cancel_task(op)
+
+    async def _rejected_meanwhile(self, op: Operation) -> None:
+        """Give a rejection of ``op`` a moment to arrive, a member it needs having left in
+        order (:data:`LEFT_REJECTION_WAIT`): that member may have given up its part because
+        another member rejected the operation, whose word, the real cause, can still be on
+        its way here over another connection, or unread, as the goodbye is read. The
+        rejection settles ``op`` (and cancels its task: see :meth:`World.on_reject`)."""
+        if op in self._inflight:
+            self._inflight[op] = math.inf  # (failing already: no timeout of its own)
+        await asyncio.wait([op.work._future], timeout=LEFT_REJECTION_WAIT)
 
     def _fail_alone(self, op: Operation, exc: BaseException) -> None:
         """Fail ``op`` because a rank it needs left in order, which breaks nothing else.

@@ -21,7 +21,10 @@ together, over the world's store:
   so the error can name the ranks that did not;
 * **leaving**: a rank records why it left under ``left/<rank>`` (its lease writes there too
   if it goes without a goodbye); a rank that hosts the store keeps it up until every rank
-  has left or gone, so that late address lookups and the abort reason stay readable.
+  has left or gone, so that late address lookups and the abort reason stay readable. The
+  last rank to leave sweeps the world's keys (``sweep``: a world whose store is a namespace
+  made for it deletes that namespace), so that a store that outlives the world keeps
+  nothing of it.
 
 Two ways to break. :meth:`FailureDomain.abort` (a real failure: an operation that failed
 part-way, a timeout, a mismatch, the store lost) drops the world's connections at once, and
@@ -87,6 +90,10 @@ _ARRIVAL_POLL = 0.02
 #: read the cause and leave.
 BROKEN_LEAVE_WAIT = 2.0
 
+#: Seconds a rank hosting the store waits for every rank to leave before it looks whether
+#: the last of them swept the world's keys already (see FailureDomain._all_left).
+_SWEPT_POLL = 0.5
+
 #: Seconds a leaving rank waits for the store to record its goodbye: the store's host may
 #: have left already, its process alive with its event loop stopped (a worker pool, a
 #: notebook), and a store that never answers must not hold ``destroy_process_group``.
@@ -112,6 +119,11 @@ class FailureDomain:
         hosting: whether this rank hosts the store (then it waits for every rank to leave).
         timeout: the world's operation timeout, also how long a host waits for the others
             to leave.
+        sweep: what the last rank to leave does, once every rank has left or gone, to
+            delete the world's keys (its namespace, where the store is one made for it);
+            ``None``: it deletes the records of timed-out operations (:meth:`missing`), the
+            only keys that grow while the world runs, and leaves the rest to the store's
+            owner.
 
     Attributes:
         broken: the first cause this domain broke for (an abort or a departure), or ``None``.
@@ -129,6 +141,7 @@ class FailureDomain:
         on_gone: Callable[[int, BaseException], None],
         hosting: bool,
         timeout: float | None,
+        sweep: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.store = store
         self.rank = rank
@@ -138,6 +151,7 @@ class FailureDomain:
         #: Whether this rank hosts the store (then it waits for every rank to leave).
         self.hosting = hosting
         self._timeout = timeout
+        self._sweep = sweep
         self.broken: BaseException | None = None
         self.aborted = False
         self.closed = False
@@ -359,7 +373,8 @@ class FailureDomain:
         """
         key = f"arrived/{prefix}"
         await self.store.append(key, f"{me},")
-        # Listed for the last rank to leave the world, which deletes them.
+        # Listed for the last rank to leave the world, which deletes them (unless it sweeps
+        # the world's whole namespace).
         await self.store.append(_ARRIVALS_KEY, f"{key};")
 
     async def arrived(self, prefix: str) -> set[int]:
@@ -483,15 +498,18 @@ class FailureDomain:
             async with asyncio.timeout(LEAVE_WAIT):
                 # The goodbye first: a request a stopped server has received is carried out
                 # when it runs again, and until the leases are withdrawn the end of this
-                # connection still says that this rank went.
-                await self.store.set(f"left/{self.rank}", reason)
+                # connection still says that this rank went. ``left/<rank>`` is the last key
+                # this rank writes here: once every rank's is there, nothing more comes, and
+                # the last to leave can delete the world's keys.
                 await self.store.append(_DEPARTURES_KEY, departure_record(self.rank, reason))
+                await self.store.set(f"left/{self.rank}", reason)
                 # Nothing more for the server to tell the others.
                 await self.store.lease(f"left/{self.rank}", None)
                 await self.store.lease(_DEPARTED_KEY, None)
                 await self.store.lease(_DEPARTURES_KEY, None)
                 if await self.store.check(keys):
-                    await self._forget_arrivals()  # (the last to leave: nobody counts any more)
+                    # The last to leave: nobody reads the world's keys any more.
+                    await (self._forget_arrivals() if self._sweep is None else self._sweep())
                     return
         except TimeoutError:
             logger.warning(
@@ -510,15 +528,29 @@ class FailureDomain:
         logger.info("rank %d: keeping the store up until every rank left", self.rank)
         try:
             await speaking(
-                self.store.wait(keys, limit),
+                self._all_left(keys, limit),
                 lambda: self._not_left(keys),
                 f"rank {self.rank} keeps the store it hosts up until every rank has left "
                 "(destroy_process_group or exit)",
             )
-        except DistTimeoutError as exc:
-            logger.info("rank %d: not every rank left the store: %s", self.rank, exc)
+        except TimeoutError:
+            logger.info("rank %d: not every rank left the store within %s s", self.rank, limit)
         except DistError as exc:
             logger.warning("rank %d: leaving the store: %s", self.rank, exc)
+
+    async def _all_left(self, keys: list[str], limit: float | None) -> None:
+        # Until every rank's ``left/<rank>`` is there, or they are gone: the last rank to
+        # leave may have found them all and swept the world's keys between this rank's look
+        # and its wait, which then would never end. Its own goodbye, which only a sweep
+        # deletes, says which (looked at between slices of the wait).
+        async with asyncio.timeout(limit):
+            while True:
+                try:
+                    await self.store.wait(keys, _SWEPT_POLL)
+                    return
+                except DistTimeoutError:
+                    if not await self.store.check([f"left/{self.rank}"]):
+                        return
 
     async def _not_left(self, keys: list[str]) -> str:
         found = await asyncio.gather(*(self.store.check([k]) for k in keys))

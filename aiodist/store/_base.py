@@ -159,6 +159,19 @@ class Store(abc.ABC):
     async def delete_key(self, key: str) -> bool:
         """Delete ``key``; return whether it existed."""
 
+    async def delete_prefix(self, prefix: str) -> int:
+        """Delete every key that starts with ``prefix`` (every key, for ``""``); return how
+        many it deleted. Queues are not deleted, as with :meth:`delete_key`.
+
+        This is how a namespace of keys is removed once its users are done (a process
+        group's, when its last rank leaves): one request where the store has one for it (an
+        aiodist TCPStore's server, a FileStore, a HashStore), else (this default, and
+        torch's wire) :meth:`list_keys` and a :meth:`delete_key` for each key found.
+        """
+        doomed = [k for k in await self.list_keys() if k.startswith(prefix)]
+        deleted = await asyncio.gather(*(self.delete_key(k) for k in doomed))
+        return sum(deleted)
+
     @abc.abstractmethod
     async def num_keys(self) -> int:
         """Return the number of keys in the store."""

@@ -86,7 +86,7 @@ _SET, _ADD, _COMPARE_SET, _CHECK = int(Op.SET), int(Op.ADD), int(Op.COMPARE_SET)
 _DELETE_KEY, _NUM_KEYS, _LIST_KEYS = int(Op.DELETE_KEY), int(Op.NUM_KEYS), int(Op.LIST_KEYS)
 _MULTI_SET, _APPEND = int(Op.MULTI_SET), int(Op.APPEND)
 _QUEUE_PUSH, _QUEUE_LEN = int(Op.QUEUE_PUSH), int(Op.QUEUE_LEN)
-_QUEUE_PUSH_FRONT = int(Op.QUEUE_PUSH_FRONT)
+_QUEUE_PUSH_FRONT, _DELETE_PREFIX = int(Op.QUEUE_PUSH_FRONT), int(Op.DELETE_PREFIX)
 
 
 def _nothing(payload: bytes) -> None:
@@ -358,6 +358,9 @@ class AiodistChannel(Channel, ReplySink):
 
     def delete(self, key: bytes) -> asyncio.Future[bool]:
         return self._submit(_DELETE_KEY, blob32(key), _flag)
+
+    def delete_prefix(self, prefix: bytes) -> asyncio.Future[int]:
+        return self._submit(_DELETE_PREFIX, blob32(prefix), _i64)
 
     def num_keys(self) -> asyncio.Future[int]:
         return self._submit(_NUM_KEYS, b"", _i64)

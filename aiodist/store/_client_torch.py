@@ -349,6 +349,11 @@ class TorchChannel(Channel, ReplySink):
     def delete(self, key: bytes) -> Awaitable[bool]:
         return self._request(torch_request(TorchOp.DELETE_KEY, key), _p_flag)
 
+    async def delete_prefix(self, prefix: bytes) -> int:
+        # torch's wire has no such request: the keys, then a deletion of each (pipelined).
+        doomed = [k for k in await self.list_keys() if k.startswith(prefix)]
+        return sum(await asyncio.gather(*(self.delete(k) for k in doomed)))
+
     def num_keys(self) -> Awaitable[int]:
         return self._request(torch_request(TorchOp.GETNUMKEYS), _p_i64)
 

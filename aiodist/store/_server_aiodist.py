@@ -420,6 +420,10 @@ class AiodistWire(ServerConnection):
         key = r.blob32(self._max_key, "key")
         self._reply(rid, U8.pack(self._state.delete(key)))
 
+    def _op_delete_prefix(self, rid: int, r: Reader) -> None:
+        prefix = r.blob32(self._max_key, "prefix")
+        self._reply(rid, I64.pack(len(self._state.delete_prefix(prefix))))
+
     def _op_num_keys(self, rid: int, r: Reader) -> None:
         self._reply(rid, I64.pack(self._state.num_keys()))
 
@@ -631,4 +635,5 @@ _AIODIST_HANDLERS: dict[int, _AiodistHandler] = {
     Op.LEASE: AiodistWire._op_lease,
     Op.QUEUE_PUSH_FRONT: AiodistWire._op_queue_push_front,
     Op.LEASE_APPEND: AiodistWire._op_lease_append,
+    Op.DELETE_PREFIX: AiodistWire._op_delete_prefix,
 }

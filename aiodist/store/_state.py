@@ -218,6 +218,14 @@ class KeyValueState:
         """Delete ``key``; return whether it existed. Waiters are not affected."""
         return self._data.pop(key, None) is not None
 
+    def delete_prefix(self, prefix: bytes) -> list[bytes]:
+        """Delete every key that starts with ``prefix``; return them (in insertion order).
+        Waiters are not affected."""
+        doomed = [k for k in self._data if k.startswith(prefix)]
+        for key in doomed:
+            del self._data[key]
+        return doomed
+
     def append(self, key: bytes, value: bytes) -> None:
         """Append to ``key`` (creating it) and wake its waiters."""
         self.set(key, self._data.get(key, b"") + value)

@@ -66,8 +66,8 @@ __all__ = [
 #: the first byte.
 AIODIST_MAGIC = b"AIOS"
 #: Bumped whenever the frame layout or an opcode's meaning changes, or an opcode is added
-#: (3: QUEUE_PUSH_FRONT; 4: LEASE_APPEND).
-PROTOCOL_VERSION = 4
+#: (3: QUEUE_PUSH_FRONT; 4: LEASE_APPEND; 5: DELETE_PREFIX).
+PROTOCOL_VERSION = 5
 FLAG_AUTH = 0x01
 
 #: Limits a server applies unless told otherwise (torch's libuv server allows 8 KiB keys and
@@ -164,6 +164,8 @@ class Op(enum.IntEnum):
     #: key, value: when this connection ends, append ``value`` to ``key`` (an empty value
     #: withdraws the lease on ``key``, of either kind).
     LEASE_APPEND = 21
+    #: prefix: delete every key that starts with it; the reply is the i64 count deleted.
+    DELETE_PREFIX = 22
 
 
 class Status(enum.IntEnum):

@@ -105,6 +105,10 @@ _GIVEN_BACK = b"\x00"
 _FIRST = b"\x00"
 
 
+#: How many keys one transaction of :meth:`EtcdStore.delete_prefix` deletes.
+_DELETES_PER_TXN = 100
+
+
 @dataclass
 class _Write:
     """What a transaction writes if what it read is unchanged (``compares``), and returns."""
@@ -646,6 +650,26 @@ class EtcdStore(Store):
 
         result, _ = await self._transact([key_range(target, keys_only=True)], plan)
         return result == b"1"
+
+    async def delete_prefix(self, prefix: str) -> int:
+        """Delete every key that starts with ``prefix``; return how many it deleted: the
+        keys (one request), then their deletion in transactions of up to
+        :data:`_DELETES_PER_TXN` (etcd's ``--max-txn-ops`` is 128 unless set otherwise).
+
+        Raises:
+            DistNetworkError: no etcd member could be reached.
+        """
+        self._check_open()
+        start = encode_key(prefix)
+        doomed = [self._data(k) for k in await self._keys() if k.startswith(start)]
+        deleted = 0
+        for i in range(0, len(doomed), _DELETES_PER_TXN):
+            answer = await self._txn(
+                [], [self._delete(k) for k in doomed[i : i + _DELETES_PER_TXN]]
+            )
+            for response in answer.get("responses", []):
+                deleted += int(response.get("response_delete_range", {}).get("deleted", 0))
+        return deleted
 
     async def _keys(self) -> list[bytes]:
         answer = await self._call("/v3/kv/range", key_range(self._root + b"k/", prefix=True,

@@ -268,6 +268,13 @@ class _Log:
                 self.write(_record(_DELETE + _USER + key, b""))
             return existed
 
+    def delete_prefix(self, prefix: bytes) -> int:
+        with self.locked(exclusive=True):
+            doomed = self.state.delete_prefix(prefix)
+            if doomed:
+                self.write(*(_record(_DELETE + _USER + key, b"") for key in doomed))
+            return len(doomed)
+
     def queue_push(self, key: bytes, value: bytes) -> None:
         with self.locked(exclusive=True):
             self.state.queue_push(key, value)
@@ -419,6 +426,9 @@ class FileStore(Store):
 
     async def delete_key(self, key: str) -> bool:
         return await self._io(self._log.delete, encode_key(key))
+
+    async def delete_prefix(self, prefix: str) -> int:
+        return await self._io(self._log.delete_prefix, encode_key(prefix))
 
     async def num_keys(self) -> int:
         return await self._io(self._log.read, KeyValueState.num_keys)

@@ -54,6 +54,9 @@ class HashStore(Store):
     async def delete_key(self, key: str) -> bool:
         return self._state.delete(encode_key(key))
 
+    async def delete_prefix(self, prefix: str) -> int:
+        return len(self._state.delete_prefix(encode_key(prefix)))
+
     async def num_keys(self) -> int:
         return self._state.num_keys()
 

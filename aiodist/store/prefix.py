@@ -117,6 +117,11 @@ class PrefixStore(Store):
     async def delete_key(self, key: str) -> bool:
         return await self._store.delete_key(self._key(key))
 
+    async def delete_prefix(self, prefix: str) -> int:
+        """Delete the keys of this namespace that start with ``prefix`` (all of them, for
+        ``""``), through the underlying store's :meth:`Store.delete_prefix`."""
+        return await self._store.delete_prefix(self._key(prefix))
+
     async def num_keys(self) -> int:
         """Return the number of keys inside this prefix."""
         return len(await self.list_keys())

@@ -458,6 +458,16 @@ class TCPStore(Store):
         self._check_open()
         return await self._channel.delete(self._key(key))
 
+    async def delete_prefix(self, prefix: str) -> int:
+        """Delete every key that starts with ``prefix``; return how many it deleted (one
+        request on the aiodist wire; on torch's, the keys and then a deletion of each).
+
+        Raises:
+            DistNetworkError: the server went away.
+        """
+        self._check_open()
+        return await self._channel.delete_prefix(self._key(prefix))
+
     async def num_keys(self) -> int:
         """Return the number of keys on the server (torch's ``init/`` counter included).
 

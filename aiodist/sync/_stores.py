@@ -155,6 +155,7 @@ class Store:
     wait = _Blocking(_aio.Store.wait)
     check = _Blocking(_aio.Store.check)
     delete_key = _Blocking(_aio.Store.delete_key)
+    delete_prefix = _Blocking(_aio.Store.delete_prefix)
     num_keys = _Blocking(_aio.Store.num_keys)
     list_keys = _Blocking(_aio.Store.list_keys)
     multi_get = _Blocking(_aio.Store.multi_get)

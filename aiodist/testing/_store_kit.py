@@ -42,6 +42,7 @@ class SyncStoreLike(Protocol):
     def wait(self, keys: Sequence[str], timeout: Timeout = None) -> None: ...
     def check(self, keys: Sequence[str]) -> bool: ...
     def delete_key(self, key: str) -> bool: ...
+    def delete_prefix(self, prefix: str) -> int: ...
     def num_keys(self) -> int: ...
     def list_keys(self) -> list[str]: ...
     def multi_get(self, keys: Sequence[str]) -> list[bytes]: ...
@@ -218,6 +219,29 @@ async def _check_check_and_delete(store: Store) -> None:
     _eq(c, "other key kept", await store.get("e"), b"1")
     await store.set("d", b"again")
     _eq(c, "set after delete", await store.get("d"), b"again")
+
+
+async def _check_delete_prefix(store: Store) -> None:
+    c = "delete_prefix"
+    await store.multi_set(["dp/a", "dp/b/c", "dpx", "kept"], [b"1", b"2", b"3", b"4"])
+    await store.queue_push("dp/q", b"item")
+    other = await store.clone()
+    try:
+        _eq(c, "keys deleted under dp/", await other.delete_prefix("dp/"), 2)
+        _eq(c, "a deleted key", await store.check(["dp/a"]), False)
+        _eq(c, "a nested deleted key", await store.check(["dp/b/c"]), False)
+        _eq(c, "keys outside the prefix", await store.multi_get(["dpx", "kept"]), [b"3", b"4"])
+        _eq(c, "a queue under the prefix is kept", await store.queue_len("dp/q"), 1)
+        _eq(c, "deleting again", await store.delete_prefix("dp/"), 0)
+        await store.set("dp/a", b"again")
+        _eq(c, "set after delete_prefix", await store.get("dp/a"), b"again")
+        # Stores may hold keys of their own (torch's TCPStore keeps "init/"): "" deletes
+        # every key that list_keys shows.
+        listed = await store.list_keys()
+        _eq(c, 'keys deleted by delete_prefix("")', await store.delete_prefix(""), len(listed))
+        _eq(c, 'keys left after delete_prefix("")', await store.list_keys(), [])
+    finally:
+        await other.aclose()
 
 
 async def _check_num_and_list_keys(store: Store) -> None:
@@ -419,6 +443,7 @@ _CHECKS: tuple[Callable[[Store], Awaitable[None]], ...] = (
     _check_add_non_number,
     _check_compare_set,
     _check_check_and_delete,
+    _check_delete_prefix,
     _check_num_and_list_keys,
     _check_multi,
     _check_append,
@@ -496,6 +521,10 @@ class _ThreadedStore(Store):
 
     async def delete_key(self, key: str) -> bool:
         result: bool = await self._call(self._sync.delete_key, key)
+        return result
+
+    async def delete_prefix(self, prefix: str) -> int:
+        result: int = await self._call(self._sync.delete_prefix, prefix)
         return result
 
     async def num_keys(self) -> int:
