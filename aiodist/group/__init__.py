@@ -1019,7 +1019,7 @@ class ProcessGroup:
                 op.settle(exc)
             elif departure_of(exc) is Departure.LEFT:
                 await self._rejected_meanwhile(op)
-                if not op.work._future.done():
+                if not op.ended.done():
                     self._fail_alone(op, exc)
             elif departure_of(exc) is Departure.GONE and op not in self._expiring:
                 # Gone without a word: dead, or aborted in the middle of a message to this
@@ -1076,7 +1076,7 @@ class ProcessGroup:
         rejection settles ``op`` (and cancels its task: see :meth:`World.on_reject`)."""
         if op in self._inflight:
             self._inflight[op] = math.inf  # (failing already: no timeout of its own)
-        await asyncio.wait([op.work._future], timeout=LEFT_REJECTION_WAIT)
+        await asyncio.wait([op.ended], timeout=LEFT_REJECTION_WAIT)
 
     def _fail_alone(self, op: Operation, exc: BaseException) -> None:
         """Fail ``op`` because a rank it needs left in order, which breaks nothing else.
