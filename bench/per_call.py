@@ -2,7 +2,7 @@
 
 Run (one process per rank on this host, shared memory between them):
 
-    PYTHONPATH=$PWD .venv/bin/python bench/per_call.py [--ranks 2] [--calls 20000]
+    .venv/bin/python bench/per_call.py [--ranks 2] [--calls 20000] [--write]
 
 For each kind of call (``async``: ``await aiodist.all_reduce(x)``; ``sync``:
 ``aiodist.sync.all_reduce(x)``; ``barrier``: ``await aiodist.barrier()``) every rank times
@@ -229,6 +229,8 @@ def main() -> None:
     parser.add_argument("--loop", default="auto", choices=("auto", "asyncio"))
     parser.add_argument("--no-profile", action="store_true", help="only time")
     parser.add_argument("--dump", help="a folder for rank 0's cProfile files (snakeviz ...)")
+    parser.add_argument("--write", action="store_true", help="write bench/results/per_call.md")
+    parser.add_argument("--out", help="the results file (overrides --write's)")
     args = parser.parse_args()
     if args.worker:
         worker(args.worker)
@@ -256,23 +258,51 @@ def main() -> None:
         if any(p.wait(timeout=900) for p in procs):
             raise SystemExit("a rank failed (see above)")
         ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(args.ranks)]
-    print(f"{args.ranks} ranks, {args.calls} calls back to back per round, {args.rounds} rounds")
+    lines = [
+        "# Python calls per small operation, per layer (`bench/per_call.py`)",
+        "",
+        f"Command: `{' '.join(['python', 'bench/per_call.py', *sys.argv[1:]])}`, "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} CPUs, "
+        f"load average {' / '.join(f'{x:.1f}' for x in os.getloadavg())} at the end. "
+        f"{args.ranks} ranks, {args.calls} calls back to back per round, {args.rounds} rounds.",
+    ]
     for kind in cfg["kinds"]:
         rounds = [max(r[kind]["times"][i] for r in ranks) for i in range(args.rounds)]
         shown = ", ".join(f"{1e6 * t:.1f}" for t in rounds)
         cpu = min(ranks[0][kind]["cpu"])
-        print(f"\n{kind}: µs per call (slowest rank, each round): {shown}")
-        print(f"{kind}: CPU µs per call of rank 0 (its best round, every thread): {1e6 * cpu:.1f}")
+        lines += [
+            "",
+            f"## {kind}",
+            "",
+            f"µs per call (slowest rank, each round): {shown}; CPU µs per call of rank 0 "
+            f"(its best round, every thread): {1e6 * cpu:.1f}",
+        ]
         layers = ranks[0][kind].get("layers")
         if layers:
-            print("| layer | calls per op | share of CPU time | CPU µs per op (est.) |")
-            print("| --- | ---: | ---: | ---: |")
+            lines += [
+                "",
+                "| layer | calls per op | share of CPU time | CPU µs per op (est.) |",
+                "| --- | ---: | ---: | ---: |",
+            ]
             for layer in ORDER:
                 if layer in layers:
                     c, share = layers[layer]
-                    print(f"| {layer} | {c:.1f} | {100 * share:.0f} % | {1e6 * cpu * share:.1f} |")
+                    lines.append(
+                        f"| {layer} | {c:.1f} | {100 * share:.0f} % | {1e6 * cpu * share:.1f} |"
+                    )
             total = sum(c for layer, (c, _) in layers.items() if layer != "waiting (polls)")
-            print(f"| all but polls | {total:.1f} | | |")
+            lines.append(f"| all but polls | {total:.1f} | | |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    # Committed results change only on purpose: without --write they go to a fresh folder.
+    if args.out:
+        out = Path(args.out)
+    elif args.write:
+        out = Path(__file__).resolve().parent / "results" / "per_call.md"
+    else:
+        out = Path(tempfile.mkdtemp(prefix="aiodist-bench-")) / "per_call.md"
+    out.write_text(text)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

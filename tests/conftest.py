@@ -34,15 +34,22 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
+#: The long jobs: left out of the test command (scripts/test.sh), run by `.ci/run` after it.
+LONG_JOBS = ("torch_suite", "slow")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Leave the ``torch_suite`` job out of runs whose ``-m`` does not name it."""
-    if "torch_suite" in (config.getoption("markexpr") or ""):
+    """Leave each long job (:data:`LONG_JOBS`) out of runs whose ``-m`` does not name it."""
+    markexpr = config.getoption("markexpr") or ""
+    left_out = [j for j in LONG_JOBS if j not in markexpr]
+    if not left_out:
         return
-    kept = [item for item in items if item.get_closest_marker("torch_suite") is None]
-    if len(kept) < len(items):
-        config.hook.pytest_deselected(
-            items=[item for item in items if item.get_closest_marker("torch_suite")]
-        )
+    kept, deselected = [], []
+    for item in items:
+        long_job = any(item.get_closest_marker(j) is not None for j in left_out)
+        (deselected if long_job else kept).append(item)
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
         items[:] = kept
 
 
