@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Set up a virtualenv, install aiodist with its test and documentation tools (and torch's CPU
 # build, for the interoperability tests), run the linters, the type checker and the
-# documentation build, then the whole test suite on python3 (3.11), and a fast subset of it
-# on Python 3.12 and 3.13 where the machine has them (scripts/test-pythons.sh).
-# Extra arguments go to the pytest of the whole suite. The tests run in a private network
+# documentation build, then the test suite on python3 (3.11) but for its long jobs (markers
+# slow and torch_suite, which .ci/run runs after this), and a fast subset of it on Python
+# 3.12 and 3.13 where the machine has them (scripts/test-pythons.sh).
+# Extra arguments go to the pytest of the suite. The tests run in a private network
 # namespace with only loopback where the machine allows it, so nothing (torch's reverse DNS
 # lookups included) leaves the machine. The exit status is non-zero if any run failed.
 set -euo pipefail
@@ -47,7 +48,7 @@ rm -rf "$dist"
 # The documentation site, every Sphinx warning an error (tests/test_docs.py reuses the build).
 .venv/bin/python -m sphinx -n -W --keep-going -q -b html docs docs/_build/html
 
-# The whole suite takes a few minutes; the outer limit turns a hang that no per-test timeout
+# The suite takes a few minutes; the outer limit turns a hang that no per-test timeout
 # could interrupt into a failure instead of a stalled run.
 limit=(timeout --kill-after=30 1800)
 status=0

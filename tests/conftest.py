@@ -37,9 +37,45 @@ def pytest_configure(config: pytest.Config) -> None:
 #: The long jobs: left out of the test command (scripts/test.sh), run by `.ci/run` after it.
 LONG_JOBS = ("torch_suite", "slow")
 
+#: The modules whose tests are marked ``slow``: real launchers, clusters, hosts in network
+#: namespaces and dead peers waited out for their timeouts, seconds each (the test command
+#: stays within minutes; `.ci/run` runs them after it, `pytest -m slow` alone).
+SLOW_MODULES = frozenset(
+    {
+        "test_dask.py",
+        "test_examples_extra.py",
+        "test_exits.py",
+        "test_faults.py",
+        "test_health.py",
+        "test_launcher_elastic.py",
+        "test_launcher_multinode.py",
+        "test_launcher_preload.py",
+        "test_launcher_restart.py",
+        "test_launcher_torch.py",
+        "test_liveness.py",
+        "test_lost_host.py",
+        "test_mpirun.py",
+        "test_multihost.py",
+        "test_ray.py",
+        "test_serving_faults.py",
+        "test_serving_http.py",
+        "test_slurm.py",
+        "test_store_etcd.py",
+        "test_store_liveness.py",
+        "test_torch_store_conformance.py",
+        "test_torch_store_interop.py",
+        "test_torch_store_queue.py",
+        "test_tutorials.py",
+    }
+)
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Leave each long job (:data:`LONG_JOBS`) out of runs whose ``-m`` does not name it."""
+    """Mark the tests of :data:`SLOW_MODULES` ``slow``; leave each long job
+    (:data:`LONG_JOBS`) out of runs whose ``-m`` does not name it."""
+    for item in items:
+        if item.path.name in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
     markexpr = config.getoption("markexpr") or ""
     left_out = [j for j in LONG_JOBS if j not in markexpr]
     if not left_out:
