@@ -202,7 +202,7 @@ def worker(tmp: str) -> None:
     import aiodist
     from aiodist import sync
     from aiodist._util._loop import loop_factory
-    from aiodist.group._default import isolate_context
+    from aiodist.group import isolate_context
 
     cfg = json.loads(Path(tmp, "config.json").read_text())
     libs: list[str] = cfg["libs"]

@@ -36,8 +36,8 @@ from ..errors import (
     DistUsageError,
 )
 from ..group import Plan, ProcessGroup
-from ..group._operations import Call
-from ..group._work import rejected_on_transport
+from ..group._operations import OPERATIONS, Call
+from ..group._work import Inline, handed_over, rejected_on_transport
 from ..store import PrefixStore
 from ..transport._shm_segment import SharedMemoryError
 from ..transport.base import OpComm, fails_alone, rejection_text
@@ -66,6 +66,7 @@ async def _setup(group: ProcessGroup) -> None:
         ws = await _agreed_workspace(group, len(local))
         if ws is not None:
             group.paths[_NAME] = _Workspace(ws)
+            group.inline_ops.update(_inline_ops(group, ws))
         return
     # A group over several hosts, with several of its ranks on some, works in two levels.
     plan = HostPlan.of_group(transport.hosts, group.ranks, group.rank)
@@ -276,6 +277,45 @@ def _direct(
     if then is not None:
         run, args = _followed_by, (run, then, *args)
     return Plan(run, args, call.fingerprint, call.output, waiting_for=waiting_for)
+
+
+def _inline_ops(group: ProcessGroup, ws: shm.NodeWorkspace) -> dict[str, Inline]:
+    """What ``group`` runs at once in its workspace when the turn is free
+    (:attr:`~aiodist.group.ProcessGroup.inline_ops`): an all_reduce of a small numpy array
+    by a plain reduction, and a barrier. Anything else declines (``None``): the general
+    path plans it, and rejects it, telling the peers, when its checks fail."""
+    check_all_reduce = OPERATIONS["all_reduce"].check
+    barrier_fp = OPERATIONS["barrier"].check(as_array, group).fingerprint
+
+    def rest_of(started: Coroutine[Any, Any, None], fp: bytes, output: Any) -> Plan:
+        return Plan(handed_over, (started,), fp, output, waiting_for=ws.waiting_for)
+
+    def all_reduce(args: tuple[Any, ...]) -> tuple[Any, bytes, Plan | None] | None:
+        tensor, op = args
+        if (
+            type(tensor) is not np.ndarray
+            or type(op) is not ReduceOp
+            or tensor.nbytes > shm.SMALL_BYTES
+        ):
+            return None
+        try:
+            call = check_all_reduce(as_array, group, tensor, op)
+        except DistUsageError:
+            return None
+        if not ws.enter_now():
+            return None
+        x, rop, _ = call.args
+        fp = call.fingerprint
+        started = shm.small_all_reduce_in_turn(ws, x, rop, fp)
+        return tensor, fp, None if started is None else rest_of(started, fp, tensor)
+
+    def barrier(args: tuple[Any, ...]) -> tuple[Any, bytes, Plan | None] | None:
+        if not ws.enter_now():
+            return None
+        started = shm.barrier_in_turn(ws, barrier_fp)
+        return None, barrier_fp, None if started is None else rest_of(started, barrier_fp, None)
+
+    return {"all_reduce": all_reduce, "barrier": barrier}
 
 
 def _in_turn(

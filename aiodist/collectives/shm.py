@@ -30,7 +30,8 @@ any other failure breaks the workspace (details in :mod:`aiodist.collectives.shm
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -62,6 +63,7 @@ __all__ = [
     "all_to_all",
     "all_to_all_single",
     "barrier",
+    "barrier_in_turn",
     "broadcast",
     "gather",
     "reduce",
@@ -69,6 +71,7 @@ __all__ = [
     "reduce_scatter_tensor",
     "scatter",
     "skip",
+    "small_all_reduce_in_turn",
 ]
 
 #: ``all_reduce`` up to this size takes one round in which every rank reduces everything.
@@ -151,28 +154,62 @@ async def all_reduce(
         async with Turn(ws, ticket):
             await _reduce_blocks(ws, x, op, fp, None)
         return
-    # The small case, kept lean: it is latency only (bench/shm.py has the breakdown).
     if not ws.enter_now(ticket):
         await ws.enter(ticket)
+    rest = small_all_reduce_in_turn(ws, x, op, fp)
+    if rest is not None:
+        await rest
+
+
+def small_all_reduce_in_turn(
+    ws: NodeWorkspace, x: Array, op: ReduceOp, fp: bytes
+) -> Coroutine[Any, Any, None] | None:
+    """Run the all_reduce of a small ``x`` (at most :data:`SMALL_BYTES`, fingerprint ``fp``)
+    in the turn this rank holds now, as far as it can without waiting: return ``None`` when
+    it ended here, else the coroutine that ends it once the peers have arrived (the turn is
+    held until then). Raises as :func:`all_reduce`.
+
+    Kept lean, it is latency only (``bench/per_call.py`` has the breakdown), and callable
+    outside a coroutine: the group runs a small operation at once when it can
+    (:attr:`aiodist.group.ProcessGroup.inline_ops`).
+    """
     try:
         p, _ = ws.begin(fp, x.nbytes)
-        if x.size:
-            slots = ws.typed_slots(p, x.dtype, x.shape)
+        slots = ws.typed_slots(p, x.dtype, x.shape) if x.size else []
+        if slots:
             slots[ws.rank][...] = x
-        await ws.sync()
-        ws.same_calls(p)
-        if x.size:
-            # Every rank folds every slot in rank order: bitwise the same result everywhere.
-            ufunc = UFUNCS[op]
-            ufunc(slots[0], slots[1], out=x)
-            for src in slots[2:]:
-                ufunc(x, src, out=x)
-            if op is ReduceOp.AVG:
-                finish_into(op, x, ws.size)
+        if not ws.arrive():
+            return _rest_of_small_all_reduce(ws, x, op, p, slots)
+        _fold_slots(ws, x, op, p, slots)
     except BaseException as exc:
         ws.leave(exc)
         raise
     ws.leave(None)
+    return None
+
+
+async def _rest_of_small_all_reduce(
+    ws: NodeWorkspace, x: Array, op: ReduceOp, p: int, slots: list[Array]
+) -> None:
+    try:
+        await ws.all_arrived()
+        _fold_slots(ws, x, op, p, slots)
+    except BaseException as exc:
+        ws.leave(exc)
+        raise
+    ws.leave(None)
+
+
+def _fold_slots(ws: NodeWorkspace, x: Array, op: ReduceOp, p: int, slots: list[Array]) -> None:
+    # Every rank folds every slot in rank order: bitwise the same result everywhere.
+    ws.same_calls(p)
+    if slots:
+        ufunc = UFUNCS[op]
+        ufunc(slots[0], slots[1], out=x)
+        for src in slots[2:]:
+            ufunc(x, src, out=x)
+        if op is ReduceOp.AVG:
+            finish_into(op, x, ws.size)
 
 
 async def reduce(
@@ -727,13 +764,32 @@ async def barrier(
     """
     if ws.size == 1:
         return
-    fp = _fp("barrier", None, fingerprint)
-    # Kept as lean as the small all_reduce: one round, no data.
     if not ws.enter_now(ticket):
         await ws.enter(ticket)
+    rest = barrier_in_turn(ws, _fp("barrier", None, fingerprint))
+    if rest is not None:
+        await rest
+
+
+def barrier_in_turn(ws: NodeWorkspace, fp: bytes) -> Coroutine[Any, Any, None] | None:
+    """:func:`barrier` in the turn this rank holds now, as
+    :func:`small_all_reduce_in_turn`: ``None`` when it ended here, else the coroutine that
+    ends it."""
     try:
         p, _ = ws.begin(fp, 0)
-        await ws.sync()
+        if not ws.arrive():
+            return _rest_of_barrier(ws, p)
+        ws.same_calls(p)
+    except BaseException as exc:
+        ws.leave(exc)
+        raise
+    ws.leave(None)
+    return None
+
+
+async def _rest_of_barrier(ws: NodeWorkspace, p: int) -> None:
+    try:
+        await ws.all_arrived()
         ws.same_calls(p)
     except BaseException as exc:
         ws.leave(exc)

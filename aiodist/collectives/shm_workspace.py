@@ -859,6 +859,12 @@ class NodeWorkspace:
 
     async def sync(self) -> None:
         """Arrive, and return once every rank has arrived as often (a full barrier)."""
+        if not self.arrive():
+            await self.all_arrived()
+
+    def arrive(self) -> bool:
+        """Arrive at the next barrier and spin a moment for the peers; return whether every
+        rank has arrived as often (else :meth:`all_arrived` waits for the rest)."""
         self._count = target = self._count + 1
         words = self._words
         words[self._count_w[self.rank]] = target
@@ -866,8 +872,13 @@ class NodeWorkspace:
         for j in self._peers:
             if words[self._sleep_w[j]]:
                 self._bells[j].ring()
-        if not self._reached(target):
-            await self._wait(target)
+        if self._reached(target):
+            return True
+        return bool(self._spin) and spin_until(functools.partial(self._reached, target), self._spin)
+
+    async def all_arrived(self) -> None:
+        """Return once every rank has arrived at the barrier :meth:`arrive` arrived at."""
+        await self._wait(self._count)
 
     def waiting_for(self) -> list[int]:
         """The group ranks that have not yet arrived where this rank waits (a barrier)."""
@@ -885,8 +896,7 @@ class NodeWorkspace:
         return True
 
     async def _wait(self, target: int) -> None:
-        if self._spin and spin_until(functools.partial(self._reached, target), self._spin):
-            return
+        # (After arrive()'s spin: the peers are late, this rank sleeps on its doorbell.)
         words = self._words
         my_sleep = self._sleep_w[self.rank]
         recheck = _RECHECK_FIRST

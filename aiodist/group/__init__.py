@@ -87,10 +87,13 @@ from ._work import (
     ANY_TAG,
     MAX_TAG,
     P2P_GROUP_BIT,
+    Inline,
     Operation,
     OpKind,
     Plan,
     Work,
+    handed_over,
+    raising,
     rejected_on_transport,
 )
 from ._world import FailureDomain
@@ -605,6 +608,11 @@ class ProcessGroup:
         self._order: asyncio.Lock | None = None
         #: What each backend keeps for this group, by backend name (:class:`DataPath`).
         self.paths: dict[str, DataPath] = {}
+        #: The operations a backend of this group runs at once when it can (see
+        #: :data:`~aiodist.group._work.Inline`), by name: small ones, whose cost is the
+        #: issuing itself. A call it cannot run (any argument it does not expect, its path
+        #: busy) is planned and started as any other.
+        self.inline_ops: dict[str, Inline] = {}
         # When the first operation that ended inline since the loop last ran started (see
         # _start); None when none did.
         self._inline_since: float | None = None
@@ -782,6 +790,11 @@ class ProcessGroup:
             DistError: the group was aborted earlier.
         """
         self.check_usable(name)
+        inline = self.inline_ops.get(name)
+        if inline is not None and timeout is None and not self._world.rejected:
+            work = self._issue_inline(name, inline, args)
+            if work is not None:
+                return work
         op = Operation(self, name, OpKind.COLLECTIVE, self._seq, nseq=nseq)
         self._seq += nseq
         try:
@@ -805,6 +818,38 @@ class ProcessGroup:
                     plan = rejecter(self, name, self._rejection(op, *found), False)
                     op.rejected = True
         return self._start(op, plan)
+
+    def _issue_inline(self, name: str, inline: Inline, args: tuple[Any, ...]) -> Work[Any] | None:
+        """Issue ``name`` run at once by ``inline`` (see :attr:`inline_ops`), or return
+        ``None`` when it cannot run it (then nothing was issued)."""
+        # As _start's inline end, within the loop's budget: a program that never waits for
+        # an operation still lets the loop run (the general path then makes a task).
+        standing_in = threading.get_ident() != self._world.loop_thread
+        since, now = self._inline_since, time.perf_counter()
+        if not (standing_in or since is None or now - since < EAGER_SECONDS):
+            return None
+        try:
+            ran = inline(args)
+        except Exception as exc:  # (it took its place, then failed: the peers know it)
+            ran = (None, NO_FINGERPRINT, Plan(handed_over, (raising(exc),)))
+        if ran is None:
+            return None
+        output, fp, rest = ran
+        op = Operation(self, name, OpKind.COLLECTIVE, self._seq)
+        self._seq += 1
+        if rest is not None:
+            return self._start(op, rest)
+        op.record = record = self._world.recorder.record(
+            name, self.group_id, op.seq, fp, self.ranks
+        )
+        if _recorder.observer is not None:  # the metrics are on
+            record.nbytes = payload_nbytes(args)
+        op.settle(None, output)  # (never waiting to start: no start time of its own)
+        self._world.transport.mailbox.end(self.group_id, op.seq)  # (its floor moves on)
+        if not standing_in and since is None:
+            self._inline_since = now
+            asyncio.get_running_loop().call_soon(self._loop_ran)
+        return op.work
 
     def issue_p2p(
         self,

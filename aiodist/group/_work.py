@@ -23,12 +23,15 @@ from ._recorder import OpRecord
 __all__ = [
     "Issuer",
     "ANY_TAG",
+    "Inline",
     "MAX_TAG",
     "P2P_GROUP_BIT",
     "OpKind",
     "Operation",
     "Plan",
     "Work",
+    "handed_over",
+    "raising",
     "rejected_on_transport",
 ]
 
@@ -364,6 +367,22 @@ class Operation:
             self.record.finish(exc)
 
 
+#: A backend's way of running a call of one operation at once, without a plan or a task
+#: (:attr:`aiodist.group.ProcessGroup.inline_ops`): ``inline(args)`` (the call's arguments)
+#: returns ``None`` when it cannot (it did nothing: the call is planned as any other), else
+#: ``(output, fingerprint, rest)``: the work's result, the call's fingerprint, and ``None``
+#: when the operation ended, else the :class:`Plan` that ends it (made with
+#: :func:`handed_over`: the operation holds its place on its path already). What it raises,
+#: the operation raised in its place, as its algorithm would have.
+Inline = Callable[[tuple[Any, ...]], tuple[Any, bytes, Plan | None] | None]
+
+
+def handed_over(*args: Any) -> Awaitable[Any]:
+    """The algorithm of a :class:`Plan` whose operation has started already
+    (``Plan(handed_over, (started,))``): returns ``started``, the awaitable that ends it."""
+    return args[-1]  # (after the operation's OpComms)
+
+
 def rejected_on_transport(
     group: Issuer, algorithm: str | None, error: BaseException, tell: bool
 ) -> Plan:
@@ -382,8 +401,9 @@ def _rejected(*args: Any) -> Coroutine[Any, Any, None]:
         for comm in comms:
             assert isinstance(comm, OpComm)
             comm.reject(rejection_text(error))
-    return _raise(error)
+    return raising(error)
 
 
-async def _raise(error: BaseException) -> None:
+async def raising(error: BaseException) -> None:
+    """A coroutine that raises ``error``: the awaitable of an operation that failed."""
     raise error
