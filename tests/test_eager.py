@@ -95,6 +95,70 @@ async def _mixed(rank: int, size: int) -> list[str]:
     return outcomes
 
 
+async def _late_peers(rank: int, size: int) -> dict[str, Any]:
+    pg = aiodist.group.current_world().default_group
+    x = np.full(3, rank + 1.0)
+    # Rank 0 is first: its call takes its turn, arrives, and hands the rest over (the others
+    # sleep); the last rank finds everyone arrived and ends its call at once.
+    await asyncio.sleep(0.05 * rank)
+    work = aiodist.all_reduce(x)
+    born_done = work.is_completed()
+    first = (await work).copy()
+    await asyncio.sleep(0.05 * rank)
+    barrier = aiodist.barrier()
+    barrier_born_done = barrier.is_completed()
+    await barrier
+    # A call whose shape differs on one rank, run at once everywhere: every rank raises the
+    # mismatch, and the group goes on.
+    try:
+        await aiodist.all_reduce(np.ones(2 if rank == size - 1 else 3))
+        mismatch = ""
+    except aiodist.DistUsageError as exc:
+        mismatch = str(exc)
+    y = np.arange(4.0) * (rank + 1)
+    await aiodist.all_reduce(y, op=aiodist.ReduceOp.MAX)
+    records = [(r.op, r.seq, r.state) for r in pg.world.recorder.records()]
+    return {
+        "inline": sorted(pg.inline_ops),
+        "born_done": born_done,
+        "barrier_born_done": barrier_born_done,
+        "first": first.tolist(),
+        "mismatch": mismatch,
+        "after": y.tolist(),
+        "records": records,
+        "next_seq": pg.next_seq,
+    }
+
+
+@pytest.mark.parametrize("size", [2, 3])
+async def test_small_operations_run_at_once_in_the_workspace_and_hand_over_when_peers_are_late(
+    size: int,
+) -> None:
+    outcomes = await run_world(_late_peers, size, transport="shm")
+    total = float(sum(range(1, size + 1)))
+    for rank, seen in enumerate(outcomes):
+        assert seen["inline"] == ["all_reduce", "barrier"]
+        assert seen["born_done"] == (rank == size - 1), rank
+        assert seen["barrier_born_done"] == (rank == size - 1), rank
+        assert seen["first"] == [total] * 3
+        assert "collective mismatch" in seen["mismatch"], seen["mismatch"]
+        assert seen["after"] == [0.0, size, 2.0 * size, 3.0 * size]
+        assert seen["next_seq"] == 4
+        assert seen["records"][-4:] == [
+            ("all_reduce", 0, "completed"),
+            ("barrier", 1, "completed"),
+            ("all_reduce", 2, "failed"),
+            ("all_reduce", 3, "completed"),
+        ]
+
+
+async def test_a_group_over_tcp_runs_no_operation_at_once() -> None:
+    async def fn(rank: int, size: int) -> list[str]:
+        return sorted(aiodist.group.current_world().default_group.inline_ops)
+
+    assert await run_world(fn, 2, transport="tcp") == [[], []]
+
+
 @pytest.mark.parametrize("size", [2, 3, 4])
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 async def test_eager_and_queued_operations_mix(size: int, transport: Any) -> None:
