@@ -101,6 +101,18 @@ VARIABLES: tuple[Variable, ...] = (
         ("aiodist.transport._shm_segment",),
     ),
     Variable(
+        "AIODIST_SHM_PULL",
+        "aiodist",
+        "on",
+        "`0`, `false`, `no` or `off`: a message too large for the receiver's staging bound "
+        "goes through the shared-memory ring (two copies) instead of being copied once from "
+        "the sender's memory (`process_vm_readv`). On by default where the kernel lets ranks "
+        "of one user read each other's memory (Yama `ptrace_scope` 0); elsewhere the ring "
+        "is used anyway.",
+        "`init_process_group` (the shared-memory transport)",
+        ("aiodist.transport._shm_pull",),
+    ),
+    Variable(
         "AIODIST_STAGING_BYTES",
         "aiodist",
         "`16777216` (16 MiB)",

@@ -380,7 +380,8 @@ Inline = Callable[[tuple[Any, ...]], tuple[Any, bytes, Plan | None] | None]
 def handed_over(*args: Any) -> Awaitable[Any]:
     """The algorithm of a :class:`Plan` whose operation has started already
     (``Plan(handed_over, (started,))``): returns ``started``, the awaitable that ends it."""
-    return args[-1]  # (after the operation's OpComms)
+    started: Awaitable[Any] = args[-1]  # (after the operation's OpComms)
+    return started
 
 
 def rejected_on_transport(

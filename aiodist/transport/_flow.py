@@ -24,6 +24,15 @@ otherwise) and tells the peer when they connect. A message then goes one of thre
 * **Free**: a message whose receive is known to be posted (a collective's, once its receiver
   signalled that it posted its receives) or an empty one is sent at once outside the credit.
 
+Over shared memory the rendezvous may take **one copy** instead of two
+(:mod:`aiodist.transport._shm_pull`): the sender *offers* the address of the payload just
+before it announces it; a receiver whose link can read the sender's memory (its
+:class:`Reader`) copies the payload into the receive itself instead of clearing it, says it
+*took* it, and the receive completes once the sender *vouches* that it kept the payload
+unchanged until then (it withdraws the message instead if its send ended first: a copy made
+while the caller may have been writing the memory is never delivered). A read the kernel
+refuses clears the message instead, as without an offer.
+
 A rendezvous that cannot complete is released, never left waiting. The receiver *refuses*
 an announced message that a receive took without its payload (the sizes differ, the
 operation's fingerprints differ, or the operation was rejected): the send fails with
@@ -42,6 +51,9 @@ import asyncio
 import functools
 import os
 from collections.abc import Callable
+from typing import Protocol
+
+import numpy as np
 
 from .._arrays._fingerprint import NO_FINGERPRINT
 from ..errors import DistUsageError
@@ -52,10 +64,13 @@ from ._frames import (
     EAGER,
     FREE,
     HEADER,
+    OFFER,
     PAYLOAD,
     PIECE,
     REFUSE,
     RTS,
+    TAKEN,
+    VOUCHED,
     WITHDRAW,
     control_frame,
 )
@@ -65,6 +80,7 @@ __all__ = [
     "DEFAULT_STAGING_BYTES",
     "STAGING_BYTES_ENV",
     "PeerFlow",
+    "Reader",
     "Write",
     "resolve_staging_bytes",
 ]
@@ -86,6 +102,18 @@ _EMPTY = memoryview(b"")
 #: for it, and it is dropped if the peer is gone), and whether it is a piece of the payload
 #: of a cleared message (which later frames may overtake).
 Write = Callable[[bytes, memoryview, "asyncio.Future[None] | None", bool], None]
+
+
+class Reader(Protocol):
+    """A link that copies announced payloads from its peer's memory itself."""
+
+    def pull(self, ticket: int, address: int) -> None:
+        """Copy the payload of announced message ``ticket``, offered at ``address``, into
+        the receive that took it; then call :meth:`PeerFlow.took`, or
+        :meth:`PeerFlow.copy_instead` if the peer's memory cannot be read."""
+
+    def complete(self, ticket: int) -> None:
+        """The sender vouched for the payload of ``ticket``: complete its receive."""
 
 
 def resolve_staging_bytes(value: int | None = None) -> int:
@@ -128,15 +156,19 @@ class PeerFlow:
     __slots__ = (
         "_batch",
         "_next_ticket",
+        "_offers",
         "_received",
         "_returned",
         "_staged",
+        "_taken",
         "_tickets_in",
         "_waiting",
         "_write",
         "credit",
         "limit",
+        "offering",
         "peer",
+        "reader",
     )
 
     def __init__(self, peer: int, limit: int, write: Write) -> None:
@@ -157,6 +189,14 @@ class PeerFlow:
         self._staged = 0
         # A credit message per message freed would double the small messages: batches.
         self._batch = max(1, min(limit // 4, CREDIT_BATCH))
+        #: Whether this rank offers the payloads it announces (the peer may read them).
+        self.offering = False
+        #: The link that copies offered payloads itself (``None``: they are cleared).
+        self.reader: Reader | None = None
+        # Receiving: the addresses offered for announced messages not cleared yet, and the
+        # tickets whose payloads were copied and wait for the sender's word.
+        self._offers: dict[int, int] = {}
+        self._taken: set[int] = set()
 
     def __repr__(self) -> str:
         return (
@@ -207,6 +247,9 @@ class PeerFlow:
         self._next_ticket += 1
         self._waiting[ticket] = (data, fut)
         fut.add_done_callback(functools.partial(self._given_up, ticket))
+        if self.offering and data:
+            address = np.frombuffer(data, np.uint8).ctypes.data
+            self._write(*_split(control_frame(OFFER, ticket, address)), None, False)
         self._write(header, _EMPTY, None, False)
 
     def cleared(self, ticket: int) -> None:
@@ -225,6 +268,20 @@ class PeerFlow:
             last = start + PIECE >= n  # its future stands for every piece: they go in order
             header = HEADER.pack(ticket, start, 0, PAYLOAD | len(piece), NO_FINGERPRINT)
             self._write(header, piece, fut if last else None, True)
+
+    def taken(self, ticket: int) -> None:
+        """The peer copied the payload of the announced message ``ticket`` from this rank's
+        memory: vouch for it, unless the send ended first (then it is withdrawn)."""
+        waiting = self._waiting.get(ticket)
+        if waiting is None:
+            return  # withdrawn already
+        fut = waiting[1]
+        if fut.done():  # ended, not withdrawn yet: the caller may have written the memory
+            self._given_up(ticket, fut)
+            return
+        del self._waiting[ticket]
+        self._control(VOUCHED, ticket)
+        fut.set_result(None)
 
     def refused(self, ticket: int, reason: str) -> None:
         """The peer took the announced message ``ticket`` without its payload, for ``reason``."""
@@ -247,6 +304,8 @@ class PeerFlow:
         waiting, self._waiting = self._waiting, {}
         for _, fut in waiting.values():
             fail_future(fut, exc)
+        self._offers.clear()
+        self._taken.clear()
 
     def _given_up(self, ticket: int, fut: asyncio.Future[None]) -> None:
         # The send ended before its message was cleared: tell the receiver, whose receive
@@ -297,13 +356,52 @@ class PeerFlow:
         return ticket
 
     def clear(self, ticket: int) -> None:
-        """Tell the peer its announced message ``ticket`` may come: its receive is posted."""
+        """Its receive is posted: copy the payload of the peer's announced message
+        ``ticket`` from the peer's memory if it was offered and the link can, else tell the
+        peer it may come."""
+        address = self._offers.pop(ticket, None)
+        if address is not None and self.reader is not None:
+            self.reader.pull(ticket, address)
+        else:
+            self._control(CTS, ticket)
+
+    def offered(self, ticket: int, address: int) -> None:
+        """The peer offered the payload of its announced message ``ticket`` at ``address``."""
+        if self.reader is not None and ticket >= self._tickets_in:
+            self._offers[ticket] = address
+
+    def took(self, ticket: int) -> None:
+        """The reader copied the payload of announced message ``ticket``: tell the peer,
+        and wait for its word (:meth:`vouched`)."""
+        self._taken.add(ticket)
+        self._control(TAKEN, ticket)
+
+    def copy_instead(self, ticket: int) -> None:
+        """The reader could not copy the payload of ``ticket``: the peer sends it."""
         self._control(CTS, ticket)
+
+    def vouched(self, ticket: int) -> None:
+        """The peer kept the payload of ``ticket`` unchanged until it was copied."""
+        if ticket in self._taken:
+            self._taken.remove(ticket)
+            assert self.reader is not None
+            self.reader.complete(ticket)
+
+    def withdrawn(self, ticket: int) -> None:
+        """The peer gave up its announced message ``ticket`` (the mailbox fails its
+        receive): nothing of it is copied or completed."""
+        self._offers.pop(ticket, None)
+        self._taken.discard(ticket)
 
     def refuse(self, ticket: int, reason: str) -> None:
         """Tell the peer its announced message ``ticket`` was taken without its payload."""
+        self._offers.pop(ticket, None)
         self._control(REFUSE, ticket, reason)
 
     def _control(self, kind: int, group: int, text: str = "") -> None:
-        frame = control_frame(kind, group, text=text)
-        self._write(frame[: HEADER.size], memoryview(frame)[HEADER.size :], None, False)
+        self._write(*_split(control_frame(kind, group, text=text)), None, False)
+
+
+def _split(frame: bytes) -> tuple[bytes, memoryview]:
+    """A whole control frame as the header and the text :data:`Write` takes."""
+    return frame[: HEADER.size], memoryview(frame)[HEADER.size :]

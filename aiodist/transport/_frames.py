@@ -24,8 +24,12 @@ rejected operation ``(group, seq)``; the text is why), :data:`ABORTING` (the sen
 aborting; the text is the cause), :data:`CTS` ("clear to send" the announced message with
 ticket ``group``), :data:`REFUSE` (the receiver took the announced message with ticket
 ``group`` without its payload; the text is why), :data:`WITHDRAW` (the sender gave up the
-announced message with ticket ``group``; the text is why) and :data:`CREDIT` (``group``
-more bytes may be sent eagerly).
+announced message with ticket ``group``; the text is why), :data:`CREDIT` (``group``
+more bytes may be sent eagerly), and the single-copy path of shared memory
+(:mod:`aiodist.transport._shm_pull`): :data:`OFFER` (the payload of the announced message
+with ticket ``group`` is at address ``seq`` in the sender's memory; sent just before its
+announcement), :data:`TAKEN` (the receiver copied that payload itself) and :data:`VOUCHED`
+(the sender kept it unchanged until then: the copy is good).
 """
 
 from __future__ import annotations
@@ -50,11 +54,14 @@ __all__ = [
     "HEADER",
     "MAX_MESSAGE",
     "MAX_REASON",
+    "OFFER",
     "PAYLOAD",
     "PIECE",
     "REFUSE",
     "REJECTION",
     "RTS",
+    "TAKEN",
+    "VOUCHED",
     "WITHDRAW",
     "ControlText",
     "control_frame",
@@ -79,8 +86,11 @@ CTS = (1 << 64) - 4
 REFUSE = (1 << 64) - 5
 WITHDRAW = (1 << 64) - 6
 CREDIT = (1 << 64) - 7
+OFFER = (1 << 64) - 8
+TAKEN = (1 << 64) - 9
+VOUCHED = (1 << 64) - 10
 #: The smallest length word of a control message.
-CONTROL = CREDIT
+CONTROL = VOUCHED
 #: The bytes of a payload piece (see :data:`PAYLOAD`).
 PIECE = 1 << 20
 #: The longest text a control message carries; longer ones are cut.
@@ -104,6 +114,21 @@ class LinkFlow(Flow, Protocol):
 
     def refused(self, ticket: int, reason: str) -> None:
         """The receiver took this rank's announced message ``ticket`` without its payload."""
+
+    def offered(self, ticket: int, address: int) -> None:
+        """The sender offered the payload of its announced message ``ticket`` at
+        ``address`` in its memory."""
+
+    def taken(self, ticket: int) -> None:
+        """The receiver copied the payload of this rank's announced message ``ticket``
+        from this rank's memory itself."""
+
+    def vouched(self, ticket: int) -> None:
+        """The sender kept the payload of announced message ``ticket`` unchanged until this
+        rank had copied it."""
+
+    def withdrawn(self, ticket: int) -> None:
+        """The sender gave up its announced message ``ticket``."""
 
 
 def control_frame(kind: int, group: int, seq: int = 0, text: str = "") -> bytes:
@@ -209,7 +234,14 @@ class ControlText:
         elif kind == REFUSE:
             self.flow.refused(self.group, text)
         elif kind == WITHDRAW:
+            self.flow.withdrawn(self.group)
             self.mailbox.withdrawn(self.peer, self.group, text)
+        elif kind == OFFER:
+            self.flow.offered(self.group, self.seq)
+        elif kind == TAKEN:
+            self.flow.taken(self.group)
+        elif kind == VOUCHED:
+            self.flow.vouched(self.group)
         elif kind == REJECTION:
             self.mailbox.reject(self.peer, self.group, self.seq, text)
         elif kind in (BYE, ABORTING):

@@ -13,10 +13,10 @@ In-process transports call :meth:`Mailbox.deliver`, which does the same with one
 
 Streaming transports bound what is staged per peer (see :mod:`aiodist.transport._flow`): a
 staged message holds its sender's credit (a :class:`Flow`) until it is delivered or dropped,
-and a message too large for the credit is only announced
-(:meth:`Mailbox.announce`). An announcement is matched like a message; the receive that
-takes it asks the sender to send the payload, which then lands in that receive's memory
-(:meth:`Mailbox.cleared_payload`).
+and a message too large for the credit is only announced (:meth:`Mailbox.announce`). An
+announcement is matched like a message; the receive that takes it asks the sender to send
+the payload, which then lands in that receive's memory (:meth:`Mailbox.cleared_payload`),
+or copies it from the sender's memory (:meth:`Mailbox.cleared_memory`).
 """
 
 from __future__ import annotations
@@ -31,12 +31,7 @@ import numpy as np
 
 from .._arrays._fingerprint import NO_FINGERPRINT, mismatch_error
 from ..errors import DistUsageError
-from ._failures import (
-    Departure,
-    departure_of,
-    fail_future,
-    fails_alone,
-)
+from ._failures import Departure, departure_of, fail_future, fails_alone
 
 __all__ = [
     "Flow",
@@ -792,6 +787,19 @@ class Mailbox:
         inbound = Inbound(self, peer, recv.tag, out, recv=recv, ticket=ticket)
         self._inflight.add(inbound)
         return inbound
+
+    def cleared_memory(self, peer: int, ticket: int) -> memoryview | None:
+        """The memory of the receive that took ``peer``'s announced message ``ticket``, for
+        a link that copies the payload from the sender's memory itself; ``None`` once the
+        receive is gone (failed, or the message withdrawn)."""
+        recv = self._cleared.get((peer, ticket))
+        return None if recv is None or self._exc is not None or recv.fut.done() else recv.out
+
+    def pulled(self, peer: int, ticket: int) -> None:
+        """The sender vouched for the payload of ``ticket`` copied into its receive."""
+        recv = self._cleared.pop((peer, ticket), None)
+        if recv is not None and not recv.fut.done():
+            recv.fut.set_result(peer)
 
     def withdrawn(self, peer: int, ticket: int, reason: str) -> None:
         """``peer`` gave up its announced message ``ticket`` for ``reason``: the receive that

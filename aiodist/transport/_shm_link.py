@@ -41,14 +41,18 @@ argument): it stores ``want``, fences, and loads ``tail`` once more; the receive
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import deque
 from typing import Protocol
+
+import numpy as np
 
 from ..errors import DistProtocolError
 from ._failures import fail_future
 from ._flow import PeerFlow
 from ._frames import BYE, HEADER, MAX_MESSAGE, ControlText, is_control, open_message
 from ._mailbox import Inbound, Mailbox
+from ._shm_pull import pulling_turned_on, read_memory
 from ._shm_segment import ProcessId, Segment
 from ._shm_signal import Bell, PeerWatch, fence
 
@@ -94,6 +98,11 @@ _EMPTY = memoryview(b"")
 CHUNK_BYTES = 256 << 10
 #: Bytes moved (both directions together) per loop turn.
 TURN_BYTES = 1 << 20
+#: Bytes of an offered payload copied from the peer's memory per loop turn (about a
+#: millisecond: the loop's other work is not held up for long).
+PULL_STEP = 4 << 20
+
+logger = logging.getLogger(__name__)
 
 
 class QueuedSend:
@@ -141,6 +150,8 @@ class LinkOwner(Protocol):
     closed: BaseException | None
     #: Counts the completions links made; the poller sees it move.
     completions: int
+    #: Counts the bytes links copied from their peers' memory.
+    pulled_bytes: int
 
     @property
     def polls(self) -> bool:
@@ -174,6 +185,10 @@ class ShmLink:
         self.owner = owner
         self.peer = peer
         self.flow = PeerFlow(peer, owner.staging, self.write)
+        if pulling_turned_on():
+            # Large payloads take one copy, from one process's memory to the other's.
+            self.flow.offering = True
+            self.flow.reader = self
         self.proc = proc
         self.peer_seg = peer_seg
         self.cap = cap
@@ -429,6 +444,53 @@ class ShmLink:
             for arrived in done:
                 arrived.done()
         return moved
+
+    # -- the single-copy path (the flow's Reader) -------------------------------------------
+
+    def pull(self, ticket: int, address: int) -> None:
+        """Copy the peer's payload of announced message ``ticket`` from ``address`` in its
+        memory into the receive that took it, :data:`PULL_STEP` bytes per loop turn, from
+        the next turn on (as a payload through the ring would: a receive failed at once,
+        its operation rejected as it was posted, is never written)."""
+        self.owner.loop.call_soon(self._pull_step, ticket, address, 0)
+
+    def _pull_step(self, ticket: int, address: int, offset: int) -> None:
+        out = self.owner.mailbox.cleared_memory(self.peer, ticket)
+        if self.error is not None or self.owner.closed is not None:
+            return  # (what waits on the peer fails with the link)
+        if out is None:
+            # The receive is gone (failed, or the message withdrawn): nothing is copied,
+            # and the send ends as one whose payload went to a dropped receive does.
+            self.flow.took(ticket)
+            return
+        end = min(len(out), offset + PULL_STEP)
+        try:
+            dest = np.frombuffer(out, np.uint8).ctypes.data
+            read_memory(self.proc.pid, address + offset, dest + offset, end - offset)
+            self.owner.pulled_bytes += end - offset
+        except OSError as exc:
+            if isinstance(exc, PermissionError):
+                logger.info(
+                    "rank %d cannot read the memory of rank %d (%s): its large messages "
+                    "come through the ring",
+                    self.owner.rank,
+                    self.peer,
+                    exc,
+                )
+                self.flow.reader = None
+            # (Gone, or the range unmapped: the peer gave the send up, or died. Through the
+            # ring it withdraws the message or its loss is seen, as for any message.)
+            self.flow.copy_instead(ticket)
+            return
+        if end < len(out):
+            self.owner.loop.call_soon(self._pull_step, ticket, address, end)
+        else:
+            self.flow.took(ticket)
+
+    def complete(self, ticket: int) -> None:
+        """The peer vouched for the payload of ``ticket`` copied by :meth:`pull`."""
+        self.owner.completions += 1
+        self.owner.mailbox.pulled(self.peer, ticket)
 
     def _control_done(self, text: ControlText) -> None:
         # Handed on at once, before the next message is matched: a peer's rejection of a

@@ -346,6 +346,9 @@ class ShmTransport(Transport):
         self._awaited: list[asyncio.Future[int]] = []
         # Messages received and sends finished so far: a poll stops when this moves.
         self.completions = 0
+        #: Bytes of payloads this rank copied from its peers' memory itself (the single-copy
+        #: path of large messages: :mod:`aiodist.transport._shm_pull`).
+        self.pulled_bytes = 0
         # When receives skip polling for a while (polls ran out of time in a row).
         self._backoff = Backoff()
 
