@@ -143,6 +143,23 @@ async def test_a_send_that_ends_while_its_payload_is_copied_fails_the_receive(
     await exchange(t0, t1, 9)  # the link goes on
 
 
+async def test_a_receive_that_fails_before_the_copy_is_never_written_and_the_send_ends(
+    pair: list[ShmTransport],
+) -> None:
+    t0, t1 = pair
+    out = np.zeros(BIG, np.uint8)
+    send = t0.send(1, (6, 2, 0), memoryview(data(BIG, 10)))
+    await asyncio.sleep(0.05)  # announced
+    recv = t1.recv_into(0, (6, 2, 0), memoryview(out))  # takes it: the copy comes next turn
+    t1.mailbox.kill(6, 2, aiodist.DistUsageError("rejected"))
+    with pytest.raises(aiodist.DistUsageError, match="rejected"):
+        await recv
+    await asyncio.wait_for(send, 5)  # taken before the rejection: it was sent
+    assert not out.any() and t1.pulled_bytes == 0
+    assert not t1._by_peer[0].flow._taken  # nothing waits for the sender's word
+    await exchange(t0, t1, 11)
+
+
 def _ring_of_large_messages(rank: int, size: int) -> list[bool]:
     import aiodist.sync as dist
 

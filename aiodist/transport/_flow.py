@@ -272,9 +272,9 @@ class PeerFlow:
     def taken(self, ticket: int) -> None:
         """The peer copied the payload of the announced message ``ticket`` from this rank's
         memory: vouch for it, unless the send ended first (then it is withdrawn)."""
-        waiting = self._waiting.get(ticket)
+        waiting = self._waiting.get(ticket) if self.offering else None
         if waiting is None:
-            return  # withdrawn already
+            return  # withdrawn already (or never offered: not a word to heed)
         fut = waiting[1]
         if fut.done():  # ended, not withdrawn yet: the caller may have written the memory
             self._given_up(ticket, fut)
@@ -370,10 +370,12 @@ class PeerFlow:
         if self.reader is not None and ticket >= self._tickets_in:
             self._offers[ticket] = address
 
-    def took(self, ticket: int) -> None:
+    def took(self, ticket: int, *, wanted: bool = True) -> None:
         """The reader copied the payload of announced message ``ticket``: tell the peer,
-        and wait for its word (:meth:`vouched`)."""
-        self._taken.add(ticket)
+        and wait for its word (:meth:`vouched`); or (not ``wanted``) its receive is gone
+        and nothing was copied: the peer's send ends, and nothing waits for its word."""
+        if wanted:
+            self._taken.add(ticket)
         self._control(TAKEN, ticket)
 
     def copy_instead(self, ticket: int) -> None:

@@ -461,7 +461,7 @@ class ShmLink:
         if out is None:
             # The receive is gone (failed, or the message withdrawn): nothing is copied,
             # and the send ends as one whose payload went to a dropped receive does.
-            self.flow.took(ticket)
+            self.flow.took(ticket, wanted=False)
             return
         end = min(len(out), offset + PULL_STEP)
         try:
