@@ -5,8 +5,10 @@ transports as tasks of one loop. (Worlds of processes: ``aiodist.testing``'s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 from aiodist.store import HashStore
@@ -33,3 +35,17 @@ async def shm_world(n: int, job: str, **kwargs: Any) -> list[ShmTransport]:
             *(ShmTransport.create(store, r, n, timeout=10, job_key=job, **kwargs) for r in range(n))
         )
     )
+
+
+@contextlib.asynccontextmanager
+async def shm_transports(n: int, **kwargs: Any) -> AsyncIterator[list[ShmTransport]]:
+    """:func:`shm_world` of a job of its own, closed at the end, which must leave nothing in
+    /dev/shm."""
+    job = new_job()
+    transports = await shm_world(n, job, **kwargs)
+    try:
+        yield transports
+    finally:
+        for t in transports:
+            await t.aclose()
+    assert leftovers(job) == []

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from shm_helpers import leftovers, new_job, shm_world
+from shm_helpers import shm_transports
 
 import aiodist
 from aiodist.testing import run_world_processes
@@ -34,14 +34,8 @@ def data(n: int, seed: int) -> np.ndarray:
 
 @pytest.fixture
 async def pair() -> AsyncIterator[list[ShmTransport]]:
-    job = new_job()
-    transports = list(await shm_world(2, job, staging_bytes=STAGING))
-    try:
+    async with shm_transports(2, staging_bytes=STAGING) as transports:
         yield transports
-    finally:
-        for t in transports:
-            await t.aclose()
-    assert leftovers(job) == []
 
 
 async def exchange(t0: ShmTransport, t1: ShmTransport, seed: int) -> None:
@@ -71,14 +65,9 @@ async def test_with_aiodist_shm_pull_0_messages_come_through_the_ring(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv(_shm_pull.PULL_ENV, "0")
-    job = new_job()
-    t0, t1 = await shm_world(2, job, staging_bytes=STAGING)
-    try:
+    async with shm_transports(2, staging_bytes=STAGING) as (t0, t1):
         await exchange(t0, t1, 3)
         assert t1.pulled_bytes == 0
-    finally:
-        await t0.aclose()
-        await t1.aclose()
 
 
 async def test_a_peer_whose_memory_cannot_be_read_sends_through_the_ring(
@@ -160,7 +149,7 @@ async def test_a_receive_that_fails_before_the_copy_is_never_written_and_the_sen
     await exchange(t0, t1, 11)
 
 
-def _ring_of_large_messages(rank: int, size: int) -> list[bool]:
+def _ring_of_large_messages(rank: int, size: int) -> tuple[list[bool], bool]:
     import aiodist.sync as dist
 
     n = (20 << 20) // 8  # beyond the default staging bound (16 MiB)
@@ -173,11 +162,14 @@ def _ring_of_large_messages(rank: int, size: int) -> list[bool]:
         for w in works:
             w.wait()
         ok.append(np.array_equal(out, np.arange(n, dtype=np.float64) * (prv + 1) + step))
-    return ok
+    world = aiodist.group.peek_world()
+    assert world is not None
+    transport = getattr(world.transport, "shm", world.transport)  # (routed: its local part)
+    return ok, transport.pulled_bytes >= 3 * n * 8  # every message copied from its sender
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("size", [2, 3, 4])
 def test_ranks_in_a_ring_exchange_large_messages_copied_once(size: int) -> None:
     results: list[Any] = run_world_processes(_ring_of_large_messages, size, timeout=120)
-    assert results == [[True, True, True]] * size
+    assert results == [([True, True, True], True)] * size
