@@ -8,11 +8,14 @@ drive the launcher's side of the starter (``Starter``) directly.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
+import termios
 import time
 from pathlib import Path
 
@@ -149,6 +152,11 @@ def start_ready(nproc: int) -> subprocess.Popen[str]:
     return proc
 
 
+def readable_bytes(fd: int) -> int:
+    """How many bytes the pipe ``fd`` holds, read without taking them."""
+    return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+
+
 def children(pid: int) -> list[int]:
     """The processes ``pid`` started that still have it as parent."""
     return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
@@ -214,5 +222,41 @@ async def test_a_worker_whose_start_was_cancelled_is_ended_and_reaped() -> None:
         while children(starter._proc.pid) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         assert children(starter._proc.pid) == []
+    finally:
+        await starter.close()
+
+
+@pytest.mark.both_loops
+async def test_a_worker_started_before_its_spawn_was_cancelled_is_ended_and_reaped() -> None:
+    # The other order: the starter's answer is read (the start succeeded) and the caller is
+    # cancelled before its spawn resumes, so spawn never returns the worker to anyone. The
+    # worker has printed by then, so closing its pipes does not end it: spawn must.
+    env = clean_env(RANK="0", AIODIST_RESTART_COUNT="0")
+    starter = await Starter.open([], env)
+    try:
+        spawn = asyncio.create_task(starter.spawn([sys.executable, "-u", WORKER, "ready"], env))
+        while not any(started.done() for started, _, _ in starter._starting.values()):
+            await asyncio.sleep(0)
+        [(_, stdout, _)] = starter._starting.values()
+        # Without yielding to the loop (spawn would resume), wait until "ready" is in the pipe
+        # or was read from it already.
+        pipe = stdout._transport.get_extra_info("pipe").fileno()  # type: ignore[attr-defined]
+
+        def printed() -> int:
+            return readable_bytes(pipe) + len(stdout._buffer)  # type: ignore[attr-defined]
+
+        deadline = time.monotonic() + 10
+        while not printed() and time.monotonic() < deadline:
+            time.sleep(0.01)  # noqa: ASYNC251 (the loop must not turn)
+        assert printed() == len(b"ready\n")
+        assert not spawn.done()
+        spawn.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await spawn
+        deadline = time.monotonic() + 10
+        while children(starter._proc.pid) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert children(starter._proc.pid) == []
+        assert starter._running == {}
     finally:
         await starter.close()

@@ -334,6 +334,10 @@ class Starter:
             _send(self._sock, message, [pipes[0][1], pipes[1][1]])
             return await started
         except BaseException:
+            if started.done() and not started.cancelled() and started.exception() is None:
+                # Cancelled after the worker had started (its answer came first): nobody will
+                # watch it, so end it, as _receive does when the answer comes second.
+                os.kill(started.result().pid, signal.SIGKILL)
             for transport in transports:
                 transport.close()
             raise

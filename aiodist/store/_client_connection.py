@@ -148,6 +148,11 @@ class ClientConnection(asyncio.Protocol):
             self.transport.close()
 
 
+#: The least time a connection attempt is begun with: a refusal, even on loopback, is read
+#: on a later turn of the loop, which a loaded machine may take tens of milliseconds to reach.
+_ATTEMPT_FLOOR = 0.1
+
+
 def _remaining(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
@@ -192,9 +197,10 @@ async def connect(
         left = _remaining(deadline)
         pause = random.uniform(delay / 2, delay)
         delay = min(delay * 2, 1.0)
-        if left is not None and pause >= left:
-            # No time for another real attempt: wait out the deadline, then report the
-            # outcome of the last one that had time to run.
+        if left is not None and pause + _ATTEMPT_FLOOR >= left:
+            # No time for another real attempt (one begun a moment before the deadline is cut
+            # before the OS's answer is read, and would hide the last error): wait out the
+            # deadline, then report the outcome of the last one that had time to run.
             await asyncio.sleep(left)
             left = 0.0
         if left is not None and left <= 0:
