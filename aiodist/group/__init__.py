@@ -849,7 +849,7 @@ class ProcessGroup:
         if not standing_in and since is None:
             self._inline_since = now
             asyncio.get_running_loop().call_soon(self._loop_ran)
-        return op.work
+        return Work(op)
 
     def issue_p2p(
         self,
@@ -1012,7 +1012,7 @@ class ProcessGroup:
                     self._inline_since = now
                     loop.call_soon(self._loop_ran)
                 self._finished(op)
-                return op.work
+                return Work(op)
             except BaseException:  # (_run keeps every Exception; KeyboardInterrupt and such)
                 self._finished(op)
                 raise
@@ -1032,7 +1032,7 @@ class ProcessGroup:
                 self._watchdog_at = deadline
         task.add_done_callback(functools.partial(self._finished, op, started))
         op.task = task
-        return op.work
+        return Work(op)
 
     def _loop_ran(self) -> None:
         # Other tasks had their turn since the last operation ended inline.
@@ -1083,6 +1083,7 @@ class ProcessGroup:
             # at once): closed, it is not reported as never awaited.
             started.close()
         self._inflight.pop(op, None)
+        op.task = None  # (ended: nothing to cancel, and no cycle through the task)
         if op.kind is OpKind.COLLECTIVE:
             mailbox = self._world.transport.mailbox
             for i in range(op.nseq):
