@@ -10,8 +10,12 @@ awaits and expiring waits, each result compared with a numpy model). The program
 into equal blocks over the configurations: every world size of ``--ranks``, transport of
 ``--transport`` (``shm``, ``tcp``), API of ``--api`` (``async``: the ranks as tasks of one
 loop, ``aiodist.testing.run_world``; ``sync``: the blocking API, one process per rank) and
-loop of ``--loop`` (``asyncio``, ``uvloop``). A program that fails prints the command that
-replays it: ``--seed`` its seed, one value of each of the four options, ``--programs 1``.
+loop of ``--loop`` (``asyncio``, ``uvloop``). ``--staging BYTES`` sets every rank's staging
+bound (``$AIODIST_STAGING_BYTES``): with a small one most messages are announced and their
+payloads wait for their receives (over shared memory, copied from the sender's memory unless
+``AIODIST_SHM_PULL=0``), and the programs draw larger arrays too. A program that fails prints
+the command that replays it: ``--seed`` its seed, one value of each of the four options,
+``--staging`` if given, ``--programs 1``.
 
 The programs run in worker processes that stay up from one program to the next, so that
 what a program leaves behind adds up: for the async API one process that runs every rank;
@@ -86,12 +90,11 @@ def _async_worker(conn: multiprocessing.connection.Connection, loop: str) -> Non
     caught: list[dict[str, Any]] = []
     with asyncio.Runner(loop_factory=loop_factory(loop)) as runner:
         runner.get_loop().set_exception_handler(lambda _loop, context: caught.append(context))
-        while (job := conn.recv()) is not None:
-            seed, ranks, transport = job
-            program = program_fuzz.generate(seed, ranks)
+        while (config := conn.recv()) is not None:
+            program = config.program()
             reports, error, kind = [], "", ""
             try:
-                reports = runner.run(program_fuzz.run_world_program(program, transport))
+                reports = runner.run(program_fuzz.run_world_program(program, config))
             except Exception as exc:
                 error, kind = program_fuzz.runner_failure(exc)
             if caught:
@@ -102,26 +105,29 @@ def _async_worker(conn: multiprocessing.connection.Connection, loop: str) -> Non
 
 
 def _sync_worker(
-    conn: multiprocessing.connection.Connection, rank: int, port: int, loop: str, name: str
+    conn: multiprocessing.connection.Connection,
+    rank: int,
+    port: int,
+    name: str,
+    environment: dict[str, str],
 ) -> None:
     """Run rank ``rank`` of programs with the blocking API, a new default group of the job
-    ``name`` (``group_name``) for each."""
-    os.environ["AIODIST_LOOP"] = loop
+    ``name`` (``group_name``) for each, under ``environment`` (its loop, staging bound)."""
+    os.environ.update(environment)
     import aiodist.sync as dist
 
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-    while (job := conn.recv()) is not None:
-        seed, ranks, transport = job
-        program = program_fuzz.generate(seed, ranks)
+    while (config := conn.recv()) is not None:
+        program = config.program()
         try:
             dist.init_process_group(
                 "cpu",
                 store=store,
                 rank=rank,
-                world_size=ranks,
+                world_size=config.ranks,
                 timeout=program_fuzz.RUN_LIMIT,
                 group_name=name,
-                shared_memory=transport == "shm",
+                shared_memory=config.transport == "shm",
             )
             try:
                 report, error, kind = program_fuzz.run_sync_rank(program, rank), "", ""
@@ -157,7 +163,8 @@ def _shm_files(pids: set[int]) -> list[str]:
 
 @dataclass
 class WorkerSet:
-    """Worker processes that run programs of one API and loop (and, blocking, world size)."""
+    """Worker processes that run programs of one API, loop and staging bound (and,
+    blocking, world size)."""
 
     key: tuple[Any, ...]
     procs: list[multiprocessing.process.BaseProcess] = field(default_factory=list)
@@ -174,7 +181,8 @@ class WorkerSet:
         else:
             # (A job of its own: workers started again after a problem begin afresh.)
             job = f"fuzz-{config.seed}"
-            targets = [(_sync_worker, (r, port, config.loop, job)) for r in range(config.ranks)]
+            env = {"AIODIST_LOOP": config.loop, **config.environment()}
+            targets = [(_sync_worker, (r, port, job, env)) for r in range(config.ranks)]
         for target, args in targets:
             ours, theirs = ctx.Pipe()
             proc = ctx.Process(target=target, args=(theirs, *args), daemon=True)
@@ -191,7 +199,7 @@ class WorkerSet:
     def run(self, config: Config, guard: float) -> tuple[list[RankReport], str, str]:
         """Run ``config``'s program: the ranks' reports, an error, and its kind."""
         for conn in self.conns:
-            conn.send((config.seed, config.ranks, config.transport))
+            conn.send(config)
         deadline = time.monotonic() + guard
         answers: dict[int, Any] = {}
         waiting = dict(enumerate(self.conns))
@@ -232,9 +240,10 @@ class WorkerSet:
 
 
 def _key(config: Config) -> tuple[Any, ...]:
+    staging = () if config.staging is None else (f"staging {config.staging}",)
     if config.api == "async":
-        return ("async", config.loop)
-    return ("sync", config.ranks, config.loop)
+        return ("async", config.loop, *staging)
+    return ("sync", config.ranks, config.loop, *staging)
 
 
 # -- the run ---------------------------------------------------------------------------------
@@ -285,7 +294,7 @@ def run(args: argparse.Namespace) -> Totals:
     try:
         for i in range(args.programs):
             ranks, transport, api, loop = combos[i * len(combos) // args.programs]
-            config = Config(args.seed + i, ranks, transport, api, loop)
+            config = Config(args.seed + i, ranks, transport, api, loop, args.staging)
             if workers is not None and workers.key != _key(config):
                 totals.retire(workers)
                 workers = None
@@ -294,7 +303,7 @@ def run(args: argparse.Namespace) -> Totals:
             keys = store.num_keys()
             started = time.monotonic()
             done, error, kind = workers.run(config, args.guard)
-            program = program_fuzz.generate(config.seed, config.ranks)
+            program = config.program()
             report = Report(config, program, done, error, kind, time.monotonic() - started)
             totals.reports.append(report)
             _print(i, report)
@@ -366,6 +375,7 @@ def report_text(totals: Totals, args: argparse.Namespace, minutes: float) -> str
         f"--programs {args.programs} --seed {args.seed} --ranks {','.join(map(str, args.ranks))} "
         f"--transport {','.join(args.transport)} --api {','.join(args.api)} "
         f"--loop {','.join(args.loop)}"
+        + ("" if args.staging is None else f" --staging {args.staging}")
     )
     lines = [
         "# Random programs checked against numpy (`bench/fuzz.py`)",
@@ -445,6 +455,14 @@ def main() -> None:
     p.add_argument("--api", default="async,sync")
     p.add_argument("--loop", default="asyncio,uvloop")
     p.add_argument(
+        "--staging",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="every rank's staging bound ($AIODIST_STAGING_BYTES; default: the environment's); "
+        "a small one announces most messages, and the programs draw larger arrays too",
+    )
+    p.add_argument(
         "--guard",
         type=float,
         default=program_fuzz.RUN_LIMIT + 30,
@@ -468,6 +486,8 @@ def main() -> None:
         setattr(args, name, values)
     if not set(args.ranks) <= {2, 3, 4} or args.programs < 1:
         p.error("--ranks takes 2, 3 and 4; --programs at least 1")
+    if args.staging is not None and args.staging < 0:
+        p.error("--staging takes a number of bytes, at least 0")
     t0 = time.monotonic()
     totals = run(args)
     text = report_text(totals, args, (time.monotonic() - t0) / 60)

@@ -32,7 +32,9 @@ Every later call must give the right value again: a rejection leaves the group u
 :func:`run_program` runs one program under a :class:`Config`: the async API with the ranks
 as tasks of one loop (:func:`aiodist.testing.run_world`), or the blocking API
 (``aiodist.sync``) in processes (:func:`aiodist.testing.run_world_processes`), on the
-standard loop or uvloop, over shared memory or TCP. The :class:`Report` lists each rank's
+standard loop or uvloop, over shared memory or TCP, with the default staging bound or a
+small one that sends most messages the announced way (``$AIODIST_STAGING_BYTES``: see
+:class:`Config`). The :class:`Report` lists each rank's
 problems; its :meth:`Report.describe` prints the configuration, the problems, the command
 that replays it (``bench/fuzz.py``) and the program.
 """
@@ -45,10 +47,11 @@ import contextlib
 import copy
 import functools
 import math
+import os
 import random
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +62,7 @@ import aiodist.sync as dist
 from aiodist import DistError, DistTimeoutError, DistUsageError
 from aiodist._util._loop import loop_factory
 from aiodist.testing import run_world, run_world_processes
+from aiodist.transport._flow import STAGING_BYTES_ENV
 
 #: Seconds an operation may take before its group times out (a hang, for the model).
 OP_TIMEOUT = 5.0
@@ -85,32 +89,49 @@ UNEXPECTED_ERROR = "unexpected error"
 # -- configurations and programs ------------------------------------------------------------
 @dataclass(frozen=True)
 class Config:
-    """How one program runs: its seed, world size, transport, API and event loop."""
+    """How one program runs: its seed, world size, transport, API and event loop, and the
+    staging bound of every rank (``$AIODIST_STAGING_BYTES``; ``None``: the environment's,
+    by default 16 MiB). A message beyond the receiver's bound is announced and its payload
+    waits for the receive (``aiodist.transport._flow``): a small bound sends most messages
+    that way, and the program draws larger arrays too (:func:`generate`)."""
 
     seed: int
     ranks: int
     transport: str = "tcp"
     api: str = "async"
     loop: str = "asyncio"
+    staging: int | None = None
 
     def __str__(self) -> str:
+        staging = "" if self.staging is None else f", staging {self.staging} bytes"
         return (
             f"seed {self.seed}, {self.ranks} ranks, {self.transport}, {self.api} API, "
-            f"{self.loop} loop"
+            f"{self.loop} loop{staging}"
         )
 
     @property
     def name(self) -> str:
-        """A short name, for test ids: ``17-3r-shm-async-uvloop``."""
-        return f"{self.seed}-{self.ranks}r-{self.transport}-{self.api}-{self.loop}"
+        """A short name, for test ids: ``17-3r-shm-async-uvloop`` (``-s64``: staging 64)."""
+        staging = "" if self.staging is None else f"-s{self.staging}"
+        return f"{self.seed}-{self.ranks}r-{self.transport}-{self.api}-{self.loop}{staging}"
 
     @property
     def replay(self) -> str:
         """The command that runs this program again and prints its report."""
+        staging = "" if self.staging is None else f" --staging {self.staging}"
         return (
             f".venv/bin/python bench/fuzz.py --seed {self.seed} --ranks {self.ranks} "
-            f"--transport {self.transport} --api {self.api} --loop {self.loop} --programs 1"
+            f"--transport {self.transport} --api {self.api} --loop {self.loop}{staging} "
+            "--programs 1"
         )
+
+    def program(self) -> Program:
+        """The program this configuration runs."""
+        return generate(self.seed, self.ranks, large=self.staging is not None)
+
+    def environment(self) -> dict[str, str]:
+        """The environment variables that set its staging bound (none for the default)."""
+        return {} if self.staging is None else {STAGING_BYTES_ENV: str(self.staging)}
 
 
 @dataclass(frozen=True)
@@ -235,6 +256,12 @@ SHAPES = (
     (1,), (3,), (4,), (2, 3), (0,), (0, 2), (5,), (8,), (2, 2, 2), (17,), (3, 0), (257,),
     (1000,),
 )  # fmt: skip
+#: What a program for a small staging bound draws as well, for one step in two: arrays
+#: of hundreds to thousands of elements, whose messages go beyond the bound.
+LARGE_SHAPES = ((100,), (700,), (1500,), (4099,), (3, 700))
+#: The trailing dimensions of an all_to_all's blocks, and (large programs) a longer one.
+BLOCK_TRAILS: tuple[tuple[int, ...], ...] = ((), (2,), (3, 2))
+LARGE_BLOCK_TRAIL = (300,)
 FACTORS = (0.5, 2.0, -1.0, 0.25, 3.0)
 
 #: The reductions each dtype kind takes, and those it refuses (a usage error).
@@ -327,8 +354,13 @@ _P2P = frozenset({"p2p", "any_source", "batch_isend_irecv", "object_p2p"})
 MODES = {"now": 50, "later": 20, "cancel": 10, "deadline": 5, "blocking": 15}
 
 
-def generate(seed: int, ranks: int) -> Program:
-    """The program of ``seed`` for a world of ``ranks`` (2-4): the same on every machine."""
+def generate(seed: int, ranks: int, large: bool = False) -> Program:
+    """The program of ``seed`` for a world of ``ranks`` (2-4): the same on every machine.
+
+    ``large``: for a small staging bound, one array in two is drawn from
+    :data:`LARGE_SHAPES` (and an all_to_all's blocks may be long), so that most messages
+    go beyond the bound; the program differs from the one without.
+    """
     rng = random.Random(seed)
     world = tuple(range(ranks))
     groups: list[tuple[int, tuple[int, ...]]] = [(-1, world)]
@@ -355,7 +387,7 @@ def generate(seed: int, ranks: int) -> Program:
                 index, previous.op, previous.group, previous.ranks, variant=rng.getrandbits(32)
             )
             fields = ("dtype", "shape", "reduce", "factor", "sizes", "flag")
-            step = _replace(_draw(rng, step), **{f: getattr(previous, f) for f in fields})
+            step = _replace(_draw(rng, step, large), **{f: getattr(previous, f) for f in fields})
             steps.append(_finish(rng, step, ranks))
             continue
         candidates = [g for g in groups if op not in _P2P or len(g[1]) >= 2]
@@ -365,7 +397,7 @@ def generate(seed: int, ranks: int) -> Program:
             else rng.choice(candidates[1:])
         )
         step = Step(index, op, gid, members, variant=rng.getrandbits(32))
-        steps.append(_finish(rng, _draw(rng, step), ranks))
+        steps.append(_finish(rng, _draw(rng, step, large), ranks))
     if ends_in_timeout:
         waiter, sender = rng.sample(world, 2)
         tag = 100 * (length + 1)
@@ -396,12 +428,15 @@ def _replace(step: Step, **changes: Any) -> Step:
     return Step(**fields)
 
 
-def _draw(rng: random.Random, step: Step) -> Step:
-    """Draw the dtype, shape, root, reduction and sizes of ``step``."""
+def _draw(rng: random.Random, step: Step, large: bool) -> Step:
+    """Draw the dtype, shape, root, reduction and sizes of ``step`` (``large``: see
+    :func:`generate`)."""
     m = len(step.ranks)
     op = step.op
     dtype = rng.choice(DTYPES)
     shape = rng.choice(SHAPES) if rng.random() < 0.9 else (rng.randint(1, 64),)
+    if large and rng.random() < 0.5:
+        shape = rng.choice(LARGE_SHAPES)
     changes: dict[str, Any] = {
         "dtype": dtype,
         "shape": shape,
@@ -424,7 +459,8 @@ def _draw(rng: random.Random, step: Step) -> Step:
         changes["sizes"] = tuple(
             tuple(same if even else rng.randint(0, 3) for _ in range(m)) for _ in range(m)
         )
-        changes["shape"] = (0, *rng.choice([(), (2,), (3, 2)]))  # only the trailing dims count
+        trails = (*BLOCK_TRAILS, LARGE_BLOCK_TRAIL) if large else BLOCK_TRAILS
+        changes["shape"] = (0, *rng.choice(trails))  # only the trailing dims count
     elif op in ("broadcast_object_list", "object_p2p"):
         changes["sizes"] = ((rng.randint(1, 3),),)
     if op in _P2P:
@@ -1856,7 +1892,7 @@ class Report:
 
 def run_program(config: Config) -> Report:
     """Run ``config``'s program and compare every rank's outcomes with the model."""
-    program = generate(config.seed, config.ranks)
+    program = config.program()
     started = time.monotonic()
     report = Report(config, program, [])
     try:
@@ -1864,12 +1900,13 @@ def run_program(config: Config) -> Report:
             report.ranks = _run_async(config, program, report)
         else:
             report.ranks = run_world_processes(
-                functools.partial(sync_rank, config.seed),
+                functools.partial(sync_rank, config),
                 config.ranks,
                 timeout=RUN_LIMIT,
                 env={
                     "AIODIST_LOOP": config.loop,
                     "AIODIST_SHM": "1" if config.transport == "shm" else "0",
+                    **config.environment(),
                 },
             )
     except Exception as exc:
@@ -1882,7 +1919,7 @@ def _run_async(config: Config, program: Program, report: Report) -> list[RankRep
     caught: list[dict[str, Any]] = []
     with asyncio.Runner(loop_factory=loop_factory(config.loop)) as runner:
         runner.get_loop().set_exception_handler(lambda _loop, context: caught.append(context))
-        ranks = runner.run(run_world_program(program, config.transport))
+        ranks = runner.run(run_world_program(program, config))
     if caught:
         report.error = handler_fired(caught)
     return ranks
@@ -1893,20 +1930,38 @@ def handler_fired(caught: list[dict[str, Any]]) -> str:
     return f"the event loop's exception handler fired: {caught!r:.2000}"
 
 
-async def run_world_program(program: Program, transport: str) -> list[RankReport]:
-    """Run ``program`` with the async API, its ranks as tasks of the running loop."""
-    return await run_world(
-        functools.partial(_async_rank, program),
-        program.ranks,
-        transport="shm" if transport == "shm" else "tcp",
-        timeout=RUN_LIMIT,
-    )
+async def run_world_program(program: Program, config: Config) -> list[RankReport]:
+    """Run ``program`` with the async API, its ranks as tasks of the running loop, over
+    ``config``'s transport with its staging bound."""
+    with environment(config.environment()):
+        return await run_world(
+            functools.partial(_async_rank, program),
+            program.ranks,
+            transport="shm" if config.transport == "shm" else "tcp",
+            timeout=RUN_LIMIT,
+        )
+
+
+@contextlib.contextmanager
+def environment(variables: dict[str, str]) -> Iterator[None]:
+    """Set ``variables`` in this process's environment meanwhile: the transports of a
+    world made meanwhile read them (its ranks are tasks of this process)."""
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 async def _async_rank(program: Program, rank: int, world_size: int) -> RankReport:
     return await run_async_rank(program, rank)
 
 
-def sync_rank(seed: int, rank: int, world_size: int) -> RankReport:
-    """A process's rank of :func:`run_world_processes`: ``seed``'s program, blocking API."""
-    return run_sync_rank(generate(seed, world_size), rank)
+def sync_rank(config: Config, rank: int, world_size: int) -> RankReport:
+    """A process's rank of :func:`run_world_processes`: ``config``'s program, blocking API."""
+    return run_sync_rank(config.program(), rank)

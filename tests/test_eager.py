@@ -169,6 +169,55 @@ async def test_eager_and_queued_operations_mix(size: int, transport: Any) -> Non
         assert "was rejected by rank 0" in text and "ReduceOp.BAND" in text
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("objects", [False, True], ids=["arrays", "objects"])
+async def test_a_queued_send_keeps_its_place_before_a_rejected_one(
+    objects: bool, transport: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Rank 0's first send on a tag goes through the loop (an operation ended inline just
+    # before it: a receive of a message that is in), its second is rejected at once: rank
+    # 1's first receive still gets the data and its second fails with the rejection (the
+    # rejection overtook the queued send, whose message left only once its task ran).
+    monkeypatch.setattr(aiodist.group, "EAGER_SECONDS", 0.0)
+
+    async def fn(rank: int, size: int) -> object:
+        if rank == 0:
+            await aiodist.recv(np.zeros(1), src=1, tag=4)  # (and tag 3 is in before it)
+            assert aiodist.irecv(np.zeros(1), src=1, tag=3).is_completed()  # inline
+            if objects:
+                first = aiodist.send_object_list([42, "x"], dst=1)
+                with pytest.raises(aiodist.DistUsageError):
+                    aiodist.send_object_list([], dst=1)
+            else:
+                first = aiodist.isend(np.full(2, 42), dst=1, tag=5)
+                with pytest.raises(aiodist.DistUsageError):
+                    aiodist.isend([1, 2], dst=1, tag=5)  # not an array: rejected
+            await first
+            return None
+        await aiodist.send(np.ones(1), dst=0, tag=3)
+        await aiodist.send(np.ones(1), dst=0, tag=4)
+        outcomes: list[object] = []
+        for _ in range(2):
+            out: list[Any] = [None, None]
+            x = np.zeros(2, np.int64)
+            try:
+                if objects:
+                    await aiodist.recv_object_list(out, src=0)
+                    outcomes.append(out)
+                else:
+                    await aiodist.recv(x, src=0, tag=5)
+                    outcomes.append(x.tolist())
+            except aiodist.DistUsageError as exc:
+                outcomes.append(str(exc))
+        return outcomes
+
+    first, second = (await run_world(fn, 2, transport=transport, timeout=20))[1]
+    assert first == ([42, "x"] if objects else [42, 42])
+    assert isinstance(second, str)
+    tag = 0 if objects else 5  # (object lists travel with tag 0)
+    assert second.startswith(f"recv from rank 0 (tag {tag}): rank 0 rejected its send: "), second
+
+
 def test_a_blocking_call_stands_in_for_an_idle_loop_thread_and_hands_over_to_a_busy_one() -> None:
     dist.HashStore().set("k", b"v")  # the loop thread runs
     loop = _loop_thread.loop_thread.loop()

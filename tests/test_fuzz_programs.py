@@ -7,6 +7,11 @@ tasks of one loop) or the blocking API (ranks as processes), on the standard loo
 uvloop. Every result must equal the model's, every rejection must reach the ranks it
 concerns, and the group must stay usable after it. A failure prints the configuration, the
 problems, the program and the command that replays it (``bench/fuzz.py``).
+
+The staged cases run with a staging bound of 64 bytes, or 0 (no staging at all), on every
+rank: most messages are then announced and their payloads wait for their receives (over
+shared memory copied from the sender's memory), with receives posted late, works whose
+waits are cancelled, and rejections that withdraw or refuse announced messages.
 """
 
 from __future__ import annotations
@@ -29,6 +34,21 @@ SYNC_CASES = [
     Config(101 + i, ranks, transport, "sync", loop)
     for i, (ranks, transport, loop) in enumerate(_COMBOS)
 ]
+#: Every world size, transport and loop with each small bound twice through the async API
+#: (seeds 201-248), and each world size and transport once through the blocking API
+#: (seeds 301-306: each loop on each transport, the bound 0 for 3 ranks, else 64).
+STAGED_ASYNC_CASES = [
+    Config(201 + i, ranks, transport, "async", loop, staging)
+    for i, ((ranks, transport, loop), staging) in enumerate(itertools.product(_COMBOS * 2, (64, 0)))
+]
+STAGED_SYNC_CASES = [
+    Config(301, 2, "shm", "sync", "asyncio", 64),
+    Config(302, 2, "tcp", "sync", "uvloop", 64),
+    Config(303, 3, "shm", "sync", "uvloop", 0),
+    Config(304, 3, "tcp", "sync", "asyncio", 0),
+    Config(305, 4, "shm", "sync", "asyncio", 64),
+    Config(306, 4, "tcp", "sync", "uvloop", 64),
+]
 
 
 def _check(config: Config) -> None:
@@ -44,4 +64,15 @@ def test_async_program(config: Config) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("config", SYNC_CASES, ids=lambda c: f"seed{c.name}")
 def test_blocking_program_in_processes(config: Config) -> None:
+    _check(config)
+
+
+@pytest.mark.parametrize("config", STAGED_ASYNC_CASES, ids=lambda c: f"seed{c.name}")
+def test_async_program_with_a_small_staging_bound(config: Config) -> None:
+    _check(config)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("config", STAGED_SYNC_CASES, ids=lambda c: f"seed{c.name}")
+def test_blocking_program_in_processes_with_a_small_staging_bound(config: Config) -> None:
     _check(config)

@@ -217,3 +217,43 @@ async def test_a_rejection_slower_than_a_goodbye_still_names_the_rejecting_rank(
     assert rejecter == "all_reduce: ReduceOp.BAND is not supported for dtype float32"
     assert first.endswith(f"was rejected by rank 0: {rejecter}"), first
     assert second.endswith(f"was rejected by rank 0: {rejecter}"), second
+
+
+@pytest.mark.parametrize("slow_to", [1, 0], ids=["withdrawn", "refused"])
+async def test_a_rejection_slower_than_a_given_up_message_still_names_the_rejecting_rank(
+    slow_to: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With no staging, rank 0's message of an all_reduce of 3 ranks to rank 1 (its partner
+    # in recursive doubling) is announced and waits for rank 1's receive. Rank 2 rejects the
+    # all_reduce, and its word to rank 0 or 1 is slow. To rank 1: rank 0 hears first and
+    # withdraws its message, and rank 1's receive takes the withdrawal before the word. To
+    # rank 0: rank 1 hears first and refuses the message, and rank 0's send fails before the
+    # word. Either way every rank raises the rejection, the cause, and the group stays
+    # usable (the withdrawal, or the refusal, aborted it).
+    monkeypatch.setenv("AIODIST_STAGING_BYTES", "0")
+
+    async def fn(rank: int, size: int) -> tuple[str, list[float]]:
+        if rank == 2:
+            transport = aiodist.group.current_world().transport
+            send_reject, loop = transport.send_reject, asyncio.get_running_loop()
+
+            def slow(peer: int, group: int, seq: int, reason: str) -> None:
+                if peer == slow_to:
+                    loop.call_later(0.3, send_reject, peer, group, seq, reason)
+                else:
+                    send_reject(peer, group, seq, reason)
+
+            transport.send_reject = slow  # type: ignore[method-assign]
+        await asyncio.sleep((0.0, 0.2, 0.1)[rank])  # rank 0 announces first
+        op = aiodist.ReduceOp.BAND if rank == 2 else aiodist.ReduceOp.SUM
+        with pytest.raises(aiodist.DistUsageError) as info:
+            await aiodist.all_reduce(np.ones(5), op=op)
+        x = np.full(3, float(rank))
+        await aiodist.all_reduce(x)
+        return str(info.value), x.tolist()
+
+    (first, x0), (second, x1), (rejecter, x2) = await run_world(fn, 3, transport="tcp", timeout=20)
+    assert rejecter == "all_reduce: ReduceOp.BAND is not supported for dtype float64"
+    assert first.endswith(f"was rejected by rank 2: {rejecter}"), first
+    assert second.endswith(f"was rejected by rank 2: {rejecter}"), second
+    assert x0 == x1 == x2 == [3.0, 3.0, 3.0]

@@ -246,7 +246,7 @@ def _empty(group: ProcessGroup, dims: tuple[int, ...], dt: np.dtype[Any], zeroed
 
 
 # -- data paths ------------------------------------------------------------------------------
-def on_transport(algorithm: Callable[..., Coroutine[Any, Any, Any]]) -> Path:
+def on_transport(algorithm: Callable[..., Awaitable[Any]]) -> Path:
     """The path that runs ``algorithm(*comms, *call.args)`` over the group's transport."""
 
     def path(group: ProcessGroup, call: Call) -> Plan:
@@ -425,8 +425,11 @@ async def _all_gather_coalesced(comm: OpComm, rows: list[list[Array]], xs: list[
             offset += n
 
 
-async def _send(comm: OpComm, peer: int, x: Array) -> None:
-    await comm.send(peer, 0, byte_view(x))
+def _send(comm: OpComm, peer: int, x: Array) -> asyncio.Future[None]:
+    # The message takes its place among the peer's as the send is issued, even when the
+    # operation then waits for a turn of the loop: a rejected send issued next, whose word
+    # leaves at once, must not overtake it (see Mailbox.poison).
+    return comm.send(peer, 0, byte_view(x))
 
 
 async def _recv(comm: OpComm, peer: int | None, out: Array, ranks: tuple[int, ...] | None) -> int:

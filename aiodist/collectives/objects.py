@@ -18,7 +18,7 @@ import io
 import math
 import pickle
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -317,10 +317,19 @@ async def scatter_objects(
     return outs
 
 
-async def send_objects(comm: OpComm, peer: int, sizes: Array, data: Array) -> None:
-    """Send pickled objects to ``peer``: their sizes, then their bytes."""
+def send_objects(comm: OpComm, peer: int, sizes: Array, data: Array) -> Coroutine[Any, Any, None]:
+    """Send pickled objects to ``peer``: their sizes, then their bytes.
+
+    Both messages take their place among the peer's now, as the operation is issued (a
+    rejected send issued next must not overtake them); the coroutine waits for them.
+    """
     # The sizes travel as step 0, like a tensor sent with the same tag (as in torch).
-    await asyncio.gather(comm.send(peer, 0, byte_view(sizes)), comm.send(peer, 1, byte_view(data)))
+    sizes_sent = comm.send(peer, 0, byte_view(sizes))
+    return _sent(asyncio.gather(sizes_sent, comm.send(peer, 1, byte_view(data))))
+
+
+async def _sent(sends: asyncio.Future[Any]) -> None:
+    await sends
 
 
 async def recv_objects(

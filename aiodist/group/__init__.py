@@ -78,6 +78,7 @@ from ..transport.base import (
     departure_of,
     lost_peer_error,
     only_this_operation,
+    peer_gave_up,
     rejection_text,
 )
 from . import _recorder
@@ -201,9 +202,10 @@ EAGER_SECONDS = 0.5e-3
 #: Seconds a rank that destroys its world waits for the calls it rejected to take their places
 #: on their data paths (a workspace's turn needs the peers there), so that the peers hear why.
 REJECTION_GRACE = 2.0
-#: Seconds an operation that a member left in order waits for another member's rejection of
-#: it before it fails for the member that left (see ProcessGroup._rejected_meanwhile).
-LEFT_REJECTION_WAIT = 0.5
+#: Seconds an operation that a member left in order, or whose message a member gave up,
+#: waits for another member's rejection of it before it fails for that member (see
+#: ProcessGroup._rejected_meanwhile).
+REJECTION_WAIT = 0.5
 #: What they are told when its event loop ended with the group open.
 LOOP_ENDED_REASON = "left the process group as its event loop ended (no destroy_process_group)"
 
@@ -1066,6 +1068,11 @@ class ProcessGroup:
                 await self._rejected_meanwhile(op)
                 if not op.ended.done():
                     self._fail_alone(op, exc)
+            elif peer_gave_up(exc) and op not in self._expiring:
+                # A member withdrew or refused a message of it, most often because a third
+                # member's rejection reached it first: that word is the cause.
+                await self._rejected_meanwhile(op)
+                self._fail(op, exc)
             elif departure_of(exc) is Departure.GONE and op not in self._expiring:
                 # Gone without a word: dead, or aborted in the middle of a message to this
                 # rank. The store says which (and why it aborted) within moments.
@@ -1115,14 +1122,15 @@ class ProcessGroup:
         self._cancel_task(op)
 
     async def _rejected_meanwhile(self, op: Operation) -> None:
-        """Give a rejection of ``op`` a moment to arrive, a member it needs having left in
-        order (:data:`LEFT_REJECTION_WAIT`): that member may have given up its part because
-        another member rejected the operation, whose word, the real cause, can still be on
-        its way here over another connection, or unread, as the goodbye is read. The
-        rejection settles ``op`` (and cancels its task: see :meth:`World.on_reject`)."""
+        """Give a rejection of ``op`` a moment to arrive (:data:`REJECTION_WAIT`), a member
+        it needs having left in order, or withdrawn or refused a message of it: that member
+        may have given up its part because another member rejected the operation, whose
+        word, the real cause, can still be on its way here over another connection, or
+        unread, as the goodbye, the withdrawal or the refusal is read. The rejection settles
+        ``op`` (and cancels its task: see :meth:`World.on_reject`)."""
         if op in self._inflight:
             self._inflight[op] = math.inf  # (failing already: no timeout of its own)
-        await asyncio.wait([op.ended], timeout=LEFT_REJECTION_WAIT)
+        await asyncio.wait([op.ended], timeout=REJECTION_WAIT)
 
     def _fail_alone(self, op: Operation, exc: BaseException) -> None:
         """Fail ``op`` because a rank it needs left in order, which breaks nothing else.

@@ -1,8 +1,10 @@
-"""How a transport names what failed: a lost or aborted peer, how it departed, and an
-operation's failure that concerns it alone; and failing the futures that waited on it.
+"""How a transport names what failed: a lost or aborted peer, how it departed, an
+operation's failure that concerns it alone, and a message its peer gave up; and failing the
+futures that waited on it.
 
 The transports raise these errors where they learn of a failure; the layers above read
-them back (:func:`departure_of`, :func:`only_this_operation`, :func:`abort_text`).
+them back (:func:`departure_of`, :func:`only_this_operation`, :func:`peer_gave_up`,
+:func:`abort_text`).
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ __all__ = [
     "departure_of",
     "fail_future",
     "fails_alone",
+    "given_up_by_peer",
     "lost_peer_error",
     "only_this_operation",
     "peer_aborted_error",
+    "peer_gave_up",
 ]
 
 E = TypeVar("E", bound=BaseException)
@@ -75,6 +79,20 @@ def fails_alone(exc: E) -> E:
 def only_this_operation(exc: BaseException) -> bool:
     """Whether ``exc`` fails its operation only (see :func:`fails_alone`)."""
     return getattr(exc, "alone", False) is True
+
+
+def given_up_by_peer(exc: E) -> E:
+    """Mark ``exc`` as the failure of a message that its peer gave up: it withdrew it (its
+    send ended first) or refused it (its receive ended first, or did not fit). In an
+    operation of several ranks this is most often the echo of a rejection by a third rank,
+    which the peer heard first and which reaches this rank too. Returns ``exc``."""
+    exc.given_up = True  # type: ignore[attr-defined]
+    return exc
+
+
+def peer_gave_up(exc: BaseException) -> bool:
+    """Whether ``exc`` fails a message its peer gave up (see :func:`given_up_by_peer`)."""
+    return getattr(exc, "given_up", False) is True
 
 
 def departure_of(exc: BaseException) -> Departure | None:

@@ -57,7 +57,7 @@ import numpy as np
 
 from .._arrays._fingerprint import NO_FINGERPRINT
 from ..errors import DistUsageError
-from ._failures import fail_future
+from ._failures import fail_future, given_up_by_peer
 from ._frames import (
     CREDIT,
     CTS,
@@ -287,9 +287,8 @@ class PeerFlow:
         """The peer took the announced message ``ticket`` without its payload, for ``reason``."""
         waiting = self._waiting.pop(ticket, None)
         if waiting is not None:
-            fail_future(
-                waiting[1], DistUsageError(f"rank {self.peer} refused the message: {reason}")
-            )
+            error = DistUsageError(f"rank {self.peer} refused the message: {reason}")
+            fail_future(waiting[1], given_up_by_peer(error))
 
     def granted(self, nbytes: int) -> None:
         """The peer gave ``nbytes`` of credit back."""

@@ -31,7 +31,7 @@ import numpy as np
 
 from .._arrays._fingerprint import NO_FINGERPRINT, mismatch_error
 from ..errors import DistUsageError
-from ._failures import Departure, departure_of, fail_future, fails_alone
+from ._failures import Departure, departure_of, fail_future, fails_alone, given_up_by_peer
 
 __all__ = [
     "Flow",
@@ -130,7 +130,8 @@ def _mismatch(peer: int, tag: Tag, expected: int, received: int) -> DistUsageErr
 
 
 def _withdrawal(peer: int, tag: Tag, reason: str) -> DistUsageError:
-    return DistUsageError(f"rank {peer} withdrew its message tagged {tag}: {reason}")
+    error = DistUsageError(f"rank {peer} withdrew its message tagged {tag}: {reason}")
+    return given_up_by_peer(error)
 
 
 class _Recv:

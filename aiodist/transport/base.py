@@ -29,6 +29,7 @@ from ._failures import (
     lost_peer_error,
     only_this_operation,
     peer_aborted_error,
+    peer_gave_up,
 )
 from ._mailbox import Mailbox, Tag
 
@@ -46,6 +47,7 @@ __all__ = [
     "lost_peer_error",
     "only_this_operation",
     "peer_aborted_error",
+    "peer_gave_up",
     "rejection_text",
 ]
 
