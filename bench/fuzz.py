@@ -91,10 +91,9 @@ def _async_worker(conn: multiprocessing.connection.Connection, loop: str) -> Non
     with asyncio.Runner(loop_factory=loop_factory(loop)) as runner:
         runner.get_loop().set_exception_handler(lambda _loop, context: caught.append(context))
         while (config := conn.recv()) is not None:
-            program = config.program()
             reports, error, kind = [], "", ""
             try:
-                reports = runner.run(program_fuzz.run_world_program(program, config))
+                reports = runner.run(program_fuzz.run_world_program(config))
             except Exception as exc:
                 error, kind = program_fuzz.runner_failure(exc)
             if caught:

@@ -1897,7 +1897,7 @@ def run_program(config: Config) -> Report:
     report = Report(config, program, [])
     try:
         if config.api == "async":
-            report.ranks = _run_async(config, program, report)
+            report.ranks = _run_async(config, report)
         else:
             report.ranks = run_world_processes(
                 functools.partial(sync_rank, config),
@@ -1915,11 +1915,11 @@ def run_program(config: Config) -> Report:
     return report
 
 
-def _run_async(config: Config, program: Program, report: Report) -> list[RankReport]:
+def _run_async(config: Config, report: Report) -> list[RankReport]:
     caught: list[dict[str, Any]] = []
     with asyncio.Runner(loop_factory=loop_factory(config.loop)) as runner:
         runner.get_loop().set_exception_handler(lambda _loop, context: caught.append(context))
-        ranks = runner.run(run_world_program(program, config))
+        ranks = runner.run(run_world_program(config))
     if caught:
         report.error = handler_fired(caught)
     return ranks
@@ -1930,20 +1930,20 @@ def handler_fired(caught: list[dict[str, Any]]) -> str:
     return f"the event loop's exception handler fired: {caught!r:.2000}"
 
 
-async def run_world_program(program: Program, config: Config) -> list[RankReport]:
-    """Run ``program`` with the async API, its ranks as tasks of the running loop, over
-    ``config``'s transport with its staging bound."""
-    with environment(config.environment()):
+async def run_world_program(config: Config) -> list[RankReport]:
+    """Run ``config``'s program with the async API, its ranks as tasks of the running loop,
+    over its transport with its staging bound."""
+    with temporary_environment(config.environment()):
         return await run_world(
-            functools.partial(_async_rank, program),
-            program.ranks,
+            functools.partial(_async_rank, config.program()),
+            config.ranks,
             transport="shm" if config.transport == "shm" else "tcp",
             timeout=RUN_LIMIT,
         )
 
 
 @contextlib.contextmanager
-def environment(variables: dict[str, str]) -> Iterator[None]:
+def temporary_environment(variables: dict[str, str]) -> Iterator[None]:
     """Set ``variables`` in this process's environment meanwhile: the transports of a
     world made meanwhile read them (its ranks are tasks of this process)."""
     saved = {name: os.environ.get(name) for name in variables}
