@@ -12,7 +12,9 @@ was handed to a task because a peer was late. Each rank prints one JSON line: th
 (the back-to-back figure), median, p90, p99 and longest call in µs; the share of calls born
 done and the mean of each kind; its CPU time per call; its context switches; the garbage
 collector's passes per generation during the loop; and, by duration bucket, the share of
-the calls and the share of the time. Profile the ranks meanwhile with ``py-spy record --pid
+the calls and the share of the time. The parent prints them as a table and writes it to a
+temporary folder, or with ``--write`` to ``bench/results/tail.md`` (``--out``: another path).
+Profile the ranks meanwhile with ``py-spy record --pid
 PID --nonblocking`` to see where the wall time goes.
 """
 
@@ -27,7 +29,10 @@ import os
 import resource
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -78,8 +83,46 @@ async def rank_main(calls: int) -> None:
             round(float(inside.mean()), 4),
             round(float(d[inside].sum() / d.sum()), 3),
         ]
-    print(json.dumps(out, ensure_ascii=False), flush=True)
+    print(json.dumps(out), flush=True)
     await aiodist.destroy_process_group()
+
+
+#: Columns of the results table: (heading, key in a rank's report, format).
+COLUMNS = (
+    ("rank", "rank", "{}"),
+    ("back to back µs", "mean", "{:.1f}"),
+    ("median", "median", "{:.1f}"),
+    ("p90", "p90", "{:.1f}"),
+    ("p99", "p99", "{:.1f}"),
+    ("longest", "max", "{:.0f}"),
+    ("born done", "born_done", "{:.1%}"),
+    ("µs born done", "mean_born_done", "{:.1f}"),
+    ("µs handed over", "mean_handed_over", "{:.1f}"),
+    ("CPU µs", "cpu_us", "{:.1f}"),
+    ("involuntary switches", "involuntary_switches", "{}"),
+    ("collector passes", "gc_passes", "{}"),
+)
+
+
+def table(reports: list[dict[str, Any]]) -> list[str]:
+    """The ranks' reports as Markdown: one row a rank, then the calls and time by duration."""
+    lines = [
+        "| " + " | ".join(h for h, _, _ in COLUMNS) + " |",
+        "| " + " | ".join("---:" for _ in COLUMNS) + " |",
+    ]
+    for r in reports:
+        cells = [("-" if r[k] is None else f.format(r[k])) for _, k, f in COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    buckets = [k for k in reports[0] if k.startswith("calls, time in")]
+    lines += [
+        "",
+        "| rank | " + " | ".join(b.removeprefix("calls, time in ") for b in buckets) + " |",
+    ]
+    lines.append("| ---: | " + " | ".join("---:" for _ in buckets) + " |")
+    for r in reports:
+        cells = [f"{r[b][0]:.1%} of calls, {r[b][1]:.1%} of time" for b in buckets]
+        lines.append(f"| {r['rank']} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def main() -> None:
@@ -87,6 +130,8 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--calls", type=int, default=30000)
     parser.add_argument("--loop", default="auto", choices=("auto", "asyncio"))
+    parser.add_argument("--write", action="store_true", help="write bench/results/tail.md")
+    parser.add_argument("--out", help="the results file (overrides --write's)")
     parser.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank:
@@ -102,8 +147,41 @@ def main() -> None:
         MASTER_PORT=str(29500 + os.getpid() % 1000),
     )
     command = [sys.executable, __file__, "--rank", "--calls", str(args.calls), "--loop", args.loop]
-    procs = [subprocess.Popen(command, env=dict(env, RANK=str(r))) for r in range(args.ranks)]
-    sys.exit(max(p.wait() for p in procs))
+    procs = [
+        subprocess.Popen(command, env=dict(env, RANK=str(r)), stdout=subprocess.PIPE, text=True)
+        for r in range(args.ranks)
+    ]
+    outputs = [p.communicate()[0] for p in procs]
+    if any(p.returncode for p in procs):
+        sys.exit("a rank failed (see above)")
+    reports = sorted(
+        (json.loads(o.strip().splitlines()[-1]) for o in outputs), key=lambda r: r["rank"]
+    )
+    load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    lines = [
+        "# The back-to-back tail of small operations (`bench/tail.py`)",
+        "",
+        f"Command: `python bench/tail.py --ranks {args.ranks} --calls {args.calls} --loop "
+        f"{args.loop}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+        f"{os.cpu_count()} CPUs, load average {load} at the end. Every call of a loop of "
+        f"{args.calls} 8-byte all_reduces timed on every rank (µs); *born done*: the call "
+        "ended as it was issued, else a peer was late and it was handed to a task; CPU µs "
+        "and switches per call are the rank's own; collector passes per generation during "
+        "the loop.",
+        "",
+        *table(reports),
+    ]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    # Committed results change only on purpose: without --write they go to a fresh folder.
+    if args.out:
+        out = Path(args.out)
+    elif args.write:
+        out = Path(__file__).resolve().parent / "results" / "tail.md"
+    else:
+        out = Path(tempfile.mkdtemp(prefix="aiodist-bench-")) / "tail.md"
+    out.write_text(text)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -322,6 +322,7 @@ EXPORTS: dict[str, list[str]] = {
         "lost_peer_error",
         "only_this_operation",
         "peer_aborted_error",
+        "peer_gave_up",
         "rejection_text",
     ],
     "aiodist.transport.tcp": ["TCPTransport"],
