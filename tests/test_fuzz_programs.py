@@ -62,6 +62,7 @@ def test_async_program(config: Config) -> None:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # (processes: a second or more a case; .ci/run runs them)
 @pytest.mark.parametrize("config", SYNC_CASES, ids=lambda c: f"seed{c.name}")
 def test_blocking_program_in_processes(config: Config) -> None:
     _check(config)
@@ -73,6 +74,7 @@ def test_async_program_with_a_small_staging_bound(config: Config) -> None:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # (processes: a second or more a case; .ci/run runs them)
 @pytest.mark.parametrize("config", STAGED_SYNC_CASES, ids=lambda c: f"seed{c.name}")
 def test_blocking_program_in_processes_with_a_small_staging_bound(config: Config) -> None:
     _check(config)

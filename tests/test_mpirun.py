@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import zlib
+from pathlib import Path
 
 import pytest
 from cluster_helpers import WORKER, check, clean_env, run_reports
@@ -56,11 +57,14 @@ def test_mpirun_ranks_join_through_env() -> None:
         assert r["exported_master"] == f"127.0.0.1:{r['master_port']}"
 
 
-def test_concurrent_mpirun_jobs_get_their_own_ports() -> None:
-    procs = [
-        subprocess.Popen(open_mpi(2), env=clean_env(), stdout=subprocess.PIPE, text=True)
-        for _ in range(2)
-    ]
+def test_concurrent_mpirun_jobs_get_their_own_ports(tmp_path: Path) -> None:
+    # Each job its own temporary folder: two mpiruns started at once race to create Open
+    # MPI's session folder under the same one ("mkdir ... File exists", orte_init fails).
+    procs = []
+    for job in range(2):
+        (tmp_path / str(job)).mkdir()
+        env = clean_env(TMPDIR=str(tmp_path / str(job)))
+        procs.append(subprocess.Popen(open_mpi(2), env=env, stdout=subprocess.PIPE, text=True))
     outputs = [proc.communicate(timeout=90)[0] for proc in procs]
     assert [proc.returncode for proc in procs] == [0, 0], outputs
     ports = [{json.loads(line)["master_port"] for line in out.splitlines()} for out in outputs]

@@ -99,6 +99,7 @@ async def _reject_many(rank: int, size: int, counts: tuple[int, ...]) -> list[tu
     return seen
 
 
+@pytest.mark.slow  # (a long run, 10-15 s a case: .ci/run runs it after the test command)
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
 async def test_ten_thousand_rejected_calls_leave_memory_and_store_keys_flat(
     transport: str,
