@@ -207,6 +207,14 @@ async def test_the_starter_reports_each_workers_exit_status() -> None:
         await starter.close()
 
 
+async def children_left(starter: Starter, within: float = 10) -> list[int]:
+    """The starter's children once none is left, or those left after ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while children(starter._proc.pid) and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    return children(starter._proc.pid)
+
+
 @pytest.mark.both_loops
 async def test_a_worker_whose_start_was_cancelled_is_ended_and_reaped() -> None:
     env = clean_env(RANK="0", AIODIST_RESTART_COUNT="0")
@@ -218,10 +226,7 @@ async def test_a_worker_whose_start_was_cancelled_is_ended_and_reaped() -> None:
         spawn.cancel()
         with pytest.raises(asyncio.CancelledError):
             await spawn
-        deadline = time.monotonic() + 10
-        while children(starter._proc.pid) and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-        assert children(starter._proc.pid) == []
+        assert await children_left(starter) == []
     finally:
         await starter.close()
 
@@ -253,10 +258,7 @@ async def test_a_worker_started_before_its_spawn_was_cancelled_is_ended_and_reap
         spawn.cancel()
         with pytest.raises(asyncio.CancelledError):
             await spawn
-        deadline = time.monotonic() + 10
-        while children(starter._proc.pid) and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-        assert children(starter._proc.pid) == []
+        assert await children_left(starter) == []
         assert starter._running == {}
     finally:
         await starter.close()
