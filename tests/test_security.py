@@ -100,8 +100,10 @@ async def close_all(ts: list[TCPTransport]) -> None:
 
 
 async def eof_or_reset(reader: asyncio.StreamReader) -> bytes:
-    """Read until the peer closes; a reset (unread bytes on its side) counts as closed."""
-    with contextlib.suppress(ConnectionResetError):
+    """Read until the peer closes; a reset (unread bytes on its side) counts as closed, and so
+    does a broken pipe (our own unsent bytes met the closed socket first: the transport reports
+    that error to the reader)."""
+    with contextlib.suppress(ConnectionResetError, BrokenPipeError):
         return await asyncio.wait_for(reader.read(), 5)
     return b""
 
