@@ -11,6 +11,7 @@ import asyncio
 import fcntl
 import json
 import os
+import select
 import signal
 import struct
 import subprocess
@@ -215,6 +216,27 @@ async def children_left(starter: Starter, within: float = 10) -> list[int]:
     return children(starter._proc.pid)
 
 
+def wait_until_printed(stdout: asyncio.StreamReader) -> None:
+    """Without letting the loop turn (a spawn would resume), wait until the worker's "ready"
+    is in its pipe or was read from it already."""
+    pipe = stdout._transport.get_extra_info("pipe").fileno()  # type: ignore[attr-defined]
+
+    def printed() -> int:
+        return readable_bytes(pipe) + len(stdout._buffer)  # type: ignore[attr-defined]
+
+    deadline = time.monotonic() + 10
+    while printed() < len(b"ready\n") and time.monotonic() < deadline:  # (two writes)
+        time.sleep(0.01)  # noqa: ASYNC251 (the loop must not turn)
+    assert printed() == len(b"ready\n")
+
+
+async def all_starts_answered(starter: Starter, env: dict[str, str]) -> None:
+    """Start a worker that ends at once and wait for its end: the starter answers starts in
+    order, so every earlier one has been answered, and the answer handled, by then."""
+    worker = await starter.spawn([sys.executable, "-u", WORKER, "report"], env)
+    assert await worker.wait() == 0
+
+
 @pytest.mark.both_loops
 async def test_a_worker_whose_start_was_cancelled_is_ended_and_reaped() -> None:
     env = clean_env(RANK="0", AIODIST_RESTART_COUNT="0")
@@ -226,7 +248,33 @@ async def test_a_worker_whose_start_was_cancelled_is_ended_and_reaped() -> None:
         spawn.cancel()
         with pytest.raises(asyncio.CancelledError):
             await spawn
+        # The starter may not have forked the worker yet: none left now proves nothing.
+        await all_starts_answered(starter, env)
         assert await children_left(starter) == []
+    finally:
+        await starter.close()
+
+
+@pytest.mark.both_loops
+async def test_a_start_answered_after_its_spawn_was_cancelled_but_before_it_resumed() -> None:
+    # The order uvloop may take: the spawn is cancelled (its wake-up is scheduled), then the
+    # starter's answer is read before the spawn resumes. The test reads it at that point itself.
+    env = clean_env(RANK="0", AIODIST_RESTART_COUNT="0")
+    starter = await Starter.open([], env)
+    try:
+        spawn = asyncio.create_task(starter.spawn([sys.executable, "-u", WORKER, "ready"], env))
+        while not starter._starting:  # sent now; its answer cannot have been read yet
+            await asyncio.sleep(0)
+        [(_, stdout, _)] = starter._starting.values()
+        wait_until_printed(stdout)  # then closing its pipes does not end it
+        answered, _, _ = select.select([starter._sock], [], [], 10)
+        assert answered
+        spawn.cancel()
+        starter._receive()
+        with pytest.raises(asyncio.CancelledError):
+            await spawn
+        assert await children_left(starter) == []
+        assert starter._running == {}
     finally:
         await starter.close()
 
@@ -243,17 +291,7 @@ async def test_a_worker_started_before_its_spawn_was_cancelled_is_ended_and_reap
         while not any(started.done() for started, _, _ in starter._starting.values()):
             await asyncio.sleep(0)
         [(_, stdout, _)] = starter._starting.values()
-        # Without yielding to the loop (spawn would resume), wait until "ready" is in the pipe
-        # or was read from it already.
-        pipe = stdout._transport.get_extra_info("pipe").fileno()  # type: ignore[attr-defined]
-
-        def printed() -> int:
-            return readable_bytes(pipe) + len(stdout._buffer)  # type: ignore[attr-defined]
-
-        deadline = time.monotonic() + 10
-        while not printed() and time.monotonic() < deadline:
-            time.sleep(0.01)  # noqa: ASYNC251 (the loop must not turn)
-        assert printed() == len(b"ready\n")
+        wait_until_printed(stdout)
         assert not spawn.done()
         spawn.cancel()
         with pytest.raises(asyncio.CancelledError):

@@ -182,7 +182,10 @@ def main() -> None:
         _send(sock, {"error": traceback.format_exc()})
         raise SystemExit(1) from None
     _send(sock, {"ready": True})
-    request = _serve(sock)
+    try:
+        request = _serve(sock)
+    except (BrokenPipeError, ConnectionResetError):
+        request = None  # the launcher closed its end before reading all we sent
     if request is None:
         return
     try:
@@ -359,16 +362,18 @@ class Starter:
         message = json.loads(data)
         if "started" in message:
             pid = message["pid"]
-            if message["started"] not in self._starting:
-                # Its spawn was cancelled: nobody will watch this worker, so end it (the id
-                # is its until its exit is read below and reaped).
+            starting = self._starting.get(message["started"])
+            # Its spawn was cancelled, and has ended (gone from _starting) or not resumed yet
+            # (uvloop runs this callback before a task's wake-up scheduled earlier): nobody
+            # will watch this worker, so end it (the id is its until its exit is read below
+            # and reaped).
+            if starting is None or starting[0].done():
                 os.kill(pid, signal.SIGKILL)
                 return
-            future, stdout, stderr = self._starting[message["started"]]
+            future, stdout, stderr = starting
             # Known before the worker's exit can be read: that message comes after this one.
-            proc = self._running[pid] = ForkedProcess(pid, stdout, stderr)
-            if not future.done():
-                future.set_result(proc)
+            self._running[pid] = ForkedProcess(pid, stdout, stderr)
+            future.set_result(self._running[pid])
         elif "failed" in message:
             if message["failed"] not in self._starting:
                 return
