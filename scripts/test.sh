@@ -29,24 +29,42 @@ if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/nu
     apt-get install -y -qq --no-install-recommends $(printf '%s\n' "${missing[@]}" | sort -u)) >/dev/null
 fi
 
-.venv/bin/ruff check .
-.venv/bin/ruff format --check .
-.venv/bin/mypy aiodist
+# The static checks, the package and the documentation site are independent: they run side by
+# side (each is one process), each one's output shown if it fails.
+checks=$(mktemp -d)
+check() {
+  local name=$1
+  shift
+  ("$@") >"$checks/$name" 2>&1 || {
+    echo "== $name failed:" >&2
+    cat "$checks/$name" >&2
+    return 1
+  }
+}
 # The package as users get it: a wheel and an sdist that twine accepts, the sdist free of
 # the virtualenv and of caches.
-dist=$(mktemp -d)
-.venv/bin/python -m build --outdir "$dist" . >"$dist/build.log" 2>&1 || {
-  cat "$dist/build.log" >&2
-  exit 1
+package() {
+  local dist=$checks/dist
+  .venv/bin/python -m build --outdir "$dist" . &&
+    .venv/bin/twine check --strict "$dist"/*.whl "$dist"/*.tar.gz || return 1
+  if tar tzf "$dist"/*.tar.gz | grep -E '/(\.venv[0-9]*|__pycache__|\.[a-z_]*cache|\.hypothesis|_build)/'; then
+    echo "the sdist holds the files above, which it must not"
+    return 1
+  fi
 }
-.venv/bin/twine check --strict "$dist"/*.whl "$dist"/*.tar.gz
-if tar tzf "$dist"/*.tar.gz | grep -E '/(\.venv[0-9]*|__pycache__|\.[a-z_]*cache|\.hypothesis|_build)/'; then
-  echo "the sdist holds the files above, which it must not" >&2
-  exit 1
-fi
-rm -rf "$dist"
+pids=()
+check ruff sh -c '.venv/bin/ruff check . && .venv/bin/ruff format --check .' & pids+=($!)
+check mypy .venv/bin/mypy aiodist & pids+=($!)
+check package package & pids+=($!)
 # The documentation site, every Sphinx warning an error (tests/test_docs.py reuses the build).
-.venv/bin/python -m sphinx -n -W --keep-going -q -b html docs docs/_build/html
+check docs .venv/bin/python -m sphinx -n -W --keep-going -q -b html docs docs/_build/html &
+pids+=($!)
+failed=0
+for pid in "${pids[@]}"; do
+  wait "$pid" || failed=1
+done
+rm -rf "$checks"
+[ "$failed" = 0 ] || exit 1
 
 # The suite takes a few minutes; the outer limit turns a hang that no per-test timeout
 # could interrupt into a failure instead of a stalled run.
