@@ -11,7 +11,10 @@ problems, the program and the command that replays it (``bench/fuzz.py``).
 The staged cases run with a staging bound of 64 bytes, or 0 (no staging at all), on every
 rank: most messages are then announced and their payloads wait for their receives (over
 shared memory copied from the sender's memory), with receives posted late, works whose
-waits are cancelled, and rejections that withdraw or refuse announced messages.
+waits are cancelled, and rejections that withdraw or refuse announced messages. The
+credited cases keep the default bound over shared memory but offer every payload (the
+eager limit 0): each is copied from its sender's memory at once, into its receive or into
+a staging buffer.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import itertools
 import program_fuzz
 import pytest
 from program_fuzz import Config
+
+from aiodist.transport import _shm_link
 
 #: Every world size, transport and loop four times through the async API (seeds 1-48, a
 #: few hundredths of a second each) and once through the blocking API (seeds 101-112, a
@@ -40,6 +45,11 @@ SYNC_CASES = [
 STAGED_ASYNC_CASES = [
     Config(201 + i, ranks, transport, "async", loop, staging)
     for i, ((ranks, transport, loop), staging) in enumerate(itertools.product(_COMBOS * 2, (64, 0)))
+]
+#: Each world size and loop twice over shared memory, every payload credited (seeds 401-412).
+CREDITED_CASES = [
+    Config(401 + i, ranks, "shm", "async", loop)
+    for i, (ranks, loop) in enumerate(itertools.product((2, 3, 4), program_fuzz.LOOPS * 2))
 ]
 STAGED_SYNC_CASES = [
     Config(301, 2, "shm", "sync", "asyncio", 64),
@@ -77,4 +87,12 @@ def test_async_program_with_a_small_staging_bound(config: Config) -> None:
 @pytest.mark.slow  # (processes: a second or more a case; .ci/run runs them)
 @pytest.mark.parametrize("config", STAGED_SYNC_CASES, ids=lambda c: f"seed{c.name}")
 def test_blocking_program_in_processes_with_a_small_staging_bound(config: Config) -> None:
+    _check(config)
+
+
+@pytest.mark.parametrize("config", CREDITED_CASES, ids=lambda c: f"seed{c.name}")
+def test_async_program_with_every_payload_credited(
+    config: Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_shm_link, "OFFERED_ABOVE", 0)
     _check(config)

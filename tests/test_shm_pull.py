@@ -18,6 +18,7 @@ import aiodist
 from aiodist.testing import run_world_processes
 from aiodist.transport import _shm_link, _shm_pull
 from aiodist.transport._flow import PeerFlow
+from aiodist.transport._frames import MAX_MESSAGE
 from aiodist.transport.shm import ShmTransport
 
 pytestmark = pytest.mark.skipif(not _shm_pull.AVAILABLE, reason="needs process_vm_readv")
@@ -85,6 +86,101 @@ async def test_a_peer_whose_memory_cannot_be_read_sends_through_the_ring(
     await exchange(t0, t1, 5)
     # Asked once: the link then clears the peer's messages as without an offer.
     assert len(refusals) == 1 and t1.pulled_bytes == 0
+
+
+#: A payload the credit covers that is offered all the same (above the eager limit).
+CREDITED = _shm_link.OFFERED_ABOVE * 3 + 4321
+
+
+async def test_a_payload_above_the_eager_limit_within_the_credit_is_copied_once() -> None:
+    # Into its receive when one is posted; else into a staging buffer at once, so the send
+    # completes before any receive, as an eager send does; at the limit, eagerly.
+    async with shm_transports(2) as (t0, t1):
+        sent, out = data(CREDITED, 20), np.zeros(CREDITED, np.uint8)
+        recv = t1.recv_into(0, T, memoryview(out))
+        await asyncio.wait_for(asyncio.gather(t0.send(1, T, memoryview(sent)), recv), 10)
+        assert np.array_equal(out, sent) and t1.pulled_bytes == CREDITED
+
+        sent, out = data(CREDITED, 21), np.zeros(CREDITED, np.uint8)
+        await asyncio.wait_for(t0.send(1, T, memoryview(sent)), 10)
+        expected = sent.copy()
+        sent[:] = 0  # the caller may reuse its memory once the send completed
+        assert t1.mailbox.num_staged() == 1
+        await asyncio.wait_for(t1.recv_into(0, T, memoryview(out)), 10)
+        assert np.array_equal(out, expected) and t1.pulled_bytes == 2 * CREDITED
+
+        at = _shm_link.OFFERED_ABOVE
+        sent, out = data(at, 22), np.zeros(at, np.uint8)
+        await asyncio.wait_for(t0.send(1, T, memoryview(sent)), 10)
+        await asyncio.wait_for(t1.recv_into(0, T, memoryview(out)), 10)
+        assert np.array_equal(out, sent) and t1.pulled_bytes == 2 * CREDITED
+        # Nothing is staged or held: the sender's credit and what the receiver has yet to
+        # give back (in batches) make up the whole bound.
+        await asyncio.sleep(0.05)
+        sender, receiver = t0._by_peer[1].flow, t1._by_peer[0].flow
+        assert t1.mailbox.num_staged() == 0 and receiver._staged == 0
+        assert sender.credit + receiver._received - receiver._returned == receiver.limit
+
+
+async def test_a_staged_credited_payload_goes_to_a_receive_posted_while_it_is_copied() -> None:
+    async with shm_transports(2) as (t0, t1):
+        sent, out = data(CREDITED, 23), np.zeros(CREDITED, np.uint8)
+        send = t0.send(1, T, memoryview(sent))
+        while not t1.mailbox.num_staged():  # announced, staged, its copy asked for
+            await asyncio.sleep(0)
+        recv = t1.recv_into(0, T, memoryview(out))
+        await asyncio.wait_for(asyncio.gather(send, recv), 10)
+        assert np.array_equal(out, sent) and t1.pulled_bytes == CREDITED
+
+
+async def test_a_cancelled_credited_send_fails_the_receive_that_takes_it_later(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Cancelled between the copy into staging and the sender's word: the copy may hold
+    # bytes the caller wrote afterwards, so it is never delivered; the next message is.
+    async with shm_transports(2) as (t0, t1):
+        sent = data(CREDITED, 24)
+        send = t0.send(1, T, memoryview(sent))
+        took = PeerFlow.took
+
+        def cancel_first(flow: PeerFlow, ticket: int, *, wanted: bool = True) -> None:
+            send.cancel()
+            sent[:] = 0
+            took(flow, ticket, wanted=wanted)
+
+        monkeypatch.setattr(PeerFlow, "took", cancel_first)
+        with pytest.raises(asyncio.CancelledError):
+            await send
+        monkeypatch.undo()
+        after = data(100, 25)
+        await asyncio.wait_for(t0.send(1, T, memoryview(after)), 10)
+        out = np.zeros(CREDITED, np.uint8)
+        with pytest.raises(
+            aiodist.DistUsageError,
+            match=r"rank 0 withdrew its message tagged \(5, 1, 0\): its send was cancelled",
+        ):
+            await asyncio.wait_for(t1.recv_into(0, T, memoryview(out)), 10)
+        assert not out.any()
+        small = np.zeros(100, np.uint8)
+        await asyncio.wait_for(t1.recv_into(0, T, memoryview(small)), 10)
+        assert np.array_equal(small, after)
+        assert t1.mailbox.num_staged() == 0
+
+
+async def test_a_peer_that_cannot_read_gets_payloads_within_the_credit_eagerly_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def refused(pid: int, address: int, dest: int, nbytes: int) -> None:
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(_shm_link, "read_memory", refused)
+    async with shm_transports(2) as (t0, t1):
+        for seed in (26, 27):  # offered, refused and sent through the ring; then eagerly
+            sent, out = data(CREDITED, seed), np.zeros(CREDITED, np.uint8)
+            await asyncio.wait_for(t0.send(1, T, memoryview(sent)), 10)
+            await asyncio.wait_for(t1.recv_into(0, T, memoryview(out)), 10)
+            assert np.array_equal(out, sent) and t1.pulled_bytes == 0
+        assert t0._by_peer[1].flow.eager_limit == MAX_MESSAGE
 
 
 async def test_an_offer_that_cannot_be_read_once_comes_through_the_ring(

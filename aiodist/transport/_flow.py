@@ -33,6 +33,14 @@ unchanged until then (it withdraws the message instead if its send ended first: 
 while the caller may have been writing the memory is never delivered). A read the kernel
 refuses clears the message instead, as without an offer.
 
+Over shared memory a payload larger than the link's *eager limit* (``PeerFlow.eager_limit``)
+is offered even when the credit covers it: through the ring it would take two copies. It
+is announced as *credited* (the sender takes the credit as for an eager message), and the
+receiver asks for it at once, copying it into the receive that took it or, if none did yet,
+into a staging buffer, as it stages an eager message: such a send still completes without
+waiting for its receive. A peer that clears an offer instead of copying it cannot read this
+rank's memory: the limit is lifted, and such payloads go eagerly again.
+
 A rendezvous that cannot complete is released, never left waiting. The receiver *refuses*
 an announced message that a receive took without its payload (the sizes differ, the
 operation's fingerprints differ, or the operation was rejected): the send fails with
@@ -60,10 +68,12 @@ from ..errors import DistUsageError
 from ._failures import fail_future, given_up_by_peer
 from ._frames import (
     CREDIT,
+    CREDITED,
     CTS,
     EAGER,
     FREE,
     HEADER,
+    MAX_MESSAGE,
     OFFER,
     PAYLOAD,
     PIECE,
@@ -165,6 +175,7 @@ class PeerFlow:
         "_waiting",
         "_write",
         "credit",
+        "eager_limit",
         "limit",
         "offering",
         "peer",
@@ -191,6 +202,9 @@ class PeerFlow:
         self._batch = max(1, min(limit // 4, CREDIT_BATCH))
         #: Whether this rank offers the payloads it announces (the peer may read them).
         self.offering = False
+        #: The largest payload sent eagerly; a larger one within the credit is announced
+        #: as credited instead (see the module).
+        self.eager_limit = MAX_MESSAGE
         #: The link that copies offered payloads itself (``None``: they are cleared).
         self.reader: Reader | None = None
         # Receiving: the addresses offered for announced messages not cleared yet, and the
@@ -230,19 +244,24 @@ class PeerFlow:
         """
         if cleared or not nbytes:
             return HEADER.pack(tag[0], tag[1], tag[2], FREE | nbytes, fp)
-        if nbytes > self.credit:
+        if nbytes > self.credit or nbytes > self.eager_limit:
             return None
         header = HEADER.pack(tag[0], tag[1], tag[2], EAGER | nbytes, fp)
         self.credit -= nbytes
         return header
 
     def announce(self, tag: Tag, data: memoryview, fp: bytes, fut: asyncio.Future[None]) -> None:
-        """Announce ``data`` tagged ``tag``: its payload goes once the peer clears it.
+        """Announce ``data`` tagged ``tag``: its payload goes once the peer clears it, at
+        once if the credit covers it (credited: the peer may stage it).
 
         Packing the header checks the tag, before anything else happens (see
         :meth:`header`).
         """
-        header = HEADER.pack(tag[0], tag[1], tag[2], RTS | len(data), fp)
+        n = len(data)
+        credited = n <= self.credit  # (then only the eager limit kept it from going eagerly)
+        header = HEADER.pack(tag[0], tag[1], tag[2], (CREDITED if credited else RTS) | n, fp)
+        if credited:
+            self.credit -= n
         ticket = self._next_ticket
         self._next_ticket += 1
         self._waiting[ticket] = (data, fut)
@@ -263,6 +282,11 @@ class PeerFlow:
             return
         del self._waiting[ticket]
         n = len(data)
+        if self.offering:
+            # An offer the peer cleared instead of copying: it cannot read this rank's
+            # memory (most often the kernel's leave), so announcing what the credit covers
+            # gains nothing: such payloads go eagerly again.
+            self.eager_limit = MAX_MESSAGE
         for start in range(0, n, PIECE):
             piece = data[start : start + PIECE]
             last = start + PIECE >= n  # its future stands for every piece: they go in order

@@ -12,6 +12,8 @@ Below :data:`CONTROL`, ``word`` is a data message: its payload's length (under
 * :data:`FREE`: sent at once outside the credit (empty, or its receive is known to be posted).
 * :data:`RTS` ("ready to send"): announces a message of that length and carries no payload;
   the announcements of one direction of a link are numbered from 0 (their *tickets*).
+* :data:`CREDITED`: announces a message as :data:`RTS` does, one the sender took credit for:
+  the receiver asks for its payload at once, into a staging buffer if no receive took it.
 * :data:`PAYLOAD`: a piece of the payload of the announced message whose ticket ``group``
   holds, once the receiver cleared it: the bytes from offset ``seq`` (``step`` and the
   fingerprint are zero). Pieces are written in order, :data:`PIECE` bytes each but the
@@ -48,6 +50,7 @@ __all__ = [
     "BYE",
     "CONTROL",
     "CREDIT",
+    "CREDITED",
     "CTS",
     "EAGER",
     "FREE",
@@ -79,6 +82,7 @@ EAGER = 0
 FREE = 1 << 56
 RTS = 2 << 56
 PAYLOAD = 3 << 56
+CREDITED = 4 << 56
 BYE = (1 << 64) - 1
 REJECTION = (1 << 64) - 2
 ABORTING = (1 << 64) - 3
@@ -175,6 +179,15 @@ def open_message(
         inbound = mailbox.cleared_payload(peer, group, seq, nbytes)
     elif kind == RTS:
         mailbox.announce(peer, (group, seq, step), nbytes, fp, flow)
+        return None
+    elif kind == CREDITED:
+        if not flow.arrive(nbytes):
+            raise DistProtocolError(
+                f"rank {peer} announced a message of {nbytes} bytes as within its credit, "
+                f"more than this rank lets it send before the receive is posted "
+                f"({flow.limit} bytes staged at most)"
+            )
+        mailbox.announce(peer, (group, seq, step), nbytes, fp, flow, credited=True)
         return None
     else:
         raise DistProtocolError(

@@ -22,6 +22,7 @@ or copies it from the sender's memory (:meth:`Mailbox.cleared_memory`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import struct
 from collections import deque
@@ -189,6 +190,25 @@ def _deliver(out: memoryview, staged: _Staged, fut: asyncio.Future[int], peer: i
             staged.release()
 
     copy_from(0)
+
+
+def _staged_payload_ended(staged: _Staged, fut: asyncio.Future[int]) -> None:
+    """The payload of a credited announcement that was staged (see
+    ``Mailbox._stage_announced``) is in, or never will be: deliver it as
+    :meth:`Inbound.done` does, or put the failure in its place as for an announced message
+    (the receive that takes it fails)."""
+    staged.complete = True
+    exc = fut.exception()  # (never cancelled: the mailbox fails its receives)
+    if exc is None:
+        if staged.claim is not None:
+            _deliver(staged.claim.out, staged, staged.claim.fut, staged.peer)
+        elif staged.queue is None:  # taken by a receive that failed: dropped
+            staged.release()
+        return
+    staged.error = exc
+    if staged.claim is not None:
+        fail_future(staged.claim.fut, exc)
+    staged.release()
 
 
 class _Staged:
@@ -733,13 +753,17 @@ class Mailbox:
             self._inflight.add(inbound)
         return inbound
 
-    def announce(self, peer: int, tag: Tag, nbytes: int, fp: bytes, flow: Flow) -> None:
+    def announce(
+        self, peer: int, tag: Tag, nbytes: int, fp: bytes, flow: Flow, *, credited: bool = False
+    ) -> None:
         """Match the announcement of a message from ``peer`` tagged ``tag`` whose ``nbytes``
         bytes wait for their receive, as :meth:`incoming` matches a message.
 
         ``flow`` numbers the announcement and carries the answer: once a receive takes it
         (now, or when posted), the payload is asked for; a receive that fails on it (its
         length or the fingerprint ``fp`` differ), or a rejected operation, refuses it.
+        A ``credited`` message (its sender took credit for it) that no receive takes now is
+        staged: its payload is asked for at once, into a staging buffer.
         """
         ticket = flow.take_ticket()
         if self._exc is not None:
@@ -757,7 +781,9 @@ class Mailbox:
                 flow.refuse(ticket, str(self._report(tag[0], tag[1], mine, peer, fp)))
                 return
         recv = self._take_posted(peer, tag)
-        if recv is None:
+        if recv is None and credited:
+            self._stage_announced(peer, tag, nbytes, fp, flow, ticket)
+        elif recv is None:
             by_peer = self._staged.setdefault(tag, {})
             queue = by_peer.setdefault(peer, deque())
             queue.append(
@@ -771,6 +797,27 @@ class Mailbox:
             recv.left = nbytes
             self._cleared[peer, ticket] = recv
             flow.clear(ticket)
+
+    def _stage_announced(
+        self, peer: int, tag: Tag, nbytes: int, fp: bytes, flow: Flow, ticket: int
+    ) -> None:
+        # Staged as an eager message still arriving (it holds its sender's credit), whose
+        # payload the flow asks for at once: it fills the staging buffer as it would a
+        # receive's memory, through a receive of the mailbox's own (the payload's pieces,
+        # the copy from the sender's memory, a withdrawal and a lost peer all find it in
+        # _cleared), and the message is complete when that receive is.
+        queue = self._staged.setdefault(tag, {}).setdefault(peer, deque())
+        staged = _Staged(nbytes, peer, self._next_order(), queue, fp)
+        queue.append(staged)
+        staged.lender = flow
+        flow.hold(nbytes)
+        assert staged.buf is not None
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        fut.add_done_callback(functools.partial(_staged_payload_ended, staged))
+        filler = _Recv(fut, staged.buf.data, peer, tag, 0)
+        filler.left = nbytes
+        self._cleared[peer, ticket] = filler
+        flow.clear(ticket)
 
     def cleared_payload(self, peer: int, ticket: int, offset: int, nbytes: int) -> Inbound:
         """Return where the ``nbytes`` bytes at ``offset`` of the payload of ``peer``'s

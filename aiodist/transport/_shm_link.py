@@ -98,6 +98,12 @@ _EMPTY = memoryview(b"")
 CHUNK_BYTES = 256 << 10
 #: Bytes moved (both directions together) per loop turn.
 TURN_BYTES = 1 << 20
+#: A payload larger than this is offered even when the credit covers it (announced as
+#: credited: the receiver copies it from this rank's memory at once, into the receive or a
+#: staging buffer). Through the ring it takes two copies, each read on another CPU than
+#: the one that wrote it, and waits for the receiver to drain a ring it fills; from about
+#: 1 MiB on that costs more than the announcement's round trip.
+OFFERED_ABOVE = 512 << 10
 #: Bytes of an offered payload copied from the peer's memory per loop turn (about a
 #: millisecond: the loop's other work is not held up for long).
 PULL_STEP = 4 << 20
@@ -189,6 +195,7 @@ class ShmLink:
             # Large payloads take one copy, from one process's memory to the other's.
             self.flow.offering = True
             self.flow.reader = self
+            self.flow.eager_limit = OFFERED_ABOVE
         self.proc = proc
         self.peer_seg = peer_seg
         self.cap = cap
