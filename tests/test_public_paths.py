@@ -317,6 +317,8 @@ EXPORTS: dict[str, list[str]] = {
         "Tag",
         "Transport",
         "abort_text",
+        "as_bytes",
+        "check_tag",
         "departure_of",
         "fails_alone",
         "lost_peer_error",

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import struct
 from collections import deque
 from typing import Protocol
 
@@ -40,8 +39,6 @@ __all__ = [
     "Mailbox",
     "MailboxListener",
     "Tag",
-    "as_bytes",
-    "check_tag",
 ]
 
 logger = logging.getLogger(__name__)
@@ -81,46 +78,6 @@ class Flow(Protocol):
 
     def refuse(self, ticket: int, reason: str) -> None:
         """Tell the sender announced message ``ticket`` was taken without its payload."""
-
-
-# Tags travel as three unsigned 64-bit integers on every transport, so every transport
-# accepts exactly the same tags.
-_TAG = struct.Struct("<QQQ")
-
-
-def check_tag(tag: Tag) -> None:
-    """Check that ``tag`` is three integers in ``[0, 2**64)``.
-
-    Raises:
-        DistUsageError: the tag has another shape or a value out of range.
-    """
-    try:
-        _TAG.pack(*tag)
-    except (struct.error, TypeError):
-        raise DistUsageError(
-            f"a tag must be three integers in [0, 2**64) (group id, seq, step), got {tag!r}"
-        ) from None
-
-
-def as_bytes(view: memoryview, *, writable: bool) -> memoryview:
-    """Return ``view`` as a flat byte view of the same memory.
-
-    Raises:
-        DistUsageError: ``view`` is not C-contiguous, or ``writable`` is asked for and the
-            memory is read-only.
-    """
-    if not isinstance(view, memoryview):  # numpy arrays and bytes-likes are welcome too
-        view = memoryview(view)  # type: ignore[unreachable]
-    if writable and view.readonly:
-        raise DistUsageError("the receive buffer is read-only")
-    if view.ndim == 1 and view.format == "B":
-        return view
-    if not view.c_contiguous:
-        raise DistUsageError(
-            f"buffers must be C-contiguous, got a memoryview of shape {view.shape} "
-            f"and strides {view.strides}"
-        )
-    return view.cast("B")
 
 
 def _mismatch(peer: int, tag: Tag, expected: int, received: int) -> DistUsageError:
@@ -193,10 +150,9 @@ def _deliver(out: memoryview, staged: _Staged, fut: asyncio.Future[int], peer: i
 
 
 def _staged_payload_ended(staged: _Staged, fut: asyncio.Future[int]) -> None:
-    """The payload of a credited announcement that was staged (see
-    ``Mailbox._stage_announced``) is in, or never will be: deliver it as
-    :meth:`Inbound.done` does, or put the failure in its place as for an announced message
-    (the receive that takes it fails)."""
+    """A staged credited payload (``Mailbox._stage_announced``) is in, or never will be:
+    deliver it as :meth:`Inbound.done` does, or put the failure in its place in the order
+    as for an announced message (the receive that takes it fails)."""
     staged.complete = True
     exc = fut.exception()  # (never cancelled: the mailbox fails its receives)
     if exc is None:
@@ -588,7 +544,7 @@ class Mailbox:
     def post(self, peer: int | None, tag: Tag, out: memoryview) -> asyncio.Future[int]:
         """Post a receive of the next ``tag`` message from ``peer`` (``None``: any) into ``out``.
 
-        ``out`` must be a flat byte view (see :func:`as_bytes`). The future resolves to the
+        ``out`` must be a flat byte view (see :func:`~aiodist.transport.base.as_bytes`). The future resolves to the
         sender's rank once the bytes are in ``out``.
         """
         loop = self._loop
@@ -801,11 +757,9 @@ class Mailbox:
     def _stage_announced(
         self, peer: int, tag: Tag, nbytes: int, fp: bytes, flow: Flow, ticket: int
     ) -> None:
-        # Staged as an eager message still arriving (it holds its sender's credit), whose
-        # payload the flow asks for at once: it fills the staging buffer as it would a
-        # receive's memory, through a receive of the mailbox's own (the payload's pieces,
-        # the copy from the sender's memory, a withdrawal and a lost peer all find it in
-        # _cleared), and the message is complete when that receive is.
+        # Staged as an eager message still arriving (holding its sender's credit), filled
+        # through a receive of the mailbox's own in _cleared, where the payload's pieces, the
+        # copy, a withdrawal and a lost peer find it; complete when that receive is.
         queue = self._staged.setdefault(tag, {}).setdefault(peer, deque())
         staged = _Staged(nbytes, peer, self._next_order(), queue, fp)
         queue.append(staged)

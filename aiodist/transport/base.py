@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import struct
 from collections.abc import Sequence
 
 from ..errors import DistUsageError
@@ -42,6 +43,8 @@ __all__ = [
     "Tag",
     "Transport",
     "abort_text",
+    "as_bytes",
+    "check_tag",
     "departure_of",
     "fails_alone",
     "lost_peer_error",
@@ -50,6 +53,46 @@ __all__ = [
     "peer_gave_up",
     "rejection_text",
 ]
+
+# Tags travel as three unsigned 64-bit integers on every transport, so every transport
+# accepts exactly the same tags.
+_TAG = struct.Struct("<QQQ")
+
+
+def check_tag(tag: Tag) -> None:
+    """Check that ``tag`` is three integers in ``[0, 2**64)``.
+
+    Raises:
+        DistUsageError: the tag has another shape or a value out of range.
+    """
+    try:
+        _TAG.pack(*tag)
+    except (struct.error, TypeError):
+        raise DistUsageError(
+            f"a tag must be three integers in [0, 2**64) (group id, seq, step), got {tag!r}"
+        ) from None
+
+
+def as_bytes(view: memoryview, *, writable: bool) -> memoryview:
+    """Return ``view`` as a flat byte view of the same memory.
+
+    Raises:
+        DistUsageError: ``view`` is not C-contiguous, or ``writable`` is asked for and the
+            memory is read-only.
+    """
+    if not isinstance(view, memoryview):  # numpy arrays and bytes-likes are welcome too
+        view = memoryview(view)  # type: ignore[unreachable]
+    if writable and view.readonly:
+        raise DistUsageError("the receive buffer is read-only")
+    if view.ndim == 1 and view.format == "B":
+        return view
+    if not view.c_contiguous:
+        raise DistUsageError(
+            f"buffers must be C-contiguous, got a memoryview of shape {view.shape} "
+            f"and strides {view.strides}"
+        )
+    return view.cast("B")
+
 
 #: What the peers of a transport closed without a reason are told: "rank N closed its
 #: transport".

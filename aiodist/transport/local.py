@@ -7,13 +7,14 @@ import logging
 
 from ..errors import DistNetworkError, DistUsageError
 from ._failures import fail_future
-from ._mailbox import as_bytes, check_tag
 from .base import (
     CLOSED_REASON,
     Departure,
     Tag,
     Transport,
     abort_text,
+    as_bytes,
+    check_tag,
     lost_peer_error,
     peer_aborted_error,
 )

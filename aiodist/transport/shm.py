@@ -37,7 +37,7 @@ from . import _shm_setup
 from ._failures import fail_future
 from ._flow import resolve_staging_bytes
 from ._frames import BYE, HEADER, REJECTION, control_frame
-from ._mailbox import Mailbox, as_bytes, check_tag
+from ._mailbox import Mailbox
 from ._shm_link import (
     ABORTED,
     CHUNK_BYTES as CHUNK_BYTES,  # the link's now; still importable from here
@@ -71,6 +71,8 @@ from .base import (
     Tag,
     Transport,
     abort_text,
+    as_bytes,
+    check_tag,
     departure_of,
     lost_peer_error,
     peer_aborted_error,

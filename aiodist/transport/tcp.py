@@ -67,7 +67,7 @@ from ..store._sockets import resolve_peer_timeout
 from ._failures import fail_future
 from ._flow import PeerFlow, resolve_staging_bytes
 from ._frames import ABORTING, BYE, REJECTION, control_frame
-from ._mailbox import Mailbox, as_bytes, check_tag
+from ._mailbox import Mailbox
 from ._tcp_connection import (
     ABORT_LINGER_SECONDS as ABORT_LINGER_SECONDS,  # the connection's now; still importable here
     DONE,
@@ -83,6 +83,8 @@ from .base import (
     Tag,
     Transport,
     abort_text,
+    as_bytes,
+    check_tag,
     departure_of,
     lost_peer_error,
     peer_aborted_error,
