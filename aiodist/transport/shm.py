@@ -40,7 +40,6 @@ from ._frames import BYE, HEADER, REJECTION, control_frame
 from ._mailbox import Mailbox
 from ._shm_link import (
     ABORTED,
-    CHUNK_BYTES as CHUNK_BYTES,  # the link's now; still importable from here
     CLOSED,
     CTRL_BYTES,
     OPEN,
