@@ -8,6 +8,7 @@ drive the launcher's side of the starter (``Starter``) directly.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import json
 import os
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import termios
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -26,7 +28,7 @@ from proc_helpers import track
 
 from aiodist.errors import DistUsageError
 from aiodist.launcher import parse_args
-from aiodist.launcher._preload import Starter
+from aiodist.launcher._preload import ForkedProcess, Starter
 
 pytestmark = pytest.mark.multiprocess
 
@@ -230,6 +232,22 @@ def wait_until_printed(stdout: asyncio.StreamReader) -> None:
     assert printed() == len(b"ready\n")
 
 
+@contextlib.asynccontextmanager
+async def bare_starter() -> AsyncIterator[tuple[Starter, dict[str, str]]]:
+    """A starter that preloads nothing, and the environment of its workers; closed after."""
+    env = clean_env(RANK="0", AIODIST_RESTART_COUNT="0")
+    starter = await Starter.open([], env)
+    try:
+        yield starter, env
+    finally:
+        await starter.close()
+
+
+def spawn_ready(starter: Starter, env: dict[str, str]) -> asyncio.Task[ForkedProcess]:
+    """Start a worker that prints "ready", then sleeps, as a task of its own."""
+    return asyncio.create_task(starter.spawn([sys.executable, "-u", WORKER, "ready"], env))
+
+
 async def all_starts_answered(starter: Starter, env: dict[str, str]) -> None:
     """Start a worker that ends at once and wait for its end: the starter answers starts in
     order, so every earlier one has been answered, and the answer handled, by then."""
@@ -239,10 +257,8 @@ async def all_starts_answered(starter: Starter, env: dict[str, str]) -> None:
 
 @pytest.mark.both_loops
 async def test_a_worker_whose_start_was_cancelled_is_ended_and_reaped() -> None:
-    env = clean_env(RANK="0", AIODIST_RESTART_COUNT="0")
-    starter = await Starter.open([], env)
-    try:
-        spawn = asyncio.create_task(starter.spawn([sys.executable, "-u", WORKER, "ready"], env))
+    async with bare_starter() as (starter, env):
+        spawn = spawn_ready(starter, env)
         while not starter._starting:  # the request is sent once it is registered
             await asyncio.sleep(0)
         spawn.cancel()
@@ -251,18 +267,14 @@ async def test_a_worker_whose_start_was_cancelled_is_ended_and_reaped() -> None:
         # The starter may not have forked the worker yet: none left now proves nothing.
         await all_starts_answered(starter, env)
         assert await children_left(starter) == []
-    finally:
-        await starter.close()
 
 
 @pytest.mark.both_loops
 async def test_a_start_answered_after_its_spawn_was_cancelled_but_before_it_resumed() -> None:
     # The order uvloop may take: the spawn is cancelled (its wake-up is scheduled), then the
     # starter's answer is read before the spawn resumes. The test reads it at that point itself.
-    env = clean_env(RANK="0", AIODIST_RESTART_COUNT="0")
-    starter = await Starter.open([], env)
-    try:
-        spawn = asyncio.create_task(starter.spawn([sys.executable, "-u", WORKER, "ready"], env))
+    async with bare_starter() as (starter, env):
+        spawn = spawn_ready(starter, env)
         while not starter._starting:  # sent now; its answer cannot have been read yet
             await asyncio.sleep(0)
         [(_, stdout, _)] = starter._starting.values()
@@ -275,8 +287,6 @@ async def test_a_start_answered_after_its_spawn_was_cancelled_but_before_it_resu
             await spawn
         assert await children_left(starter) == []
         assert starter._running == {}
-    finally:
-        await starter.close()
 
 
 @pytest.mark.both_loops
@@ -284,10 +294,8 @@ async def test_a_worker_started_before_its_spawn_was_cancelled_is_ended_and_reap
     # The other order: the starter's answer is read (the start succeeded) and the caller is
     # cancelled before its spawn resumes, so spawn never returns the worker to anyone. The
     # worker has printed by then, so closing its pipes does not end it: spawn must.
-    env = clean_env(RANK="0", AIODIST_RESTART_COUNT="0")
-    starter = await Starter.open([], env)
-    try:
-        spawn = asyncio.create_task(starter.spawn([sys.executable, "-u", WORKER, "ready"], env))
+    async with bare_starter() as (starter, env):
+        spawn = spawn_ready(starter, env)
         while not any(started.done() for started, _, _ in starter._starting.values()):
             await asyncio.sleep(0)
         [(_, stdout, _)] = starter._starting.values()
@@ -298,5 +306,3 @@ async def test_a_worker_started_before_its_spawn_was_cancelled_is_ended_and_reap
             await spawn
         assert await children_left(starter) == []
         assert starter._running == {}
-    finally:
-        await starter.close()
